@@ -1,0 +1,86 @@
+# semix front door. `make help` lists every target.
+# Variables: CLASSES (preset or classes .txt), OUT (runs root), RUN, LOSS, METHOD, RUNS,
+# MIXED, REPO, REVISION, PRIVATE, DRY_RUN, SET (extra key=value overrides).
+
+SHELL      := /bin/bash
+PYTHON     ?= python3
+VENV       ?= .venv
+PY         := $(VENV)/bin/python
+STAMP      := $(VENV)/.installed
+CLASSES    ?= digits
+OUT        ?= runs
+
+# Make variables -> config overrides (empty ones vanish).
+SETS := out=$(OUT) \
+	$(if $(RUN),run=$(RUN)) $(if $(LOSS),loss=$(LOSS)) $(if $(METHOD),method=$(METHOD)) \
+	$(if $(RUNS),runs=$(RUNS)) $(if $(MIXED),mixed=$(MIXED)) $(if $(REPO),repo=$(REPO)) \
+	$(if $(REVISION),revision=$(REVISION)) $(if $(PRIVATE),private=$(PRIVATE)) \
+	$(if $(DRY_RUN),dry_run=$(DRY_RUN)) $(SET)
+SEMIX := $(PY) -m pipeline
+
+.DEFAULT_GOAL := help
+.PHONY: help setup test test-all test-gpu lint format prepare fit-generator generate annotate \
+	train evaluate finetune publish pull demo bench clean
+
+help: ## list every target
+	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
+
+$(STAMP): requirements.txt pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
+	@touch $(STAMP)
+
+setup: $(STAMP) ## create .venv and install the pinned dependencies (other targets do it too)
+
+test: $(STAMP) ## fast CPU test tier (what CI runs)
+	$(PY) -m pytest -q
+
+test-all: $(STAMP) ## every CPU test, slow ones included
+	$(PY) -m pytest -q -m "not gpu"
+
+test-gpu: $(STAMP) ## tests that need a CUDA GPU
+	$(PY) -m pytest -q -m gpu
+
+lint: $(STAMP) ## ruff check + format check
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+format: $(STAMP) ## ruff fix + format
+	$(VENV)/bin/ruff check --fix . && $(VENV)/bin/ruff format .
+
+prepare: $(STAMP) ## real dataset -> $(OUT)/<classes>/real/
+	$(SEMIX) prepare --preset $(CLASSES) --set $(SETS)
+
+fit-generator: $(STAMP) ## train the in-house class-conditional UNet -> generator/
+	$(SEMIX) fit-generator --preset $(CLASSES) --set $(SETS)
+
+generate: $(STAMP) ## the whole generation chain (default: digits, offline) -> mixed/
+	$(SEMIX) chain --preset $(CLASSES) --set $(SETS)
+
+annotate: $(STAMP) ## soft labels for series/ -> mixed/
+	$(SEMIX) annotate --preset $(CLASSES) --set $(SETS)
+
+train: $(STAMP) ## train a classifier (RUN=name LOSS=ce|ls|focal|...|csm) -> train/<run>/
+	$(SEMIX) train --preset $(CLASSES) --set $(SETS)
+
+evaluate: $(STAMP) ## metrics, reliability diagram, report.md (RUN=name or RUNS=a,b,c)
+	$(SEMIX) evaluate --preset $(CLASSES) --set $(SETS)
+
+finetune: $(STAMP) ## MaC-Cal or FeDLaS on a trained run (RUN=name METHOD=maccal|fedlas-ls|fedlas-mbls)
+	$(SEMIX) finetune --preset $(CLASSES) --set $(SETS)
+
+publish: $(STAMP) ## upload mixed/ to the Hub (REPO=user/name [PRIVATE=1] [DRY_RUN=1])
+	$(SEMIX) publish --preset $(CLASSES) --set $(SETS)
+
+pull: $(STAMP) ## download a published dataset (REPO=user/name [REVISION=...])
+	$(SEMIX) pull --preset $(CLASSES) --set $(SETS)
+
+demo: $(STAMP) ## digits: ce vs csm (3 seeds each) and calibration fine-tuning, report.md
+	$(SEMIX) demo --preset $(CLASSES) --set $(SETS)
+
+bench: $(STAMP) ## benchmarks -> bench/RESULTS.md
+	$(PY) -m bench
+
+clean: ## remove runs/ (keeps .venv)
+	rm -rf $(OUT)

@@ -1,0 +1,37 @@
+"""Config of the `prepare` stage: a real dataset -> runs/<classes>/real/{train,val,test}/."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.config import StageConfig, check_choice, check_range
+
+SOURCES = ("digits", "cifar10", "cifar100", "tiny-imagenet", "imagefolder")
+
+
+@dataclass(frozen=True)
+class Config(StageConfig):
+    source: str = "digits"
+    data_dir: str = ""  # local archive file / dataset folder; takes precedence over hf_dataset
+    hf_dataset: str = ""  # Hugging Face datasets id or local folder (cifar10/cifar100)
+    image_size: int = 0  # square side in pixels; 0 keeps the native size
+    val_fraction: float = 0.1  # of train, stratified and seeded (METHODS §3: 10 % held out)
+    test_fraction: float = 0.2  # only for datasets without an official test split
+    shard_size: int = 1000  # samples per shard
+
+    def __post_init__(self):
+        check_choice("source", self.source, SOURCES)
+        check_range("val_fraction", self.val_fraction, 0.0, 0.5)
+        check_range("test_fraction", self.test_fraction, 0.0, 0.5)
+        check_range("shard_size", self.shard_size, 1)
+        check_range("image_size", self.image_size, 0)
+
+
+PRESETS = {
+    # digits: 8x8 originals upsampled to 16x16, the size the tiny in-house UNet works at.
+    "digits": dict(source="digits", image_size=16, shard_size=128),
+    "cifar10": dict(source="cifar10", hf_dataset="uoft-cs/cifar10", image_size=32),
+    "cifar100": dict(source="cifar100", hf_dataset="uoft-cs/cifar100", image_size=32),
+    "tiny-imagenet": dict(source="tiny-imagenet", image_size=64),
+    "imagefolder": dict(source="imagefolder", image_size=32),
+}

@@ -1,0 +1,1 @@
+"""Everything semix keeps on disk: sources, shard writer/reader, manifests, the Hub."""

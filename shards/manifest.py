@@ -1,0 +1,124 @@
+"""`manifest.json`: the proof that a shard folder is complete.
+
+A stage writes its manifest *last*, after every shard and completion record is on disk.
+A folder without one is incomplete and no reader accepts it. The manifest records what a
+downstream stage or a Hub user needs to trust the folder: class names, per-shard sample
+counts and sha256, the digest of the upstream manifest(s) it was built from, and the code
+version. It holds no timestamps and no absolute paths, so reruns give the same bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shards.io import atomic_write_json, read_json, sha256_bytes, sha256_file
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class ShardError(ValueError):
+    """A shard folder is missing, incomplete, corrupt or inconsistent."""
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """One complete shard: file name (relative to its folder), samples, checksum, size."""
+
+    name: str
+    count: int
+    sha256: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    kind: str  # "real" | "series" | "mixed"
+    class_names: tuple[str, ...]
+    shards: tuple[ShardRecord, ...]
+    upstream: dict[str, str] = field(default_factory=dict)  # role -> manifest digest
+    code_version: str = ""
+    info: dict[str, Any] = field(default_factory=dict)  # stage-specific facts (image size, ...)
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def num_samples(self) -> int:
+        return sum(s.count for s in self.shards)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["class_names"] = list(self.class_names)
+        d["shards"] = [dataclasses.asdict(s) for s in self.shards]
+        d["num_samples"] = self.num_samples
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Manifest:
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ShardError(
+                f"manifest schema version {version!r} is not supported (expected {SCHEMA_VERSION})"
+            )
+        return cls(
+            kind=d["kind"],
+            class_names=tuple(d["class_names"]),
+            shards=tuple(ShardRecord(**s) for s in d["shards"]),
+            upstream=dict(d.get("upstream", {})),
+            code_version=d.get("code_version", ""),
+            info=dict(d.get("info", {})),
+            schema_version=version,
+        )
+
+
+def write_manifest(folder: Path, manifest: Manifest) -> Path:
+    path = Path(folder) / MANIFEST
+    atomic_write_json(path, manifest.to_dict())
+    return path
+
+
+def read_manifest(folder: Path) -> Manifest:
+    folder = Path(folder)
+    path = folder / MANIFEST
+    if not folder.is_dir():
+        raise ShardError(f"{folder} does not exist: run the stage that writes it first")
+    if not path.is_file():
+        raise ShardError(
+            f"{folder} is incomplete: it has no {MANIFEST} (the stage that writes it did not "
+            "finish; rerun it to complete the folder)"
+        )
+    try:
+        return Manifest.from_dict(read_json(path))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ShardError(f"{path} is not a valid semix manifest: {e}") from e
+
+
+def manifest_digest(folder: Path) -> str:
+    """sha256 of the manifest bytes: how downstream stages pin the exact upstream folder."""
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        read_manifest(folder)  # raises the helpful "incomplete" error
+    return sha256_bytes(path.read_bytes())
+
+
+def verify_shards(folder: Path, manifest: Manifest | None = None) -> Manifest:
+    """Check every shard's size and sha256 against the manifest; raise naming the first bad one."""
+    folder = Path(folder)
+    manifest = manifest or read_manifest(folder)
+    for rec in manifest.shards:
+        path = folder / rec.name
+        if not path.is_file():
+            raise ShardError(f"{path} is listed in the manifest but missing")
+        size = path.stat().st_size
+        if size != rec.bytes:
+            raise ShardError(
+                f"{path}: size {size} != {rec.bytes} in the manifest (truncated or replaced)"
+            )
+        digest = sha256_file(path)
+        if digest != rec.sha256:
+            raise ShardError(
+                f"{path}: sha256 mismatch ({digest[:12]}… != {rec.sha256[:12]}…): the shard is corrupt"
+            )
+    return manifest

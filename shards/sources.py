@@ -1,0 +1,284 @@
+"""Real datasets on local disk (or the Hub) as random-access (image, label) sequences.
+
+Every source yields uint8 HxWx3 RGB arrays and integer labels, plus its class names and
+its official splits ("train", and "test" where the dataset has one). The prepare stage
+derives val (and test, where missing) from train deterministically, then writes shards.
+
+Supported: scikit-learn's bundled digits (offline), CIFAR-10/100 python archives or
+Hugging Face `datasets`, the Tiny-ImageNet folder layout, and any ImageFolder.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import tarfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from shards.manifest import ShardError
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff")
+
+
+@dataclass(frozen=True)
+class SplitSource:
+    """A random-access split: `get(i) -> (uint8 HxWx3, label)`; `describe(i)` names item i."""
+
+    labels: np.ndarray  # int64 [N], known up front so splits can be stratified
+    get: Callable[[int], np.ndarray]
+    describe: Callable[[int], str]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+@dataclass(frozen=True)
+class Source:
+    class_names: tuple[str, ...]
+    splits: dict[str, SplitSource]  # "train" always; "test" when the dataset has one
+
+
+# ---------------------------------------------------------------- digits (offline default)
+
+
+def digits_source(_: str = "") -> Source:
+    """scikit-learn's 1,797 real 8x8 handwritten digits (values 0..16), as grey RGB."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    pixels = np.round(d.images * (255.0 / 16.0)).astype(np.uint8)  # [N, 8, 8]
+    rgb = np.repeat(pixels[..., None], 3, axis=-1)
+    labels = d.target.astype(np.int64)
+    split = SplitSource(labels=labels, get=lambda i: rgb[i], describe=lambda i: f"digits[{i}]")
+    return Source(class_names=tuple(str(k) for k in range(10)), splits={"train": split})
+
+
+# ---------------------------------------------------------------- CIFAR python archives
+
+
+class _ArrayUnpickler(pickle.Unpickler):
+    """The CIFAR archives are pickles of dicts of lists and numpy arrays. Allow exactly the
+    numpy reconstruction globals those need and nothing else, so a tampered archive cannot
+    run code."""
+
+    _ALLOWED = frozenset(
+        {
+            ("numpy.core.multiarray", "_reconstruct"),
+            ("numpy._core.multiarray", "_reconstruct"),
+            ("numpy", "ndarray"),
+            ("numpy", "dtype"),
+            ("_codecs", "encode"),  # how Python 3 pickles bytes at protocol 2
+        }
+    )
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
+
+
+def _load_pickled(data: bytes, where: str) -> dict:
+    try:
+        obj = _ArrayUnpickler(io.BytesIO(data), encoding="bytes").load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as e:
+        raise ShardError(f"{where} is not a valid CIFAR batch: {e}") from e
+    if not isinstance(obj, dict):
+        raise ShardError(f"{where} is not a valid CIFAR batch (not a dict)")
+    return {(k.decode() if isinstance(k, bytes) else k): v for k, v in obj.items()}
+
+
+_CIFAR = {
+    # variant: (archive name, train members, test member, meta member, label key, names key)
+    "cifar10": (
+        "cifar-10-python.tar.gz",
+        [f"data_batch_{i}" for i in range(1, 6)],
+        "test_batch",
+        "batches.meta",
+        "labels",
+        "label_names",
+    ),
+    "cifar100": (
+        "cifar-100-python.tar.gz",
+        ["train"],
+        "test",
+        "meta",
+        "fine_labels",
+        "fine_label_names",
+    ),
+}
+
+
+def cifar_archive_source(variant: str, path: str) -> Source:
+    archive_name, train_members, test_member, meta_member, label_key, names_key = _CIFAR[variant]
+    archive = Path(path)
+    if archive.is_dir():
+        archive = archive / archive_name
+    if not archive.is_file():
+        raise ShardError(
+            f"{variant} archive not found at {archive}; download {archive_name} from "
+            "https://www.cs.toronto.edu/~kriz/cifar.html and pass data_dir=/path/to/it"
+        )
+    try:
+        with tarfile.open(archive, "r:*") as tar:
+            members = {Path(m.name).name: m for m in tar.getmembers() if m.isfile()}
+
+            def read(name: str) -> dict:
+                if name not in members:
+                    raise ShardError(
+                        f"{archive} has no member {name!r}: not an official {archive_name}"
+                    )
+                return _load_pickled(tar.extractfile(members[name]).read(), f"{archive}:{name}")
+
+            meta = read(meta_member)
+            train = [read(m) for m in train_members]
+            test = read(test_member)
+    except (tarfile.TarError, EOFError, OSError) as e:
+        raise ShardError(f"{archive} is corrupt or not a tar archive ({e})") from e
+
+    names = tuple(n.decode() if isinstance(n, bytes) else str(n) for n in meta[names_key])
+
+    def split(batches: list[dict], tag: str) -> SplitSource:
+        data = np.concatenate([np.asarray(b["data"], dtype=np.uint8) for b in batches])
+        if data.ndim != 2 or data.shape[1] != 3072:
+            raise ShardError(f"{archive}: {tag} data has shape {data.shape}, expected [N, 3072]")
+        images = data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)  # CHW planes -> HWC
+        labels = np.concatenate([np.asarray(b[label_key], dtype=np.int64) for b in batches])
+        if len(labels) != len(images) or labels.min() < 0 or labels.max() >= len(names):
+            raise ShardError(f"{archive}: {tag} labels do not match the data or the class list")
+        return SplitSource(
+            labels=labels, get=lambda i: images[i], describe=lambda i: f"{archive.name}:{tag}[{i}]"
+        )
+
+    return Source(
+        class_names=names, splits={"train": split(train, "train"), "test": split([test], "test")}
+    )
+
+
+# ---------------------------------------------------------------- Hugging Face datasets
+
+
+_HF_COLUMNS = {"cifar10": ("img", "label"), "cifar100": ("img", "fine_label")}
+
+
+def hf_source(variant: str, dataset_id: str) -> Source:
+    """A Hub dataset id (needs network) or a local folder `datasets` can load."""
+    import datasets
+
+    image_col, label_col = _HF_COLUMNS.get(variant, ("image", "label"))
+    try:
+        dd = datasets.load_dataset(dataset_id)
+    except (OSError, ConnectionError, ValueError, datasets.exceptions.DatasetNotFoundError) as e:
+        raise ShardError(
+            f"could not load {dataset_id} with Hugging Face datasets ({type(e).__name__}); "
+            "offline? pass data_dir=/path/to/the/python-archive (or hf_dataset=/local/folder)"
+        ) from e
+    train = dd["train"]
+    features = train.features
+    if image_col not in features or label_col not in features:
+        raise ShardError(
+            f"{dataset_id} has columns {list(features)}, expected {image_col!r} and {label_col!r}"
+        )
+    names = tuple(features[label_col].names)
+
+    def split(ds, tag: str) -> SplitSource:
+        labels = np.asarray(ds[label_col], dtype=np.int64)
+        return SplitSource(
+            labels=labels,
+            get=lambda i: np.asarray(ds[i][image_col].convert("RGB"), dtype=np.uint8),
+            describe=lambda i: f"{dataset_id}:{tag}[{i}]",
+        )
+
+    splits = {"train": split(train, "train")}
+    if "test" in dd:
+        splits["test"] = split(dd["test"], "test")
+    return Source(class_names=names, splits=splits)
+
+
+# ---------------------------------------------------------------- image folders
+
+
+def _read_image(path: Path) -> np.ndarray:
+    try:
+        with Image.open(path) as im:
+            return np.asarray(im.convert("RGB"), dtype=np.uint8)
+    except (UnidentifiedImageError, OSError) as e:
+        raise ShardError(f"cannot read image {path}: {e}") from e
+
+
+def _files_split(files: Sequence[Path], labels: Sequence[int]) -> SplitSource:
+    files = list(files)
+    return SplitSource(
+        labels=np.asarray(labels, dtype=np.int64),
+        get=lambda i: _read_image(files[i]),
+        describe=lambda i: str(files[i]),
+    )
+
+
+def _class_folder_split(root: Path, class_names: Sequence[str]) -> SplitSource:
+    files, labels = [], []
+    for k, name in enumerate(class_names):
+        folder = root / name
+        if not folder.is_dir():
+            raise ShardError(f"{root} has no folder for class {name!r}")
+        found = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+        if not found:
+            raise ShardError(f"{folder} holds no images ({', '.join(IMAGE_SUFFIXES)})")
+        files += found
+        labels += [k] * len(found)
+    return _files_split(files, labels)
+
+
+def imagefolder_source(path: str, class_names: Sequence[str] = ()) -> Source:
+    """root/<class>/*.png, or root/{train,test}/<class>/*.png. Class order: the classes file
+    when given, else sorted folder names."""
+    root = Path(path)
+    if not path or not root.is_dir():
+        raise ShardError(f"image folder {path!r} not found; pass data_dir=/path/to/folder")
+    base = root / "train" if (root / "train").is_dir() else root
+    names = tuple(class_names) or tuple(sorted(p.name for p in base.iterdir() if p.is_dir()))
+    if not names:
+        raise ShardError(f"{base} has no class folders")
+    splits = {"train": _class_folder_split(base, names)}
+    if base != root and (root / "test").is_dir():
+        splits["test"] = _class_folder_split(root / "test", names)
+    return Source(class_names=names, splits=splits)
+
+
+def tiny_imagenet_source(path: str) -> Source:
+    """tiny-imagenet-200/: wnids.txt, words.txt, train/<wnid>/images/*.JPEG,
+    val/images/*.JPEG + val/val_annotations.txt. The labelled val set serves as test."""
+    root = Path(path)
+    if not path or not (root / "wnids.txt").is_file():
+        raise ShardError(
+            f"Tiny-ImageNet not found at {path!r}; download tiny-imagenet-200.zip "
+            "(http://cs231n.stanford.edu/tiny-imagenet-200.zip), unzip it and pass data_dir=/path/to/tiny-imagenet-200"
+        )
+    wnids = [w.strip() for w in (root / "wnids.txt").read_text().splitlines() if w.strip()]
+    words = {}
+    if (root / "words.txt").is_file():
+        for line in (root / "words.txt").read_text().splitlines():
+            wnid, _, text = line.partition("\t")
+            words[wnid] = text.split(",")[0].strip()
+    names = tuple(words.get(w, w) for w in wnids)
+    index = {w: k for k, w in enumerate(wnids)}
+    train_files, train_labels = [], []
+    for w in wnids:
+        found = sorted((root / "train" / w / "images").glob("*"))
+        train_files += [p for p in found if p.suffix.lower() in IMAGE_SUFFIXES]
+        train_labels += [index[w]] * (len(train_files) - len(train_labels))
+    splits = {"train": _files_split(train_files, train_labels)}
+    ann = root / "val" / "val_annotations.txt"
+    if ann.is_file():
+        files, labels = [], []
+        for line in ann.read_text().splitlines():
+            parts = line.split("\t")
+            if len(parts) >= 2 and parts[1] in index:
+                files.append(root / "val" / "images" / parts[0])
+                labels.append(index[parts[1]])
+        splits["test"] = _files_split(files, labels)
+    return Source(class_names=names, splits=splits)

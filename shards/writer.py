@@ -1,0 +1,174 @@
+"""Deterministic WebDataset shard writer with per-shard completion records.
+
+Layout of a shard folder (ARCHITECTURE §2)::
+
+    NAME-000000.tar  NAME-000001.tar  ...   WebDataset tar shards
+    .done/NAME-000000.json ...               completion record per shard (written after the shard)
+    manifest.json                            written last by `finish`
+
+Resume rule: a shard counts as done only when its completion record exists and the tar
+still has the recorded size; anything else is rewritten from scratch. Tar members are
+written in sorted order with fixed mtime/owner/mode, and samples are encoded
+canonically (PNG settings fixed, JSON with sorted keys), so the same samples always give
+the same bytes, and an interrupted-then-resumed run equals an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import webdataset as wds
+from PIL import Image
+
+from shards.io import atomic_write_json, canonical_json, read_json, sha256_file, tmp_path_for
+from shards.manifest import Manifest, ShardError, ShardRecord, write_manifest
+
+DONE_DIR = ".done"
+# Sample fields we write; the reader refuses anything else (in particular pickles).
+IMAGE_EXT = "png"
+
+
+def shard_name(prefix: str, index: int) -> str:
+    return f"{prefix}-{index:06d}.tar"
+
+
+def encode_png(image: Any) -> bytes:
+    """uint8 HxWx3 (numpy, torch or PIL) -> PNG bytes, with fixed encoder settings."""
+    if isinstance(image, Image.Image):
+        pil = image.convert("RGB")
+    else:
+        arr = np.asarray(image.cpu() if hasattr(image, "cpu") else image)
+        if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] != 3:
+            raise ValueError(f"images must be uint8 HxWx3, got {arr.dtype} {arr.shape}")
+        pil = Image.fromarray(arr, mode="RGB")
+    buf = io.BytesIO()
+    pil.save(buf, format="PNG", compress_level=6, optimize=False)
+    return buf.getvalue()
+
+
+def encode_sample(sample: Mapping[str, Any]) -> dict[str, Any]:
+    """Our sample dict -> tar members. Fields: __key__, png (image), cls (int), json (dict)."""
+    key = sample["__key__"]
+    if not key or "." in key or "/" in key:
+        raise ValueError(f"sample key {key!r} must be non-empty and contain no dots or slashes")
+    out: dict[str, Any] = {"__key__": key}
+    for field, value in sample.items():
+        if field == "__key__":
+            continue
+        if field == IMAGE_EXT:
+            out[field] = encode_png(value)
+        elif field == "cls":
+            out[field] = str(int(value)).encode("ascii")
+        elif field == "json":
+            out[field] = canonical_json(value, indent=None)
+        else:
+            raise ValueError(f"unsupported sample field {field!r} (allowed: png, cls, json)")
+    return out
+
+
+def write_tar(path: Path, samples: Iterable[Mapping[str, Any]]) -> int:
+    """Write samples to `path` atomically; returns the number of samples."""
+    tmp = tmp_path_for(path)
+    count = 0
+    with open(tmp, "wb") as f:
+        # mtime fixed and owner blank: tar headers carry no trace of when or who wrote them.
+        with wds.TarWriter(f, encoder=False, mtime=0, user="", group="") as tar:
+            for sample in samples:
+                tar.write(encode_sample(sample))
+                count += 1
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return count
+
+
+class ShardFolder:
+    """Write side of one shard folder (one split of real/, or series/, or mixed/)."""
+
+    def __init__(self, folder: Path, prefix: str):
+        self.folder = Path(folder)
+        self.prefix = prefix
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    def path(self, index: int) -> Path:
+        return self.folder / shard_name(self.prefix, index)
+
+    def _record_path(self, index: int) -> Path:
+        return self.folder / DONE_DIR / f"{self.prefix}-{index:06d}.json"
+
+    def done(self, index: int) -> ShardRecord | None:
+        """The completion record of shard `index` if the shard is complete, else None."""
+        rec_path = self._record_path(index)
+        if not rec_path.is_file():
+            return None
+        rec = ShardRecord(**read_json(rec_path))
+        path = self.path(index)
+        if not path.is_file() or path.stat().st_size != rec.bytes:
+            return None
+        return rec
+
+    def write(self, index: int, samples: Iterable[Mapping[str, Any]]) -> ShardRecord:
+        """Write shard `index`, then (only then) its completion record."""
+        path = self.path(index)
+        count = write_tar(path, samples)
+        rec = ShardRecord(
+            name=path.name, count=count, sha256=sha256_file(path), bytes=path.stat().st_size
+        )
+        atomic_write_json(self._record_path(index), rec.__dict__)
+        return rec
+
+    def finish(
+        self,
+        num_shards: int,
+        *,
+        kind: str,
+        class_names: Iterable[str],
+        upstream: Mapping[str, str] | None = None,
+        code_version: str = "",
+        info: Mapping[str, Any] | None = None,
+    ) -> Manifest:
+        """Write manifest.json from the completion records of shards 0..num_shards-1."""
+        records = []
+        for i in range(num_shards):
+            rec = self.done(i)
+            if rec is None:
+                raise ShardError(
+                    f"cannot finish {self.folder}: shard {shard_name(self.prefix, i)} is not complete"
+                )
+            records.append(rec)
+        manifest = Manifest(
+            kind=kind,
+            class_names=tuple(class_names),
+            shards=tuple(records),
+            upstream=dict(upstream or {}),
+            code_version=code_version,
+            info=dict(info or {}),
+        )
+        write_manifest(self.folder, manifest)
+        return manifest
+
+
+def write_config(folder: Path, config: Mapping[str, Any]) -> None:
+    """Write the stage's resolved config first thing; refuse to mix two configs in one folder.
+
+    Resuming is only safe when the rerun asks for exactly the same thing; otherwise the
+    folder would end up holding shards of two different runs.
+    """
+    folder = Path(folder)
+    path = folder / "config.json"
+    new = canonical_json(dict(config))
+    if path.is_file() and path.read_bytes() != new:
+        old = read_json(path)
+        changed = sorted(k for k in set(old) | set(config) if old.get(k) != config.get(k))
+        raise ShardError(
+            f"{folder} holds a run with a different config (differs in: {', '.join(changed)}); "
+            "remove the folder or write to another OUT/name"
+        )
+    if not path.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, dict(config))

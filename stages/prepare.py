@@ -1,0 +1,151 @@
+"""prepare: a real dataset -> runs/<classes>/real/{train,val,test}/ as WebDataset shards.
+
+    python -m pipeline prepare --preset digits
+    python -m pipeline prepare --preset cifar100 --set data_dir=/data/cifar-100-python.tar.gz
+
+Every split folder gets shards, completion records and, last, its manifest. Reruns skip
+complete shards, so a killed run resumes to the same bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from pipeline.config import read_class_names
+from pipeline.configs.prepare import Config
+from pipeline.runtime import code_version, log, make_generator, progress
+from shards.manifest import ShardError
+from shards.sources import (
+    Source,
+    SplitSource,
+    cifar_archive_source,
+    digits_source,
+    hf_source,
+    imagefolder_source,
+    tiny_imagenet_source,
+)
+from shards.writer import ShardFolder, write_config
+
+
+def _cifar(variant: str):
+    def load(cfg: Config) -> Source:
+        if cfg.data_dir:
+            return cifar_archive_source(variant, cfg.data_dir)
+        if cfg.hf_dataset:
+            return hf_source(variant, cfg.hf_dataset)
+        raise ShardError(
+            f"{variant}: set data_dir=/path/to/the/python-archive or hf_dataset=<id or folder>"
+        )
+
+    return load
+
+
+SOURCES = {
+    "digits": lambda cfg: digits_source(),
+    "cifar10": _cifar("cifar10"),
+    "cifar100": _cifar("cifar100"),
+    "tiny-imagenet": lambda cfg: tiny_imagenet_source(cfg.data_dir),
+    "imagefolder": lambda cfg: imagefolder_source(
+        cfg.data_dir, read_class_names(cfg.classes_file) if cfg.classes_file else ()
+    ),
+}
+
+
+def stratified_split(
+    labels: np.ndarray, fraction: float, generator: torch.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """(kept, held_out) index arrays: `fraction` of every class held out, seeded, sorted."""
+    held = []
+    for k in np.unique(labels):
+        idx = np.flatnonzero(labels == k)
+        perm = torch.randperm(len(idx), generator=generator).numpy()
+        # at least one per class when holding out anything, so tiny datasets get a usable val
+        n_held = max(1, round(fraction * len(idx))) if fraction > 0 and len(idx) > 1 else 0
+        held.append(idx[perm[:n_held]])
+    held_out = np.sort(np.concatenate(held)) if held else np.zeros(0, dtype=np.int64)
+    kept = np.setdiff1d(np.arange(len(labels)), held_out)
+    return kept, held_out
+
+
+def plan_splits(source: Source, cfg: Config) -> dict[str, tuple[SplitSource, np.ndarray]]:
+    """split name -> (source split, indices into it). Deterministic given the seed."""
+    train = source.splits["train"]
+    train_idx = np.arange(len(train))
+    if "test" in source.splits:
+        test = (source.splits["test"], np.arange(len(source.splits["test"])))
+    else:
+        keep, held = stratified_split(
+            train.labels, cfg.test_fraction, make_generator(cfg.seed, "test-split")
+        )
+        train_idx, test = keep, (train, held)
+    keep, held = stratified_split(
+        train.labels[train_idx], cfg.val_fraction, make_generator(cfg.seed, "val-split")
+    )
+    return {"train": (train, train_idx[keep]), "val": (train, train_idx[held]), "test": test}
+
+
+def _samples(
+    split: str, src: SplitSource, indices: np.ndarray, size: int, resize: bool, bar
+) -> Iterator[dict]:
+    """Sample dicts for the writer; every image comes out size x size RGB or we stop, naming it."""
+    for i in indices:
+        image = src.get(int(i))
+        if image.ndim != 3 or image.shape[2] != 3:
+            raise ShardError(
+                f"{src.describe(int(i))}: expected an RGB image, got shape {image.shape}"
+            )
+        if image.shape[:2] != (size, size):
+            if not resize:
+                raise ShardError(
+                    f"{src.describe(int(i))} is {image.shape[1]}x{image.shape[0]}, others {size}x{size}: "
+                    "set image_size=N to resize everything"
+                )
+            image = np.asarray(
+                Image.fromarray(image).resize((size, size), Image.Resampling.BICUBIC)
+            )
+        bar.update(1)
+        # key = split + index into the source split: stable, unique, no dots
+        yield {"__key__": f"{split}_{int(i):07d}", "png": image, "cls": int(src.labels[i])}
+
+
+def run(cfg: Config) -> Path:
+    # 1. Load the source (may fail with a one-line message naming what is missing).
+    source = SOURCES[cfg.source](cfg)
+    real = cfg.root / "real"
+    write_config(real, cfg.to_dict())
+    splits = plan_splits(source, cfg)
+    log.info(
+        "prepare %s: %d classes, %s -> %s",
+        cfg.source,
+        len(source.class_names),
+        ", ".join(f"{k} {len(v[1])}" for k, v in splits.items()),
+        real,
+    )
+    # 2. Write every split shard by shard, skipping complete shards (resume).
+    size = cfg.image_size or source.splits["train"].get(0).shape[0]
+    total = sum(len(idx) for _, idx in splits.values())
+    with progress(range(total), total=total, desc="prepare", unit="img") as bar:
+        for name, (src, indices) in splits.items():
+            folder = ShardFolder(real / name, prefix=name)
+            chunks = [
+                indices[i : i + cfg.shard_size] for i in range(0, len(indices), cfg.shard_size)
+            ]
+            for k, chunk in enumerate(chunks):
+                if folder.done(k) is not None:
+                    bar.update(len(chunk))
+                    continue
+                folder.write(k, _samples(name, src, chunk, size, cfg.image_size > 0, bar))
+            # 3. Manifest last: the split is complete only now.
+            folder.finish(
+                len(chunks),
+                kind="real",
+                class_names=source.class_names,
+                code_version=code_version(),
+                info={"split": name, "source": cfg.source, "image_size": size},
+            )
+    return real

@@ -1,0 +1,221 @@
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+
+import numpy as np
+import pytest
+from conftest import subprocess_env
+from PIL import Image
+
+from pipeline.cli import main, run_stage
+from shards.manifest import ShardError, read_manifest
+from shards.reader import load_split
+
+
+def _tree_bytes(root):
+    return {
+        p.relative_to(root).as_posix(): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_digits_splits_are_exact_disjoint_and_stratified(digits_root):
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    splits = {
+        name: load_split(digits_root / "real" / name, verify=True)
+        for name in ("train", "val", "test")
+    }
+    assert {n: len(s) for n, s in splits.items()} == {"train": 1295, "val": 143, "test": 359}
+    indices = {n: [int(k.split("_")[1]) for k in s.keys] for n, s in splits.items()}
+    assert sum(len(set(v)) for v in indices.values()) == len(set().union(*indices.values())) == 1797
+    for name, split in splits.items():
+        assert split.class_names == tuple("0123456789")
+        assert split.images.shape[1:] == (16, 16, 3)
+        for row, i in enumerate(indices[name][:50]):
+            grey = np.round(d.images[i] * 255 / 16).astype(np.uint8)
+            expected = np.asarray(
+                Image.fromarray(np.stack([grey] * 3, -1)).resize((16, 16), Image.Resampling.BICUBIC)
+            )
+            assert np.array_equal(split.images[row].numpy(), expected)
+            assert split.labels[row].item() == d.target[i]
+    val_counts = np.bincount(splits["val"].labels.numpy(), minlength=10)
+    assert val_counts.min() >= 13 and val_counts.max() <= 16  # ~10 % of each class
+
+
+def test_digits_shards_load_in_hf_datasets(digits_root):
+    datasets = pytest.importorskip("datasets")
+    folder = digits_root / "real" / "val"
+    ds = datasets.load_dataset("webdataset", data_files={"val": str(folder / "*.tar")}, split="val")
+    split = load_split(folder)
+    assert len(ds) == len(split)
+    for i in range(0, len(ds), 17):
+        assert np.array_equal(np.asarray(ds[i]["png"].convert("RGB")), split.images[i].numpy())
+        assert ds[i]["cls"] == split.labels[i].item()
+
+
+def _cifar_archive(path, variant="cifar10", n_train=12, n_test=6, seed=0):
+    """A tiny archive in the official python format (pickled dicts, CHW planes)."""
+    rng = np.random.default_rng(seed)
+    names = [b"plane", b"car", b"bird"]
+
+    def batch(n, key):
+        return {
+            b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+            key: [i % 3 for i in range(n)],
+        }
+
+    with tarfile.open(path, "w:gz") as tar:
+
+        def add(name, obj):
+            data = pickle.dumps(obj, protocol=2)
+            info = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
+            info.size = len(data)
+            tar.addfile(info, __import__("io").BytesIO(data))
+
+        if variant == "cifar10":
+            add("batches.meta", {b"label_names": names})
+            for i in range(1, 6):
+                add(f"data_batch_{i}", batch(n_train // 5 + 1, b"labels"))
+            add("test_batch", batch(n_test, b"labels"))
+        else:
+            add("meta", {b"fine_label_names": names})
+            add("train", batch(n_train, b"fine_labels"))
+            add("test", batch(n_test, b"fine_labels"))
+    return path
+
+
+@pytest.mark.parametrize("variant", ["cifar10", "cifar100"])
+def test_cifar_archive(tmp_path, variant):
+    archive = _cifar_archive(tmp_path / "c.tar.gz", variant)
+    real = run_stage("prepare", variant, [f"out={tmp_path}", f"data_dir={archive}", "shard_size=4"])
+    test = load_split(real / "test", verify=True)
+    assert test.class_names == ("plane", "car", "bird") and len(test) == 6
+    with tarfile.open(archive) as tar:
+        member = next(m for m in tar.getmembers() if m.name.endswith(("test_batch", "/test")))
+        raw = pickle.loads(tar.extractfile(member).read(), encoding="bytes")
+    expected = raw[b"data"].reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+    assert np.array_equal(test.images.numpy(), expected)
+    train, val = load_split(real / "train"), load_split(real / "val")
+    assert len(train) + len(val) == (15 if variant == "cifar10" else 12)
+
+
+def test_cifar_missing_and_corrupt_archive(tmp_path, capsys):
+    code = main(
+        [
+            "prepare",
+            "--preset",
+            "cifar10",
+            "--set",
+            f"out={tmp_path}",
+            f"data_dir={tmp_path}/nope.tar.gz",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert (
+        code == 1
+        and "cifar10 archive not found" in err
+        and "data_dir=" in err
+        and err.count("\n") == 1
+    )
+    bad = tmp_path / "bad.tar.gz"
+    bad.write_bytes(b"\x1f\x8b" + b"garbage" * 100)
+    code = main(["prepare", "--preset", "cifar10", "--set", f"out={tmp_path}", f"data_dir={bad}"])
+    assert code == 1 and "bad.tar.gz is corrupt" in capsys.readouterr().err
+    assert not list(tmp_path.rglob("manifest.json"))
+
+
+def test_cifar_archive_with_foreign_pickle_is_refused(tmp_path):
+    archive = tmp_path / "evil.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        data = b"cos\nsystem\n(S'echo pwned'\ntR."
+        for name in ["batches.meta", *[f"data_batch_{i}" for i in range(1, 6)], "test_batch"]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, __import__("io").BytesIO(data))
+    with pytest.raises(
+        ShardError, match="refusing to load os.system|refusing to load posix.system"
+    ):
+        run_stage("prepare", "cifar10", [f"out={tmp_path}", f"data_dir={archive}"])
+
+
+def test_imagefolder_with_classes_file_and_unreadable_image(tmp_path):
+    rng = np.random.default_rng(0)
+    for split, n in [("train", 6), ("test", 2)]:
+        for cls in ["tulip", "rose"]:
+            (tmp_path / "data" / split / cls).mkdir(parents=True)
+            for i in range(n):
+                img = rng.integers(0, 256, (20, 24, 3), dtype=np.uint8)
+                Image.fromarray(img).save(tmp_path / "data" / split / cls / f"{i}.png")
+    classes = tmp_path / "flowers.txt"
+    classes.write_text("rose\ntulip\n")
+    sets = [
+        f"out={tmp_path / 'runs'}",
+        f"data_dir={tmp_path / 'data'}",
+        "image_size=16",
+        "val_fraction=0.5",
+    ]
+    real = run_stage("prepare", str(classes), sets)
+    assert real == tmp_path / "runs" / "flowers" / "real"
+    test = load_split(real / "test")
+    assert test.class_names == ("rose", "tulip") and test.labels.tolist() == [0, 0, 1, 1]
+    assert test.images.shape == (4, 16, 16, 3)
+    assert len(load_split(real / "train")) == len(load_split(real / "val")) == 6
+    (tmp_path / "data" / "train" / "rose" / "3.png").write_bytes(b"not a png")
+    with pytest.raises(ShardError, match=r"cannot read image .*rose/3.png"):
+        run_stage("prepare", str(classes), [*sets, "name=flowers2"])
+    assert not (tmp_path / "runs" / "flowers2" / "real" / "train" / "manifest.json").exists()
+
+
+def _prepare_cmd(out="runs"):
+    return [
+        sys.executable,
+        "-m",
+        "pipeline",
+        "prepare",
+        "--preset",
+        "digits",
+        "--set",
+        f"out={out}",
+        "shard_size=8",
+    ]
+
+
+def test_kill_and_rerun_is_byte_identical(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    env = subprocess_env()
+    subprocess.run(_prepare_cmd(), cwd=tmp_path / "a", env=env, check=True, capture_output=True)
+    # Start the same run, SIGKILL it once a few shards are complete.
+    proc = subprocess.Popen(
+        _prepare_cmd(),
+        cwd=tmp_path / "b",
+        env=env,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    done = tmp_path / "b" / "runs" / "digits" / "real" / "train" / ".done"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not done.is_dir() or len(list(done.iterdir())) < 5):
+        time.sleep(0.005)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    real_b = tmp_path / "b" / "runs" / "digits" / "real"
+    assert not (real_b / "test" / "manifest.json").exists(), "the kill came too late to test resume"
+    with pytest.raises(ShardError, match="incomplete|does not exist"):
+        read_manifest(real_b / "test")  # the reader refuses the half-written result
+    subprocess.run(_prepare_cmd(), cwd=tmp_path / "b", env=env, check=True, capture_output=True)
+    assert _tree_bytes(tmp_path / "a" / "runs") == _tree_bytes(tmp_path / "b" / "runs")
+
+
+def test_rerun_with_other_config_is_refused(digits_root, tmp_path, capsys):
+    shutil.copytree(digits_root, tmp_path / "digits")
+    code = main(["prepare", "--preset", "digits", "--set", f"out={tmp_path}", "shard_size=64"])
+    assert code == 1 and "different config (differs in: out, shard_size)" in capsys.readouterr().err

@@ -1,0 +1,144 @@
+import io
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+
+from shards.manifest import ShardError, manifest_digest, read_manifest, verify_shards
+from shards.reader import iter_folder, load_split, stream
+from shards.writer import ShardFolder, write_config
+
+
+def _samples(n, offset=0, size=8):
+    g = torch.Generator().manual_seed(offset)
+    for i in range(offset, offset + n):
+        img = torch.randint(0, 256, (size, size, 3), generator=g, dtype=torch.uint8)
+        yield {
+            "__key__": f"s_{i:05d}",
+            "png": img,
+            "cls": i % 3,
+            "json": {"i": i, "soft": [0.25, 0.75]},
+        }
+
+
+def _write(folder, counts=(5, 4)):
+    sf = ShardFolder(folder, "part")
+    offset = 0
+    for k, n in enumerate(counts):
+        sf.write(k, _samples(n, offset))
+        offset += n
+    return sf.finish(len(counts), kind="mixed", class_names=["a", "b", "c"], code_version="test")
+
+
+def test_roundtrip_bit_exact(tmp_path):
+    manifest = _write(tmp_path)
+    assert manifest.num_samples == 9 and [s.count for s in manifest.shards] == [5, 4]
+    split = load_split(tmp_path, verify=True)
+    expected = list(_samples(5, 0)) + list(_samples(4, 5))
+    assert torch.equal(split.images, torch.stack([s["png"] for s in expected]))
+    assert split.labels.tolist() == [s["cls"] for s in expected]
+    assert split.keys == [s["__key__"] for s in expected]
+    assert split.meta[3] == {"i": 3, "soft": [0.25, 0.75]}
+    assert split.images.dtype == torch.uint8 and split.images.shape == (9, 8, 8, 3)
+
+
+def test_same_samples_same_bytes(tmp_path):
+    _write(tmp_path / "a")
+    _write(tmp_path / "b")
+    for name in ["part-000000.tar", "part-000001.tar", "manifest.json"]:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    assert manifest_digest(tmp_path / "a") == manifest_digest(tmp_path / "b")
+
+
+def test_tar_headers_are_canonical(tmp_path):
+    _write(tmp_path)
+    with tarfile.open(tmp_path / "part-000000.tar") as tar:
+        members = tar.getmembers()
+    assert [m.name for m in members[:3]] == ["s_00000.cls", "s_00000.json", "s_00000.png"]
+    assert {(m.mtime, m.uid, m.gid, m.uname, m.gname) for m in members} == {(0, 0, 0, "", "")}
+
+
+def test_folder_without_manifest_is_refused(tmp_path):
+    sf = ShardFolder(tmp_path, "part")
+    sf.write(0, _samples(3))
+    with pytest.raises(ShardError, match="incomplete: it has no manifest.json"):
+        load_split(tmp_path)
+    with pytest.raises(ShardError, match="incomplete"):
+        stream(tmp_path)
+
+
+def test_checksum_mismatch_and_truncation_are_caught(tmp_path):
+    _write(tmp_path)
+    shard = tmp_path / "part-000001.tar"
+    data = bytearray(shard.read_bytes())
+    data[700] ^= 0xFF  # same size, different bytes
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ShardError, match="part-000001.tar: sha256 mismatch"):
+        verify_shards(tmp_path)
+    shard.write_bytes(bytes(data[:1500]))
+    with pytest.raises(ShardError, match="part-000001.tar: size 1500"):
+        load_split(tmp_path, verify=True)
+    with pytest.raises(ShardError, match="part-000001.tar"):
+        load_split(tmp_path)  # unverified read still names the damaged shard
+
+
+def test_pickled_member_is_never_decoded(tmp_path):
+    _write(tmp_path, counts=(2,))
+    shard = tmp_path / "part-000000.tar"
+    buf = io.BytesIO()
+    with tarfile.open(shard) as src, tarfile.open(fileobj=buf, mode="w") as dst:
+        for m in src.getmembers():
+            dst.addfile(m, src.extractfile(m))
+        evil = b"cos\nsystem\n(S'echo pwned'\ntR."
+        info = tarfile.TarInfo("s_00001.pyd")
+        info.size = len(evil)
+        dst.addfile(info, io.BytesIO(evil))
+    shard.write_bytes(buf.getvalue())
+    with pytest.raises(ShardError, match="'pyd'.*never decodes"):
+        list(iter_folder(tmp_path))
+
+
+def test_resume_skips_complete_and_redoes_incomplete(tmp_path):
+    sf = ShardFolder(tmp_path, "part")
+    rec0 = sf.write(0, _samples(5))
+    (tmp_path / "part-000001.tar").write_bytes(b"half a shard")  # killed mid-write, no record
+    assert sf.done(0) == rec0 and sf.done(1) is None
+    with pytest.raises(ShardError, match="part-000001.tar is not complete"):
+        sf.finish(2, kind="mixed", class_names=["a"])
+    assert not (tmp_path / "manifest.json").exists()
+
+
+def test_streaming_splits_shards_across_workers(tmp_path):
+    _write(tmp_path, counts=(3, 3, 2, 2))
+    keys = [s["__key__"] for s in stream(tmp_path)]
+    assert sorted(keys) == [f"s_{i:05d}" for i in range(10)]
+    loader = torch.utils.data.DataLoader(stream(tmp_path), batch_size=None, num_workers=2)
+    seen = [s["__key__"] for s in loader]
+    assert sorted(seen) == sorted(keys)  # every sample exactly once over both workers
+    shuffled = [s["__key__"] for s in stream(tmp_path, shuffle_buffer=10, seed=1)]
+    assert sorted(shuffled) == sorted(keys) and shuffled != keys
+    assert shuffled == [s["__key__"] for s in stream(tmp_path, shuffle_buffer=10, seed=1)]
+
+
+def test_datasets_loads_our_shards(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    _write(tmp_path)
+    ds = datasets.load_dataset(
+        "webdataset", data_files={"train": str(tmp_path / "*.tar")}, split="train"
+    )
+    assert len(ds) == 9
+    split = load_split(tmp_path)
+    for i, row in enumerate(ds):
+        assert np.array_equal(np.asarray(row["png"].convert("RGB")), split.images[i].numpy())
+        assert row["cls"] == split.labels[i].item()
+        assert row["json"]["i"] == split.meta[i]["i"]
+
+
+def test_config_mismatch_refused(tmp_path):
+    write_config(tmp_path, {"a": 1, "b": 2})
+    write_config(tmp_path, {"a": 1, "b": 2})  # same config: resume is fine
+    with pytest.raises(ShardError, match=r"different config \(differs in: b\)"):
+        write_config(tmp_path, {"a": 1, "b": 3})
+    assert read_manifest.__name__  # the folder stays as it was
+    assert (tmp_path / "config.json").read_text().count('"b": 2') == 1
