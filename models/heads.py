@@ -1,0 +1,391 @@
+"""Calibration fine-tuning math: MaC-Cal (METHODS.md §4) and FeDLaS (METHODS.md §5).
+
+Pure torch, no I/O. The finetune stage wires these parts around a classifier that exposes
+`forward_features(x) -> [B, d]` and a linear `head`; see each class for its place in the loop.
+
+MaC-Cal, one epoch t:
+    head.draw_masks(q, generator)           # M ~ Bernoulli(q), W <- M ⊙ W
+    for batch: loss.backward(); opt.step(); stats.update(logits, y)   # opt = MaskedSGD
+    q = schedule.update(t, *stats.compute())
+
+FeDLaS, one step:
+    loss, stats = criterion(features, logits, labels)   # gate params live in the main optimizer
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# ----------------------------------------------------------------------------------------------
+# MaC-Cal (METHODS §4)
+
+
+class MaskedBottleneckHead(nn.Module):
+    """s = W₂·ReLU((M₁⊙W₁)h + b₁) + b₂ with per-epoch Bernoulli masks M₁, M₂ (METHODS §4).
+
+    The masks are boolean buffers (all ones until the first `draw_masks`), so they travel with
+    `.to(device)` and `state_dict`. The forward always uses M ⊙ W: because `draw_masks` zeroes
+    the dropped weights and `MaskedSGD` keeps them where they are, M ⊙ W equals W, so inference
+    uses the head as it is (deterministic, no 1/q rescaling), while in training the product makes
+    the gradient of every dropped weight zero by the chain rule.
+    """
+
+    def __init__(
+        self, d: int, num_classes: int, r: int = 256, *, generator: torch.Generator | None = None
+    ) -> None:
+        super().__init__()
+        if min(d, num_classes, r) < 1:
+            raise ValueError(f"d, num_classes and r must be positive, got {d}, {num_classes}, {r}")
+        self.fc1 = nn.Linear(d, r)
+        self.fc2 = nn.Linear(r, num_classes)
+        self.register_buffer("mask1", torch.ones(r, d, dtype=torch.bool))
+        self.register_buffer("mask2", torch.ones(num_classes, r, dtype=torch.bool))
+        if generator is not None:
+            self.reset_parameters(generator)
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator) -> None:
+        """nn.Linear's default init, U(±1/√fan_in), drawn from the caller's generator."""
+        for layer in (self.fc1, self.fc2):
+            bound = 1.0 / math.sqrt(layer.in_features)
+            layer.weight.uniform_(-bound, bound, generator=generator)
+            layer.bias.uniform_(-bound, bound, generator=generator)
+
+    def masked_weights(self) -> list[tuple[nn.Parameter, Tensor]]:
+        """(weight, mask) pairs, looked up live so `MaskedSGD` sees redraws and device moves."""
+        return [(self.fc1.weight, self.mask1), (self.fc2.weight, self.mask2)]
+
+    @torch.no_grad()
+    def draw_masks(self, q: float, generator: torch.Generator) -> None:
+        """Draw M₁, M₂ ~ Bernoulli(q) for the coming epoch and zero the dropped weights in place.
+
+        Masks are drawn on the generator's device and then copied, so a seed gives the same
+        masks on every device. Draw order is fixed (M₁ then M₂).
+        """
+        if not 0.0 <= q <= 1.0:
+            raise ValueError(f"retention q must lie in [0, 1], got {q}")
+        for weight, mask in self.masked_weights():
+            keep = torch.rand(mask.shape, generator=generator, device=generator.device) < q
+            mask.copy_(keep)
+            weight.masked_fill_(~mask, 0.0)
+
+    def forward(self, h: Tensor) -> Tensor:
+        w1 = self.fc1.weight.masked_fill(~self.mask1, 0.0)
+        w2 = self.fc2.weight.masked_fill(~self.mask2, 0.0)
+        return F.linear(F.relu(F.linear(h, w1, self.fc1.bias)), w2, self.fc2.bias)
+
+
+class MaskedSGD(torch.optim.SGD):
+    """torch SGD whose masked weights do not move at all while their mask is 0 (METHODS §4).
+
+    Why this mechanism: masking the gradient alone is not enough. With momentum, a weight dropped
+    at a redraw still carries last epoch's momentum buffer, and with weight decay it is pulled by
+    wd·W. Instead of re-implementing SGD with masks threaded through every term (and every torch
+    code path: foreach, fused, nesterov, dampening), each step runs torch's own SGD unchanged and
+    then, for every (W, M) pair given by `masked_weights()`:
+      - W <- where(M, W_new, W_old): dropped entries keep their value bit for bit (a select, so
+        it holds for any value, signed zeros included);
+      - buf <- where(M, buf, 0): the momentum of dropped entries is zeroed, so it neither acts
+        now nor revives when the weight returns (a returning weight restarts from 0 with no
+        momentum, like a fresh one).
+    SGD is elementwise, so kept entries follow exactly the plain-SGD trajectory (grad + wd·W,
+    momentum), i.e. this equals masking the gradient, the weight-decay term and the momentum
+    update of the dropped entries. Cost: one copy of W₁, W₂ per step.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        masked_weights: Callable[[], Iterable[tuple[Tensor, Tensor]]],
+        lr: float,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        **sgd_options: Any,
+    ) -> None:
+        super().__init__(params, lr=lr, momentum=momentum, weight_decay=weight_decay, **sgd_options)
+        self._masked_weights = masked_weights
+        own = {id(p) for group in self.param_groups for p in group["params"]}
+        if any(id(w) not in own for w, _ in masked_weights()):
+            raise ValueError("every masked weight must be among the optimizer's parameters")
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        pairs = list(self._masked_weights())
+        before = [w.detach().clone() for w, _ in pairs]
+        super().step()
+        for (w, mask), w_old in zip(pairs, before):
+            w.copy_(torch.where(mask, w, w_old))
+            buf = self.state.get(w, {}).get("momentum_buffer")
+            if buf is not None:
+                buf.masked_fill_(~mask, 0.0)
+        return loss
+
+
+class RetentionSchedule:
+    """Adaptive retention q (METHODS §4): after epoch t (0-based, t < T) with acc_t, conf_t,
+
+        τ_t = τ₀·exp(−λ·t/T),  Δ = clip(γ·acc_t − conf_t, −τ_t, τ_t),  q <- clip(q + Δ, q_min, q_max).
+
+    An over-confident epoch (conf > γ·acc) lowers q (drop more), an under-confident one raises it;
+    τ_t lets q move a lot early and settle late. `state_dict()` is JSON-able (q_trace.json, resume).
+    """
+
+    def __init__(
+        self,
+        q0: float = 0.9,
+        gamma: float = 0.9,
+        tau0: float = 0.1,
+        lam: float = 5.0,
+        q_min: float = 0.3,
+        q_max: float = 1.0,
+        *,
+        total_epochs: int,
+    ) -> None:
+        if not 0.0 <= q_min <= q0 <= q_max <= 1.0:
+            raise ValueError(f"need 0 <= q_min <= q0 <= q_max <= 1, got {q_min}, {q0}, {q_max}")
+        if total_epochs < 1 or tau0 < 0 or lam < 0:
+            raise ValueError(f"need total_epochs >= 1, tau0 >= 0, lam >= 0, got {total_epochs}")
+        self.q0, self.gamma, self.tau0, self.lam = q0, gamma, tau0, lam
+        self.q_min, self.q_max, self.total_epochs = q_min, q_max, total_epochs
+        self.q = q0
+        self.history: list[dict[str, float]] = []
+
+    def tau(self, t: int) -> float:
+        return self.tau0 * math.exp(-self.lam * t / self.total_epochs)
+
+    def update(self, t: int, acc: float, conf: float) -> float:
+        """Record epoch t (trained with the current q) and return q for epoch t + 1."""
+        if not 0 <= t < self.total_epochs:
+            raise ValueError(f"epoch t must lie in [0, {self.total_epochs}), got {t}")
+        if not (0.0 <= acc <= 1.0 and 0.0 <= conf <= 1.0):
+            raise ValueError(f"acc and conf must lie in [0, 1], got {acc}, {conf}")
+        tau = self.tau(t)
+        delta = min(max(self.gamma * acc - conf, -tau), tau)
+        q_next = min(max(self.q + delta, self.q_min), self.q_max)
+        self.history.append(
+            {"epoch": t, "q": self.q, "acc": acc, "conf": conf, "tau": tau, "delta": delta}
+        )
+        self.q = q_next
+        return q_next
+
+    def state_dict(self) -> dict[str, Any]:
+        config = {k: getattr(self, k) for k in ("q0", "gamma", "tau0", "lam", "q_min", "q_max")}
+        config["total_epochs"] = self.total_epochs
+        return {"config": config, "q": self.q, "history": [dict(h) for h in self.history]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.q = float(state["q"])
+        self.history = [dict(h) for h in state["history"]]
+
+
+class EpochAccConf:
+    """acc_t and conf_t (mean max-softmax) over one epoch's training forward passes (§4).
+
+    Totals stay on the logits' device (no per-step sync); `totals` = [correct, Σconf, n] in
+    float64 can be all-reduced across ranks before `compute()`. Soft targets count as their argmax.
+    """
+
+    def __init__(self) -> None:
+        self.totals = torch.zeros(3, dtype=torch.float64)
+
+    def reset(self) -> None:
+        self.totals = torch.zeros(3, dtype=torch.float64, device=self.totals.device)
+
+    @torch.no_grad()
+    def update(self, logits: Tensor, labels: Tensor) -> None:
+        if labels.ndim == 2:
+            labels = labels.argmax(dim=1)
+        conf, pred = logits.detach().float().softmax(dim=-1).max(dim=-1)
+        n = conf.new_full((), len(conf), dtype=torch.float64)
+        batch = torch.stack([(pred == labels).sum().double(), conf.double().sum(), n])
+        self.totals = self.totals.to(logits.device) + batch
+
+    def compute(self) -> tuple[float, float]:
+        correct, conf_sum, n = self.totals.tolist()
+        if n == 0:
+            raise ValueError("no samples accumulated this epoch")
+        return correct / n, conf_sum / n
+
+
+# ----------------------------------------------------------------------------------------------
+# FeDLaS (METHODS §5)
+
+
+class NCI(nn.Module):
+    """Normalised confidence indicator γ_i = (n_i − μ)/(σ + 1e-3), n_i = ‖z_i‖₁ (METHODS §5).
+
+    In training mode only, once per call and before normalising, μ and σ take an EMA step towards
+    the batch mean and unbiased std of n (weight θ). They are buffers, so checkpoints keep them.
+    A training batch of one sample has no unbiased std: σ is then left as it is (no NaN).
+    """
+
+    def __init__(self, theta: float, mu0: float = 20.0, sigma0: float = 100.0) -> None:
+        super().__init__()
+        if not 0.0 < theta <= 1.0:
+            raise ValueError(f"theta must lie in (0, 1], got {theta}")
+        self.theta = theta
+        self.register_buffer("mu", torch.tensor(float(mu0)))
+        self.register_buffer("sigma", torch.tensor(float(sigma0)))
+
+    def forward(self, z: Tensor) -> Tensor:
+        if z.ndim < 2:
+            raise ValueError(f"features must be [B, ...], got shape {tuple(z.shape)}")
+        n = z.detach().flatten(1).float().abs().sum(dim=1)
+        if self.training:
+            th = self.theta
+            self.mu.copy_(th * n.mean() + (1.0 - th) * self.mu)
+            if n.numel() > 1:
+                self.sigma.copy_(th * n.std(correction=1) + (1.0 - th) * self.sigma)
+        return (n - self.mu) / (self.sigma + 1e-3)
+
+
+class _SignSTE(torch.autograd.Function):
+    """ψ = sign(d) forward (0 at d = 0), identity gradient backward (straight-through)."""
+
+    @staticmethod
+    def forward(ctx: Any, d: Tensor) -> Tensor:
+        return torch.sign(d)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad
+
+
+class FeDLaSGate(nn.Module):
+    """Direction gate on detached logits: C → ⌊C/2⌋ (LeakyReLU 0.01) → 2, softmax π,
+    d = π₁ − π₀, ψ = sign(d) with a straight-through gradient (METHODS §5).
+
+    The logits are detached so the gate only steers r_i; it learns through the task loss alone.
+    """
+
+    def __init__(self, num_classes: int, *, generator: torch.Generator | None = None) -> None:
+        super().__init__()
+        if num_classes < 2:
+            raise ValueError(f"the gate needs num_classes >= 2, got {num_classes}")
+        hidden = num_classes // 2
+        self.mlp = nn.Sequential(
+            nn.Linear(num_classes, hidden), nn.LeakyReLU(0.01), nn.Linear(hidden, 2)
+        )
+        if generator is not None:
+            with torch.no_grad():
+                for layer in (self.mlp[0], self.mlp[2]):
+                    bound = 1.0 / math.sqrt(layer.in_features)
+                    layer.weight.uniform_(-bound, bound, generator=generator)
+                    layer.bias.uniform_(-bound, bound, generator=generator)
+
+    def forward(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """Return (ψ, d), both [B]."""
+        pi = self.mlp(logits.detach()).softmax(dim=-1)
+        d = pi[:, 1] - pi[:, 0]
+        return _SignSTE.apply(d), d
+
+
+def smoothing_weights(psi: Tensor, gamma: Tensor, alpha: float, beta: float) -> Tensor:
+    """r_i = 2α·sigmoid(β·ψ_i·γ_i) ∈ (0, 2α); r_i = α at β = 0 or ψ_i = 0 (METHODS §5)."""
+    return 2.0 * alpha * torch.sigmoid(beta * psi * gamma)
+
+
+def _check_inputs(logits: Tensor, labels: Tensor, r: Tensor) -> None:
+    b = logits.shape[0]
+    if logits.ndim != 2 or labels.shape != (b,) or r.shape != (b,):
+        raise ValueError(
+            f"need logits [B, C], labels [B], r [B]; got {tuple(logits.shape)}, "
+            f"{tuple(labels.shape)}, {tuple(r.shape)}"
+        )
+
+
+def fedlas_ls_loss(logits: Tensor, labels: Tensor, r: Tensor) -> Tensor:
+    """FeDLaS-LS: mean_i[(1 − r_i)·CE_i + r_i·(−(1/C)·Σ_k log p_ik)] (METHODS §5)."""
+    _check_inputs(logits, labels, r)
+    logp = logits.float().log_softmax(dim=-1)
+    ce = -logp.gather(1, labels[:, None]).squeeze(1)
+    uniform = -logp.mean(dim=1)
+    return ((1.0 - r) * ce + r * uniform).mean()
+
+
+def fedlas_mbls_loss(logits: Tensor, labels: Tensor, r: Tensor, margin: float) -> Tensor:
+    """FeDLaS-MbLS: mean_i[(1 − r_i)·CE_i] + mean_i[r_i·(1/C)·Σ_k max(0, max_l s_il − s_ik − m)]."""
+    _check_inputs(logits, labels, r)
+    s = logits.float()
+    ce = F.cross_entropy(s, labels, reduction="none")
+    gaps = F.relu(s.max(dim=1, keepdim=True).values - s - margin).mean(dim=1)
+    return ((1.0 - r) * ce).mean() + (r * gaps).mean()
+
+
+# Per-preset defaults from METHODS §5, ready to splat: FeDLaSCriterion(C, variant=v, **defaults).
+FEDLAS_DEFAULTS: dict[tuple[str, str], dict[str, float]] = {
+    ("ls", "cifar10"): {"alpha": 0.05, "beta": 4.0, "theta": 0.95},
+    ("ls", "cifar100"): {"alpha": 0.1, "beta": 4.0, "theta": 0.5},
+    ("ls", "tiny-imagenet"): {"alpha": 0.05, "beta": 4.0, "theta": 0.5},
+    ("mbls", "cifar10"): {"alpha": 0.1, "beta": 0.5, "theta": 0.95, "margin": 6.0},
+    ("mbls", "cifar100"): {"alpha": 0.1, "beta": 1.0, "theta": 0.5, "margin": 6.0},
+    ("mbls", "tiny-imagenet"): {"alpha": 0.05, "beta": 0.5, "theta": 0.5, "margin": 10.0},
+}
+
+FEDLAS_LOSSES: dict[str, Callable[..., Tensor]] = {"ls": fedlas_ls_loss, "mbls": fedlas_mbls_loss}
+
+# Order of stats["mode_share"].
+GATE_MODES = ("+1", "-1", "0")
+
+
+class FeDLaSCriterion(nn.Module):
+    """The FeDLaS loss with its NCI and gate (METHODS §5): forward(z, s, y) -> (loss, stats).
+
+    Trainer duties: add `gate_parameters()` to the main optimizer (same lr schedule and weight
+    decay) and leave them out of gradient clipping; call `.train()` / `.eval()` with the model
+    (μ, σ move in training mode only); save `state_dict()` with the checkpoint.
+    stats (all detached tensors): psi [B] (for flip rates), r [B], gamma [B],
+    mode_share [3] = share of samples with ψ = +1, −1, 0 (order GATE_MODES).
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        variant: str = "ls",
+        *,
+        alpha: float,
+        beta: float,
+        theta: float,
+        margin: float | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__()
+        if variant not in FEDLAS_LOSSES:
+            raise ValueError(
+                f"unknown FeDLaS variant {variant!r}; choose one of {list(FEDLAS_LOSSES)}"
+            )
+        if (variant == "mbls") != (margin is not None):
+            raise ValueError("margin is required for variant='mbls' and only valid there")
+        if alpha < 0:
+            raise ValueError(f"alpha must be >= 0, got {alpha}")
+        self.variant, self.alpha, self.beta, self.margin = variant, alpha, beta, margin
+        self.nci = NCI(theta)
+        self.gate = FeDLaSGate(num_classes, generator=generator)
+        loss = FEDLAS_LOSSES[variant]
+        self._loss = loss if margin is None else partial(loss, margin=margin)
+
+    def gate_parameters(self) -> list[nn.Parameter]:
+        return list(self.gate.parameters())
+
+    def forward(
+        self, features: Tensor, logits: Tensor, labels: Tensor
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        gamma = self.nci(features)
+        psi, _ = self.gate(logits)
+        r = smoothing_weights(psi, gamma, self.alpha, self.beta)
+        loss = self._loss(logits, labels, r)
+        with torch.no_grad():
+            share = torch.stack([psi > 0, psi < 0, psi == 0]).float().mean(dim=1)
+        stats = {"psi": psi.detach(), "r": r.detach(), "gamma": gamma, "mode_share": share}
+        return loss, stats
