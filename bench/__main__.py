@@ -1,0 +1,73 @@
+"""Run the benchmarks and write bench/RESULTS.md.
+
+    python -m bench                 # every bench/bench_*.py
+    python -m bench shards train    # only these
+
+Each module defines `run() -> dict` with `title`, `rows` (list of dicts, one table row
+each), optional `notes` (list of str). Timings are measured here, never asserted in tests.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def machine() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        model = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
+        cpu = model
+    except (OSError, StopIteration):
+        pass  # not Linux: platform's answer stands
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{cpu}, {os.cpu_count()} cores, {gpu}, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def table(rows: list[dict]) -> str:
+    if not rows:
+        return "(no rows)\n"
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    names = argv or sorted(p.stem.removeprefix("bench_") for p in HERE.glob("bench_*.py"))
+    results_path = HERE / "RESULTS.md"
+    sections = {}
+    if results_path.is_file():  # keep sections of benchmarks not rerun this time
+        text = results_path.read_text()
+        for block in text.split("\n## ")[1:]:
+            sections[block.split("\n", 1)[0].strip()] = "## " + block.rstrip() + "\n"
+    for name in names:
+        module = importlib.import_module(f"bench.bench_{name}")
+        print(f"bench {name} ...", flush=True)
+        t0 = time.perf_counter()
+        result = module.run()
+        took = time.perf_counter() - t0
+        body = [f"## {result['title']}", "", f"Machine: {machine()}  ", f"Command: `python -m bench {name}` ({took:.0f} s)", ""]
+        body.append(table(result["rows"]))
+        body += [f"- {n}" for n in result.get("notes", [])]
+        sections[result["title"]] = "\n".join(body).rstrip() + "\n"
+        print(sections[result["title"]], flush=True)
+    header = "# Benchmark results\n\nWritten by `make bench` (`python -m bench`); numbers from the machine named in each section.\n\n"
+    results_path.write_text(header + "\n".join(sections[k] for k in sorted(sections)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
