@@ -1,0 +1,177 @@
+"""Pictures people would rather see than read: image grids, reliability diagrams, scatters.
+
+Image grids are drawn with PIL (exact pixels, deterministic bytes); charts use matplotlib's
+Agg backend, imported lazily so that importing this module costs nothing. Every file is
+written to a temporary name and renamed into place.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+from shards.io import atomic_write_bytes
+
+
+def image_grid(
+    images: np.ndarray,
+    path: Path,
+    *,
+    row_labels: Sequence[str] = (),
+    col_labels: Sequence[str] = (),
+    scale: int = 1,
+    pad: int = 2,
+) -> Path:
+    """uint8 [rows, cols, H, W, 3] -> one PNG; optional text labels left of rows / above columns.
+
+    Used for generate's preview (rows = series, columns = α) and fit-generator's sample grid.
+    """
+    images = np.asarray(images)
+    if images.ndim != 5 or images.shape[-1] != 3 or images.dtype != np.uint8:
+        raise ValueError(
+            f"image_grid expects uint8 [rows, cols, H, W, 3], got {images.dtype} {images.shape}"
+        )
+    rows, cols, h, w, _ = images.shape
+    h, w = h * scale, w * scale
+    left = 8 + 7 * max((len(s) for s in row_labels), default=0) if row_labels else 0
+    top = 14 if col_labels else 0
+    canvas = Image.new(
+        "RGB", (left + cols * (w + pad) + pad, top + rows * (h + pad) + pad), "white"
+    )
+    draw = ImageDraw.Draw(canvas)
+    for r in range(rows):
+        y = top + pad + r * (h + pad)
+        if r < len(row_labels):
+            draw.text((2, y + h // 2 - 5), row_labels[r], fill="black")
+        for c in range(cols):
+            tile = Image.fromarray(images[r, c])
+            if scale != 1:
+                tile = tile.resize((w, h), Image.Resampling.NEAREST)
+            canvas.paste(tile, (left + pad + c * (w + pad), y))
+    for c, label in enumerate(col_labels):
+        draw.text((left + pad + c * (w + pad), 1), label, fill="black")
+    buf = io.BytesIO()
+    canvas.save(buf, format="PNG", compress_level=6)
+    atomic_write_bytes(Path(path), buf.getvalue())
+    return Path(path)
+
+
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> Path:
+    buf = io.BytesIO()
+    # no timestamps in the file: same figure, same bytes
+    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight", metadata={"Software": None})
+    _figure().close(fig)
+    atomic_write_bytes(Path(path), buf.getvalue())
+    return Path(path)
+
+
+def reliability_diagram(
+    panels: Mapping[str, Mapping[str, Sequence[float]]], path: Path, title: str = ""
+) -> Path:
+    """One column per panel (e.g. "before TS", "after TS"), each a reliability diagram over a
+    confidence histogram. A panel holds per-bin `acc`, `conf`, `count` (equal-width bins in
+    (0, 1]) and optionally `ece` (x100) for the legend."""
+    plt = _figure()
+    fig, axes = plt.subplots(
+        2,
+        len(panels),
+        figsize=(4 * len(panels), 5.5),
+        sharex=True,
+        squeeze=False,
+        gridspec_kw={"height_ratios": [3, 1]},
+    )
+    for col, (name, p) in enumerate(panels.items()):
+        acc, conf, count = (np.asarray(p[k], dtype=float) for k in ("acc", "conf", "count"))
+        n_bins = len(count)
+        centers = (np.arange(n_bins) + 0.5) / n_bins
+        width = 1.0 / n_bins
+        ax, hist = axes[0, col], axes[1, col]
+        nonempty = count > 0
+        ax.bar(
+            centers[nonempty],
+            acc[nonempty],
+            width=width,
+            edgecolor="black",
+            color="tab:blue",
+            label="accuracy",
+        )
+        ax.bar(
+            centers[nonempty],
+            (conf - acc)[nonempty],
+            bottom=acc[nonempty],
+            width=width,
+            color="tab:red",
+            alpha=0.3,
+            edgecolor="tab:red",
+            label="gap to confidence",
+        )
+        ax.plot([0, 1], [0, 1], "k--", lw=1)
+        ax.set(
+            xlim=(0, 1),
+            ylim=(0, 1),
+            ylabel="accuracy",
+            title=name + (f"  (ECE {p['ece']:.2f})" if "ece" in p else ""),
+        )
+        ax.legend(loc="upper left", fontsize=8)
+        hist.bar(centers, count / max(count.sum(), 1), width=width, color="gray", edgecolor="black")
+        hist.set(xlabel="confidence", ylabel="share")
+    if title:
+        fig.suptitle(title)
+    return _save(fig, path)
+
+
+def scatter(
+    x: Sequence[float],
+    y: Sequence[float],
+    path: Path,
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str = "",
+    diagonal: bool = False,
+    jitter: float = 0.0,
+    seed: int = 0,
+) -> Path:
+    """A scatter plot (e.g. annotate's λ̂ vs α), with an optional y = x reference line."""
+    plt = _figure()
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    if jitter:
+        x = x + np.random.default_rng(seed).uniform(-jitter, jitter, size=x.shape)
+    fig, ax = plt.subplots(figsize=(5, 4))
+    ax.scatter(x, y, s=6, alpha=0.4)
+    if diagonal:
+        lo, hi = min(x.min(), y.min()), max(x.max(), y.max())
+        ax.plot([lo, hi], [lo, hi], "k--", lw=1)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    return _save(fig, path)
+
+
+def lines(
+    series: Mapping[str, Sequence[float]],
+    path: Path,
+    *,
+    xlabel: str,
+    ylabel: str = "",
+    title: str = "",
+) -> Path:
+    """Several curves over a shared x = 0..n-1 (e.g. MaC-Cal's q, accuracy and confidence per epoch)."""
+    plt = _figure()
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for name, values in series.items():
+        ax.plot(range(len(values)), values, marker="o", ms=3, label=name)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.legend()
+    return _save(fig, path)
