@@ -1,0 +1,45 @@
+"""Weights of trained runs on disk: `model.safetensors` + `model.json`.
+
+`model.json` says how to rebuild the network and feed it:
+    {"arch": <Classifier.arch_config()>, "class_names": [...], "image_size": int,
+     "normalize": {"mean": [...], "std": [...]}, ...anything else the writer adds}
+Stages rebuild with `models.classifiers.classifier_from_config(meta["arch"])` and load the
+state dict. Weights are safetensors: loading never unpickles anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from shards.io import atomic_write_json, read_json, tmp_path_for
+from shards.manifest import ShardError
+
+WEIGHTS = "model.safetensors"
+META = "model.json"
+
+
+def save_weights(folder: Path, state_dict: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> Path:
+    """Weights first, then model.json: a folder with model.json has complete weights."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
+    tmp = tmp_path_for(folder / WEIGHTS)
+    save_file(tensors, str(tmp))
+    tmp.replace(folder / WEIGHTS)
+    atomic_write_json(folder / META, dict(meta))
+    return folder / WEIGHTS
+
+
+def load_weights(folder: Path, device: str | torch.device = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    folder = Path(folder)
+    if not (folder / META).is_file() or not (folder / WEIGHTS).is_file():
+        raise ShardError(
+            f"{folder} has no trained weights ({WEIGHTS} + {META}); train the run first "
+            "(make train RUN=...) or check the run name"
+        )
+    return load_file(str(folder / WEIGHTS), device=str(device)), read_json(folder / META)
