@@ -1,0 +1,217 @@
+"""Training losses of the baselines (METHODS §6) and the CSM synthetic term (METHODS §3).
+
+Notation: logits s [N, C], p = softmax(s), labels y [N] (int64), c_i = max_k p_ik.
+
+The registry `LOSSES` maps a flag to a factory `factory(num_classes: int, **params) -> nn.Module`
+whose `forward(logits, labels) -> scalar` is the mean over the batch. `build_loss` checks the
+params against the factory's signature. Defaults (METHODS §6, CIFAR values):
+
+| name   | params (default)                  | loss                                                   |
+|--------|-----------------------------------|--------------------------------------------------------|
+| ce     | -                                 | CE                                                     |
+| ls     | alpha=0.05                        | (1-α)·CE + α·(1/C)Σ_k -log p_k                         |
+| focal  | gamma=3.0                         | -(1-p_y)^γ log p_y                                     |
+| flsd53 | gamma_below=5, gamma=3, threshold=0.2 | focal with γ=5 where p_y < 0.2, else γ=3           |
+| mbls   | m=6.0, lam=0.1 (Tiny: m=10, 0.05) | CE + λ·(1/C)Σ_k relu(max_l s_l - s_k - m)               |
+| mmce   | lam=2.0, width=0.4                | NLL + λ·sqrt(MMCE²), Laplacian kernel of width 0.4      |
+
+(`lam` stands for λ: `lambda` is a Python keyword.) The LS α is a GUESS (METHODS leaves it open;
+0.05 matches FeDLaS-LS's CIFAR-10 value); MMCE's λ is the low end of METHODS' 2-4.
+
+Losses with another call signature are the trainer's business: it may register e.g. `csm`
+(CE on real + w·`soft_l2` on synthetic, separate forward passes) or `fedlas-*` (models/heads.py)
+as further LOSSES entries; `mixup` is a batch transform (`mixup_batch`) plus `mixup_loss`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+def _check(name: str, value: float, low: float, high: float = float("inf")) -> None:
+    if not low <= value <= high:
+        raise ValueError(f"{name} must lie in [{low}, {high}], got {value}")
+
+
+def _focal(logits: torch.Tensor, labels: torch.Tensor, gamma: torch.Tensor | float) -> torch.Tensor:
+    """mean_i -(1 - p_iy)^γ_i · log p_iy (Lin et al.; γ may be per sample)."""
+    log_p_y = F.log_softmax(logits, dim=1).gather(1, labels[:, None]).squeeze(1)
+    return (-((1.0 - log_p_y.exp()) ** gamma) * log_p_y).mean()
+
+
+class CrossEntropy(nn.Module):
+    """Plain CE (the NLL of the logits)."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.num_classes = num_classes
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, labels)
+
+
+class LabelSmoothing(nn.Module):
+    """CE against the target (1-α)·onehot(y) + α/C, written as (1-α)·CE + α·uniform-CE."""
+
+    def __init__(self, num_classes: int, alpha: float = 0.05) -> None:
+        super().__init__()
+        _check("alpha", alpha, 0.0, 1.0)
+        self.num_classes, self.alpha = num_classes, alpha
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        log_p = F.log_softmax(logits, dim=1)
+        ce = -log_p.gather(1, labels[:, None]).squeeze(1)
+        uniform = -log_p.mean(dim=1)
+        return ((1.0 - self.alpha) * ce + self.alpha * uniform).mean()
+
+
+class FocalLoss(nn.Module):
+    """Focal loss with fixed γ (METHODS §6: γ = 3)."""
+
+    def __init__(self, num_classes: int, gamma: float = 3.0) -> None:
+        super().__init__()
+        _check("gamma", gamma, 0.0)
+        self.num_classes, self.gamma = num_classes, gamma
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return _focal(logits, labels, self.gamma)
+
+
+class FLSD53(nn.Module):
+    """Sample-dependent focal loss (Mukhoti et al.): γ_i = 5 if p_iy < 0.2 else 3.
+
+    The schedule is piecewise constant in p_y, so it is chosen on detached probabilities.
+    """
+
+    def __init__(
+        self, num_classes: int, gamma_below: float = 5.0, gamma: float = 3.0, threshold: float = 0.2
+    ) -> None:
+        super().__init__()
+        _check("gamma_below", gamma_below, 0.0)
+        _check("gamma", gamma, 0.0)
+        _check("threshold", threshold, 0.0, 1.0)
+        self.num_classes = num_classes
+        self.gamma_below, self.gamma, self.threshold = gamma_below, gamma, threshold
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            p_y = F.softmax(logits, dim=1).gather(1, labels[:, None]).squeeze(1)
+            gamma = torch.where(p_y < self.threshold, self.gamma_below, self.gamma).to(logits.dtype)
+        return _focal(logits, labels, gamma)
+
+
+class MarginLabelSmoothing(nn.Module):
+    """MbLS (Liu et al. 2022): CE + λ·mean_{i,k} relu(max_l s_il - s_ik - m).
+
+    Only logit gaps wider than the margin m are penalised, so confident-but-bounded logits are
+    left alone (unlike LS, which pulls every logit towards equality).
+    """
+
+    def __init__(self, num_classes: int, m: float = 6.0, lam: float = 0.1) -> None:
+        super().__init__()
+        _check("m", m, 0.0)
+        _check("lam", lam, 0.0)
+        self.num_classes, self.m, self.lam = num_classes, m, lam
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        gaps = logits.max(dim=1, keepdim=True).values - logits
+        return F.cross_entropy(logits, labels) + self.lam * F.relu(gaps - self.m).mean()
+
+
+def mmce_squared(logits: torch.Tensor, labels: torch.Tensor, width: float = 0.4) -> torch.Tensor:
+    """MMCE² = (1/N²)Σ_ij (a_i - c_i)(a_j - c_j)·exp(-|c_i - c_j|/width) (Kumar et al. 2018).
+
+    a_i = 1[ŷ_i = y_i] carries no gradient; c_i does. The Laplacian kernel is positive definite,
+    so the value is >= 0 up to rounding.
+    """
+    c, y_hat = F.softmax(logits, dim=1).max(dim=1)
+    r = (y_hat == labels).to(c.dtype) - c
+    kernel = torch.exp(-(c[:, None] - c[None, :]).abs() / width)
+    return (r[:, None] * r[None, :] * kernel).sum() / c.numel() ** 2
+
+
+class MMCELoss(nn.Module):
+    """NLL + λ·sqrt(MMCE²); the root is floored at 1e-12 inside so its gradient stays finite."""
+
+    def __init__(self, num_classes: int, lam: float = 2.0, width: float = 0.4) -> None:
+        super().__init__()
+        _check("lam", lam, 0.0)
+        if width <= 0:
+            raise ValueError(f"width must be > 0, got {width}")
+        self.num_classes, self.lam, self.width = num_classes, lam, width
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        mmce = mmce_squared(logits, labels, self.width).clamp_min(1e-12).sqrt()
+        return F.cross_entropy(logits, labels) + self.lam * mmce
+
+
+LossFactory = Callable[..., nn.Module]
+
+LOSSES: dict[str, LossFactory] = {
+    "ce": CrossEntropy,
+    "ls": LabelSmoothing,
+    "focal": FocalLoss,
+    "flsd53": FLSD53,
+    "mbls": MarginLabelSmoothing,
+    "mmce": MMCELoss,
+}
+
+
+def build_loss(name: str, num_classes: int, **params: float) -> nn.Module:
+    """Instantiate `LOSSES[name](num_classes=num_classes, **params)` with checked params."""
+    if name not in LOSSES:
+        raise ValueError(f"unknown loss {name!r}; valid: {', '.join(LOSSES)}")
+    factory = LOSSES[name]
+    sig = inspect.signature(factory).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.values())
+    accepted = [
+        k for k in sig if k != "num_classes" and sig[k].kind is not inspect.Parameter.VAR_KEYWORD
+    ]
+    unknown = sorted(set(params) - set(accepted))
+    if unknown and not takes_any:
+        raise ValueError(f"loss {name!r} takes params {accepted or 'none'}; got unknown {unknown}")
+    return factory(num_classes=num_classes, **params)
+
+
+def soft_l2(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """CSM synthetic term (METHODS §3): mean_j ||softmax(s̃_j) - t_j||²₂, targets dense [N, C]."""
+    if logits.shape != targets.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} must match"
+        )
+    return (F.softmax(logits, dim=1) - targets).pow(2).sum(dim=1).mean()
+
+
+def dense_soft_targets(classes: torch.Tensor, soft: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """Scatter a mixed sample's [t_a, t_b] on classes [a, b] (ARCHITECTURE §2) into [N, C]."""
+    out = torch.zeros(classes.shape[0], num_classes, dtype=soft.dtype, device=soft.device)
+    return out.scatter_add_(1, classes.long(), soft)
+
+
+def mixup_batch(
+    x: torch.Tensor, y: torch.Tensor, alpha: float, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """Mixup (Zhang et al. 2018): x̃ = λx + (1-λ)x[π], λ ~ Beta(α, α), π a random permutation.
+
+    torch's Beta sampler takes no generator, so λ comes from a NumPy generator seeded by a draw
+    from `generator`: the batch stays a pure function of the caller's torch generator.
+    """
+    if alpha <= 0:
+        raise ValueError(f"mixup alpha must be > 0, got {alpha}")
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())
+    lam = float(np.random.default_rng(seed).beta(alpha, alpha))
+    perm = torch.randperm(x.shape[0], generator=generator, device=generator.device).to(x.device)
+    return lam * x + (1.0 - lam) * x[perm], y, y[perm], lam
+
+
+def mixup_loss(
+    logits: torch.Tensor, y_a: torch.Tensor, y_b: torch.Tensor, lam: float
+) -> torch.Tensor:
+    """λ·CE(s, y_a) + (1-λ)·CE(s, y_b): CE against the mixed one-hot target."""
+    return lam * F.cross_entropy(logits, y_a) + (1.0 - lam) * F.cross_entropy(logits, y_b)

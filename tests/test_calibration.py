@@ -1,0 +1,213 @@
+"""Metrics of METHODS §7 on constructed cases with known answers, and against torchmetrics."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.nn import functional as F
+
+from models.calibration import (
+    aece,
+    auroc,
+    brier,
+    calibration_metrics,
+    classwise_ece,
+    ece,
+    ensemble_logits,
+    fit_temperature,
+    fpr_at_tpr,
+    mce,
+    nll,
+    oece,
+    ood_scores,
+    reliability_bins,
+    temperature_grid,
+    topk_accuracy,
+    uece,
+)
+
+
+def two_class(conf: float, n: int, n_correct: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """n samples predicting class 0 with confidence `conf`; the first n_correct have label 0."""
+    logits = torch.tensor([[math.log(conf / (1 - conf)), 0.0]], dtype=torch.float64).repeat(n, 1)
+    labels = torch.tensor([0] * n_correct + [1] * (n - n_correct))
+    return logits, labels
+
+
+def random_case(seed: int, n: int = 2000, c: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, c, generator=g) * 3, torch.randint(0, c, (n,), generator=g)
+
+
+def test_all_correct_and_certain_has_zero_error():
+    labels = torch.arange(10) % 4
+    logits = 200.0 * F.one_hot(labels, 4).double()
+    for metric in (ece, aece, mce, oece, uece, classwise_ece):
+        assert metric(logits, labels) == pytest.approx(0.0, abs=1e-12)
+    assert topk_accuracy(logits, labels) == 1.0 and brier(logits, labels) < 1e-12
+
+
+def test_constant_confidence_08_with_60pct_accuracy():
+    logits, labels = two_class(0.8, 10, 6)
+    assert ece(logits, labels) == pytest.approx(0.2)
+    assert mce(logits, labels) == pytest.approx(0.2)
+    assert aece(logits, labels) == pytest.approx(0.2)
+    assert oece(logits, labels) == pytest.approx(0.2) and uece(logits, labels) == 0.0
+    report = calibration_metrics(logits, labels)
+    assert report["ece"] == pytest.approx(20.0) and report["top1"] == pytest.approx(60.0)
+
+
+def test_two_bins_ece_mce_oece_uece():
+    # bin of conf 0.9 with acc 0.5 (over by 0.4); bin of conf 0.6 with acc 0.7 (under by 0.1)
+    la, ya = two_class(0.9, 20, 10)
+    lb, yb = two_class(0.6, 20, 14)
+    logits, labels = torch.cat([la, lb]), torch.cat([ya, yb])
+    assert ece(logits, labels) == pytest.approx(0.5 * 0.4 + 0.5 * 0.1)
+    assert mce(logits, labels) == pytest.approx(0.4)
+    assert oece(logits, labels) == pytest.approx(0.2)
+    assert uece(logits, labels) == pytest.approx(0.05)
+
+
+def test_oece_plus_uece_is_ece():
+    logits, labels = random_case(1)
+    assert oece(logits, labels) + uece(logits, labels) == pytest.approx(ece(logits, labels))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ece_mce_agree_with_torchmetrics(seed):
+    from torchmetrics.classification import MulticlassCalibrationError
+
+    logits, labels = random_case(seed)
+    probs = F.softmax(logits, 1)
+    for norm, ours in (("l1", ece), ("max", mce)):
+        ref = MulticlassCalibrationError(num_classes=10, n_bins=15, norm=norm)(probs, labels)
+        assert ours(logits, labels) == pytest.approx(ref.item(), abs=1e-5), norm
+
+
+def test_aece_matches_direct_equal_mass_binning():
+    logits, labels = random_case(3, n=997)
+    conf, pred = F.softmax(logits.double(), 1).max(1)
+    correct = (pred == labels).double().numpy()
+    conf_np = conf.numpy()
+    s = np.sort(conf_np)
+    edges = np.interp(np.linspace(0, len(s), 16), np.arange(len(s)), s)
+    edges[0], edges[-1] = -np.inf, np.inf  # outer bins open: the minimum is kept
+    expected = 0.0
+    for lo, hi in itertools.pairwise(edges):
+        m = (conf_np > lo) & (conf_np <= hi)
+        if m.any():
+            expected += m.mean() * abs(correct[m].mean() - conf_np[m].mean())
+    assert aece(logits, labels) == pytest.approx(expected, abs=1e-12)
+
+
+def test_classwise_ece_matches_per_class_loop():
+    logits, labels = random_case(4, n=500, c=4)
+    p = F.softmax(logits.double(), 1).numpy()
+    y = labels.numpy()
+    per_class = []
+    for k in range(4):
+        total = 0.0
+        for m in range(15):
+            lo, hi = m / 15, (m + 1) / 15
+            inb = (p[:, k] > lo) & (p[:, k] <= hi) if m else p[:, k] <= hi
+            if inb.any():
+                total += inb.mean() * abs((y[inb] == k).mean() - p[inb, k].mean())
+        per_class.append(total)
+    assert classwise_ece(logits, labels) == pytest.approx(float(np.mean(per_class)), abs=1e-9)
+
+
+def test_nll_brier_topk_hand_values():
+    logits = torch.tensor([[0.0, math.log(3.0), -100.0], [2.0, 1.0, 0.0]])
+    labels = torch.tensor([1, 2])
+    p1 = F.softmax(logits[1].double(), 0)
+    assert nll(logits, labels) == pytest.approx((-math.log(0.75) - math.log(p1[2].item())) / 2)
+    b0 = 0.25**2 + 0.25**2  # p = (1/4, 3/4, ~0) against (0, 1, 0)
+    b1 = p1[0].item() ** 2 + p1[1].item() ** 2 + (1 - p1[2].item()) ** 2
+    assert brier(logits, labels) == pytest.approx((b0 + b1) / 2, rel=1e-6)
+    assert topk_accuracy(logits, labels, 1) == 0.5
+    assert topk_accuracy(logits, labels, 2) == 0.5
+    assert topk_accuracy(logits, labels, 5) == 1.0  # k capped at C = 3
+
+
+def test_calibration_metrics_scales_percentages():
+    logits, labels = random_case(5, n=300)
+    report = calibration_metrics(logits, labels)
+    assert report["ece"] == pytest.approx(100 * ece(logits, labels))
+    assert report["classwise_ece"] == pytest.approx(100 * classwise_ece(logits, labels))
+    assert report["top5"] == pytest.approx(100 * topk_accuracy(logits, labels, 5))
+    assert report["nll"] == pytest.approx(nll(logits, labels)) and report["n"] == 300
+    with pytest.raises(ValueError, match="logits"):
+        calibration_metrics(logits[:, 0], labels)
+
+
+def test_reliability_bins_are_right_closed():
+    edges = reliability_bins(torch.tensor([0.5]), torch.tensor([True]))["edges"]
+    conf = torch.cat([edges[3].repeat(3), torch.tensor([0.95, 0.95], dtype=torch.float64)])
+    correct = torch.tensor([1, 1, 0, 1, 0])
+    bins = reliability_bins(conf, correct)
+    assert bins["count"].tolist() == [0, 0, 3] + [0] * 11 + [2]  # edges[3] is in bin 3 = index 2
+    assert bins["acc"][2].item() == pytest.approx(2 / 3) and bins["acc"][14].item() == 0.5
+    assert bins["conf"][2].item() == pytest.approx(edges[3].item())
+    assert torch.isnan(bins["acc"][0]) and torch.isnan(bins["conf"][5])
+
+
+@pytest.mark.parametrize("t0", [0.5, 2.0])
+def test_temperature_scaling_recovers_known_temperature(t0):
+    # labels drawn from softmax(z / T0): the calibrated logits are z / T0, so T = T0
+    g = torch.Generator().manual_seed(7)
+    z = torch.randn(20000, 10, generator=g) * 3
+    labels = torch.multinomial(F.softmax(z / t0, 1), 1, generator=g).squeeze(1)
+    t = fit_temperature(z, labels)
+    assert t in temperature_grid() and abs(t - t0) <= 0.15 * t0
+    assert ece(z / t, labels) < ece(z, labels)
+
+
+def test_temperature_grid_and_bad_grid():
+    grid = temperature_grid()
+    assert len(grid) == 100 and grid[0] == 0.1 and grid[-1] == 10.0 and 1.0 in grid
+    with pytest.raises(ValueError, match="grid"):
+        fit_temperature(torch.zeros(2, 2), torch.tensor([0, 1]), grid=[0.0, 1.0])
+
+
+def test_auroc_is_mann_whitney_with_ties():
+    pos = torch.tensor([0.9, 0.8, 0.8, 0.3, 0.5])
+    neg = torch.tensor([0.8, 0.1, 0.3, 0.7])
+    u = sum((p > q) + 0.5 * (p == q) for p in pos.tolist() for q in neg.tolist())
+    assert auroc(pos, neg) == pytest.approx(u / 20)
+    assert auroc(torch.tensor([2.0, 3.0]), torch.tensor([0.0, 1.0])) == 1.0
+    assert auroc(torch.tensor([0.0, 1.0]), torch.tensor([2.0, 3.0])) == 0.0
+    assert auroc(torch.ones(7), torch.ones(4)) == 0.5
+    same = torch.rand(50, generator=torch.Generator().manual_seed(0))
+    assert auroc(same, same.clone()) == pytest.approx(0.5)
+
+
+def test_fpr_at_95_tpr_hand_case():
+    pos = torch.arange(1.0, 21.0)  # 20 positives; keeping 19 needs threshold 2
+    neg = torch.tensor([0.5, 2.0, 2.5, 100.0])
+    assert fpr_at_tpr(pos, neg) == pytest.approx(3 / 4)
+    assert fpr_at_tpr(pos, torch.tensor([0.0, 1.9])) == 0.0
+
+
+def test_ood_scores_separable_and_identical():
+    id_logits = 10.0 * F.one_hot(torch.arange(40) % 5, 5).float()
+    ood_logits = torch.randn(30, 5, generator=torch.Generator().manual_seed(0)) * 0.1
+    scores = ood_scores(id_logits, ood_logits)
+    assert scores == {"msp_auroc": 100.0, "msp_fpr95": 0.0, "entropy_auroc": 100.0}
+    same = ood_scores(ood_logits, ood_logits.clone())
+    assert same["msp_auroc"] == pytest.approx(50.0) and same["entropy_auroc"] == pytest.approx(50.0)
+
+
+def test_ensemble_logits_softmax_is_mean_softmax():
+    g = torch.Generator().manual_seed(0)
+    members = [torch.randn(6, 4, generator=g) * 2 for _ in range(3)]
+    mean_p = torch.stack([F.softmax(m, 1) for m in members]).mean(0)
+    out = ensemble_logits(members)
+    assert torch.allclose(F.softmax(out, 1), mean_p, atol=1e-6)
+    assert torch.allclose(out.exp().sum(1), torch.ones(6), atol=1e-5)  # log of a distribution
+    assert torch.allclose(F.softmax(ensemble_logits(members[:1]), 1), F.softmax(members[0], 1))
+    with pytest.raises(ValueError, match="same shape"):
+        ensemble_logits([members[0], members[1][:3]])

@@ -1,0 +1,155 @@
+"""Losses of METHODS §3/§6 against hand-derived values and independent formulas."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from models.losses import (
+    LOSSES,
+    build_loss,
+    dense_soft_targets,
+    mixup_batch,
+    mixup_loss,
+    mmce_squared,
+    soft_l2,
+)
+
+
+@pytest.fixture
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(16, 5, generator=g) * 3, torch.randint(0, 5, (16,), generator=g)
+
+
+def test_registry_lists_baselines_and_rejects_unknown():
+    assert {"ce", "ls", "focal", "flsd53", "mbls", "mmce"} <= set(LOSSES)
+    with pytest.raises(ValueError, match="valid: ce, ls"):
+        build_loss("nope", 3)
+    with pytest.raises(ValueError, match="unknown \\['beta'\\]"):
+        build_loss("ls", 3, beta=0.1)
+    with pytest.raises(ValueError, match="alpha"):
+        build_loss("ls", 3, alpha=1.5)
+
+
+def test_every_loss_is_a_differentiable_scalar(batch):
+    logits, y = batch
+    for name in LOSSES:
+        s = logits.clone().requires_grad_(True)
+        loss = build_loss(name, 5)(s, y)
+        assert loss.ndim == 0 and torch.isfinite(loss)
+        loss.backward()
+        assert torch.isfinite(s.grad).all()
+
+
+def test_ce_on_two_class_hand_value():
+    # logits (0, ln 3): p = (1/4, 3/4); label 1 -> -ln(3/4), label 0 -> -ln(1/4).
+    s = torch.tensor([[0.0, math.log(3.0)], [0.0, math.log(3.0)]])
+    loss = build_loss("ce", 2)(s, torch.tensor([1, 0]))
+    assert loss.item() == pytest.approx((-math.log(0.75) - math.log(0.25)) / 2, rel=1e-6)
+
+
+def test_ls_matches_smoothed_target_and_reduces_to_ce(batch):
+    logits, y = batch
+    ce = F.cross_entropy(logits, y)
+    assert build_loss("ls", 5, alpha=0.0)(logits, y).item() == pytest.approx(ce.item(), rel=1e-6)
+    alpha = 0.1
+    target = (1 - alpha) * F.one_hot(y, 5) + alpha / 5
+    expected = -(target * F.log_softmax(logits, 1)).sum(1).mean()
+    got = build_loss("ls", 5, alpha=alpha)(logits, y)
+    assert got.item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_focal_gamma_zero_is_ce_and_hand_value(batch):
+    logits, y = batch
+    ce = F.cross_entropy(logits, y).item()
+    assert build_loss("focal", 5, gamma=0.0)(logits, y).item() == pytest.approx(ce, rel=1e-6)
+    # p_y = 3/4, γ = 3: -(1/4)^3 · ln(3/4)
+    s = torch.tensor([[0.0, math.log(3.0)]])
+    got = build_loss("focal", 2)(s, torch.tensor([1])).item()
+    assert got == pytest.approx(-(0.25**3) * math.log(0.75), rel=1e-6)
+
+
+def test_flsd53_switches_gamma_at_p_02():
+    # two classes with p_y = 0.1 (below 0.2 -> γ=5) and p_y = 0.3, 0.2 (-> γ=3)
+    def logits_for(p: float) -> torch.Tensor:
+        return torch.tensor([[math.log(1 - p), math.log(p)]])
+
+    flsd = build_loss("flsd53", 2)
+    for p, gamma in [(0.1, 5), (0.19, 5), (0.2, 3), (0.3, 3), (0.9, 3)]:
+        got = flsd(logits_for(p), torch.tensor([1])).item()
+        assert got == pytest.approx(-((1 - p) ** gamma) * math.log(p), rel=1e-5), p
+
+
+def test_mbls_zero_penalty_inside_margin_and_hand_value():
+    s = torch.tensor([[1.0, 0.0, -2.0], [0.5, 3.0, 2.0]])
+    y = torch.tensor([0, 1])
+    ce = F.cross_entropy(s, y).item()
+    # all gaps <= 3 < m = 6: MbLS is plain CE
+    assert build_loss("mbls", 3)(s, y).item() == pytest.approx(ce, rel=1e-6)
+    # m = 1: gaps row0 (0, 1, 3) -> relu(-1, 0, 2); row1 (2.5, 0, 1) -> relu(1.5, -1, 0)
+    penalty = (2.0 + 1.5) / 6
+    got = build_loss("mbls", 3, m=1.0, lam=0.5)(s, y).item()
+    assert got == pytest.approx(ce + 0.5 * penalty, rel=1e-6)
+
+
+def test_mmce_matches_pairwise_formula(batch):
+    logits, y = batch
+    p = F.softmax(logits, 1)
+    c, pred = p.max(1)
+    a = (pred == y).float()
+    expected = 0.0
+    for i in range(len(y)):
+        for j in range(len(y)):
+            k = math.exp(-abs(c[i].item() - c[j].item()) / 0.4)
+            expected += (a[i] - c[i]).item() * (a[j] - c[j]).item() * k
+    expected /= len(y) ** 2
+    assert mmce_squared(logits, y).item() == pytest.approx(expected, rel=1e-5)
+    loss = build_loss("mmce", 5, lam=3.0)(logits, y).item()
+    nll = F.cross_entropy(logits, y).item()
+    assert loss == pytest.approx(nll + 3.0 * math.sqrt(expected), rel=1e-5)
+
+
+def test_mmce_vanishes_when_calibrated():
+    # four samples at confidence 0.75, three correct: a - c sums to 0 and the kernel is constant.
+    # float64, since sqrt turns float32 rounding of MMCE² (~1e-9) into ~1e-5
+    s = torch.tensor([[math.log(3.0), 0.0]], dtype=torch.float64).repeat(4, 1)
+    y = torch.tensor([0, 0, 0, 1])
+    assert abs(mmce_squared(s, y).item()) < 1e-12
+    loss = build_loss("mmce", 2)(s, y).item()
+    # the only difference left is the sqrt floor: λ·sqrt(1e-12) = 2e-6
+    assert loss == pytest.approx(F.cross_entropy(s, y).item(), abs=1e-5)
+
+
+def test_soft_l2_and_dense_targets():
+    classes = torch.tensor([[0, 2], [1, 1]])
+    soft = torch.tensor([[0.7, 0.3], [0.6, 0.4]])
+    t = dense_soft_targets(classes, soft, 3)
+    assert torch.allclose(t, torch.tensor([[0.7, 0.0, 0.3], [0.0, 1.0, 0.0]]))
+    # uniform prediction over 3 classes: ||(1/3 - t)||² per row
+    s = torch.zeros(2, 3)
+    row0 = (1 / 3 - 0.7) ** 2 + (1 / 3) ** 2 + (1 / 3 - 0.3) ** 2
+    row1 = 2 * (1 / 3) ** 2 + (1 / 3 - 1) ** 2
+    assert soft_l2(s, t).item() == pytest.approx((row0 + row1) / 2, rel=1e-6)
+    assert soft_l2(torch.tensor([[50.0, 0.0, 0.0]]), torch.tensor([[1.0, 0, 0]])).item() < 1e-12
+    with pytest.raises(ValueError, match="must match"):
+        soft_l2(s, t[:, :2])
+
+
+def test_mixup_is_deterministic_convex_and_loss_matches():
+    x = torch.arange(24.0).reshape(6, 4)
+    y = torch.arange(6)
+    x1, ya, yb, lam = mixup_batch(x, y, 0.4, torch.Generator().manual_seed(3))
+    x2, _, yb2, lam2 = mixup_batch(x, y, 0.4, torch.Generator().manual_seed(3))
+    assert torch.equal(x1, x2) and torch.equal(yb, yb2) and lam == lam2
+    assert 0.0 <= lam <= 1.0 and torch.equal(ya, y)
+    assert sorted(yb.tolist()) == y.tolist()  # a permutation
+    assert torch.allclose(x1, lam * x + (1 - lam) * x[yb])  # y = index here, so y_b = π
+    logits = torch.randn(6, 6, generator=torch.Generator().manual_seed(1))
+    expected = lam * F.cross_entropy(logits, ya) + (1 - lam) * F.cross_entropy(logits, yb)
+    assert mixup_loss(logits, ya, yb, lam).item() == pytest.approx(expected.item())
+    with pytest.raises(ValueError, match="alpha"):
+        mixup_batch(x, y, 0.0, torch.Generator())
