@@ -83,8 +83,13 @@ class Processes:
 
 
 def setup_logging(is_main: bool = True) -> None:
+    """semix's own logger only: other libraries keep their logging as they configured it."""
     level = logging.INFO if is_main else logging.WARNING
-    logging.basicConfig(level=level, format="%(asctime)s semix %(message)s", datefmt="%H:%M:%S")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s semix %(message)s", datefmt="%H:%M:%S"))
+        log.addHandler(handler)
+        log.propagate = False
     log.setLevel(level)
 
 

@@ -219,3 +219,58 @@ def test_rerun_with_other_config_is_refused(digits_root, tmp_path, capsys):
     shutil.copytree(digits_root, tmp_path / "digits")
     code = main(["prepare", "--preset", "digits", "--set", f"out={tmp_path}", "shard_size=64"])
     assert code == 1 and "different config (differs in: out, shard_size)" in capsys.readouterr().err
+
+
+def test_tiny_imagenet_layout(tmp_path):
+    root = tmp_path / "tiny-imagenet-200"
+    wnids = ["n01443537", "n01629819"]
+    (root / "val" / "images").mkdir(parents=True)
+    (root / "wnids.txt").write_text("\n".join(wnids) + "\n")
+    (root / "words.txt").write_text(
+        "n01443537\tgoldfish, Carassius auratus\nn01629819\tEuropean fire salamander\n"
+    )
+    rng = np.random.default_rng(0)
+    ann = []
+    for k, w in enumerate(wnids):
+        (root / "train" / w / "images").mkdir(parents=True)
+        for i in range(5):
+            Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(
+                root / "train" / w / "images" / f"{w}_{i}.JPEG"
+            )
+        name = f"val_{k}.JPEG"
+        Image.fromarray(np.full((64, 64, 3), 40 * k, dtype=np.uint8)).save(
+            root / "val" / "images" / name
+        )
+        ann.append(f"{name}\t{w}\t0\t0\t63\t63")
+    (root / "val" / "val_annotations.txt").write_text("\n".join(ann) + "\n")
+    real = run_stage(
+        "prepare", "tiny-imagenet", [f"out={tmp_path}", f"data_dir={root}", "val_fraction=0.2"]
+    )
+    test = load_split(real / "test")
+    assert test.class_names == ("goldfish", "European fire salamander")
+    assert test.labels.tolist() == [0, 1] and test.images.shape == (2, 64, 64, 3)
+    assert len(load_split(real / "train")) == 8 and len(load_split(real / "val")) == 2
+
+
+def test_hf_datasets_from_local_folder(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rng = np.random.default_rng(0)
+    features = datasets.Features(
+        {"img": datasets.Image(), "label": datasets.ClassLabel(names=["cat", "dog"])}
+    )
+    for split, n in [("train", 10), ("test", 4)]:
+        rows = {
+            "img": [
+                Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)) for _ in range(n)
+            ],
+            "label": [i % 2 for i in range(n)],
+        }
+        datasets.Dataset.from_dict(rows, features=features).to_parquet(
+            str(tmp_path / "hf" / f"{split}.parquet")
+        )
+    real = run_stage(
+        "prepare", "cifar10", [f"out={tmp_path}", f"hf_dataset={tmp_path / 'hf'}", "shard_size=3"]
+    )
+    test = load_split(real / "test")
+    assert test.class_names == ("cat", "dog") and test.labels.tolist() == [0, 1, 0, 1]
+    assert len(load_split(real / "train")) + len(load_split(real / "val")) == 10
