@@ -1,0 +1,62 @@
+"""publish: runs/<classes>/mixed/ -> a dataset repo on the Hugging Face Hub.
+
+    python -m pipeline publish --preset digits --set repo=user/semix-digits [private=1] [dry_run=1]
+
+Only a complete, verified folder is published. The card (README.md) is written into mixed/
+first, so a dry run shows exactly what would go up; the upload is one atomic commit
+(shards/hub.py explains why that is also resumable).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.config import ConfigError
+from pipeline.configs.publish import Config
+from pipeline.runtime import code_version, log
+from shards import hub
+from shards.io import atomic_write_bytes, read_json
+from shards.manifest import ShardError, manifest_digest, verify_shards
+
+
+def format_plan(repo: str, plan: list[hub.PlannedFile]) -> str:
+    """What would go where: one line per file (repo path, size), then the total."""
+    total = sum(f.bytes for f in plan)
+    lines = [f"upload plan -> hf://datasets/{repo} ({len(plan)} files, {total:,} bytes):"]
+    lines += [f"  {f.repo_path:<28} {f.bytes:>14,} B" for f in plan]
+    return "\n".join(lines)
+
+
+def run(cfg: Config) -> Path:
+    # 1. Check inputs: a repo id and a complete mixed/ folder whose shards match the manifest.
+    if not cfg.repo:
+        raise ConfigError("publish needs repo=user/name (make publish REPO=user/name)")
+    folder = Path(cfg.mixed) if cfg.mixed else cfg.root / "mixed"
+    manifest = verify_shards(folder)
+    if manifest.kind != "mixed":
+        raise ShardError(f"{folder} holds a {manifest.kind!r} folder; publish shares mixed/ only")
+    report = folder / "annotation.json"
+    annotation = read_json(report) if report.is_file() else None
+
+    # 2. The dataset card, written into mixed/ (dry run included: it is part of the folder).
+    license_id, note = hub.license_for(manifest.info.get("generator", {}), cfg.preset, cfg.license)
+    files = [name for name in hub.EXTRAS if (folder / name).is_file()]
+    card = hub.build_card(
+        manifest, annotation, repo=cfg.repo, license_id=license_id, license_note=note, files=files
+    )
+    atomic_write_bytes(folder / hub.CARD, str(card).encode("utf-8"))
+
+    # 3. The plan: exact files and repo paths; nothing that names this machine goes up.
+    plan = hub.upload_plan(folder, manifest)
+    hub.check_no_local_paths(plan)
+    print(format_plan(cfg.repo, plan))
+    if cfg.dry_run:
+        log.info("publish: dry run, card written to %s, nothing uploaded", folder / hub.CARD)
+        return folder
+
+    # 4. Upload: create the repo if missing, then one commit carrying the code version.
+    message = f"semix {code_version()}: {manifest.num_samples} mixed samples"
+    message += f" in {len(manifest.shards)} shards (manifest {manifest_digest(folder)[:12]})"
+    url = hub.publish(cfg.repo, plan, private=cfg.private, overwrite=cfg.overwrite, message=message)
+    log.info("publish: %s -> %s", folder, url)
+    return folder
