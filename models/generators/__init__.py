@@ -1,0 +1,67 @@
+"""Generator backends behind one interface (ARCHITECTURE §4): ``generate_series(specs)``.
+
+gen = load_generator("unet", model="runs/digits/generator", steps=25)
+images = gen.generate_series([SeriesSpec(0, 3, 8, (1.0, 0.5, 0.0), seed=123)])  # uint8 [1, 3, H, W, 3]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import (
+    SAMPLERS,
+    Generator,
+    MixableEmbedding,
+    ModelNotFoundError,
+    NonFiniteImageError,
+    SeriesSpec,
+    make_scheduler,
+)
+from .dit import DiTGenerator
+from .sd import SDGenerator
+from .unet import (
+    UNET_PRESETS,
+    UNetGenerator,
+    UNetPreset,
+    build_unet,
+    load_unet,
+    save_unet,
+    unet_from_preset,
+)
+
+GENERATORS: dict[str, type[Generator]] = {
+    "unet": UNetGenerator,
+    "sd": SDGenerator,
+    "dit": DiTGenerator,
+}
+
+
+def load_generator(backend: str, **kwargs: Any) -> Generator:
+    """Build backend ``backend`` with its keyword arguments (``model=...`` etc.)."""
+    if backend not in GENERATORS:
+        raise ValueError(
+            f"unknown generator backend {backend!r}; choose one of {sorted(GENERATORS)}"
+        )
+    return GENERATORS[backend](**kwargs)
+
+
+__all__ = [
+    "GENERATORS",
+    "SAMPLERS",
+    "UNET_PRESETS",
+    "DiTGenerator",
+    "Generator",
+    "MixableEmbedding",
+    "ModelNotFoundError",
+    "NonFiniteImageError",
+    "SDGenerator",
+    "SeriesSpec",
+    "UNetGenerator",
+    "UNetPreset",
+    "build_unet",
+    "load_generator",
+    "load_unet",
+    "make_scheduler",
+    "save_unet",
+    "unet_from_preset",
+]

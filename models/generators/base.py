@@ -1,0 +1,315 @@
+"""The generator interface of ARCHITECTURE §4 and what the three backends share.
+
+A *series* (METHODS §1) is one initial noise z reused for K mixing ratios α_k; image k is sampled
+under the condition α_k·c_a + (1−α_k)·c_b. The backends only differ in what c is (a class-embedding
+row, a prompt embedding) and in how they sample; everything else lives here:
+
+- the noise of a series comes from its own CPU ``torch.Generator`` seeded with ``spec.seed``, so an
+  image never depends on the batch size, the device or the other series of the call;
+- (series, α) pairs are flattened into rows and sampled in chunks of ``batch_size`` rows; every model
+  call is padded to a multiple of ``row_multiple`` rows (see ``Generator._sample_rows`` for why);
+- only deterministic samplers (DDIM η=0, DPM-Solver++ multistep) are accepted;
+- outputs are checked for non-finite values, clipped and quantised to uint8 RGB.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from diffusers import DDIMScheduler, DPMSolverMultistepScheduler
+from diffusers.schedulers.scheduling_utils import SchedulerMixin
+from torch import nn
+
+
+@dataclass(frozen=True)
+class SeriesSpec:
+    """One series: shared noise (from ``seed``) for every α; α is the weight of ``class_a``."""
+
+    series_id: int
+    class_a: int
+    class_b: int
+    alphas: tuple[float, ...]
+    seed: int
+
+
+class NonFiniteImageError(RuntimeError):
+    """Some series produced NaN/Inf pixels (typically fp16 overflow).
+
+    ``series_ids`` names them; ``images`` holds the whole uint8 result of the call with those
+    series zeroed, so a caller can keep the good series and retry the bad ones in float32.
+    """
+
+    def __init__(
+        self, series_ids: Sequence[int], images: torch.Tensor | None = None, dtype: str = ""
+    ):
+        self.series_ids = tuple(series_ids)
+        self.images = images
+        super().__init__(
+            f"non-finite pixels in series {list(self.series_ids)} (dtype {dtype}); retry them in float32"
+        )
+
+
+class ModelNotFoundError(OSError):
+    """A model id/folder that cannot be loaded (missing folder, or offline and not cached)."""
+
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def _ddim(config: Any) -> SchedulerMixin:
+    # η is a step() argument; we never pass it, so DDIM runs with its default η = 0 (deterministic).
+    return DDIMScheduler.from_config(config)
+
+
+def _dpmsolver_pp(config: Any) -> SchedulerMixin:
+    # Force the ODE variant: a saved config may name an SDE one, which draws fresh noise each step.
+    return DPMSolverMultistepScheduler.from_config(config, algorithm_type="dpmsolver++")
+
+
+# Deterministic samplers only: ancestral/SDE samplers inject new noise at every step, which breaks
+# the shared-noise property of a series (METHODS §1).
+SAMPLERS: dict[str, Callable[[Any], SchedulerMixin]] = {"ddim": _ddim, "dpmsolver++": _dpmsolver_pp}
+
+
+def make_scheduler(sampler: str, config: Any) -> SchedulerMixin:
+    """Build the deterministic sampler ``sampler`` from a (training) scheduler config."""
+    if sampler not in SAMPLERS:
+        raise ValueError(
+            f"unknown or non-deterministic sampler {sampler!r}; choose one of {sorted(SAMPLERS)} "
+            "(ancestral/SDE samplers break the shared noise of a series)"
+        )
+    return SAMPLERS[sampler](config)
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_pretrained(load: Callable[..., Any], model: str | Path, **kwargs: Any) -> Any:
+    """``load(model, **kwargs)`` (a ``from_pretrained``), turning "not found" into one clear line.
+
+    An existing folder that fails to load is a real error and propagates unchanged.
+    """
+    model = str(model)  # diffusers' pipeline loader wants a str
+    if Path(model).is_dir():
+        return load(model, **kwargs)
+    try:
+        return load(model, **kwargs)
+    except (OSError, ValueError) as err:
+        raise ModelNotFoundError(
+            f"generator model {model!r} not found: not a local folder and not loadable from the "
+            "hub (offline, not cached or unknown id); set config key `model` to a local "
+            "save_pretrained folder"
+        ) from err
+
+
+class MixableEmbedding(nn.Embedding):
+    """An embedding table that also accepts class-weight vectors.
+
+    Integer labels [B] look rows up as usual; float weights w [B, N] return w @ E, i.e. the mixed
+    condition α·E[a] + (1−α)·E[b] of METHODS §1 when w = α·e_a + (1−α)·e_b. A one-hot w gives
+    exactly E[a] (products with 0 and 1 are exact), so pure classes are not perturbed.
+    """
+
+    def forward(self, labels: torch.Tensor) -> torch.Tensor:
+        if labels.is_floating_point():
+            return labels.to(self.weight.dtype) @ self.weight
+        return super().forward(labels)
+
+
+def make_mixable(parent: nn.Module, name: str) -> MixableEmbedding:
+    """Replace ``parent.<name>`` (an ``nn.Embedding``) by a ``MixableEmbedding`` sharing its weight.
+
+    The parameter object and the state-dict key stay the same, so saving/loading is unaffected.
+    """
+    table = getattr(parent, name)
+    if not isinstance(table, nn.Embedding):
+        raise ValueError(
+            f"{type(parent).__name__}.{name} is {type(table).__name__}, not nn.Embedding"
+        )
+    mixable = MixableEmbedding(table.num_embeddings, table.embedding_dim, _weight=table.weight)
+    mixable.weight = table.weight  # share the Parameter itself, not a copy
+    setattr(parent, name, mixable)
+    return mixable
+
+
+def class_weights(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, n: int) -> torch.Tensor:
+    """w = α·e_a + (1−α)·e_b ∈ R^{B×n} (METHODS §1), float32."""
+    alpha = alpha.to(torch.float32)[:, None]
+    return alpha * F.one_hot(a, n).float() + (1 - alpha) * F.one_hot(b, n).float()
+
+
+class Generator(ABC):
+    """Base of the backends: shared noise, chunking, post-processing and identity metadata.
+
+    Subclasses set the attributes below and implement ``noise_shape``, ``condition`` and ``sample``.
+    """
+
+    model_id: str  # hub id or local folder
+    revision: str | None
+    sampler: str
+    steps: int
+    guidance: float  # 1.0 = no classifier-free guidance
+    image_size: int  # output resolution (H = W)
+    num_classes: int
+
+    def __init__(
+        self,
+        *,
+        sampler: str,
+        steps: int,
+        device: str | torch.device,
+        dtype: str | torch.dtype,
+        batch_size: int,
+        row_multiple: int,
+    ) -> None:
+        if sampler not in SAMPLERS:
+            make_scheduler(sampler, {})  # raises the one-line ValueError
+        if steps < 1 or batch_size < 1 or row_multiple < 1:
+            raise ValueError(
+                f"steps, batch_size, row_multiple must be >= 1, got {steps}, {batch_size}, {row_multiple}"
+            )
+        self.sampler = sampler
+        self.steps = int(steps)
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype)
+        self.batch_size = int(batch_size)
+        self.row_multiple = int(row_multiple)
+
+    # -- backend hooks ---------------------------------------------------------------------------
+
+    @property
+    @abstractmethod
+    def noise_shape(self) -> tuple[int, ...]:
+        """Shape of one series' initial noise (pixels or latents), without the batch dim."""
+
+    @abstractmethod
+    def condition(self, a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+        """Mixed condition α·c_a + (1−α)·c_b for rows (a, b, α), batch dim first, on the device."""
+
+    @abstractmethod
+    def sample(self, noise: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """Denoise unit noise [B, *noise_shape] under ``cond``; images [B, 3, h, w] in [-1, 1]."""
+
+    # -- shared machinery ------------------------------------------------------------------------
+
+    def metadata(self) -> dict[str, Any]:
+        """Identity of the generator, to store with every image."""
+        return {
+            "model_id": self.model_id,
+            "revision": self.revision,
+            "sampler": self.sampler,
+            "steps": self.steps,
+            "guidance": self.guidance,
+            "image_size": self.image_size,
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+    def initial_noise(self, seed: int) -> torch.Tensor:
+        """z ~ N(0, I) of one series, drawn on the CPU in float32 from its own generator."""
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        return torch.randn(self.noise_shape, generator=gen, dtype=torch.float32)
+
+    def to_uint8(self, images: torch.Tensor) -> torch.Tensor:
+        """[B, 3, h, w] in [0, 1] -> uint8 [B, H, W, 3] at ``image_size`` (antialiased resize)."""
+        x = images.float().clamp(0, 1)
+        if x.shape[-2:] != (self.image_size, self.image_size):
+            size = (self.image_size, self.image_size)
+            x = F.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False)
+            x = x.clamp(0, 1)
+        return (x * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+
+    def _check_specs(self, specs: Sequence[SeriesSpec]) -> int:
+        if not specs:
+            raise ValueError("generate_series needs at least one SeriesSpec")
+        n_alphas = len(specs[0].alphas)
+        for s in specs:
+            if len(s.alphas) != n_alphas or n_alphas == 0:
+                raise ValueError(
+                    f"all series need the same non-zero number of alphas; series {s.series_id} has {len(s.alphas)}"
+                )
+            for c in (s.class_a, s.class_b):
+                if not 0 <= c < self.num_classes:
+                    raise ValueError(
+                        f"series {s.series_id}: class {c} outside [0, {self.num_classes})"
+                    )
+            if not all(0.0 <= a <= 1.0 for a in s.alphas):
+                raise ValueError(f"series {s.series_id}: alphas must lie in [0, 1], got {s.alphas}")
+        return n_alphas
+
+    def _sample_rows(
+        self, noise: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor
+    ) -> torch.Tensor:
+        """Sample one chunk of rows; returns float images in [-1, 1] (possibly non-finite).
+
+        Why the padding: CPU BLAS kernels treat the rows of a matrix product in register blocks, and
+        a partial block (a batch of 1 -> a matrix-vector product, or 7 rows) takes another code path
+        with another rounding. Padding every model call to a multiple of ``row_multiple`` (repeating
+        the last row) makes a row's result independent of the batch size on the CPU (the tests
+        check batch sizes 1 vs 7). Rows never interact otherwise (no batch statistics in eval mode),
+        so the padding's content is irrelevant. GPU libraries pick kernels per shape: there, bytes
+        are reproducible for a fixed ``batch_size``, not promised across batch sizes.
+        """
+        n = noise.shape[0]
+        pad = -n % self.row_multiple
+        idx = torch.cat([torch.arange(n), torch.full((pad,), n - 1)])
+        noise, a, b, alpha = noise[idx], a[idx], b[idx], alpha[idx]
+        cond = self.condition(a.to(self.device), b.to(self.device), alpha.to(self.device))
+        x = self.sample(noise.to(device=self.device, dtype=self.dtype), cond)
+        return x[:n]
+
+    @torch.inference_mode()
+    def generate_series(
+        self,
+        specs: Sequence[SeriesSpec],
+        batch_size: int | None = None,
+        progress: Callable[[int], Any] | None = None,
+    ) -> torch.Tensor:
+        """Images of every series: uint8 [n_series, K, H, W, 3] (RGB, CPU).
+
+        ``batch_size`` rows (one row = one (series, α) image) per model call; ``progress(n)`` is
+        called with the number of images finished after each chunk (e.g. ``tqdm.update``).
+        Raises ``NonFiniteImageError`` naming the series with NaN/Inf pixels.
+        """
+        # 1. Check inputs
+        n_alphas = self._check_specs(specs)
+        batch_size = batch_size or self.batch_size
+        # 2. One noise tensor per series, on the CPU; flatten (series, α) into rows
+        noise = torch.stack([self.initial_noise(s.seed) for s in specs])
+        series_of_row = torch.arange(len(specs)).repeat_interleave(n_alphas)
+        a = torch.tensor([s.class_a for s in specs]).repeat_interleave(n_alphas)
+        b = torch.tensor([s.class_b for s in specs]).repeat_interleave(n_alphas)
+        alpha = torch.tensor([x for s in specs for x in s.alphas], dtype=torch.float32)
+        # 3. Sample chunk by chunk
+        n_rows = len(series_of_row)
+        out = torch.zeros(n_rows, self.image_size, self.image_size, 3, dtype=torch.uint8)
+        bad: set[int] = set()
+        for start in range(0, n_rows, batch_size):
+            rows = slice(start, min(start + batch_size, n_rows))
+            x = self._sample_rows(noise[series_of_row[rows]], a[rows], b[rows], alpha[rows])
+            finite = torch.isfinite(x).flatten(1).all(dim=1).cpu()
+            bad.update(series_of_row[rows][~finite].tolist())
+            out[rows] = self.to_uint8(torch.nan_to_num(x.float() / 2 + 0.5))
+            if progress is not None:
+                progress(rows.stop - rows.start)
+        out = out.view(len(specs), n_alphas, self.image_size, self.image_size, 3)
+        # 4. Never hand back non-finite images silently
+        if bad:
+            out[sorted(bad)] = 0
+            ids = [specs[i].series_id for i in sorted(bad)]
+            raise NonFiniteImageError(ids, out, dtype=str(self.dtype).removeprefix("torch."))
+        return out

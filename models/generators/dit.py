@@ -1,0 +1,130 @@
+"""`dit` backend: class-conditional DiT (``DiTPipeline``, ImageNet class ids).
+
+METHODS §1: every transformer block has its own adaLN-Zero class embedder
+(``block.norm1.emb.class_embedder.embedding_table``); each table is made mixable, so class-weight
+vectors w = α·e_a + (1−α)·e_b mix α·E[a] + (1−α)·E[b] in every block (and in the final layer, which
+reuses block 0's embedder). The null class (row ``num_classes``, 1000 for ImageNet) serves
+classifier-free guidance like ``DiTPipeline``: the batch is doubled with the null class and
+eps = uncond + g·(cond − uncond). DiT's usual 4.0 must be chosen explicitly; CSM used none (1.0).
+
+``DiTPipeline.__call__`` cannot take initial latents, so the short sampling loop is ours; it follows
+the pipeline step by step (learned-σ channels are dropped, as the pipeline does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from diffusers import DiTPipeline
+
+from .base import (
+    Generator,
+    MixableEmbedding,
+    class_weights,
+    load_pretrained,
+    make_mixable,
+    make_scheduler,
+)
+
+
+class DiTGenerator(Generator):
+    """CSM series from a DiT; ``class_ids[i]`` is the DiT (ImageNet) id of our class i."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        class_ids: Sequence[int],
+        *,
+        guidance: float,
+        image_size: int = 32,
+        revision: str | None = None,
+        sampler: str = "ddim",
+        steps: int = 25,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype = "float32",
+        batch_size: int = 32,
+        row_multiple: int = 8,
+        torch_compile: bool = False,
+    ) -> None:
+        super().__init__(
+            sampler=sampler,
+            steps=steps,
+            device=device,
+            dtype=dtype,
+            batch_size=batch_size,
+            row_multiple=row_multiple,
+        )
+        pipe = load_pretrained(
+            DiTPipeline.from_pretrained, model, revision=revision, torch_dtype=self.dtype
+        )
+        self.transformer = pipe.transformer.to(self.device).eval()
+        self.vae = pipe.vae.to(self.device).eval()
+        self.scheduler = make_scheduler(sampler, pipe.scheduler.config)
+        self._tables = [
+            self._mixable_table(i, blk) for i, blk in enumerate(self.transformer.transformer_blocks)
+        ]
+        # table rows: the DiT classes, plus the null class if it was trained with label dropout
+        n_ids = self._tables[0].num_embeddings
+        self.null_id = self.transformer.transformer_blocks[0].norm1.emb.class_embedder.num_classes
+        if any(not 0 <= c < self.null_id for c in class_ids):
+            raise ValueError(f"class_ids must lie in [0, {self.null_id}), got {list(class_ids)}")
+        if guidance > 1 and self.null_id >= n_ids:
+            raise ValueError(
+                f"{model}: guidance {guidance} needs a null class, this DiT has none; use 1.0"
+            )
+        self.class_ids = torch.tensor(list(class_ids), device=self.device)
+        self.model_id, self.revision = str(model), revision
+        self.num_classes = len(class_ids)
+        self.guidance, self.image_size = float(guidance), int(image_size)
+        self._forward = torch.compile(self.transformer) if torch_compile else self.transformer
+
+    @staticmethod
+    def _mixable_table(i: int, block: torch.nn.Module) -> MixableEmbedding:
+        emb = getattr(getattr(block, "norm1", None), "emb", None)
+        if emb is None or not hasattr(emb, "class_embedder"):
+            raise ValueError(
+                f"transformer block {i} has no adaLN-Zero class embedder (norm_type ada_norm_zero)"
+            )
+        return make_mixable(emb.class_embedder, "embedding_table")
+
+    def metadata(self) -> dict:
+        return super().metadata() | {"class_ids": self.class_ids.tolist()}
+
+    @property
+    def noise_shape(self) -> tuple[int, ...]:
+        cfg = self.transformer.config
+        return (cfg.in_channels, cfg.sample_size, cfg.sample_size)
+
+    def condition(self, a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+        """Weights over the DiT table: α·e_{id(a)} + (1−α)·e_{id(b)} [B, n_ids]."""
+        return class_weights(
+            self.class_ids[a], self.class_ids[b], alpha, self._tables[0].num_embeddings
+        )
+
+    def sample(self, noise: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """Deterministic reverse process (DiTPipeline's loop); ``cond``: labels [B] or weights [B, N]."""
+        # 1. Guidance doubles the batch with the null class, as DiTPipeline does
+        guided = self.guidance > 1
+        if guided:
+            null = torch.full((len(cond),), self.null_id, device=self.device)
+            if cond.is_floating_point():
+                null = torch.nn.functional.one_hot(null, cond.shape[1]).to(cond.dtype)
+            cond = torch.cat([cond, null])
+        n_lat = self.transformer.config.in_channels
+        learned_sigma = self.transformer.config.out_channels == 2 * n_lat
+        # 2. Denoising loop
+        sched = self.scheduler
+        sched.set_timesteps(self.steps, device=self.device)
+        x = noise * sched.init_noise_sigma
+        for t in sched.timesteps:
+            x_in = sched.scale_model_input(torch.cat([x, x]) if guided else x, t)
+            out = self._forward(x_in, timestep=t[None].expand(len(x_in)), class_labels=cond).sample
+            eps = out[:, :n_lat] if learned_sigma else out
+            if guided:
+                eps_cond, eps_uncond = eps.chunk(2)
+                eps = eps_uncond + self.guidance * (eps_cond - eps_uncond)
+            x = sched.step(eps, t, x).prev_sample
+        # 3. Decode latents
+        return self.vae.decode(1 / self.vae.config.scaling_factor * x).sample  # as DiTPipeline

@@ -1,0 +1,121 @@
+"""`sd` backend: any Stable-Diffusion-compatible model (SD 1.5, 2.x, Turbo; hub id or local folder).
+
+METHODS §1: prompt embeddings E(a), E(b) of "a photo of a {name}" come from the pipeline's own text
+encoder (``encode_prompt``); the condition is α·E(a) + (1−α)·E(b) and classifier-free guidance is
+uncond + g·(cond − uncond), done by the pipeline from ``prompt_embeds``/``negative_prompt_embeds``.
+Images are generated at the model's native resolution and resized to the dataset resolution with
+antialiasing. The safety checker is not loaded: it silently blacks images out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from diffusers import StableDiffusionPipeline
+
+from .base import Generator, load_pretrained, make_scheduler
+
+
+class SDGenerator(Generator):
+    """CSM series from a Stable Diffusion pipeline; ``class_names[i]`` is the name of class i."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        class_names: Sequence[str],
+        *,
+        image_size: int = 32,
+        revision: str | None = None,
+        prompt_template: str = "a photo of a {name}",
+        negative_prompt: str = "",
+        guidance: float = 7.5,
+        native_size: int | None = None,
+        sampler: str = "ddim",
+        steps: int = 25,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype = "float32",
+        batch_size: int = 16,
+        row_multiple: int = 8,
+        torch_compile: bool = False,
+    ) -> None:
+        super().__init__(
+            sampler=sampler,
+            steps=steps,
+            device=device,
+            dtype=dtype,
+            batch_size=batch_size,
+            row_multiple=row_multiple,
+        )
+        if "{name}" not in prompt_template:
+            raise ValueError(f"prompt_template must contain '{{name}}', got {prompt_template!r}")
+        pipe = load_pretrained(
+            StableDiffusionPipeline.from_pretrained,
+            model,
+            revision=revision,
+            torch_dtype=self.dtype,
+            safety_checker=None,
+            requires_safety_checker=False,
+        )
+        pipe.scheduler = make_scheduler(sampler, pipe.scheduler.config)
+        pipe.set_progress_bar_config(disable=True)
+        self.pipe = pipe.to(self.device)  # diffusers attention uses SDPA by default
+        if torch_compile:
+            self.pipe.unet = torch.compile(self.pipe.unet)
+        self.model_id, self.revision = str(model), revision
+        self.class_names = list(class_names)
+        self.num_classes = len(self.class_names)
+        self.prompt_template, self.negative_prompt = prompt_template, negative_prompt
+        self.guidance, self.image_size = float(guidance), int(image_size)
+        self.native_size = int(native_size or pipe.unet.config.sample_size * pipe.vae_scale_factor)
+        self._embeds: dict[int, torch.Tensor] = {}  # class index -> E(class) [T, D], float32
+        self._uncond: torch.Tensor | None = None
+
+    def metadata(self) -> dict:
+        return super().metadata() | {
+            "prompt_template": self.prompt_template,
+            "negative_prompt": self.negative_prompt,
+        }
+
+    @property
+    def noise_shape(self) -> tuple[int, ...]:
+        f = self.pipe.vae_scale_factor
+        return (self.pipe.unet.config.in_channels, self.native_size // f, self.native_size // f)
+
+    def prompt(self, c: int) -> str:
+        return self.prompt_template.format(name=self.class_names[c])
+
+    def _encode(self, c: int) -> torch.Tensor:
+        """E(c), encoded once per class and alone (batch 1), so it never depends on a batch."""
+        if c not in self._embeds:
+            cond, uncond = self.pipe.encode_prompt(
+                self.prompt(c), self.device, 1, True, negative_prompt=self.negative_prompt
+            )
+            self._embeds[c] = cond[0].float()
+            if self._uncond is None:
+                self._uncond = uncond[0]
+        return self._embeds[c]
+
+    def condition(self, a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+        """α·E(a) + (1−α)·E(b) per row [B, T, D] (mixed in float32, then cast)."""
+        e_a = torch.stack([self._encode(c) for c in a.tolist()])
+        e_b = torch.stack([self._encode(c) for c in b.tolist()])
+        w = alpha.float()[:, None, None]
+        return (w * e_a + (1 - w) * e_b).to(self.dtype)
+
+    def sample(self, noise: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """Run the pipeline on shared ``latents``; decode ourselves to see non-finite values."""
+        latents = self.pipe(
+            prompt_embeds=cond,
+            negative_prompt_embeds=self._uncond.expand(len(cond), -1, -1),
+            latents=noise,
+            height=self.native_size,
+            width=self.native_size,
+            num_inference_steps=self.steps,
+            guidance_scale=self.guidance,
+            output_type="latent",
+            return_dict=False,
+        )[0]
+        vae = self.pipe.vae
+        return vae.decode(latents / vae.config.scaling_factor, return_dict=False)[0]
