@@ -27,18 +27,16 @@ import huggingface_hub
 from huggingface_hub import (
     CommitOperationAdd,
     CommitOperationDelete,
-    DatasetCard,
-    DatasetCardData,
     HfApi,
 )
 from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 from safetensors import safe_open
 
+from shards.card import DATA_GLOB
 from shards.io import read_json
 from shards.manifest import MANIFEST, Manifest, ShardError, read_manifest, verify_shards
 
 CARD = "README.md"
-DATA_GLOB = "mixed-*.tar"  # the card's `configs` glob: exactly the shards of a mixed/ folder
 # Optional files uploaded when present. Never uploaded: config.json (it holds local paths: the
 # card states the settings from the manifest instead) and .done/ (local resume bookkeeping).
 EXTRAS = ("annotation.json", "annotation.png", "preview.png", "prototypes.safetensors")
@@ -46,223 +44,12 @@ EXTRAS += ("prototypes.json",)
 PULL_PATTERNS = (DATA_GLOB, MANIFEST, CARD, *EXTRAS)
 REMOTE_KEEP = (".gitattributes",)  # created by the Hub with the repo; not ours to delete
 
-# Hub license ids semix may write into a card (the Hub refuses ids outside its own list).
-HUB_LICENSES = ("apache-2.0", "mit", "bsd-3-clause", "cc0-1.0", "cc-by-4.0", "cc-by-sa-4.0")
-HUB_LICENSES += ("cc-by-nc-4.0", "cc-by-nc-sa-4.0", "openrail", "openrail++", "other")
-HUB_LICENSES += ("creativeml-openrail-m", "bigscience-openrail-m")
-# Known generators, matched on the lowercased model id; images follow the generator's license.
-MODEL_LICENSES = {
-    "stable-diffusion-v1-": "creativeml-openrail-m",  # CompVis v1-x, runwayml / sd-legacy v1-5
-    "stable-diffusion-2": "openrail++",  # stabilityai 2, 2-base, 2-1, 2-1-base
-    "stable-diffusion-xl": "openrail++",
-    "dit-xl-2": "cc-by-nc-4.0",  # facebook/DiT-XL-2-256, -512
-}
-BACKEND_LICENSES = {"dit": "cc-by-nc-4.0"}  # every released DiT checkpoint is CC BY-NC 4.0
-# The in-house UNet learns only from the real training set, so its images carry that license.
-UNET_DATA_LICENSES = {
-    "digits": (
-        "cc-by-4.0",
-        "scikit-learn's handwritten digits (UCI Optical Recognition of Handwritten Digits)",
-    ),
-}
-_SIZES = ((1_000, "n<1K"), (10_000, "1K<n<10K"), (100_000, "10K<n<100K"))
-_SIZES += ((1_000_000, "100K<n<1M"), (10_000_000, "1M<n<10M"), (100_000_000, "10M<n<100M"))
 _ABSOLUTE = re.compile(r"^(/|~|[A-Za-z]:[\\/]|file:)")
 _TOKEN_LIKE = re.compile(r"hf_[A-Za-z0-9]{6,}")
 
 
 class HubError(ValueError):
     """Publishing or pulling failed for a reason the user must fix; the CLI prints one line."""
-
-
-# ------------------------------------------------------------------------- card metadata
-
-
-def size_category(n: int) -> str:
-    """The Hub's size_categories bucket for n samples."""
-    return next((name for bound, name in _SIZES if n < bound), "100M<n<1B")
-
-
-def license_for(generator: Mapping[str, Any], dataset: str, override: str = "") -> tuple[str, str]:
-    """(Hub license id, one plain sentence for the card saying where it comes from).
-
-    Order: the publisher's override, the license the generate stage recorded, known model ids,
-    the in-house UNet's training data, the backend; otherwise `other`, said plainly.
-    """
-    model, backend = str(generator.get("model_id", "")), str(generator.get("backend", ""))
-    if override:
-        return override, f"`{override}`, set by the publisher."
-    recorded = str(generator.get("license", ""))
-    if recorded in HUB_LICENSES and recorded != "other":
-        return recorded, f"`{recorded}`, the license of the generator `{model}`."
-    for pattern, lic in MODEL_LICENSES.items():
-        if pattern in model.lower():
-            return lic, f"`{lic}`, the license of the generator `{model}`."
-    if backend == "unet" and dataset in UNET_DATA_LICENSES:
-        lic, source = UNET_DATA_LICENSES[dataset]
-        return lic, f"`{lic}`: semix's in-house UNet was trained only on {source}, licensed {lic}."
-    if backend in BACKEND_LICENSES:
-        lic = BACKEND_LICENSES[backend]
-        return lic, f"`{lic}`, the license of the {backend} backend's weights."
-    return "other", (
-        f"`other`: semix does not know the license of the generator `{model or backend}`. Check "
-        "that model's terms before reusing these images."
-    )
-
-
-CITATION = """@inproceedings{luo2025beyond,
-  title     = {Beyond One-Hot Labels: Semantic Mixing for Model Calibration},
-  author    = {Luo, Haoyang and Tao, Linwei and Dong, Minjing and Xu, Chang},
-  booktitle = {Proceedings of the 42nd International Conference on Machine Learning (ICML)},
-  year      = {2025}
-}"""
-FIELDS = (
-    ("png", "the image (RGB)"),
-    ("cls", "dominant class after re-annotation: a if t_a >= 0.5 else b"),
-    ("json.series, json.position", "series id; position k in the series (shared initial noise)"),
-    ("json.classes, json.names", "the mixed pair [a, b] as class indices and names"),
-    ("json.alpha", "generation weight of class a"),
-    ("json.lambda_hat", "re-annotated weight of class a (projection on the prototypes, unclipped)"),
-    ("json.soft", "training target [t_a, t_b], t_a = sigmoid(s (lambda_hat - 0.5))"),
-    ("json.seed, json.generator, ...", "seed, generator id, revision, sampler, steps, guidance"),
-)
-
-
-def _fmt(value: Any) -> str:
-    """Compact Markdown-safe rendering of a manifest value; empty -> an em dash."""
-    if isinstance(value, Mapping):
-        return ", ".join(f"{k}={_fmt(v)}" for k, v in value.items()) or "—"
-    if isinstance(value, (list, tuple)):
-        return ", ".join(_fmt(v) for v in value) or "—"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return "—" if value in (None, "") else str(value).replace("|", "/")
-
-
-def _stats_lines(stats: Mapping[str, Any]) -> list[str]:
-    """Annotation report (annotation.json) as prose and a per-alpha table; absent keys skipped."""
-    lines = []
-    if stats.get("spearman_lambda_alpha") is not None:
-        lines.append(f"- Spearman correlation of λ̂ with α: {stats['spearman_lambda_alpha']:.3f}")
-    if stats.get("monotone_share") is not None:
-        n = stats.get("n_series_checked", "?")
-        lines.append(f"- series whose λ̂ rises with α: {stats['monotone_share']:.1%} (of {n})")
-    lam = stats.get("lambda_hat") or {}
-    if {"mean", "std", "min", "max"} <= set(lam):
-        lines.append(
-            f"- λ̂ mean {lam['mean']:.3f} ± {lam['std']:.3f}, range [{lam['min']:.3f}, "
-            f"{lam['max']:.3f}]; below 0: {lam.get('share_below_0', 0):.1%}, "
-            f"above 1: {lam.get('share_above_1', 0):.1%}"
-        )
-    rows = stats.get("per_alpha") or []
-    if rows:
-        lines += ["", "| α | images | mean λ̂ | std λ̂ |", "|---|---|---|---|"]
-        lines += [
-            f"| {r['alpha']:.3g} | {r['n']} | {r['mean']:.3f} | {r['std']:.3f} |" for r in rows
-        ]
-    return lines
-
-
-def build_card(
-    manifest: Manifest,
-    annotation: Mapping[str, Any] | None,
-    *,
-    repo: str,
-    license_id: str,
-    license_note: str,
-    files: Sequence[str],
-) -> DatasetCard:
-    """The dataset card: Hub metadata through DatasetCardData, body from the manifest + report.
-
-    `files` are the repo paths being published, so the card links only plots that exist.
-    """
-    info, n = manifest.info, manifest.num_samples
-    gen, ann = info.get("generator", {}), info.get("annotation", {})
-    name = repo.split("/")[-1]
-    data = DatasetCardData(
-        license=license_id,
-        task_categories=["image-classification"],
-        tags=["semix", "calibration", "synthetic", "soft-labels", "diffusion", "webdataset"],
-        size_categories=[size_category(n)],
-        pretty_name=f"{name} (semix CSM mixed data)",
-        configs=[{"config_name": "default", "data_files": [{"split": "train", "path": DATA_GLOB}]}],
-    )
-    classes = manifest.class_names
-    shown = ", ".join(classes[:20]) + (", …" if len(classes) > 20 else "")
-    made = [
-        ("generator", f"{_fmt(gen.get('backend'))} `{_fmt(gen.get('model_id'))}`"),
-        ("revision", _fmt(gen.get("revision"))),
-        ("sampler", f"{_fmt(gen.get('sampler'))}, {_fmt(gen.get('steps'))} steps"),
-        ("guidance", _fmt(gen.get("guidance"))),
-        ("α grid (weight of class a)", _fmt(info.get("alphas"))),
-        ("series per pair", _fmt(info.get("series_per_pair"))),
-        ("pairs / series", f"{_fmt(info.get('num_pairs'))} / {_fmt(info.get('num_series'))}"),
-        ("image size", _fmt(info.get("image_size"))),
-        ("annotation method", _fmt(ann.get("method"))),
-        ("encoder", _fmt(ann.get("encoder"))),
-        ("prototypes", _fmt(ann.get("prototypes"))),
-        ("sharpening s", _fmt(ann.get("sharpening"))),
-        ("images / shards", f"{n} / {len(manifest.shards)}"),
-        ("semix version", _fmt(manifest.code_version)),
-    ]
-    body = [
-        f"# {data.pretty_name}",
-        "",
-        f"{n} synthetic images made with semix by Calibration-aware "
-        "Semantic Mixing (CSM): each series shares one initial noise and morphs class a into "
-        "class b as the mixing weight α goes from 0 to 1; every image carries a soft label "
-        f"re-annotated from image features. {len(classes)} classes: {shown}.",
-        "",
-        "## How it was made",
-        "",
-        "| setting | value |",
-        "|---|---|",
-        *[f"| {k} | {v} |" for k, v in made],
-        "",
-        "Settings come from `manifest.json` (`info`), which also lists every shard with its "
-        "sample count and sha256. The stages' `config.json` files are not published: they hold "
-        "local paths.",
-    ]
-    if annotation:
-        body += [
-            "",
-            "## Annotation statistics",
-            "",
-            *_stats_lines(annotation.get("stats", annotation)),
-        ]
-    body += [f"\n![{p[:-4]}]({p})" for p in ("annotation.png", "preview.png") if p in files]
-    body += ["", "## Fields", "", "| field | meaning |", "|---|---|"]
-    body += [f"| `{k}` | {v} |" for k, v in FIELDS]
-    body += [
-        "",
-        "## Load it",
-        "",
-        "```python",
-        "from datasets import load_dataset",
-        f'ds = load_dataset("{repo}", split="train")  # png, cls, json (alpha, lambda_hat, soft, ...)',
-        "```",
-        "",
-        "```python",
-        "import glob, webdataset as wds",
-        "from huggingface_hub import snapshot_download",
-        f'local = snapshot_download("{repo}", repo_type="dataset")',
-        f'ds = wds.WebDataset(sorted(glob.glob(local + "/{DATA_GLOB}"))).decode("pil")',
-        "```",
-        "",
-        f"With semix: `make pull REPO={repo}` verifies every shard against `manifest.json`, then "
-        f"`make train MIXED=runs/{name}/mixed` trains on it.",
-        "",
-        "## License",
-        "",
-        license_note,
-        "",
-        "## Citation",
-        "",
-        "```bibtex",
-        CITATION,
-        "```",
-    ]
-    return DatasetCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body) + "\n")
 
 
 # ------------------------------------------------------------------------- upload plan

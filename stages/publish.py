@@ -15,6 +15,7 @@ from pipeline.config import ConfigError
 from pipeline.configs.publish import Config
 from pipeline.runtime import code_version, log
 from shards import hub
+from shards.card import build_card, license_for
 from shards.io import atomic_write_bytes, read_json
 from shards.manifest import ShardError, manifest_digest, verify_shards
 
@@ -39,9 +40,9 @@ def run(cfg: Config) -> Path:
     annotation = read_json(report) if report.is_file() else None
 
     # 2. The dataset card, written into mixed/ (dry run included: it is part of the folder).
-    license_id, note = hub.license_for(manifest.info.get("generator", {}), cfg.preset, cfg.license)
+    license_id, note = license_for(manifest.info.get("generator", {}), cfg.preset, cfg.license)
     files = [name for name in hub.EXTRAS if (folder / name).is_file()]
-    card = hub.build_card(
+    card = build_card(
         manifest, annotation, repo=cfg.repo, license_id=license_id, license_note=note, files=files
     )
     atomic_write_bytes(folder / hub.CARD, str(card).encode("utf-8"))

@@ -23,7 +23,7 @@ from safetensors.numpy import save_file
 
 from pipeline.cli import main
 from pipeline.runtime import code_version
-from shards import hub
+from shards import card
 from shards.io import atomic_write_json
 from shards.manifest import MANIFEST
 from shards.reader import load_split
@@ -190,7 +190,7 @@ LICENSE_CASES = [  # backend, model id, dataset, recorded license, override -> e
 )
 def test_license_logic(backend, model, dataset, recorded, override, want):
     generator = {"backend": backend, "model_id": model, "license": recorded}
-    lic, note = hub.license_for(generator, dataset, override)
+    lic, note = card.license_for(generator, dataset, override)
     assert lic == want and f"`{want}`" in note
     assert ("does not know the license" in note) == (want == "other")
 

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 
 from pipeline.config import ConfigError, StageConfig, check_choice
-from shards.hub import HUB_LICENSES
+from shards.card import HUB_LICENSES
 
 # "namespace/name" as the Hub spells it: letters, digits, - _ . ; no "--" or "..".
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
