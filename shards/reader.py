@@ -28,7 +28,8 @@ KNOWN_FIELDS = ("png", "cls", "json")
 
 def decode_png(data: bytes) -> np.ndarray:
     with Image.open(io.BytesIO(data)) as im:
-        return np.asarray(im.convert("RGB"), dtype=np.uint8)
+        # our PNGs are RGB already: skip the convert copy (a third of the decode time)
+        return np.asarray(im if im.mode == "RGB" else im.convert("RGB"), dtype=np.uint8)
 
 
 def decode_sample(raw: dict[str, Any]) -> dict[str, Any]:

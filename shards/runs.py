@@ -23,7 +23,9 @@ WEIGHTS = "model.safetensors"
 META = "model.json"
 
 
-def save_weights(folder: Path, state_dict: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> Path:
+def save_weights(
+    folder: Path, state_dict: Mapping[str, torch.Tensor], meta: Mapping[str, Any]
+) -> Path:
     """Weights first, then model.json: a folder with model.json has complete weights."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -35,7 +37,9 @@ def save_weights(folder: Path, state_dict: Mapping[str, torch.Tensor], meta: Map
     return folder / WEIGHTS
 
 
-def load_weights(folder: Path, device: str | torch.device = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def load_weights(
+    folder: Path, device: str | torch.device = "cpu"
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     folder = Path(folder)
     if not (folder / META).is_file() or not (folder / WEIGHTS).is_file():
         raise ShardError(
