@@ -1,0 +1,355 @@
+"""Pure-torch pieces of a classifier training loop, shared by the train and finetune stages.
+
+Small datasets live on the device as uint8 [N, H, W, 3]; each step indexes a batch, augments it
+there and normalises it, so no CPU data loader runs at all (airbench-style). Every random draw
+comes from a `torch.Generator` the caller derives from (seed, epoch, purpose): a resumed run
+replays exactly what an uninterrupted one would have drawn.
+
+    perm_batches = epoch_batches(n, batch_size, gen)                  # index tensors
+    x = normalize(random_crop_flip(images[idx], gen, pad=4), mean, std)   # [B, C, H, W]
+    loss, logits = TrainingModule(model, build_objective("ce", C))(x=x, y=labels[idx])
+
+Objectives (`OBJECTIVES`, one per `loss=` value of the train stage) compute the loss from the
+model and a batch dict *inside* one forward call, so DDP sees a single forward per step even
+when CSM runs the real and the synthetic images through the model separately (METHODS §3), and
+FeDLaS' gate parameters (METHODS §5) are synchronised with the model's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from models.heads import FeDLaSCriterion
+from models.losses import build_loss, dense_soft_targets, mixup_batch, mixup_loss, soft_l2
+
+# ------------------------------------------------------------------------- batches and inputs
+
+
+def epoch_batches(
+    n: int, batch_size: int, generator: torch.Generator, min_last: int = 2
+) -> list[Tensor]:
+    """A random permutation of range(n) cut into batches (CPU int64 index tensors).
+
+    The last, shorter batch is kept unless it has fewer than `min_last` samples (BatchNorm needs
+    two per process: pass 2·world under DDP).
+    """
+    if n < 1 or batch_size < 1:
+        raise ValueError(f"need n >= 1 and batch_size >= 1, got {n}, {batch_size}")
+    perm = torch.randperm(n, generator=generator, device=generator.device).cpu()
+    batches = list(perm.split(batch_size))
+    if len(batches) > 1 and len(batches[-1]) < min_last:
+        batches.pop()
+    return batches
+
+
+def random_crop_flip(
+    images: Tensor, generator: torch.Generator, pad: int = 4, flip: bool = True
+) -> Tensor:
+    """Random crop after zero padding by `pad` + random horizontal flip, on [B, H, W, C] images.
+
+    The torchvision CIFAR recipe (RandomCrop(H, padding=pad), RandomHorizontalFlip) done for the
+    whole batch at once with index arithmetic, on whatever device `images` live (uint8 is fine:
+    pad before normalising, as torchvision does). Draw order: dy, dx, then flip.
+    """
+    if images.ndim != 4:
+        raise ValueError(f"images must be [B, H, W, C], got {tuple(images.shape)}")
+    b, h, w, _ = images.shape
+    dev, out = images.device, images
+    if pad > 0:
+        dy = torch.randint(0, 2 * pad + 1, (b,), generator=generator, device=generator.device)
+        dx = torch.randint(0, 2 * pad + 1, (b,), generator=generator, device=generator.device)
+        padded = F.pad(images, (0, 0, pad, pad, pad, pad))  # (C, W, H) pairs, last dim first
+        rows = dy.to(dev)[:, None] + torch.arange(h, device=dev)
+        cols = dx.to(dev)[:, None] + torch.arange(w, device=dev)
+        out = padded[torch.arange(b, device=dev)[:, None, None], rows[:, :, None], cols[:, None, :]]
+    if flip:
+        mirror = torch.rand(b, generator=generator, device=generator.device).to(dev) < 0.5
+        out = torch.where(mirror[:, None, None, None], out.flip(2), out)
+    return out
+
+
+def normalize(
+    images: Tensor,
+    mean: Sequence[float] | Tensor,
+    std: Sequence[float] | Tensor,
+    image_size: int | None = None,
+    channels_last: bool = False,
+) -> Tensor:
+    """uint8 [B, H, W, 3] -> float32 [B, C, H, W], (x/255 − mean)/std.
+
+    C = len(mean): one channel means grey (the RGB channel mean), as the digits models and
+    `models.encoders.ModuleFeatureEncoder` use it. Images of another size than `image_size` are
+    resized (bilinear, antialiased), e.g. an OOD set at another resolution.
+    """
+    mean_t = torch.as_tensor(mean, dtype=torch.float32, device=images.device).view(1, -1, 1, 1)
+    std_t = torch.as_tensor(std, dtype=torch.float32, device=images.device).view(1, -1, 1, 1)
+    if images.shape[-1] != 3 or mean_t.shape[1] not in (1, 3) or std_t.shape != mean_t.shape:
+        raise ValueError(
+            f"need images [B, H, W, 3] and 1- or 3-channel mean/std, got {tuple(images.shape)}"
+        )
+    x = images.permute(0, 3, 1, 2).float().div_(255.0)  # NHWC storage: already channels_last
+    if mean_t.shape[1] == 1:
+        x = x.mean(dim=1, keepdim=True)
+    if image_size and tuple(x.shape[-2:]) != (image_size, image_size):
+        x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", antialias=True)
+    x = (x - mean_t) / std_t
+    return x.contiguous(
+        memory_format=torch.channels_last if channels_last else torch.contiguous_format
+    )
+
+
+def channel_stats(
+    images: Tensor, channels: int, chunk: int = 4096
+) -> tuple[list[float], list[float]]:
+    """Per-channel mean and std of uint8 [N, H, W, 3] images in [0, 1] (grey when channels=1)."""
+    total = torch.zeros(channels, dtype=torch.float64)
+    total_sq = torch.zeros(channels, dtype=torch.float64)
+    count = 0
+    for start in range(0, images.shape[0], chunk):
+        x = images[start : start + chunk].double().div(255.0)
+        if channels == 1:
+            x = x.mean(dim=-1, keepdim=True)
+        total += x.sum(dim=(0, 1, 2)).cpu()
+        total_sq += x.pow(2).sum(dim=(0, 1, 2)).cpu()
+        count += x.shape[0] * x.shape[1] * x.shape[2]
+    mean = total / count
+    std = (total_sq / count - mean.pow(2)).clamp_min(1e-12).sqrt()
+    return [round(float(v), 6) for v in mean], [round(float(v), 6) for v in std]
+
+
+def multistep_lr(epoch: int, base_lr: float, milestones: Sequence[int], gamma: float) -> float:
+    """lr of `epoch` (0-based): base·γ^(number of milestones <= epoch), MultiStepLR's schedule."""
+    return base_lr * gamma ** sum(1 for m in milestones if m <= epoch)
+
+
+@torch.inference_mode()
+def collect_logits(
+    model: nn.Module,
+    images: Tensor,
+    mean: Sequence[float],
+    std: Sequence[float],
+    *,
+    batch_size: int = 512,
+    device: torch.device | str | None = None,
+    image_size: int | None = None,
+    features: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Eval-mode logits float32 [N, C] on the CPU (and the pooled features [N, d] if asked).
+
+    fp32 on purpose: calibration metrics read the logits to many digits. The model's training
+    flag is restored afterwards.
+    """
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    logits, feats = [], []
+    try:
+        for start in range(0, images.shape[0], batch_size):
+            x = normalize(images[start : start + batch_size].to(device), mean, std, image_size)
+            h = model.forward_features(x)
+            logits.append(model.head(h).float().cpu())
+            if features:
+                feats.append(h.float().cpu())
+    finally:
+        model.train(was_training)
+    out = torch.cat(logits) if logits else torch.empty(0, 0)
+    return (out, torch.cat(feats)) if features else out
+
+
+# ------------------------------------------------------------------------- CSM sampler (§3)
+
+
+class SeriesIndex:
+    """Which complete series contain class c: a padded table [C, M] of series ids + counts [C].
+
+    Built once from the series' class pairs [S, 2]; sampling a series per real label is then a
+    gather, on the device the pairs live on.
+    """
+
+    def __init__(self, classes: Tensor, num_classes: int) -> None:
+        if classes.ndim != 2 or classes.shape[1] != 2:
+            raise ValueError(f"series classes must be [S, 2], got {tuple(classes.shape)}")
+        members = [torch.nonzero((classes == c).any(dim=1)).flatten() for c in range(num_classes)]
+        self.counts = torch.tensor([len(m) for m in members], device=classes.device)
+        width = max(1, int(self.counts.max()) if len(members) else 1)
+        self.table = torch.zeros(num_classes, width, dtype=torch.long, device=classes.device)
+        for c, m in enumerate(members):
+            self.table[c, : len(m)] = m
+        self.classes = classes
+        self.num_classes = num_classes
+
+    def missing(self) -> list[int]:
+        """Classes no complete series contains (CSM cannot pair their real images)."""
+        return [int(c) for c in torch.nonzero(self.counts == 0).flatten()]
+
+
+def sample_csm_members(
+    labels: Tensor,
+    index: SeriesIndex,
+    soft_a: Tensor,
+    generator: torch.Generator,
+    check: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """Series ids and positions [B, 2] of the synthetic images for a real batch (METHODS §3).
+
+    For every real label y: a uniformly random complete series containing y; column 0 is that
+    series' member with the highest target for y (t_a if y = a, else t_b = 1 − t_a; first on
+    ties), column 1 a uniformly random interior member (positions 1..K−2). Draw order: series
+    choice, then interior position. `check=False` skips the test that every label has a series
+    (a device sync): for callers that checked `index.missing()` once up front.
+    """
+    k = soft_a.shape[1]
+    if k < 3:
+        raise ValueError(f"series need K >= 3 members to have an interior, got K = {k}")
+    dev = index.table.device
+    y = labels.to(dev)
+    counts = index.counts[y]
+    if check and bool((counts == 0).any()):
+        raise ValueError(
+            f"no complete series contains class(es) {sorted(set(y[counts == 0].tolist()))}"
+        )
+    u = torch.rand(len(y), generator=generator, device=generator.device).to(dev)
+    pick = (u * counts).long().clamp_max(counts - 1)
+    series = index.table[y, pick]
+    interior = torch.randint(1, k - 1, (len(y),), generator=generator, device=generator.device)
+    t_a = soft_a[series]  # [B, K]
+    t_y = torch.where((index.classes[series, 0] == y)[:, None], t_a, 1.0 - t_a)
+    best = t_y.argmax(dim=1)
+    return torch.stack([series, series], dim=1), torch.stack([best, interior.to(dev)], dim=1)
+
+
+def csm_targets(classes: Tensor, soft_a: Tensor, num_classes: int) -> Tensor:
+    """Dense targets [N, C] of mixed samples: t_a on class a, 1 − t_a on class b (METHODS §2)."""
+    return dense_soft_targets(classes, torch.stack([soft_a, 1.0 - soft_a], dim=1), num_classes)
+
+
+# ------------------------------------------------------------------------- objectives
+
+
+class Objective(nn.Module):
+    """forward(model, batch) -> (loss, logits of the real images). `prepare` may transform the
+    batch outside the model's forward (e.g. mixup) with the caller's generator."""
+
+    needs_mixed = False
+
+    def prepare(self, batch: dict[str, Any], generator: torch.Generator) -> dict[str, Any]:
+        return batch
+
+
+class CriterionObjective(Objective):
+    """Any `models.losses` criterion on the real batch: ce, ls, focal, flsd53, mbls, mmce."""
+
+    def __init__(self, criterion: nn.Module) -> None:
+        super().__init__()
+        self.criterion = criterion
+
+    def forward(self, model: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
+        logits = model(batch["x"])
+        return self.criterion(logits, batch["y"]), logits
+
+
+class MixupObjective(Objective):
+    """Mixup (METHODS §6): x̃ = λx + (1−λ)x[π] in `prepare`, λ·CE(y) + (1−λ)·CE(y[π])."""
+
+    def __init__(self, alpha: float = 1.0) -> None:
+        super().__init__()
+        if alpha <= 0:
+            raise ValueError(f"mixup alpha must be > 0, got {alpha}")
+        self.alpha = alpha
+
+    def prepare(self, batch: dict[str, Any], generator: torch.Generator) -> dict[str, Any]:
+        x, y_a, y_b, lam = mixup_batch(batch["x"], batch["y"], self.alpha, generator)
+        return {**batch, "x": x, "y": y_a, "y_b": y_b, "lam": lam}
+
+    def forward(self, model: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
+        logits = model(batch["x"])
+        return mixup_loss(logits, batch["y"], batch["y_b"], batch["lam"]), logits
+
+
+class CSMObjective(Objective):
+    """CE(real) + w·mean_j ||softmax(s̃_j) − t_j||² on the synthetic batch (METHODS §3).
+
+    Real and synthetic images take separate forward passes, so BatchNorm normalises each with
+    its own batch statistics, as the reference code does.
+    """
+
+    needs_mixed = True
+
+    def __init__(self, weight: float = 1.0) -> None:
+        super().__init__()
+        if weight < 0:
+            raise ValueError(f"csm weight must be >= 0, got {weight}")
+        self.weight = weight
+
+    def forward(self, model: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
+        logits = model(batch["x"])
+        synthetic = model(batch["x_syn"])
+        loss = F.cross_entropy(logits, batch["y"]) + self.weight * soft_l2(
+            synthetic.float(), batch["t_syn"]
+        )
+        return loss, logits
+
+
+class FeDLaSObjective(Objective):
+    """FeDLaS-LS / -MbLS (METHODS §5) on pooled features + logits of the real batch."""
+
+    def __init__(self, criterion: FeDLaSCriterion) -> None:
+        super().__init__()
+        self.criterion = criterion
+
+    def forward(self, model: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
+        h = model.forward_features(batch["x"])
+        logits = model.head(h)
+        loss, _ = self.criterion(h, logits, batch["y"])
+        return loss, logits
+
+
+def _criterion(name: str) -> Callable[..., Objective]:
+    return lambda num_classes, generator=None, **p: CriterionObjective(
+        build_loss(name, num_classes, **p)
+    )
+
+
+def _fedlas(variant: str) -> Callable[..., Objective]:
+    return lambda num_classes, generator=None, **p: FeDLaSObjective(
+        FeDLaSCriterion(num_classes, variant, generator=generator, **p)
+    )
+
+
+# loss name -> factory(num_classes, generator=None, **params). Params: see docs/train.md.
+OBJECTIVES: dict[str, Callable[..., Objective]] = {
+    **{name: _criterion(name) for name in ("ce", "ls", "focal", "flsd53", "mbls", "mmce")},
+    "mixup": lambda num_classes, generator=None, **p: MixupObjective(**p),
+    "csm": lambda num_classes, generator=None, **p: CSMObjective(**p),
+    "fedlas-ls": _fedlas("ls"),
+    "fedlas-mbls": _fedlas("mbls"),
+}
+
+
+def build_objective(
+    name: str, num_classes: int, generator: torch.Generator | None = None, **params: Any
+) -> Objective:
+    if name not in OBJECTIVES:
+        raise ValueError(f"unknown loss {name!r}; valid: {', '.join(OBJECTIVES)}")
+    return OBJECTIVES[name](num_classes, generator=generator, **params)
+
+
+class TrainingModule(nn.Module):
+    """model + objective as one module: what DDP wraps and the checkpoint holds.
+
+    forward(**batch) -> (loss, logits). `model` is the classifier (final weights); the objective
+    may own parameters (FeDLaS gate) that train with it but stay out of gradient clipping.
+    """
+
+    def __init__(self, model: nn.Module, objective: Objective) -> None:
+        super().__init__()
+        self.model = model
+        self.objective = objective
+
+    def forward(self, **batch: Any) -> tuple[Tensor, Tensor]:
+        return self.objective(self.model, batch)

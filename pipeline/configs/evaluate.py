@@ -1,0 +1,37 @@
+"""Config of the `evaluate` stage: trained runs -> metrics, plots, runs/<classes>/report.md."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.config import ConfigError, StageConfig, check_choice, check_range
+
+STAGE_DIRS = ("", "train", "finetune")  # "": look in train/ first, then finetune/
+
+
+@dataclass(frozen=True)
+class Config(StageConfig):
+    run: str = ""  # one run (RUN=name)
+    runs: tuple[str, ...] = ()  # several runs (RUNS=a,b,c): each one, plus their deep ensemble
+    stage_dir: str = ""  # pin where runs live: train | finetune
+    ensemble_name: str = ""  # folder under runs/<classes>/ensemble/; "" = members joined by "+"
+    ood: str = ""  # another prepared real/ root, runs/<name>/ root or split folder (MSP, FPR95)
+    corruptions: str = ""  # CIFAR-C layout: <corruption>.npy (5 severities x N) + labels.npy
+    batch_size: int = 512
+    device: str = ""  # "" = cuda if available, else cpu
+
+    def __post_init__(self):
+        if not self.run and not self.runs:
+            raise ConfigError("set run=NAME (RUN=) or runs=a,b,c (RUNS=) to say what to evaluate")
+        check_choice("stage_dir", self.stage_dir, STAGE_DIRS)
+        check_range("batch_size", self.batch_size, 1)
+        for name in self.run_names():
+            if not name or "/" in name or name.startswith("."):
+                raise ConfigError(f"run name {name!r} must be a plain folder name")
+
+    def run_names(self) -> list[str]:
+        """`run` then `runs`, without repeats."""
+        return list(dict.fromkeys([*([self.run] if self.run else []), *self.runs]))
+
+
+PRESETS: dict[str, dict] = {}  # evaluation is the same for every dataset

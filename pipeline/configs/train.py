@@ -1,0 +1,160 @@
+"""Config of the `train` stage: real/ (+ mixed/) -> runs/<classes>/train/<run>/.
+
+One `loss` field picks the objective (models/training.OBJECTIVES); each loss reads its own
+parameter fields (LOSS_FIELDS), so `--set loss=focal focal_gamma=2` does what it says.
+Recipes: CIFAR presets follow the CSM reference (METHODS §3: ResNet-50, SGD 0.1, momentum 0.9,
+wd 5e-4, batch 128, 200 epochs, lr ÷10 at 80 and 120, clip 2, crop(pad 4) + flip); digits is a
+one-minute recipe on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from models.classifiers import CLASSIFIERS, TIMM_PREFIX
+from models.heads import FEDLAS_DEFAULTS
+from pipeline.config import ConfigError, StageConfig, check_choice, check_range
+
+# loss -> {objective parameter: config field}
+LOSS_FIELDS: dict[str, dict[str, str]] = {
+    "ce": {},
+    "ls": {"alpha": "ls_alpha"},
+    "focal": {"gamma": "focal_gamma"},
+    "flsd53": {"gamma_below": "flsd_gamma_below", "gamma": "flsd_gamma"},
+    "mbls": {"m": "mbls_margin", "lam": "mbls_lam"},
+    "mmce": {"lam": "mmce_lam"},
+    "mixup": {"alpha": "mixup_alpha"},
+    "csm": {"weight": "csm_weight"},
+    "fedlas-ls": {"alpha": "fedlas_ls_alpha", "beta": "fedlas_ls_beta", "theta": "fedlas_theta"},
+    "fedlas-mbls": {
+        "alpha": "fedlas_mbls_alpha",
+        "beta": "fedlas_mbls_beta",
+        "theta": "fedlas_theta",
+        "margin": "fedlas_margin",
+    },
+}
+PRECISIONS = ("auto", "fp32", "bf16")  # auto: bf16 on GPU, fp32 on CPU
+# fields left out of config.json: how to continue, not what to train
+NOT_RECORDED = ("resume",)
+
+
+@dataclass(frozen=True)
+class Config(StageConfig):
+    run: str = "ce"  # run folder: runs/<classes>/train/<run>/
+    loss: str = "ce"
+    model: str = "resnet50"  # models.classifiers name or timm:<name>
+    pretrained: bool = False  # timm models only
+    in_channels: int = 3  # 1 = grey (channel mean of the RGB image)
+    # recipe (METHODS §3)
+    epochs: int = 200
+    batch_size: int = 128  # global, split over processes
+    lr: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    milestones: tuple[int, ...] = (80, 120)
+    lr_gamma: float = 0.1
+    clip_norm: float = 2.0  # gradient-norm clip of the classifier's parameters; 0 = off
+    crop_pad: int = 4  # random crop after zero padding; 0 = off
+    flip: bool = True  # random horizontal flip
+    # loss parameters (METHODS §5-6)
+    ls_alpha: float = 0.05
+    focal_gamma: float = 3.0
+    flsd_gamma_below: float = 5.0  # FLSD-53: γ where p_y < 0.2
+    flsd_gamma: float = 3.0
+    mbls_margin: float = 6.0
+    mbls_lam: float = 0.1
+    mmce_lam: float = 2.0
+    mixup_alpha: float = 1.0  # Beta(α, α); GUESS (Zhang et al.'s CIFAR value)
+    csm_weight: float = 1.0  # w of the synthetic term (reference: 1)
+    csm_sharpening: float = 0.0  # s > 0: t_a = sigmoid(s(λ̂ − 0.5)) at load; 0: the stored soft
+    fedlas_ls_alpha: float = FEDLAS_DEFAULTS[("ls", "cifar10")]["alpha"]
+    fedlas_ls_beta: float = FEDLAS_DEFAULTS[("ls", "cifar10")]["beta"]
+    fedlas_mbls_alpha: float = FEDLAS_DEFAULTS[("mbls", "cifar10")]["alpha"]
+    fedlas_mbls_beta: float = FEDLAS_DEFAULTS[("mbls", "cifar10")]["beta"]
+    fedlas_margin: float = FEDLAS_DEFAULTS[("mbls", "cifar10")]["margin"]
+    fedlas_theta: float = FEDLAS_DEFAULTS[("ls", "cifar10")]["theta"]
+    # data
+    mixed: str = ""  # mixed folder for loss=csm; "" = runs/<classes>/mixed
+    train_limit: int = 0  # use only the first N training images (smoke tests); 0 = all
+    # machinery
+    precision: str = "auto"
+    cpu_threads: int = 0  # torch intra-op threads when training on the CPU; 0 = torch's default
+    checkpoint_limit: int = 2  # accelerate checkpoints kept (>= 2: one survives a killed save)
+    resume: str = "auto"  # auto | latest | <checkpoint folder>
+    eval_batch_size: int = 512
+
+    def __post_init__(self):
+        check_choice("loss", self.loss, tuple(LOSS_FIELDS))
+        if not self.model.startswith(TIMM_PREFIX):
+            check_choice("model", self.model, (*CLASSIFIERS, f"{TIMM_PREFIX}<name>"))
+        elif not _timm_has(self.model.removeprefix(TIMM_PREFIX)):
+            raise ConfigError(f"model={self.model!r}: timm has no such model (timm.list_models())")
+        if not self.run or "/" in self.run or self.run.startswith("."):
+            raise ConfigError(f"run={self.run!r} must be a plain folder name")
+        check_choice("in_channels", self.in_channels, (1, 3))
+        check_choice("precision", self.precision, PRECISIONS)
+        for name in ("epochs", "batch_size", "eval_batch_size"):
+            check_range(name, getattr(self, name), 1)
+        check_range("checkpoint_limit", self.checkpoint_limit, 2)
+        check_range("lr", self.lr, 0.0)
+        check_range("crop_pad", self.crop_pad, 0)
+        check_range("clip_norm", self.clip_norm, 0.0)
+        check_range("csm_weight", self.csm_weight, 0.0)
+        check_range("csm_sharpening", self.csm_sharpening, 0.0)
+        check_range("train_limit", self.train_limit, 0)
+        check_range("cpu_threads", self.cpu_threads, 0)
+        if list(self.milestones) != sorted(self.milestones):
+            raise ConfigError(f"milestones={list(self.milestones)} must be increasing")
+
+    def loss_params(self) -> dict[str, Any]:
+        """The objective's keyword arguments for `loss`, read from its fields."""
+        return {param: getattr(self, field) for param, field in LOSS_FIELDS[self.loss].items()}
+
+    def record(self) -> dict[str, Any]:
+        """What config.json holds (everything but how to continue)."""
+        return {k: v for k, v in self.to_dict().items() if k not in NOT_RECORDED}
+
+
+def _timm_has(name: str) -> bool:
+    import timm  # only when a timm model is asked for: importing timm takes a second
+
+    return bool(timm.is_model(name))
+
+
+def _fedlas(dataset: str) -> dict[str, float]:
+    """FeDLaS fields from models.heads.FEDLAS_DEFAULTS (METHODS §5)."""
+    ls, mb = FEDLAS_DEFAULTS[("ls", dataset)], FEDLAS_DEFAULTS[("mbls", dataset)]
+    return dict(
+        fedlas_ls_alpha=ls["alpha"],
+        fedlas_ls_beta=ls["beta"],
+        fedlas_mbls_alpha=mb["alpha"],
+        fedlas_mbls_beta=mb["beta"],
+        fedlas_margin=mb["margin"],
+        fedlas_theta=ls["theta"],
+    )
+
+
+PRESETS = {
+    # well under a minute on 2 CPU cores, > 90 % test accuracy; grey 16x16 digits, no flips (a
+    # mirrored digit is another symbol). One CPU thread: this tiny net gains little from a second
+    # one and runs ~3-7x slower when the cores are shared with other jobs (OpenMP spin-waits).
+    # FeDLaS uses the CIFAR-10 values (the dataclass defaults).
+    "digits": dict(
+        model="digits-cnn",
+        in_channels=1,
+        epochs=30,
+        batch_size=64,
+        lr=0.05,
+        milestones=(20, 26),
+        crop_pad=2,
+        flip=False,
+        cpu_threads=1,
+    ),
+    "cifar10": dict(model="resnet50"),
+    "cifar100": dict(model="resnet50", **_fedlas("cifar100")),
+    "tiny-imagenet": dict(
+        model="resnet50", mbls_margin=10.0, mbls_lam=0.05, **_fedlas("tiny-imagenet")
+    ),
+    "imagefolder": dict(model="resnet50"),
+}

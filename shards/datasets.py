@@ -1,0 +1,150 @@
+"""Shard folders -> tensors for training and evaluation (small datasets, held in memory).
+
+- `load_real(folder)`: one real split as uint8 images [N, H, W, 3] + labels [N], on a device.
+- `load_series_table(mixed, class_names)`: mixed/ as a table of *complete* series, the layout
+  CSM training samples from (METHODS §3): images [S, K, H, W, 3], classes [S, 2] and per-member
+  lambda_hat / soft (= t_a) / alpha [S, K]. Series missing a member are dropped (counted).
+
+Both refuse missing or incomplete folders (no manifest.json) through `shards.reader`, and the
+series table refuses a mixed/ folder whose class list differs from the real one: class ids
+would silently mean different things.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shards.manifest import ShardError, read_manifest
+from shards.reader import iter_folder, load_split
+
+
+@dataclass
+class RealSplit:
+    """images uint8 [N, H, W, 3] and labels int64 [N] (same device), class names."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    class_names: tuple[str, ...]
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    @property
+    def image_size(self) -> int:
+        return int(self.images.shape[1])
+
+
+def load_real(folder: Path, device: str | torch.device = "cpu") -> RealSplit:
+    """A prepared real split (real/train, real/val, real/test) into memory on `device`."""
+    split = load_split(Path(folder))
+    names = split.class_names
+    labels = split.labels
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= len(names)):
+        raise ShardError(f"{folder}: labels outside 0..{len(names) - 1} ({len(names)} classes)")
+    if split.images.shape[1] != split.images.shape[2]:
+        raise ShardError(f"{folder}: images must be square, got {tuple(split.images.shape[1:3])}")
+    return RealSplit(split.images.to(device), labels.to(device), tuple(names))
+
+
+def check_same_classes(what: str, names: Sequence[str], reference: Sequence[str], ref: str) -> None:
+    if tuple(names) != tuple(reference):
+        raise ShardError(
+            f"{what} has classes {list(names)[:5]}... ({len(names)}), {ref} has "
+            f"{list(reference)[:5]}... ({len(reference)}): the class lists must be identical"
+        )
+
+
+@dataclass
+class SeriesTable:
+    """Complete series of a mixed/ folder, member k at index k (position order)."""
+
+    images: torch.Tensor  # uint8 [S, K, H, W, 3]
+    classes: torch.Tensor  # int64 [S, 2]: (a, b)
+    lambda_hat: torch.Tensor  # float32 [S, K]: re-annotated weight of class a
+    soft: torch.Tensor  # float32 [S, K]: stored target t_a (t_b = 1 - t_a)
+    alpha: torch.Tensor  # float32 [S, K]: generation weight of class a
+    series_ids: torch.Tensor  # int64 [S]
+    class_names: tuple[str, ...]
+    dropped: int  # incomplete series left out
+
+    def __len__(self) -> int:
+        return int(self.classes.shape[0])
+
+    @property
+    def members(self) -> int:
+        return int(self.images.shape[1])
+
+
+def load_series_table(
+    folder: Path,
+    class_names: Sequence[str] | None = None,
+    device: str | torch.device = "cpu",
+    image_size: int | None = None,
+) -> SeriesTable:
+    """mixed/ -> SeriesTable. `class_names` (the real ones) and `image_size` are checked if given.
+
+    K comes from the manifest's `info.alphas` when present, else from the longest series. A
+    series is complete when it holds each position 0..K−1 exactly once.
+    """
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    if class_names is not None:
+        check_same_classes(f"mixed folder {folder}", manifest.class_names, class_names, "real/")
+    by_series: dict[int, dict[int, tuple]] = {}
+    for s in iter_folder(folder):
+        meta = s.get("meta", {})
+        try:
+            sid, pos = int(meta["series"]), int(meta["position"])
+            record = (
+                s["image"],
+                tuple(int(c) for c in meta["classes"]),
+                float(meta["lambda_hat"]),
+                float(meta["soft"][0]),
+                float(meta["alpha"]),
+            )
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise ShardError(
+                f"{s['__url__']}: sample {s['__key__']!r} lacks mixed fields (series, position, "
+                f"classes, lambda_hat, soft, alpha, png): {e!r}; is {folder} a mixed/ folder?"
+            ) from e
+        if pos in by_series.setdefault(sid, {}):
+            raise ShardError(f"{folder}: series {sid} has position {pos} twice")
+        by_series[sid][pos] = record
+    if not by_series:
+        raise ShardError(f"{folder} holds no samples")
+    alphas = manifest.info.get("alphas")
+    k = len(alphas) if alphas else max(len(m) for m in by_series.values())
+    complete = sorted(sid for sid, m in by_series.items() if sorted(m) == list(range(k)))
+    if not complete:
+        raise ShardError(f"{folder}: no complete series of {k} members")
+    rows = [[by_series[sid][p] for p in range(k)] for sid in complete]
+    images = np.stack([np.stack([r[0] for r in row]) for row in rows])
+    if image_size is not None and images.shape[2:4] != (image_size, image_size):
+        raise ShardError(
+            f"{folder}: mixed images are {images.shape[3]}x{images.shape[2]}, real images "
+            f"{image_size}x{image_size}; regenerate at the dataset resolution"
+        )
+    classes = torch.tensor([row[0][1] for row in rows], dtype=torch.int64)
+    if classes.numel() and (
+        int(classes.min()) < 0 or int(classes.max()) >= len(manifest.class_names)
+    ):
+        raise ShardError(f"{folder}: class ids outside 0..{len(manifest.class_names) - 1}")
+
+    def field(i: int) -> torch.Tensor:
+        return torch.tensor([[m[i] for m in row] for row in rows], dtype=torch.float32)
+
+    return SeriesTable(
+        images=torch.from_numpy(images).to(device),
+        classes=classes.to(device),
+        lambda_hat=field(2).to(device),
+        soft=field(3).to(device),
+        alpha=field(4).to(device),
+        series_ids=torch.tensor(complete, dtype=torch.int64),
+        class_names=tuple(manifest.class_names),
+        dropped=len(by_series) - len(complete),
+    )
