@@ -14,6 +14,7 @@ Finally runs/<classes>/report.md is rebuilt from every evaluated run on disk.
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -187,6 +188,43 @@ REPORT_COLUMNS = [
 ]
 
 
+SEED_RUN = re.compile(r"^(?P<pre>.+?)-s(?P<seed>\d+)(?P<post>-.+)?$")  # e.g. csm-s2, ce-s0-maccal
+SUMMARY_COLUMNS = [
+    ("top1", "before_ts"),
+    ("ece", "before_ts"),
+    ("nll", "before_ts"),
+    ("ece", "after_ts"),
+]
+
+
+def seed_summary(rows: list[tuple[str, str, dict]]) -> list[str]:
+    """Mean ± std (sample std) over runs that differ only in their `-s<seed>` part."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for stage, name, ev in rows:
+        m = SEED_RUN.match(name)
+        if m:
+            groups.setdefault((stage, m["pre"] + (m["post"] or "")), []).append(ev)
+    groups = {k: v for k, v in groups.items() if len(v) >= 2}
+    if not groups:
+        return []
+    lines_ = [
+        "## Mean ± std over seeds",
+        "",
+        "Runs named `<name>-s<seed>[-<method>]`, grouped by everything but the seed.",
+        "",
+        "| runs | stage | n | top-1 | ECE | NLL | ECE after TS |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (stage, name), evs in sorted(groups.items()):
+        cells = []
+        for metric, when in SUMMARY_COLUMNS:
+            v = np.array([ev[when][metric] for ev in evs], dtype=float)
+            digits = 3 if metric == "nll" else 2
+            cells.append(f"{v.mean():.{digits}f} ± {v.std(ddof=1):.{digits}f}")
+        lines_.append(f"| {name} | {stage} | {len(evs)} | " + " | ".join(cells) + " |")
+    return [*lines_, ""]
+
+
 def write_report(root: Path) -> Path:
     """report.md: one row per evaluated run on disk (train, finetune, ensembles), side by side."""
     rows = []
@@ -221,6 +259,7 @@ def write_report(root: Path) -> Path:
                 "| " + " | ".join([name, stage, ev.get("loss", "") or "-", *cells, *t]) + " |"
             )
         lines_.append("")
+    lines_ += seed_summary(rows)
     ood = [(s, n, ev) for s, n, ev in rows if "ood" in ev]
     if ood:
         lines_ += [

@@ -181,3 +181,24 @@ def test_bad_input_gives_one_line_errors(tmp_path, capsys):
     assert len(err) == 1 and "no trained weights" in err[0]
     assert main([*base, "run=over", f"ood={tmp_path / 'nothing'}"]) == 1
     assert "no prepared split" in capsys.readouterr().err
+
+
+def test_report_groups_seeds_into_mean_and_std():
+    from stages.evaluate import seed_summary
+
+    def ev(top1, ece):
+        return {"before_ts": {"top1": top1, "ece": ece, "nll": 0.1}, "after_ts": {"ece": ece / 2}}
+
+    rows = [
+        ("train", "ce-s0", ev(90.0, 4.0)),
+        ("train", "ce-s1", ev(92.0, 6.0)),
+        ("finetune", "ce-s0-maccal", ev(91.0, 2.0)),
+        ("finetune", "ce-s1-maccal", ev(91.0, 2.0)),
+        ("train", "encoder", ev(99.0, 1.0)),  # no seed suffix: not grouped
+        ("train", "csm-s0", ev(93.0, 3.0)),  # a single seed: no summary row
+    ]
+    text = "\n".join(seed_summary(rows))
+    assert "| ce | train | 2 | 91.00 ± 1.41 | 5.00 ± 1.41 | 0.100 ± 0.000 | 2.50 ± 0.71 |" in text
+    assert "| ce-maccal | finetune | 2 | 91.00 ± 0.00 |" in text
+    assert "encoder" not in text and "csm" not in text
+    assert seed_summary(rows[4:]) == []
