@@ -31,7 +31,7 @@ from models.calibration import (
     reliability_bins,
     topk_accuracy,
 )
-from models.classifiers import classifier_from_config
+from models.finetuning import build_model
 from models.training import collect_logits
 from pipeline.configs.evaluate import Config
 from pipeline.plots import reliability_diagram
@@ -62,7 +62,7 @@ def find_run(root: Path, name: str, stage_dir: str) -> Path:
 def load_model(folder: Path, device: torch.device, class_names: tuple[str, ...]):
     state, meta = load_weights(folder, device)
     check_same_classes(f"{folder / META}", meta.get("class_names", []), class_names, "real/test")
-    model = classifier_from_config(meta["arch"]).to(device)
+    model = build_model(meta["arch"]).to(device)  # linear or fine-tuned (MaC-Cal) head
     try:
         model.load_state_dict(state)
     except RuntimeError as e:

@@ -1,0 +1,135 @@
+"""Config of the `finetune` stage: train/<run>/ -> runs/<classes>/finetune/<run>-<method>/.
+
+`method` picks MaC-Cal (METHODS §4: frozen backbone, new masked bottleneck head, adaptive
+retention q) or FeDLaS fine-tuning (METHODS §5: the whole trained model continues under the
+FeDLaS-LS / -MbLS loss). Each method reads its own prefixed fields (`maccal_*`, `fedlas_*`);
+batch size, momentum, weight decay and augmentation are shared. GUESS values of METHODS are
+fields with the given default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from models.heads import FEDLAS_DEFAULTS
+from pipeline.config import ConfigError, StageConfig, check_choice, check_range
+from pipeline.configs.train import LOSS_FIELDS, PRECISIONS
+
+METHODS = ("maccal", "fedlas-ls", "fedlas-mbls")
+# method -> {FeDLaSCriterion parameter: config field}; the same field names as the train stage
+FEDLAS_FIELDS: dict[str, dict[str, str]] = {m: LOSS_FIELDS[m] for m in METHODS[1:]}
+MACCAL_FIELDS = {
+    "q0": "maccal_q0",
+    "gamma": "maccal_gamma",
+    "tau0": "maccal_tau0",
+    "lam": "maccal_lam",
+    "q_min": "maccal_q_min",
+    "q_max": "maccal_q_max",
+}
+
+
+@dataclass(frozen=True)
+class Config(StageConfig):
+    run: str = ""  # the trained run: runs/<classes>/train/<run>/ (RUN=)
+    method: str = "maccal"  # maccal | fedlas-ls | fedlas-mbls (METHOD=)
+    # shared recipe (METHODS §4: batch 128, momentum 0.9, wd 5e-4)
+    batch_size: int = 128
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    crop_pad: int = 4  # random crop after zero padding; crop_pad=0 and flip=false: no augmentation
+    flip: bool = True
+    # MaC-Cal (METHODS §4)
+    maccal_epochs: int = 40
+    maccal_lr: float = 0.1  # constant
+    maccal_r: int = 256  # bottleneck width r (GUESS)
+    maccal_q0: float = 0.9  # GUESS defaults of the retention schedule
+    maccal_gamma: float = 0.9
+    maccal_tau0: float = 0.1
+    maccal_lam: float = 5.0
+    maccal_q_min: float = 0.3
+    maccal_q_max: float = 1.0
+    # FeDLaS fine-tuning (METHODS §5)
+    fedlas_epochs: int = 10  # GUESS: METHODS gives no fine-tuning length
+    fedlas_lr: float = 0.001  # constant; GUESS: the last lr of the CIFAR Stage-I recipe
+    clip_norm: float = 2.0  # grad-norm clip of the classifier only (not the gate); 0 = off
+    fedlas_ls_alpha: float = FEDLAS_DEFAULTS[("ls", "cifar10")]["alpha"]
+    fedlas_ls_beta: float = FEDLAS_DEFAULTS[("ls", "cifar10")]["beta"]
+    fedlas_mbls_alpha: float = FEDLAS_DEFAULTS[("mbls", "cifar10")]["alpha"]
+    fedlas_mbls_beta: float = FEDLAS_DEFAULTS[("mbls", "cifar10")]["beta"]
+    fedlas_margin: float = FEDLAS_DEFAULTS[("mbls", "cifar10")]["margin"]
+    fedlas_theta: float = FEDLAS_DEFAULTS[("ls", "cifar10")]["theta"]
+    # machinery
+    precision: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
+    cpu_threads: int = 0  # torch intra-op threads on the CPU; 0 = torch's default
+    eval_batch_size: int = 512
+
+    def __post_init__(self):
+        if not self.run:
+            raise ConfigError("set run=NAME (RUN=): the trained run under train/ to fine-tune")
+        if "/" in self.run or self.run.startswith("."):
+            raise ConfigError(f"run={self.run!r} must be a plain folder name")
+        check_choice("method", self.method, METHODS)
+        check_choice("precision", self.precision, PRECISIONS)
+        for name in ("batch_size", "maccal_epochs", "maccal_r", "fedlas_epochs"):
+            check_range(name, getattr(self, name), 1)
+        check_range("eval_batch_size", self.eval_batch_size, 1)
+        for name in ("maccal_lr", "fedlas_lr", "momentum", "weight_decay", "clip_norm"):
+            check_range(name, getattr(self, name), 0.0)
+        for name in ("crop_pad", "cpu_threads", "maccal_tau0", "maccal_lam"):
+            check_range(name, getattr(self, name), 0)
+        if not 0.0 <= self.maccal_q_min <= self.maccal_q0 <= self.maccal_q_max <= 1.0:
+            raise ConfigError(
+                "need 0 <= maccal_q_min <= maccal_q0 <= maccal_q_max <= 1, got "
+                f"{self.maccal_q_min}, {self.maccal_q0}, {self.maccal_q_max}"
+            )
+
+    @property
+    def output(self) -> str:
+        """Folder name under finetune/: <run>-<method>."""
+        return f"{self.run}-{self.method}"
+
+    @property
+    def augments(self) -> bool:
+        return self.crop_pad > 0 or self.flip
+
+    @property
+    def epochs(self) -> int:
+        return self.maccal_epochs if self.method == "maccal" else self.fedlas_epochs
+
+    def method_params(self) -> dict[str, Any]:
+        """RetentionSchedule kwargs (maccal) or FeDLaSCriterion kwargs (fedlas-*)."""
+        fields = MACCAL_FIELDS if self.method == "maccal" else FEDLAS_FIELDS[self.method]
+        return {param: getattr(self, field) for param, field in fields.items()}
+
+
+def _fedlas(dataset: str) -> dict[str, float]:
+    """FeDLaS fields from models.heads.FEDLAS_DEFAULTS (METHODS §5)."""
+    ls, mb = FEDLAS_DEFAULTS[("ls", dataset)], FEDLAS_DEFAULTS[("mbls", dataset)]
+    return dict(
+        fedlas_ls_alpha=ls["alpha"],
+        fedlas_ls_beta=ls["beta"],
+        fedlas_mbls_alpha=mb["alpha"],
+        fedlas_mbls_beta=mb["beta"],
+        fedlas_margin=mb["margin"],
+        fedlas_theta=ls["theta"],
+    )
+
+
+PRESETS = {
+    # Seconds on 2 CPU cores. The digits train recipe's augmentation (crop pad 2, no flips) and
+    # its last lr (0.05 / 100) for FeDLaS; MaC-Cal keeps METHODS' lr 0.1 and batch 128 but runs
+    # 20 epochs (its q schedule scales with the epoch count). FeDLaS: CIFAR-10 values.
+    "digits": dict(
+        crop_pad=2,
+        flip=False,
+        maccal_epochs=20,
+        fedlas_epochs=5,
+        fedlas_lr=0.0005,
+        cpu_threads=1,
+    ),
+    "cifar10": {},
+    "cifar100": _fedlas("cifar100"),
+    "tiny-imagenet": _fedlas("tiny-imagenet"),
+    "imagefolder": {},
+}

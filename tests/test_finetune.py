@@ -1,0 +1,222 @@
+"""finetune stage: MaC-Cal and FeDLaS on a tiny trained digits run, evaluate on the result, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from models.classifiers import CLASSIFIERS, Classifier, build_classifier
+from models.finetuning import GateTracker, arch_with_head, build_model
+from models.heads import MaskedBottleneckHead
+from models.training import collect_logits
+from pipeline.cli import main, run_stage
+from shards.manifest import ShardError
+from shards.reader import load_split
+from shards.runs import load_weights, save_weights
+
+SRC = "src"  # the Stage-I run every test fine-tunes
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: a shared 2-core machine makes OpenMP's second thread a slowdown."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def root(digits_root, tmp_path_factory) -> Path:
+    """runs/digits/ with real/ and train/src/ (2 epochs of CE with the train stage)."""
+    out = tmp_path_factory.mktemp("finetune")
+    shutil.copytree(digits_root / "real", out / "digits" / "real")
+    run_stage("train", "digits", [f"out={out}", f"run={SRC}", "loss=ce", "epochs=2"])
+    return out / "digits"
+
+
+def finetune(root: Path, *sets: str) -> Path:
+    return run_stage("finetune", "digits", [f"out={root.parent}", f"run={SRC}", *sets])
+
+
+def evaluate(root: Path, run: str) -> dict:
+    run_stage("evaluate", "digits", [f"out={root.parent}", f"run={run}"])
+    return json.loads((root / "finetune" / run / "metrics.json").read_text())["evaluation"]
+
+
+# ---------------------------------------------------------------- MaC-Cal
+
+
+@pytest.fixture(scope="module")
+def maccal(root) -> Path:
+    """Three MaC-Cal epochs with the digits augmentation (the backbone runs on every batch)."""
+    return finetune(root, "method=maccal", "maccal_epochs=3")
+
+
+def test_maccal_writes_a_run_folder_with_q_trace(root, maccal):
+    assert maccal == root / "finetune" / f"{SRC}-maccal"
+    for name in ("config.json", "model.safetensors", "model.json", "q_trace.png", "curves.png"):
+        assert (maccal / name).is_file(), name
+    meta = json.loads((maccal / "model.json").read_text())
+    assert meta["arch"]["head"] == {"type": "masked-bottleneck", "r": 256}
+    assert meta["loss"] == "ce+maccal" and meta["source"]["run"] == SRC
+    section = json.loads((maccal / "metrics.json").read_text())["finetune"]
+    assert section["finished"] and len(section["history"]) == 3
+    trace = json.loads((maccal / "q_trace.json").read_text())
+    cfg, hist = trace["config"], trace["history"]
+    assert [h["epoch"] for h in hist] == [0, 1, 2] and cfg["total_epochs"] == 3
+    assert hist[0]["q"] == cfg["q0"] == 0.9
+    for h, nxt, logged in zip(hist, [*hist[1:], {"q": trace["q"]}], section["history"]):
+        assert cfg["q_min"] <= h["q"] <= cfg["q_max"] and 0 <= h["acc"] <= 1
+        assert abs(h["delta"]) <= h["tau"] + 1e-12  # the step is clipped by τ_t
+        assert nxt["q"] == pytest.approx(min(max(h["q"] + h["delta"], 0.3), 1.0))
+        assert logged["q"] == h["q"] and logged["train_conf"] == pytest.approx(100 * h["conf"])
+    # Dropped weights of the last epoch's masks are zero in the saved head (inference uses M ⊙ W).
+    state = load_file(str(maccal / "model.safetensors"))
+    assert not bool(state["head.fc1.weight"][~state["head.mask1"]].any())
+
+
+def test_maccal_leaves_the_backbone_bitwise_unchanged(root, maccal):
+    before, _ = load_weights(root / "train" / SRC)
+    after, _ = load_weights(maccal)
+    backbone = [k for k in before if not k.startswith("head.")]
+    assert backbone and all(torch.equal(before[k], after[k]) for k in backbone)  # BN buffers too
+    assert {k for k in after if k.startswith("head.")} == {
+        f"head.{p}" for p in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "mask1", "mask2")
+    }
+
+
+def test_maccal_rerun_is_a_no_op_and_another_config_is_refused(root, maccal):
+    stamp = (maccal / "model.safetensors").stat().st_mtime_ns
+    assert finetune(root, "method=maccal", "maccal_epochs=3") == maccal
+    assert (maccal / "model.safetensors").stat().st_mtime_ns == stamp
+    with pytest.raises(ShardError, match="different config"):
+        finetune(root, "method=maccal", "maccal_epochs=4")
+
+
+def test_maccal_is_reproducible_and_its_inference_deterministic(root):
+    """Without augmentation the features are computed once; two runs give the same bytes."""
+    if not (root / "train" / "twin").is_dir():  # a second name for src: its own output folder
+        shutil.copytree(root / "train" / SRC, root / "train" / "twin")
+    sets = ("run=twin", "method=maccal", "maccal_epochs=2", "crop_pad=0", "flip=false")
+    folder = finetune(root, *sets)
+    first = (folder / "model.safetensors").read_bytes()
+    shutil.rmtree(folder)
+    assert (finetune(root, *sets) / "model.safetensors").read_bytes() == first
+    val = load_split(root / "real" / "val").images
+    logits = []
+    for _ in range(2):  # two independent rebuilds from model.json, as evaluate would do them
+        state, meta = load_weights(folder)
+        model = build_model(meta["arch"])
+        model.load_state_dict(state)
+        norm = meta["normalize"]
+        logits.append(collect_logits(model, val, norm["mean"], norm["std"], batch_size=64))
+        logits.append(collect_logits(model, val, norm["mean"], norm["std"], batch_size=17))
+    assert all(torch.equal(logits[0], other) for other in logits[1:])
+    shutil.rmtree(folder)
+
+
+def test_evaluate_reads_a_maccal_run(root, maccal):
+    """evaluate rebuilds the bottleneck head from model.json (models.finetuning.build_model)."""
+    ev = evaluate(root, f"{SRC}-maccal")
+    assert ev["stage"] == "finetune" and ev["loss"] == "ce+maccal"
+    assert 0 <= ev["before_ts"]["ece"] <= 100 and ev["before_ts"]["top1"] > 30
+    assert f"| {SRC}-maccal | finetune | ce+maccal |" in (root / "report.md").read_text()
+
+
+# ---------------------------------------------------------------- FeDLaS
+
+
+@pytest.mark.parametrize("method", ["fedlas-ls", "fedlas-mbls"])
+def test_fedlas_finetuning_logs_the_gate_and_evaluates(root, method):
+    folder = finetune(root, f"method={method}", "fedlas_epochs=2")
+    meta = json.loads((folder / "model.json").read_text())
+    source_meta = json.loads((root / "train" / SRC / "model.json").read_text())
+    assert meta["arch"] == source_meta["arch"] and meta["loss"] == f"ce+{method}"
+    hist = json.loads((folder / "metrics.json").read_text())["finetune"]["history"]
+    assert len(hist) == 2 and (folder / "gate.png").is_file()
+    for h in hist:
+        assert set(h["mode_share"]) == {"+1", "-1", "0"}
+        assert sum(h["mode_share"].values()) == pytest.approx(1.0)
+        assert 0 < h["r_mean"] < 2 * (0.05 if method == "fedlas-ls" else 0.1)
+    assert hist[0]["flip_rate"] is None and 0.0 <= hist[1]["flip_rate"] <= 1.0
+    before, after = load_weights(root / "train" / SRC)[0], load_weights(folder)[0]
+    assert before.keys() == after.keys()
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # the whole model moved
+    ev = evaluate(root, folder.name)
+    assert ev["stage"] == "finetune" and ev["loss"] == f"ce+{method}"
+
+
+def test_gate_tracker_shares_and_flip_rate():
+    tracker = GateTracker(4)
+    tracker.update(torch.tensor([0, 1]), torch.tensor([1.0, -1.0]))
+    tracker.update(torch.tensor([2]), torch.tensor([0.0]))
+    first = tracker.end_epoch()  # sample 3 unseen
+    assert first["flip_rate"] is None
+    assert first["mode_share"] == pytest.approx({"+1": 1 / 3, "-1": 1 / 3, "0": 1 / 3})
+    tracker.update(torch.tensor([3, 1, 0]), torch.tensor([1.0, 1.0, 1.0]))
+    second = tracker.end_epoch()  # seen in both: 0 (same), 1 (flipped)
+    assert second["flip_rate"] == pytest.approx(0.5)
+    assert second["mode_share"] == pytest.approx({"+1": 1.0, "-1": 0.0, "0": 0.0})
+
+
+# ---------------------------------------------------------------- rebuilding and bad input
+
+
+def test_build_model_round_trips_the_bottleneck_head():
+    model = build_classifier("digits-cnn", 10, 1)
+    model.head = MaskedBottleneckHead(model.feature_dim, 10, 8, generator=torch.Generator())
+    model.head.draw_masks(0.5, torch.Generator().manual_seed(1))
+    rebuilt = build_model(arch_with_head(model))
+    rebuilt.load_state_dict(model.state_dict())  # strict: same keys and shapes
+    x = torch.randn(3, 1, 16, 16)
+    assert torch.equal(rebuilt.eval()(x), model.eval()(x))
+    assert isinstance(build_model(model.arch_config()).head, nn.Linear)
+
+
+class Headless(Classifier):
+    """A classifier whose logits come from one opaque module: no forward_features, no head."""
+
+    def __init__(self, arch: str, num_classes: int, in_channels: int) -> None:
+        super().__init__(arch, num_classes, in_channels, feature_dim=4)
+        self.head = nn.Identity()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(in_channels * 256, num_classes))
+
+
+def _one_line_error(capsys, argv: list[str], code: int, match: str) -> None:
+    assert main(argv) == code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and match in err[0], err
+
+
+def test_bad_input_gives_one_line_errors(root, tmp_path, capsys, monkeypatch):
+    base = ["finetune", "--preset", "digits", "--set", f"out={root.parent}"]
+    _one_line_error(capsys, [*base, f"run={SRC}", "method=nope"], 2, "method='nope' is not valid")
+    _one_line_error(capsys, [*base, "method=maccal"], 2, "set run=NAME")
+    _one_line_error(capsys, [*base, f"run={SRC}", "maccal_q0=0.1"], 2, "maccal_q_min <= maccal_q0")
+    _one_line_error(capsys, [*base, "run=ghost"], 1, "has no trained weights")
+    assert not (root / "finetune" / "ghost-maccal").exists()
+    # A model without a separable head (registered for this test only).
+    monkeypatch.setitem(CLASSIFIERS, "headless", Headless)
+    meta = json.loads((root / "train" / SRC / "model.json").read_text())
+    arch = {"arch": "headless", "num_classes": 10, "in_channels": 1}
+    save_weights(
+        root / "train" / "headless", Headless("headless", 10, 1).state_dict(), meta | {"arch": arch}
+    )
+    _one_line_error(capsys, [*base, "run=headless"], 1, "has no separable head")
+    # model.json naming a head type nobody knows.
+    state, _ = load_weights(root / "train" / SRC)
+    odd = meta | {"arch": meta["arch"] | {"head": {"type": "nope"}}}
+    save_weights(root / "train" / "oddhead", state, odd)
+    _one_line_error(
+        capsys, [*base, "run=oddhead", "method=fedlas-ls"], 1, "unknown head type 'nope'"
+    )
+    assert not any((root / "finetune").glob("headless-*")) and not any(
+        (root / "finetune").glob("oddhead-*")
+    )
