@@ -46,9 +46,13 @@ class Processes:
     the same way; a plain `python -m pipeline ...` is rank 0 of 1 without any process group.
     """
 
-    def __init__(self, cpu: bool = False):
+    def __init__(self, cpu: bool | None = None):
         from accelerate import PartialState
 
+        # Without CUDA, accelerate must be told so: otherwise it ignores torchrun's ranks on a
+        # CPU machine and every process believes it is rank 0.
+        if cpu is None:
+            cpu = not torch.cuda.is_available()
         self.state = PartialState(cpu=cpu)
 
     @property

@@ -108,17 +108,21 @@ def verify_shards(folder: Path, manifest: Manifest | None = None) -> Manifest:
     folder = Path(folder)
     manifest = manifest or read_manifest(folder)
     for rec in manifest.shards:
-        path = folder / rec.name
-        if not path.is_file():
-            raise ShardError(f"{path} is listed in the manifest but missing")
-        size = path.stat().st_size
-        if size != rec.bytes:
-            raise ShardError(
-                f"{path}: size {size} != {rec.bytes} in the manifest (truncated or replaced)"
-            )
-        digest = sha256_file(path)
-        if digest != rec.sha256:
-            raise ShardError(
-                f"{path}: sha256 mismatch ({digest[:12]}… != {rec.sha256[:12]}…): the shard is corrupt"
-            )
+        check_shard(folder / rec.name, rec)
     return manifest
+
+
+def check_shard(path: Path, rec: ShardRecord) -> None:
+    """One shard against its record: present, same size, same sha256."""
+    if not path.is_file():
+        raise ShardError(f"{path} is listed in the manifest but missing")
+    size = path.stat().st_size
+    if size != rec.bytes:
+        raise ShardError(
+            f"{path}: size {size} != {rec.bytes} in the manifest (truncated or replaced)"
+        )
+    digest = sha256_file(path)
+    if digest != rec.sha256:
+        raise ShardError(
+            f"{path}: sha256 mismatch ({digest[:12]}… != {rec.sha256[:12]}…): the shard is corrupt"
+        )

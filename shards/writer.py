@@ -31,6 +31,7 @@ from shards.manifest import Manifest, ShardError, ShardRecord, write_manifest
 DONE_DIR = ".done"
 # Sample fields we write; the reader refuses anything else (in particular pickles).
 IMAGE_EXT = "png"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def shard_name(prefix: str, index: int) -> str:
@@ -52,7 +53,8 @@ def encode_png(image: Any) -> bytes:
 
 
 def encode_sample(sample: Mapping[str, Any]) -> dict[str, Any]:
-    """Our sample dict -> tar members. Fields: __key__, png (image), cls (int), json (dict)."""
+    """Our sample dict -> tar members. Fields: __key__, png (image array, or PNG bytes passed
+    through unchanged), cls (int), json (dict)."""
     key = sample["__key__"]
     if not key or "." in key or "/" in key:
         raise ValueError(f"sample key {key!r} must be non-empty and contain no dots or slashes")
@@ -60,7 +62,11 @@ def encode_sample(sample: Mapping[str, Any]) -> dict[str, Any]:
     for field, value in sample.items():
         if field == "__key__":
             continue
-        if field == IMAGE_EXT:
+        if field == IMAGE_EXT and isinstance(value, (bytes, bytearray)):
+            if not bytes(value[:8]) == PNG_SIGNATURE:
+                raise ValueError(f"sample {key!r}: png bytes are not a PNG file")
+            out[field] = bytes(value)  # already encoded (e.g. copied from another shard): keep it
+        elif field == IMAGE_EXT:
             out[field] = encode_png(value)
         elif field == "cls":
             out[field] = str(int(value)).encode("ascii")

@@ -301,7 +301,7 @@ def write_report(root: Path) -> Path:
 
 
 def run(cfg: Config) -> Path:
-    procs = Processes(cpu=not torch.cuda.is_available())
+    procs = Processes()
     if not procs.is_main:  # evaluation is cheap and writes shared files: the main process does it
         procs.barrier()
         return cfg.root / "report.md"

@@ -142,3 +142,47 @@ def test_config_mismatch_refused(tmp_path):
         write_config(tmp_path, {"a": 1, "b": 3})
     assert read_manifest.__name__  # the folder stays as it was
     assert (tmp_path / "config.json").read_text().count('"b": 2') == 1
+
+
+def test_reader_falls_back_to_tarfile_for_other_tar_dialects(tmp_path):
+    """Shards re-packed by other tools (pax headers, directory entries) still read the same."""
+    _write(tmp_path, counts=(4,))
+    shard = tmp_path / "part-000000.tar"
+    expected = load_split(tmp_path)
+    buf = io.BytesIO()
+    with (
+        tarfile.open(shard) as src,
+        tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as dst,
+    ):
+        for m in src.getmembers():
+            m.pax_headers = {"comment": "repacked"}
+            dst.addfile(m, src.extractfile(m))
+    shard.write_bytes(buf.getvalue())
+    again = [s["image"] for s in iter_folder(tmp_path)]
+    assert all(np.array_equal(a, b.numpy()) for a, b in zip(again, expected.images))
+
+
+def test_bad_tar_header_and_missing_end_marker(tmp_path):
+    _write(tmp_path, counts=(3,))
+    shard = tmp_path / "part-000000.tar"
+    good = shard.read_bytes()
+    shard.write_bytes(good[:100] + b"X" + good[101:])  # inside the first header's name
+    with pytest.raises(ShardError, match="bad tar header checksum"):
+        list(iter_folder(tmp_path))
+    end = len(good.rstrip(b"\0"))
+    cut = -(-end // 512) * 512  # right after the last member, before the end marker
+    shard.write_bytes(good[:cut])
+    with pytest.raises(ShardError, match="no end-of-archive marker"):
+        list(iter_folder(tmp_path))
+
+
+def test_png_bytes_pass_through_unchanged(tmp_path):
+    from shards.reader import read_raw_shard
+    from shards.writer import encode_png
+
+    png = encode_png(np.zeros((4, 4, 3), np.uint8))
+    sf = ShardFolder(tmp_path, "p")
+    sf.write(0, [{"__key__": "k", "png": png, "cls": 1}])
+    assert read_raw_shard(sf.path(0))[0]["png"] == png
+    with pytest.raises(ValueError, match="not a PNG"):
+        sf.write(1, [{"__key__": "k", "png": b"GIF89a....", "cls": 1}])

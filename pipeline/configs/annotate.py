@@ -1,0 +1,65 @@
+"""Config of the `annotate` stage: series/ + real/train -> runs/<classes>/mixed/ (METHODS §2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from models.annotation import ANNOTATORS, SHARPENING
+from pipeline.config import ConfigError, StageConfig, check_choice, check_range
+
+# `classifier`: pooled features of a semix classifier trained in runs/<classes>/train/<encoder_run>/
+ENCODER_KINDS = ("classifier", "openclip", "hf-clip")
+TEXT_ENCODERS = ("openclip", "hf-clip")  # the ones with a text tower (prototypes=text)
+PROTOTYPE_SOURCES = ("real", "text")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class Config(StageConfig):
+    encoder: str = "openclip"
+    encoder_model: str = "ViT-B-32"  # OpenCLIP model name, or a HF CLIP id / save_pretrained folder
+    encoder_pretrained: str = "openai"  # OpenCLIP tag or a local checkpoint file
+    encoder_run: str = "encoder"  # encoder=classifier: the run under runs/<classes>/train/
+    encoder_cache: str = ""  # OpenCLIP download cache folder ("" = open_clip's default)
+    method: str = "projection"  # projection | similarity | ratio (METHODS §2 and its ablations)
+    sharpening: float = 4.0  # s in t_a = sigmoid(s (lambda_hat - 0.5)); presets set METHODS' values
+    prototypes: str = "real"  # real: class means over real/train; text: zero-shot prompts
+    text_templates: tuple[str, ...] = ("a photo of a {}.",)
+    batch_size: int = 256  # images per encoder forward
+    workers: int = 2  # processes reading + decoding series shards ahead of the encoder (0: none)
+    device: str = ""  # "" = this rank's accelerator (accelerate), else e.g. cpu, cuda:0
+    precision: str = "fp32"  # autocast dtype of the encoder forward
+    series: str = ""  # series folder; "" = runs/<classes>/series
+
+    def __post_init__(self):
+        check_choice("encoder", self.encoder, ENCODER_KINDS)
+        check_choice("method", self.method, tuple(ANNOTATORS))
+        check_choice("prototypes", self.prototypes, PROTOTYPE_SOURCES)
+        check_choice("precision", self.precision, PRECISIONS)
+        check_range("batch_size", self.batch_size, 1)
+        check_range("workers", self.workers, 0)
+        if not self.sharpening > 0:
+            raise ConfigError(f"sharpening={self.sharpening!r} must be > 0")
+        if self.prototypes == "text" and self.encoder not in TEXT_ENCODERS:
+            raise ConfigError(
+                f"prototypes=text needs an encoder with a text tower ({', '.join(TEXT_ENCODERS)}); "
+                f"encoder={self.encoder} has none"
+            )
+        if self.prototypes == "text" and (
+            not self.text_templates or any("{}" not in t for t in self.text_templates)
+        ):
+            raise ConfigError("text_templates must each contain '{}' (the class name)")
+
+
+_CLIP = dict(encoder="openclip", encoder_model="ViT-B-32", encoder_pretrained="openai")
+
+PRESETS = {
+    # digits: CLIP means nothing on 16x16 handwritten digits; the real-only classifier's
+    # pooled features (train run "encoder") are the annotation space (ARCHITECTURE §6).
+    # workers=0: on the few CPU cores digits targets, decode processes would fight the encoder.
+    "digits": dict(encoder="classifier", sharpening=SHARPENING["digits"], workers=0),
+    "cifar10": dict(_CLIP, sharpening=SHARPENING["cifar10"]),
+    "cifar100": dict(_CLIP, sharpening=SHARPENING["cifar100"]),
+    "tiny-imagenet": dict(_CLIP, sharpening=SHARPENING["tiny-imagenet"]),
+    "imagefolder": dict(_CLIP, sharpening=SHARPENING["imagefolder"]),
+}
