@@ -1,0 +1,75 @@
+"""Config of the `generate` stage: real/ (+ generator/ or a pretrained model) -> series/ (METHODS §1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from models.generators import GENERATORS, SAMPLERS
+from pipeline.config import ConfigError, StageConfig, check_choice, check_range
+
+DTYPES = ("", "float32", "bfloat16", "float16")  # "" = float32 on the CPU, bfloat16 on a GPU
+
+
+@dataclass(frozen=True)
+class Config(StageConfig):
+    backend: str = "unet"  # unet | sd | dit (models.generators)
+    model: str = ""  # unet: "" = runs/<classes>/generator; sd/dit: hub id or local folder
+    revision: str = ""  # hub revision of `model` ("" = the default branch)
+    license: str = ""  # license of the generated images, recorded in the manifest ("" = unknown)
+    sampler: str = "ddim"  # deterministic samplers only: ddim (eta 0) | dpmsolver++
+    steps: int = 25
+    guidance: float = 1.0  # classifier-free guidance scale; 1.0 = none (unet: always 1.0)
+    prompt_template: str = "a photo of a {name}"  # sd
+    negative_prompt: str = ""  # sd
+    native_size: int = 0  # sd: generation resolution; 0 = the model's own (512 for SD 1.5)
+    dit_class_ids: tuple[int, ...] = ()  # dit: ImageNet id of each of our classes, in order
+    image_size: int = 0  # stored resolution; 0 = that of real/train
+    alphas: int = 8  # K mixing ratios per series, alpha_k = k/(K-1), endpoints included
+    series_per_pair: int = 1
+    pairs: int = 0  # 0 = every pair a < b; N = a seeded subset of N pairs
+    limit: int = 0  # quick runs: only the first N series of the plan (0 = all)
+    series_per_shard: int = 0  # 0 = auto: >= min_shards shards where the budget allows
+    min_shards: int = 16  # >= 1 shard per process x data-loader worker downstream
+    batch_size: int = 64  # images per model call; fixed: bytes must not depend on it
+    device: str = ""  # "" = this rank's accelerator (accelerate), else e.g. cpu, cuda:0
+    dtype: str = ""  # "" = float32 on the CPU, bfloat16 on a GPU
+    torch_compile: bool = False  # torch.compile the denoiser (GPU; first batch compiles)
+    preview_series: int = 8  # rows of preview.png
+
+    def __post_init__(self):
+        check_choice("backend", self.backend, sorted(GENERATORS))
+        check_choice("sampler", self.sampler, sorted(SAMPLERS))
+        check_choice("dtype", self.dtype, DTYPES)
+        check_range("alphas", self.alphas, 2)
+        for name in ("steps", "series_per_pair", "min_shards", "batch_size"):
+            check_range(name, getattr(self, name), 1)
+        for name in ("pairs", "limit", "series_per_shard", "native_size", "image_size"):
+            check_range(name, getattr(self, name), 0)
+        check_range("preview_series", self.preview_series, 0)
+        check_range("guidance", self.guidance, 0.0)
+        if self.backend == "unet" and self.guidance != 1.0:
+            raise ConfigError(
+                f"guidance={self.guidance}: the unet backend has no classifier-free guidance; set guidance=1"
+            )
+        if self.backend != "unet" and not self.model:
+            raise ConfigError(f"backend={self.backend} needs model=<hub id or local folder>")
+        if "{name}" not in self.prompt_template:
+            raise ConfigError(
+                f"prompt_template must contain '{{name}}', got {self.prompt_template!r}"
+            )
+
+
+# Pretrained text-to-image model of the photo presets; a local save_pretrained folder works too
+# (model=/path). Generated at 512x512 and resized to the dataset's resolution (METHODS §1).
+SD15 = "stable-diffusion-v1-5/stable-diffusion-v1-5"
+_SD = dict(backend="sd", model=SD15, steps=25, guidance=7.5, batch_size=16)
+
+PRESETS = {
+    # the in-house UNet of fit-generator; 45 pairs x 6 = 270 series, 2160 images (~1 min, 2 cores)
+    "digits": dict(backend="unet", steps=25, series_per_pair=6, batch_size=64),
+    # METHODS §1 reference budgets: 444 / 4 / 2 series per pair (about 160k / 158k / 318k images)
+    "cifar10": dict(_SD, series_per_pair=444),
+    "cifar100": dict(_SD, series_per_pair=4),
+    "tiny-imagenet": dict(_SD, series_per_pair=2),
+    "imagefolder": dict(_SD, series_per_pair=4),
+}

@@ -1,0 +1,417 @@
+"""generate: real/ (+ generator/ or a pretrained model) -> runs/<classes>/series/ (METHODS §1).
+
+    python -m pipeline generate --preset digits
+    python -m pipeline generate --preset cifar100 --set model=/models/sd-v1-5 limit=64
+    accelerate launch --multi_gpu -m pipeline generate --preset cifar10
+
+CSM series: every unordered pair a < b, walked in order and cycled until the budget
+(``series_per_pair`` per pair) is used; series s takes pair s mod P, its noise seed is
+derive_seed(seed, "series", s), and its K images have α_k = k/(K−1) (α = weight of class a). The
+plan depends on the config only, so ids, seeds, shards and bytes never depend on the number of
+processes, the batch size or the resume point.
+
+Shards hold whole series. Under N processes rank r writes shards i ≡ r (mod N); complete shards
+are skipped (resume); rank 0 writes preview.png and, last, manifest.json after all ranks finished.
+Non-finite or blank images are never written: their series are redone in float32, or the stage
+fails naming them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from models.generators import (
+    Generator,
+    ModelNotFoundError,
+    NonFiniteImageError,
+    SeriesSpec,
+    load_generator,
+)
+from pipeline.configs.generate import Config
+from pipeline.plots import image_grid
+from pipeline.runtime import Processes, code_version, derive_seed, log, make_generator, progress
+from shards.manifest import Manifest, ShardError, manifest_digest, read_manifest
+from shards.reader import iter_shard
+from shards.writer import ShardFolder, write_config
+
+MAX_SHARD_IMAGES = 1000  # auto shard size: small enough to resume and to spread over GPUs
+
+
+class GenerationError(ValueError):
+    """Series that cannot be generated cleanly (non-finite or blank images), or a missing model."""
+
+
+# ---------------------------------------------------------------- 1. the plan
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which series exist, with which classes, noise and shard (a pure function of the config)."""
+
+    pairs: tuple[tuple[int, int], ...]
+    alphas: tuple[float, ...]
+    num_series: int
+    series_per_shard: int
+    seed: int
+
+    @property
+    def num_shards(self) -> int:
+        return math.ceil(self.num_series / self.series_per_shard)
+
+    def shard_series(self, shard: int) -> range:
+        start = shard * self.series_per_shard
+        return range(start, min(start + self.series_per_shard, self.num_series))
+
+    def spec(self, series: int) -> SeriesSpec:
+        """Series s: pair s mod P (the walk cycles over the pairs), its own noise seed."""
+        a, b = self.pairs[series % len(self.pairs)]
+        return SeriesSpec(series, a, b, self.alphas, derive_seed(self.seed, "series", series))
+
+
+def make_plan(cfg: Config, num_classes: int) -> Plan:
+    every = [(a, b) for a in range(num_classes) for b in range(a + 1, num_classes)]
+    if not every:
+        raise GenerationError(f"{num_classes} class(es): series need at least two classes")
+    if cfg.pairs > len(every):
+        raise GenerationError(
+            f"pairs={cfg.pairs}: only {len(every)} pairs among {num_classes} classes (0 = all)"
+        )
+    pairs = every
+    if cfg.pairs:  # a seeded subset, kept in walk order
+        pick = torch.randperm(len(every), generator=make_generator(cfg.seed, "pairs"))
+        pairs = [every[i] for i in sorted(pick[: cfg.pairs].tolist())]
+    n = cfg.series_per_pair * len(pairs)
+    if cfg.limit:
+        n = min(n, cfg.limit)
+    k = cfg.alphas
+    per_shard = cfg.series_per_shard or max(
+        1, min(math.ceil(n / cfg.min_shards), MAX_SHARD_IMAGES // k)
+    )
+    alphas = tuple(i / (k - 1) for i in range(k))
+    return Plan(tuple(pairs), alphas, n, per_shard, cfg.seed)
+
+
+# ---------------------------------------------------------------- 2. the generator
+
+
+@dataclass(frozen=True)
+class Inputs:
+    real: Path
+    class_names: tuple[str, ...]
+    image_size: int
+    generator: Path | None  # unet backend: the fit-generator folder
+    generator_info: dict[str, Any]
+
+
+def check_inputs(cfg: Config) -> Inputs:
+    """Refuse bad input early, on every rank alike, before anything is written."""
+    real = cfg.root / "real" / "train"
+    real_m = read_manifest(real)
+    size = cfg.image_size or int(real_m.info.get("image_size", 0))
+    if size < 1:
+        raise ShardError(f"{real}: the manifest names no image_size; set image_size=N")
+    if cfg.backend != "unet":
+        return Inputs(real, real_m.class_names, size, None, {})
+    folder = Path(cfg.model) if cfg.model else cfg.root / "generator"
+    hint = f"run `python -m pipeline fit-generator --preset {cfg.preset}` first (or set model=<folder>)"
+    if not (folder / "manifest.json").is_file():
+        raise GenerationError(f"no trained generator in {folder} (no manifest.json): {hint}")
+    gen_m = read_manifest(folder)
+    if gen_m.kind != "generator":
+        raise GenerationError(f"{folder} holds a '{gen_m.kind}' folder, not a generator: {hint}")
+    if gen_m.class_names != real_m.class_names:
+        raise GenerationError(
+            f"{folder} was trained on other classes ({', '.join(gen_m.class_names[:5])}, ...) "
+            f"than {real} ({', '.join(real_m.class_names[:5])}, ...)"
+        )
+    if int(gen_m.info.get("image_size", size)) != size:
+        raise GenerationError(
+            f"{folder} makes {gen_m.info['image_size']}px images, {real} holds {size}px; "
+            "set image_size= or retrain"
+        )
+    return Inputs(real, real_m.class_names, size, folder, gen_m.info)
+
+
+def resolve_dtype(cfg: Config, device: torch.device) -> str:
+    return cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+
+
+def identity(cfg: Config, inputs: Inputs, dtype: str) -> dict[str, Any]:
+    """What made the images, known without loading the model (a resume may load none).
+
+    No absolute paths: a local folder is named by its last component; the unet's revision is its
+    weights' sha256.
+    """
+    if inputs.generator is not None:
+        model_id = f"{inputs.generator.parent.name}/{inputs.generator.name}"
+        revision = inputs.generator_info.get("weights_sha256")
+    else:
+        model_id = Path(cfg.model).name if Path(cfg.model).is_dir() else cfg.model
+        revision = cfg.revision or None
+    ident = {
+        "backend": cfg.backend,
+        "model_id": model_id,
+        "revision": revision,
+        "sampler": cfg.sampler,
+        "steps": cfg.steps,
+        "guidance": cfg.guidance,
+        "license": cfg.license,
+        "dtype": dtype,
+    }
+    extras = {
+        "sd": {"prompt_template": cfg.prompt_template, "negative_prompt": cfg.negative_prompt},
+        "dit": {"class_ids": list(cfg.dit_class_ids)},
+    }
+    return ident | extras.get(cfg.backend, {})
+
+
+def _unet_kwargs(cfg: Config, inputs: Inputs) -> dict[str, Any]:
+    return {"model": inputs.generator}
+
+
+def _sd_kwargs(cfg: Config, inputs: Inputs) -> dict[str, Any]:
+    return {
+        "model": cfg.model,
+        "class_names": inputs.class_names,
+        "image_size": inputs.image_size,
+        "revision": cfg.revision or None,
+        "prompt_template": cfg.prompt_template,
+        "negative_prompt": cfg.negative_prompt,
+        "guidance": cfg.guidance,
+        "native_size": cfg.native_size or None,
+    }
+
+
+def _dit_kwargs(cfg: Config, inputs: Inputs) -> dict[str, Any]:
+    if len(cfg.dit_class_ids) != len(inputs.class_names):
+        raise GenerationError(
+            f"dit_class_ids lists {len(cfg.dit_class_ids)} ImageNet ids for "
+            f"{len(inputs.class_names)} classes: give one per class, in class order"
+        )
+    return {
+        "model": cfg.model,
+        "class_ids": cfg.dit_class_ids,
+        "guidance": cfg.guidance,
+        "image_size": inputs.image_size,
+        "revision": cfg.revision or None,
+    }
+
+
+BACKEND_KWARGS: dict[str, Callable[[Config, Inputs], dict[str, Any]]] = {
+    "unet": _unet_kwargs,
+    "sd": _sd_kwargs,
+    "dit": _dit_kwargs,
+}
+
+
+class Generators:
+    """The backend, loaded on first use (a resumed run with nothing left loads nothing), and its
+    float32 twin for series that overflow in bf16/fp16."""
+
+    def __init__(self, backend: str, kwargs: dict[str, Any], dtype: str):
+        self.backend, self.kwargs, self.dtype = backend, kwargs, dtype
+        self._loaded: dict[str, Generator] = {}
+
+    def get(self, dtype: str) -> Generator:
+        if dtype not in self._loaded:
+            try:
+                self._loaded[dtype] = load_generator(self.backend, dtype=dtype, **self.kwargs)
+            except ModelNotFoundError as e:  # an OSError: make it the CLI's one-line error
+                raise GenerationError(str(e)) from e
+        return self._loaded[dtype]
+
+
+def blank_series(images: torch.Tensor, specs: Sequence[SeriesSpec]) -> set[int]:
+    """Ids of series with a constant image (all pixels equal): a failed sample, never data."""
+    flat = images.flatten(2)
+    blank = (flat.amax(dim=2) == flat.amin(dim=2)).any(dim=1)
+    return {specs[i].series_id for i in torch.nonzero(blank).flatten().tolist()}
+
+
+def _bad_series(gen: Generator, specs: Sequence[SeriesSpec], bar) -> tuple[torch.Tensor, set, set]:
+    """(images, non-finite series ids, blank series ids)."""
+    try:
+        images, nonfinite = gen.generate_series(specs, progress=bar), set()
+    except NonFiniteImageError as e:
+        images, nonfinite = e.images, set(e.series_ids)
+    return images, nonfinite, blank_series(images, specs) - nonfinite
+
+
+def sample_series(gens: Generators, specs: Sequence[SeriesSpec], bar=None) -> torch.Tensor:
+    """uint8 [n, K, H, W, 3]; series with non-finite or blank images are redone in float32
+    (when the run is not float32 already) or raise GenerationError naming them."""
+    images, nonfinite, blank = _bad_series(gens.get(gens.dtype), specs, bar)
+    if (nonfinite or blank) and gens.dtype != "float32":
+        redo = [s for s in specs if s.series_id in nonfinite | blank]
+        log.warning(
+            "generate: series %s gave non-finite/blank images in %s; redoing them in float32",
+            sorted(nonfinite | blank),
+            gens.dtype,
+        )
+        again, nonfinite, blank = _bad_series(gens.get("float32"), redo, None)
+        row = {s.series_id: i for i, s in enumerate(specs)}
+        for j, s in enumerate(redo):
+            images[row[s.series_id]] = again[j]
+    if nonfinite or blank:
+        what = (f"non-finite pixels in series {sorted(nonfinite)}" if nonfinite else "") + (
+            f"{'; ' if nonfinite else ''}blank (constant) images in series {sorted(blank)}"
+            if blank
+            else ""
+        )
+        raise GenerationError(
+            f"{what} (float32); nothing was written for them: check the generator weights"
+        )
+    return images
+
+
+# ---------------------------------------------------------------- 3. shards
+
+
+def shard_samples(
+    plan: Plan, specs: Sequence[SeriesSpec], images: torch.Tensor, names, ident: dict
+) -> list[dict[str, Any]]:
+    """Sample dicts of one shard; the json field set is identical in every sample."""
+    generator = f"{ident['backend']}:{ident['model_id']}"
+    samples = []
+    for spec, series in zip(specs, images.numpy()):
+        a, b = spec.class_a, spec.class_b
+        for k, alpha in enumerate(plan.alphas):
+            meta = {
+                "series": spec.series_id,
+                "position": k,
+                "classes": [a, b],
+                "names": [names[a], names[b]],
+                "alpha": alpha,
+                "seed": spec.seed,
+                "generator": generator,
+                "revision": ident["revision"],
+                "sampler": ident["sampler"],
+                "steps": ident["steps"],
+                "guidance": ident["guidance"],
+            }
+            samples.append(
+                {
+                    "__key__": f"s{spec.series_id:07d}_{k:02d}",
+                    "png": series[k],
+                    "cls": a if alpha >= 0.5 else b,  # the dominant class
+                    "json": meta,
+                }
+            )
+    return samples
+
+
+def write_preview(folder: ShardFolder, plan: Plan, n_series: int) -> None:
+    """preview.png from the written shards (rows = series, columns = α), whoever wrote them."""
+    rows: list[np.ndarray] = []
+    labels: list[str] = []
+    k = len(plan.alphas)
+    for shard in range(plan.num_shards):
+        if len(rows) >= n_series * k:
+            break
+        for sample in iter_shard(folder.path(shard)):
+            rows.append(sample["image"])
+            if sample["meta"]["position"] == 0:
+                a, b = sample["meta"]["names"]
+                labels.append(f"{b}>{a}")  # reads left to right: α = 0 is pure b
+    n = min(n_series, len(rows) // k)
+    if n == 0:
+        return
+    grid = np.stack(rows[: n * k]).reshape(n, k, *rows[0].shape)
+    image_grid(
+        grid,
+        folder.folder / "preview.png",
+        row_labels=labels[:n],
+        col_labels=[f"{a:.2f}" for a in plan.alphas],
+        scale=max(1, 64 // rows[0].shape[0]),
+    )
+
+
+# ---------------------------------------------------------------- the stage
+
+
+def run(cfg: Config) -> Path:
+    # 1. Inputs, plan and identity (every rank, before anything is written)
+    inputs = check_inputs(cfg)
+    plan = make_plan(cfg, len(inputs.class_names))
+    # on a CPU-only machine accelerate sees torchrun ranks only with cpu=True
+    procs = Processes(cpu=cfg.device == "cpu" or not torch.cuda.is_available())
+    device = torch.device(cfg.device) if cfg.device else procs.device
+    dtype = resolve_dtype(cfg, device)
+    ident = identity(cfg, inputs, dtype)
+    kwargs = BACKEND_KWARGS[cfg.backend](cfg, inputs)
+    kwargs |= dict(
+        sampler=cfg.sampler,
+        steps=cfg.steps,
+        device=device,
+        batch_size=cfg.batch_size,
+        torch_compile=cfg.torch_compile,
+    )
+    gens = Generators(cfg.backend, kwargs, dtype)
+    out = cfg.root / "series"
+    k = len(plan.alphas)
+    log.info(
+        "generate plan: %d pairs, %d series x %d alphas = %d images in %d shards of <= %d series; "
+        "%s:%s, %s %d steps, guidance %g, %s, %d process(es) -> %s",
+        len(plan.pairs), plan.num_series, k, plan.num_series * k, plan.num_shards,
+        plan.series_per_shard, cfg.backend, ident["model_id"], cfg.sampler, cfg.steps,
+        cfg.guidance, dtype, procs.world, out,
+    )  # fmt: skip
+    if (out / "config.json").is_file():
+        write_config(out, cfg.to_dict())  # a different config is refused before any loading
+
+    # 2. Load the model if this rank has work left, before writing anything: a model that fails
+    #    to load leaves no folder behind, so the rerun with model=<folder> is not refused
+    mine = procs.my_shards(plan.num_shards)
+    folder = ShardFolder(out, prefix="series") if out.is_dir() else None
+    if folder is None or any(folder.done(i) is None for i in mine):
+        gens.get(dtype)
+    if procs.is_main:
+        write_config(out, cfg.to_dict())
+    folder = ShardFolder(out, prefix="series")
+
+    # 3. My shards (i ≡ rank mod world); complete ones are skipped
+    total = sum(len(plan.shard_series(i)) for i in mine) * k
+    with progress(
+        range(total), total=total, desc="generate", unit="img", enabled=procs.is_main
+    ) as bar:
+        for i in mine:
+            specs = [plan.spec(s) for s in plan.shard_series(i)]
+            if folder.done(i) is not None:
+                bar.update(len(specs) * k)
+                continue
+            images = sample_series(gens, specs, bar.update)
+            folder.write(i, shard_samples(plan, specs, images, inputs.class_names, ident))
+    procs.barrier()
+    if not procs.is_main:
+        return out
+
+    # 4. Preview, then the manifest last (rank 0, after every rank finished)
+    write_preview(folder, plan, cfg.preview_series)
+    upstream = {"real": manifest_digest(inputs.real)}
+    if inputs.generator is not None:
+        upstream["generator"] = manifest_digest(inputs.generator)
+    info = {
+        "generator": ident,
+        "alphas": list(plan.alphas),
+        "series_per_pair": cfg.series_per_pair,
+        "num_series": plan.num_series,
+        "num_pairs": len(plan.pairs),
+        "image_size": inputs.image_size,
+    }
+    manifest: Manifest = folder.finish(
+        plan.num_shards,
+        kind="series",
+        class_names=inputs.class_names,
+        upstream=upstream,
+        code_version=code_version(),
+        info=info,
+    )
+    log.info("generate: %d images in %d shards -> %s", manifest.num_samples, plan.num_shards, out)
+    return out
