@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import subprocess
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -86,11 +87,23 @@ class Processes:
 # ---------------------------------------------------------------- progress and logging
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is *now* (pytest and notebooks swap it), not at setup."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass  # always the current sys.stderr
+
+
 def setup_logging(is_main: bool = True) -> None:
     """semix's own logger only: other libraries keep their logging as they configured it."""
     level = logging.INFO if is_main else logging.WARNING
     if not log.handlers:
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s semix %(message)s", datefmt="%H:%M:%S"))
         log.addHandler(handler)
         log.propagate = False
