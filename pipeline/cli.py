@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from pipeline.config import PRESET_NAMES, ConfigError, resolve
-from pipeline.runtime import setup_logging
+from pipeline.runtime import cpu_threads, setup_logging
 
 # stage name on the command line -> module under pipeline/configs/ and stages/
 STAGES = {
@@ -60,7 +60,8 @@ def resolve_stage_config(stage: str, preset: str, sets: Sequence[str] = ()):
 def run_stage(stage: str, preset: str, sets: Sequence[str] = ()):
     cfg_mod, run_mod = stage_modules(stage)
     config = resolve(cfg_mod.Config, cfg_mod.PRESETS, preset, sets)
-    return run_mod.run(config)
+    with cpu_threads(config.cpu_threads):
+        return run_mod.run(config)
 
 
 def _describe_fields(stage: str) -> str:

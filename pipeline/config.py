@@ -32,6 +32,10 @@ class StageConfig:
     name: str = ""  # run root folder name; defaults to the preset (or the classes-file stem)
     classes_file: str = ""  # custom dataset: a text file with one class name per line
     seed: int = 0
+    # torch intra-op threads on a CPU-only machine; 0 = torch's default. CPU kernels (oneDNN)
+    # can depend on the thread count, so stages whose bytes must not depend on how they were
+    # launched pin it (generate, annotate: 1).
+    cpu_threads: int = 0
 
     @property
     def root(self) -> Path:

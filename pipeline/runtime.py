@@ -7,6 +7,7 @@ batch size, rank or resume point.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -141,3 +142,16 @@ def code_version() -> str:
         except (OSError, subprocess.SubprocessError):
             pass  # no git binary or not a repository: the version alone is still truthful
     return __version__
+
+
+@contextlib.contextmanager
+def cpu_threads(n: int) -> Iterator[None]:
+    """Run the block with n torch threads on a CPU-only machine, then restore the old count
+    (a chain runs several stages in one process)."""
+    before = torch.get_num_threads()
+    if n > 0 and not torch.cuda.is_available():
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

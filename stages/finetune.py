@@ -338,16 +338,6 @@ def is_finished(run_dir: Path) -> bool:
 
 def run(cfg: Config) -> Path:
     """Fine-tune one trained run (see the module docstring); returns the output folder."""
-    threads = torch.get_num_threads()
-    if cfg.cpu_threads and not torch.cuda.is_available():
-        torch.set_num_threads(cfg.cpu_threads)
-    try:
-        return _run(cfg)
-    finally:  # the chain runs further stages in this process
-        torch.set_num_threads(threads)
-
-
-def _run(cfg: Config) -> Path:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     run_dir = cfg.root / SECTION / cfg.output
     if is_finished(run_dir):

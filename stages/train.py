@@ -288,16 +288,6 @@ def validate(
 
 def run(cfg: Config) -> Path:
     """Train one run (see the module docstring); returns the run folder."""
-    threads = torch.get_num_threads()
-    if cfg.cpu_threads and not torch.cuda.is_available():
-        torch.set_num_threads(cfg.cpu_threads)
-    try:
-        return _run(cfg)
-    finally:  # the chain runs further stages in this process
-        torch.set_num_threads(threads)
-
-
-def _run(cfg: Config) -> Path:
     # 1. Accelerator (DDP under a launcher; bf16 on GPU) and the run folder.
     run_dir = cfg.root / "train" / cfg.run
     ckpt_dir = run_dir / "checkpoints"

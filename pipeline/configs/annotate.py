@@ -16,6 +16,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 
 @dataclass(frozen=True)
 class Config(StageConfig):
+    cpu_threads: int = 1  # pinned: CPU bytes must not depend on the launcher (StageConfig)
     encoder: str = "openclip"
     encoder_model: str = "ViT-B-32"  # OpenCLIP model name, or a HF CLIP id / save_pretrained folder
     encoder_pretrained: str = "openai"  # OpenCLIP tag or a local checkpoint file

@@ -61,7 +61,6 @@ class Config(StageConfig):
     fedlas_theta: float = FEDLAS_DEFAULTS[("ls", "cifar10")]["theta"]
     # machinery
     precision: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
-    cpu_threads: int = 0  # torch intra-op threads on the CPU; 0 = torch's default
     eval_batch_size: int = 512
 
     def __post_init__(self):

@@ -12,6 +12,7 @@ DTYPES = ("", "float32", "bfloat16", "float16")  # "" = float32 on the CPU, bflo
 
 @dataclass(frozen=True)
 class Config(StageConfig):
+    cpu_threads: int = 1  # pinned: CPU bytes must not depend on the launcher (StageConfig)
     backend: str = "unet"  # unet | sd | dit (models.generators)
     model: str = ""  # unet: "" = runs/<classes>/generator; sd/dit: hub id or local folder
     revision: str = ""  # hub revision of `model` ("" = the default branch)

@@ -79,7 +79,6 @@ class Config(StageConfig):
     train_limit: int = 0  # use only the first N training images (smoke tests); 0 = all
     # machinery
     precision: str = "auto"
-    cpu_threads: int = 0  # torch intra-op threads when training on the CPU; 0 = torch's default
     checkpoint_limit: int = 2  # accelerate checkpoints kept (>= 2: one survives a killed save)
     resume: str = "auto"  # auto | latest | <checkpoint folder>
     eval_batch_size: int = 512
