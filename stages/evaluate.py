@@ -13,6 +13,7 @@ Finally runs/<classes>/report.md is rebuilt from every evaluated run on disk.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import re
 from collections.abc import Callable
@@ -300,7 +301,25 @@ def write_report(root: Path) -> Path:
 # ---------------------------------------------------------------- the stage
 
 
+def trained_runs(root: Path) -> list[str]:
+    """Every run with final weights under train/ and finetune/, in report order."""
+    names = []
+    for stage in ("train", "finetune"):
+        names += [p.parent.name for p in sorted((root / stage).glob(f"*/{META}"))]
+    return list(dict.fromkeys(names))
+
+
 def run(cfg: Config) -> Path:
+    if not cfg.run and not cfg.runs:  # `make evaluate`: refresh every run, then the report
+        names = trained_runs(cfg.root)
+        if not names:
+            raise ShardError(
+                f"no trained runs under {cfg.root}/train or /finetune: run `make train` first"
+            )
+        report = cfg.root / "report.md"
+        for name in names:
+            report = run(dataclasses.replace(cfg, run=name))
+        return report
     procs = Processes()
     if not procs.is_main:  # evaluation is cheap and writes shared files: the main process does it
         procs.barrier()

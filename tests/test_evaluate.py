@@ -174,8 +174,8 @@ def test_trained_runs_ensemble_files_and_report(digits_root, tmp_path):
 def test_bad_input_gives_one_line_errors(tmp_path, capsys):
     root = constructed_root(tmp_path)
     base = ["evaluate", "--preset", "digits", "--set", f"out={root.parent}", f"name={root.name}"]
-    assert main(base) == 2
-    assert "run=NAME" in capsys.readouterr().err
+    assert main([*base, "run=a/b"]) == 2
+    assert "plain folder name" in capsys.readouterr().err
     assert main([*base, "run=nope"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no trained weights" in err[0]
@@ -202,3 +202,19 @@ def test_report_groups_seeds_into_mean_and_std():
     assert "| ce-maccal | finetune | 2 | 91.00 ± 0.00 |" in text
     assert "encoder" not in text and "csm" not in text
     assert seed_summary(rows[4:]) == []
+
+
+def test_without_run_every_trained_run_is_evaluated(tmp_path):
+    root = constructed_root(tmp_path)
+    shutil.copytree(root / "train" / "over", root / "train" / "second")
+    shutil.copytree(root / "train" / "over", root / "finetune" / "over-maccal")
+    evaluate(root)
+    for folder in ("train/over", "train/second", "finetune/over-maccal"):
+        assert "evaluation" in json.loads((root / folder / "metrics.json").read_text())
+    assert not (root / "ensemble").exists()  # one by one, not as an ensemble
+    report = (root / "report.md").read_text()
+    assert all(f"| {n} |" in report for n in ("over", "second", "over-maccal"))
+    empty = tmp_path / "runs" / "empty"
+    shutil.copytree(root / "real", empty / "real")
+    with pytest.raises(ValueError, match="no trained runs"):
+        evaluate(empty)

@@ -11,7 +11,7 @@ STAGE_DIRS = ("", "train", "finetune")  # "": look in train/ first, then finetun
 
 @dataclass(frozen=True)
 class Config(StageConfig):
-    run: str = ""  # one run (RUN=name)
+    run: str = ""  # one run (RUN=name); with neither run nor runs: every trained run, one by one
     runs: tuple[str, ...] = ()  # several runs (RUNS=a,b,c): each one, plus their deep ensemble
     stage_dir: str = ""  # pin where runs live: train | finetune
     ensemble_name: str = ""  # folder under runs/<classes>/ensemble/; "" = members joined by "+"
@@ -21,8 +21,6 @@ class Config(StageConfig):
     device: str = ""  # "" = cuda if available, else cpu
 
     def __post_init__(self):
-        if not self.run and not self.runs:
-            raise ConfigError("set run=NAME (RUN=) or runs=a,b,c (RUNS=) to say what to evaluate")
         check_choice("stage_dir", self.stage_dir, STAGE_DIRS)
         check_range("batch_size", self.batch_size, 1)
         for name in self.run_names():
