@@ -154,6 +154,30 @@ def _measure(
     return rows, t["large"] / t["small"]
 
 
+def gpu_encoder_row(model: str = "ViT-L-14", n: int = 4096, device: str = "cuda") -> dict:
+    """Encoder throughput at CIFAR size (32x32 uint8 in, upsampled to 224 by the encoder), bf16."""
+    encoder = OpenCLIPEncoder(model, None, device=device, precision="bf16", batch_size=256)
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (n, 32, 32, 3), generator=g, dtype=torch.uint8)
+    encoder.encode(images[:256])  # warm-up: kernels, allocator
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    encoder.encode(images)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    return {
+        "encoder": f"OpenCLIP {model} (random weights, bf16, {device})",
+        "run": "bare encode, 32x32 -> 224",
+        "images": f"{n:,}",
+        "seconds": f"{seconds:.2f}",
+        "img/s": f"{n / seconds:,.0f}",
+        "vs forward": "",
+        "vs decode + forward": "",
+    }
+
+
 def run() -> dict:
     setup_logging(is_main=False)
     tmp = Path(tempfile.mkdtemp(prefix="semix-bench-annotate-"))
@@ -193,6 +217,13 @@ def run() -> dict:
         clip_rows, scale = _measure("OpenCLIP ViT-S-32", encoder, out, real, sets)
         rows += clip_rows
         notes.append(f"OpenCLIP ViT-S-32 scaling: t(10·S) / t(S) = {scale:.2f} (goal <= 11).")
+        # ---------------- GPU section: runs only when CUDA is available -----------------
+        if torch.cuda.is_available():
+            rows.append(gpu_encoder_row())
+        else:
+            notes.append(
+                "GPU row (OpenCLIP ViT-L-14, random weights, bf16) skipped: no CUDA device."
+            )
     finally:
         torch.set_num_threads(threads)
         shutil.rmtree(tmp, ignore_errors=True)
