@@ -405,8 +405,10 @@ def run(cfg: Config) -> Path:
     log.info(
         "annotate: %d images, Spearman(λ̂, α) = %s, monotone series share = %s -> %s",
         stats["n_images"],
-        stats["spearman_lambda_alpha"],
-        stats["monotone_share"],
+        *(
+            "n/a" if v is None else f"{v:.3f}"
+            for v in (stats["spearman_lambda_alpha"], stats["monotone_share"])
+        ),
         mixed,
     )
     return mixed
