@@ -25,7 +25,8 @@ from diffusers import DDPMScheduler
 from models.generators import load_unet, save_unet, unet_from_preset
 from models.generators.base import class_weights, make_mixable, make_scheduler
 from pipeline.cli import run_stage
-from pipeline.runtime import derive_seed
+from pipeline.configs.generate import Config as GenerateConfig
+from pipeline.runtime import cpu_threads, derive_seed
 from shards.io import sha256_file
 from shards.manifest import Manifest, manifest_digest, write_manifest
 from shards.writer import ShardFolder
@@ -103,6 +104,9 @@ def _stage(root: Path, sets: list[str], preset: str = "digits") -> float:
     return time.perf_counter() - t0
 
 
+GENERATE_THREADS = GenerateConfig.cpu_threads  # the stage's default
+
+
 def cpu_section(tmp: Path) -> list[dict]:
     root = tmp / "digits"
     _real(root, 10, 16)
@@ -113,7 +117,8 @@ def cpu_section(tmp: Path) -> list[dict]:
     n = CPU_SERIES * K
     stage, bare = [], []
     for _ in range(3):  # alternate, best of 3: the machine is shared
-        bare.append(_bare_unet_loop(folder))
+        with cpu_threads(GENERATE_THREADS):  # the stage pins its threads: so must the baseline
+            bare.append(_bare_unet_loop(folder))
         stage.append(_stage(root, sets))
     s, b = n / min(stage), n / min(bare)
     return [
