@@ -256,6 +256,10 @@ def mixed_samples(raw: list[dict], fields: list[dict]) -> list[dict]:
     ]
 
 
+def _as_is(item):
+    return item
+
+
 class SeriesShards(torch.utils.data.Dataset):
     """Item n = (shard index, raw samples, json, images) of the n-th shard to annotate."""
 
@@ -279,8 +283,9 @@ def annotate_shards(cfg, shards, series: Path, folder: ShardFolder, encoder, pro
     bytes depend on neither workers, rank nor resume point.
     """
     out: dict[int, list[dict]] = {}
+    # collate_fn=_as_is: the default would walk every nested list converting numpy -> torch
     loader = torch.utils.data.DataLoader(
-        SeriesShards(series, shards), batch_size=None, num_workers=cfg.workers
+        SeriesShards(series, shards), batch_size=None, num_workers=cfg.workers, collate_fn=_as_is
     )
     for i, raw, meta, images in loader:
         out[i] = label(cfg, meta, images, encoder, prototypes)
