@@ -59,7 +59,13 @@ def main(argv: list[str]) -> int:
         t0 = time.perf_counter()
         result = module.run()
         took = time.perf_counter() - t0
-        body = [f"## {result['title']}", "", f"Machine: {machine()}  ", f"Command: `python -m bench {name}` ({took:.0f} s)", ""]
+        body = [
+            f"## {result['title']}",
+            "",
+            f"Machine: {machine()}  ",
+            f"Command: `python -m bench {name}` ({took:.0f} s)",
+            "",
+        ]
         body.append(table(result["rows"]))
         body += [f"- {n}" for n in result.get("notes", [])]
         sections[result["title"]] = "\n".join(body).rstrip() + "\n"

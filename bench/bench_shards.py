@@ -21,7 +21,9 @@ def _images(n: int) -> np.ndarray:
     # smooth random images (compress like photos, unlike white noise)
     g = torch.Generator().manual_seed(0)
     low = torch.randint(0, 256, (n, 3, 8, 8), generator=g).float()
-    up = torch.nn.functional.interpolate(low, size=(SIZE, SIZE), mode="bilinear", align_corners=False)
+    up = torch.nn.functional.interpolate(
+        low, size=(SIZE, SIZE), mode="bilinear", align_corners=False
+    )
     return up.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
 
 
@@ -47,7 +49,9 @@ def run() -> dict:
             n_shards = (N + PER_SHARD - 1) // PER_SHARD
             for k in range(n_shards):
                 chunk = range(k * PER_SHARD, min(N, (k + 1) * PER_SHARD))
-                sf.write(k, ({"__key__": f"b_{i:06d}", "png": images[i], "cls": i % 10} for i in chunk))
+                sf.write(
+                    k, ({"__key__": f"b_{i:06d}", "png": images[i], "cls": i % 10} for i in chunk)
+                )
             sf.finish(n_shards, kind="real", class_names=[str(i) for i in range(10)])
 
         def write_pngs():
@@ -69,7 +73,12 @@ def run() -> dict:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     rows = [
-        {"operation": op, "shards (img/s)": f"{N / s:,.0f}", "PNG folder (img/s)": f"{N / p:,.0f}", "ratio shards/folder": f"{p / s:.2f}"}
+        {
+            "operation": op,
+            "shards (img/s)": f"{N / s:,.0f}",
+            "PNG folder (img/s)": f"{N / p:,.0f}",
+            "ratio shards/folder": f"{p / s:.2f}",
+        }
         for op, s, p in [("write", w_s, w_p), ("read + decode", r_s, r_p)]
     ]
     return {
