@@ -9,12 +9,13 @@ state dict. Weights are safetensors: loading never unpickles anything.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from shards.io import atomic_write_json, read_json, tmp_path_for
 from shards.manifest import ShardError
@@ -47,3 +48,28 @@ def load_weights(
             "(make train RUN=...) or check the run name"
         )
     return load_file(str(folder / WEIGHTS), device=str(device)), read_json(folder / META)
+
+
+def load_model(
+    folder: Path, build: Callable[[dict[str, Any]], nn.Module], device: str | torch.device = "cpu"
+) -> tuple[nn.Module, dict[str, Any]]:
+    """A trained run's network with its weights loaded, and its model.json.
+
+    `build` turns `meta["arch"]` into the network (e.g. models.finetuning.build_model); it is
+    passed in so that this on-disk module stays free of model code.
+    """
+    state, meta = load_weights(folder, device)
+    missing = [k for k in ("arch", "class_names", "image_size", "normalize") if k not in meta]
+    if missing:
+        raise ShardError(
+            f"{Path(folder) / META} lacks {missing}; retrain the run with this version"
+        )
+    model = build(meta["arch"])
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0]
+        raise ShardError(
+            f"{folder}: weights do not fit the architecture in {META} ({first})"
+        ) from e
+    return model.to(device), meta

@@ -48,7 +48,7 @@ from shards.manifest import (
     read_manifest,
 )
 from shards.reader import decode_sample, iter_folder, read_raw_shard
-from shards.runs import WEIGHTS, load_weights
+from shards.runs import WEIGHTS, load_model
 from shards.writer import DONE_DIR, ShardFolder, write_config
 
 PROTOTYPES = "prototypes.safetensors"
@@ -89,21 +89,11 @@ def _classifier_encoder(cfg: Config, **kwargs: Any) -> ImageEncoder:
     """Pooled pre-classifier features of runs/<classes>/train/<encoder_run>/, its own normalisation."""
     folder = cfg.root / "train" / cfg.encoder_run
     try:
-        state, meta = load_weights(folder)
+        model, meta = load_model(folder, classifier_from_config)
     except ShardError as e:
         raise ShardError(f"encoder_run={cfg.encoder_run}: {e}") from e
-    try:
-        model = classifier_from_config(meta["arch"])
-        model.load_state_dict(state)
-        mean, std = meta["normalize"]["mean"], meta["normalize"]["std"]
-        size = int(meta["image_size"])
-    except KeyError as e:
-        raise ShardError(f"{folder / 'model.json'} lacks the field {e}") from e
-    except RuntimeError as e:
-        first = str(e).strip().splitlines()[0]
-        raise ShardError(
-            f"{folder}: weights do not fit the architecture in model.json ({first})"
-        ) from None
+    mean, std = meta["normalize"]["mean"], meta["normalize"]["std"]
+    size = int(meta["image_size"])
     identity = {
         "run": cfg.encoder_run,
         "arch": meta["arch"],

@@ -40,7 +40,8 @@ from pipeline.runtime import Processes, code_version, log
 from shards.datasets import check_same_classes, load_real
 from shards.io import atomic_write_bytes, atomic_write_json, read_json
 from shards.manifest import MANIFEST, ShardError
-from shards.runs import META, load_weights
+from shards.runs import META
+from shards.runs import load_model as load_run_model
 
 ENSEMBLE = "ensemble"
 STAGE_FOLDERS = ("train", "finetune", ENSEMBLE)  # report.md order
@@ -61,15 +62,8 @@ def find_run(root: Path, name: str, stage_dir: str) -> Path:
 
 
 def load_model(folder: Path, device: torch.device, class_names: tuple[str, ...]):
-    state, meta = load_weights(folder, device)
-    check_same_classes(f"{folder / META}", meta.get("class_names", []), class_names, "real/test")
-    model = build_model(meta["arch"]).to(device)  # linear or fine-tuned (MaC-Cal) head
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as e:
-        raise ShardError(
-            f"{folder}: weights do not fit the architecture in {META} ({str(e).splitlines()[0]})"
-        ) from e
+    model, meta = load_run_model(folder, build_model, device)  # linear or MaC-Cal head
+    check_same_classes(f"{folder / META}", meta["class_names"], class_names, "real/test")
     return model.eval(), meta
 
 

@@ -51,7 +51,7 @@ from pipeline.runtime import code_version, log, make_generator, progress
 from shards.datasets import RealSplit, check_same_classes, load_real
 from shards.io import atomic_write_json, read_json, sha256_file
 from shards.manifest import ShardError
-from shards.runs import META, WEIGHTS, load_weights, save_weights
+from shards.runs import META, WEIGHTS, load_model, save_weights
 from shards.writer import write_config
 
 SECTION = "finetune"  # metrics.json section
@@ -84,19 +84,9 @@ def load_source(cfg: Config, device: torch.device) -> tuple[Classifier, dict[str
             f"run {cfg.run!r} has no trained weights in {folder}; train it first "
             f"(make train RUN={cfg.run})"
         )
-    state, meta = load_weights(folder, device)
-    missing = [k for k in ("arch", "class_names", "image_size", "normalize") if k not in meta]
-    if missing:
-        raise ShardError(f"{folder / META} lacks {missing}; retrain the run with this version")
-    model = build_model(meta["arch"])
+    model, meta = load_model(folder, build_model, device)
     require_separable_head(model, f"run {cfg.run!r} ({meta['arch'].get('arch')})")
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as e:
-        raise ShardError(
-            f"{folder}: weights do not fit the architecture in {META} ({str(e).splitlines()[0]})"
-        ) from e
-    return model.to(device), meta, folder
+    return model, meta, folder
 
 
 def load_data(cfg: Config, meta: dict[str, Any], device: torch.device) -> Data:

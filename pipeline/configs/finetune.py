@@ -14,7 +14,7 @@ from typing import Any
 
 from models.heads import FEDLAS_DEFAULTS
 from pipeline.config import ConfigError, StageConfig, check_choice, check_range
-from pipeline.configs.train import LOSS_FIELDS, PRECISIONS
+from pipeline.configs.train import LOSS_FIELDS, PRECISIONS, fedlas_fields
 
 METHODS = ("maccal", "fedlas-ls", "fedlas-mbls")
 # method -> {FeDLaSCriterion parameter: config field}; the same field names as the train stage
@@ -102,19 +102,6 @@ class Config(StageConfig):
         return {param: getattr(self, field) for param, field in fields.items()}
 
 
-def _fedlas(dataset: str) -> dict[str, float]:
-    """FeDLaS fields from models.heads.FEDLAS_DEFAULTS (METHODS §5)."""
-    ls, mb = FEDLAS_DEFAULTS[("ls", dataset)], FEDLAS_DEFAULTS[("mbls", dataset)]
-    return dict(
-        fedlas_ls_alpha=ls["alpha"],
-        fedlas_ls_beta=ls["beta"],
-        fedlas_mbls_alpha=mb["alpha"],
-        fedlas_mbls_beta=mb["beta"],
-        fedlas_margin=mb["margin"],
-        fedlas_theta=ls["theta"],
-    )
-
-
 PRESETS = {
     # Seconds on 2 CPU cores. The digits train recipe's augmentation (crop pad 2, no flips) and
     # its last lr (0.05 / 100) for FeDLaS; MaC-Cal keeps METHODS' lr 0.1 and batch 128 but runs
@@ -128,7 +115,7 @@ PRESETS = {
         cpu_threads=1,
     ),
     "cifar10": {},
-    "cifar100": _fedlas("cifar100"),
-    "tiny-imagenet": _fedlas("tiny-imagenet"),
+    "cifar100": fedlas_fields("cifar100"),
+    "tiny-imagenet": fedlas_fields("tiny-imagenet"),
     "imagefolder": {},
 }

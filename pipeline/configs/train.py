@@ -121,8 +121,8 @@ def _timm_has(name: str) -> bool:
     return bool(timm.is_model(name))
 
 
-def _fedlas(dataset: str) -> dict[str, float]:
-    """FeDLaS fields from models.heads.FEDLAS_DEFAULTS (METHODS §5)."""
+def fedlas_fields(dataset: str) -> dict[str, float]:
+    """FeDLaS config fields (train and finetune) from models.heads.FEDLAS_DEFAULTS (METHODS §5)."""
     ls, mb = FEDLAS_DEFAULTS[("ls", dataset)], FEDLAS_DEFAULTS[("mbls", dataset)]
     return dict(
         fedlas_ls_alpha=ls["alpha"],
@@ -151,9 +151,9 @@ PRESETS = {
         cpu_threads=1,
     ),
     "cifar10": dict(model="resnet50"),
-    "cifar100": dict(model="resnet50", **_fedlas("cifar100")),
+    "cifar100": dict(model="resnet50", **fedlas_fields("cifar100")),
     "tiny-imagenet": dict(
-        model="resnet50", mbls_margin=10.0, mbls_lam=0.05, **_fedlas("tiny-imagenet")
+        model="resnet50", mbls_margin=10.0, mbls_lam=0.05, **fedlas_fields("tiny-imagenet")
     ),
     "imagefolder": dict(model="resnet50"),
 }
