@@ -308,18 +308,26 @@ def shard_samples(
 
 
 def write_preview(folder: ShardFolder, plan: Plan, n_series: int) -> None:
-    """preview.png from the written shards (rows = series, columns = α), whoever wrote them."""
-    rows: list[np.ndarray] = []
-    labels: list[str] = []
+    """preview.png from the written shards (rows = series, columns = α), whoever wrote them.
+
+    Rows are series spread over the first pass of the pair walk, so they show different pairs
+    rather than (0, 1), (0, 2), ... only.
+    """
     k = len(plan.alphas)
-    for shard in range(plan.num_shards):
-        if len(rows) >= n_series * k:
-            break
+    first_pass = min(len(plan.pairs), plan.num_series)
+    step = max(1, first_pass // max(n_series, 1))
+    wanted = list(range(0, first_pass, step))[:n_series]
+    images: dict[int, list[np.ndarray]] = {s: [None] * k for s in wanted}
+    names: dict[int, str] = {}
+    for shard in sorted({s // plan.series_per_shard for s in wanted}):
         for sample in iter_shard(folder.path(shard)):
-            rows.append(sample["image"])
-            if sample["meta"]["position"] == 0:
-                a, b = sample["meta"]["names"]
-                labels.append(f"{b}>{a}")  # reads left to right: α = 0 is pure b
+            meta = sample["meta"]
+            if meta["series"] in images:
+                images[meta["series"]][meta["position"]] = sample["image"]
+                a, b = meta["names"]
+                names[meta["series"]] = f"{b}>{a}"  # reads left to right: α = 0 is pure b
+    rows = [im for s in wanted for im in images[s]]
+    labels = [names[s] for s in wanted]
     n = min(n_series, len(rows) // k)
     if n == 0:
         return
