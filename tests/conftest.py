@@ -34,3 +34,61 @@ def digits_root(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("runs")
     run_stage("prepare", "digits", [f"out={out}"])
     return out / "digits"
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module (opt in with `pytestmark = pytest.mark.usefixtures(...)`):
+    on a shared 2-core machine OpenMP's second thread makes tiny CPU kernels much slower, and
+    CPU bytes can depend on the thread count."""
+    from pipeline.runtime import cpu_threads
+
+    with cpu_threads(1):
+        yield
+
+
+def tiny_openclip(
+    folder: Path, name: str, *, layers: int = 1, width: int = 32, head_width: int = 16
+):
+    """A random-weight OpenCLIP model registered under `name` from a config file in `folder`
+    (vision 32x32, tiny text tower), seeded without touching the global RNG."""
+    import json
+
+    import open_clip
+    import torch
+
+    cfg = {
+        "embed_dim": 16,
+        "vision_cfg": {
+            "image_size": 32,
+            "layers": layers,
+            "width": width,
+            "patch_size": 8,
+            "head_width": head_width,
+        },
+        "text_cfg": {
+            "context_length": 16,
+            "vocab_size": 49408,
+            "width": 32,
+            "heads": 2,
+            "layers": 1,
+        },
+    }
+    (folder / f"{name}.json").write_text(json.dumps(cfg))
+    open_clip.add_model_config(folder / f"{name}.json")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return open_clip.create_model(name, pretrained=None).eval()
+
+
+def tiny_vae():
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        block_out_channels=(8, 16),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        latent_channels=4,
+        norm_num_groups=8,
+        layers_per_block=1,
+    )

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import subprocess_env
+from conftest import subprocess_env, tiny_openclip
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file
 
@@ -40,13 +40,7 @@ TINY_CLIP = "semix-annotate-tiny-clip"
 SUBPROCESS_SETS = ["out=runs", "batch_size=4"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """2 shared CPU cores: OpenMP with 2 threads stalls whenever another process holds a core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _env() -> dict[str, str]:
@@ -289,32 +283,10 @@ def test_each_image_encoded_once_and_prototypes_reused(runs, monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny_openclip_file(tmp_path_factory) -> Path:
-    import open_clip
     from safetensors.torch import save_file
 
     folder = tmp_path_factory.mktemp("openclip")
-    cfg = {
-        "embed_dim": 16,
-        "vision_cfg": {
-            "image_size": 32,
-            "layers": 1,
-            "width": 32,
-            "patch_size": 8,
-            "head_width": 16,
-        },
-        "text_cfg": {
-            "context_length": 16,
-            "vocab_size": 49408,
-            "width": 32,
-            "heads": 2,
-            "layers": 1,
-        },
-    }
-    (folder / f"{TINY_CLIP}.json").write_text(json.dumps(cfg))
-    open_clip.add_model_config(folder / f"{TINY_CLIP}.json")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = open_clip.create_model(TINY_CLIP, pretrained=None).eval()
+    model = tiny_openclip(folder, TINY_CLIP)
     save_file(model.state_dict(), folder / "tiny.safetensors")
     return folder / "tiny.safetensors"
 

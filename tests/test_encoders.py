@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_openclip as build_tiny_openclip
 from torch import nn
 
 from models.annotation import text_prototypes
@@ -145,31 +146,8 @@ def test_bf16_autocast_runs_and_returns_float32():
 
 @pytest.fixture(scope="module")
 def tiny_openclip(tmp_path_factory):
-    import open_clip
-
     folder = tmp_path_factory.mktemp("openclip")
-    cfg = {
-        "embed_dim": 16,
-        "vision_cfg": {
-            "image_size": 32,
-            "layers": 2,
-            "width": 64,
-            "patch_size": 8,
-            "head_width": 32,
-        },
-        "text_cfg": {
-            "context_length": 16,
-            "vocab_size": 49408,
-            "width": 32,
-            "heads": 2,
-            "layers": 1,
-        },
-    }
-    (folder / f"{TINY_CLIP}.json").write_text(json.dumps(cfg))
-    open_clip.add_model_config(folder / f"{TINY_CLIP}.json")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = open_clip.create_model(TINY_CLIP, pretrained=None).eval()
+    model = build_tiny_openclip(folder, TINY_CLIP, layers=2, width=64, head_width=32)
     from safetensors.torch import save_file
 
     save_file(model.state_dict(), folder / "tiny.safetensors")

@@ -16,14 +16,7 @@ from pipeline.cli import main, run_stage
 from shards.runs import save_weights
 from shards.writer import ShardFolder
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: a shared 2-core machine makes OpenMP's second thread a slowdown."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def write_split(folder: Path, images: np.ndarray, labels: np.ndarray, names: list[str]) -> None:

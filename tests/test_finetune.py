@@ -23,13 +23,7 @@ from shards.runs import load_weights, save_weights
 SRC = "src"  # the Stage-I run every test fine-tunes
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: a shared 2-core machine makes OpenMP's second thread a slowdown."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ it), so every run compared here uses one thread per process, as torchrun sets by
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -21,9 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import subprocess_env
+from conftest import subprocess_env, tiny_vae
 from diffusers import (
-    AutoencoderKL,
     DDIMScheduler,
     DDPMScheduler,
     DiTPipeline,
@@ -37,7 +35,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
 from models.generators import NonFiniteImageError, SeriesSpec, build_unet, load_generator, save_unet
 from pipeline.cli import main, resolve_stage_config, run_stage
-from pipeline.runtime import derive_seed
+from pipeline.runtime import cpu_threads, derive_seed
 from shards.io import sha256_file
 from shards.manifest import Manifest, manifest_digest, read_manifest, write_manifest
 from shards.reader import load_split
@@ -60,16 +58,6 @@ def _same_folder(a: Path, b: Path) -> None:
     assert ca | {"out": ""} == cb | {"out": ""}
     assert ta.keys() == tb.keys()
     assert [k for k in ta if ta[k] != tb[k]] == []
-
-
-@contextlib.contextmanager
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +93,7 @@ def _runs(src: Path, dest: Path, generator: bool = True) -> Path:
 def reference(src, tmp_path_factory) -> Path:
     """The uninterrupted single-process run every determinism test compares with."""
     out = _runs(src, tmp_path_factory.mktemp("gen-ref"))
-    with one_thread():
+    with cpu_threads(1):
         return run_stage("generate", "digits", [f"out={out}", *CONFIG])
 
 
@@ -172,7 +160,7 @@ def test_series_folder(src, reference):
     for s in (0, 13):
         meta = split.meta[4 * s]
         a, b = meta["classes"]
-        with one_thread():  # as the reference run
+        with cpu_threads(1):  # as the reference run
             swapped = gen.generate_series(
                 [SeriesSpec(s, b, a, tuple(info["alphas"]), meta["seed"])]
             )
@@ -187,7 +175,7 @@ def test_bytes_do_not_depend_on_batch_size(src, reference, tmp_path):
     _runs(src, tmp_path)
     for bs in (1, 7):
         sets = [f"out={tmp_path}", *CONFIG[:2], "limit=2", "series_per_shard=2", f"batch_size={bs}"]
-        with one_thread():
+        with cpu_threads(1):
             out = run_stage("generate", "digits", sets)
         name = "series-000000.tar"
         assert (out / name).read_bytes() == (reference / name).read_bytes(), bs
@@ -291,14 +279,6 @@ def test_one_line_errors(src, tmp_path, capsys):
 # ---------------------------------------------------------------- sd and dit end to end
 
 
-def _tiny_vae() -> AutoencoderKL:
-    return AutoencoderKL(
-        block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=8,
-        layers_per_block=1,
-    )  # fmt: skip
-
-
 def _save_sd(folder: Path) -> None:
     vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
     for token in [c + sfx for sfx in ("", "</w>") for c in string.ascii_lowercase + string.digits]:
@@ -318,7 +298,7 @@ def _save_sd(folder: Path) -> None:
         attention_head_dim=4, norm_num_groups=8,
     )  # fmt: skip
     StableDiffusionPipeline(
-        vae=_tiny_vae(), text_encoder=text, tokenizer=tokenizer, unet=unet,
+        vae=tiny_vae(), text_encoder=text, tokenizer=tokenizer, unet=unet,
         scheduler=DDIMScheduler(clip_sample=False), safety_checker=None, feature_extractor=None,
         requires_safety_checker=False,
     ).save_pretrained(folder)  # fmt: skip
@@ -329,7 +309,7 @@ def _save_dit(folder: Path) -> None:
         num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=1,
         sample_size=4, patch_size=2, num_embeds_ada_norm=1000,
     )  # fmt: skip
-    DiTPipeline(transformer=transformer, vae=_tiny_vae(), scheduler=DDIMScheduler()).save_pretrained(folder)  # fmt: skip
+    DiTPipeline(transformer=transformer, vae=tiny_vae(), scheduler=DDIMScheduler()).save_pretrained(folder)  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", ["sd", "dit"])

@@ -14,8 +14,8 @@ import string
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_vae
 from diffusers import (
-    AutoencoderKL,
     DDIMScheduler,
     DDPMScheduler,
     DiTPipeline,
@@ -40,17 +40,6 @@ from models.generators import (
 STEPS = 3
 NAMES = ["cat", "dog", "owl"]
 DIT_IDS = [7, 2, 5]  # our class i -> DiT id
-
-
-def _tiny_vae() -> AutoencoderKL:
-    return AutoencoderKL(
-        block_out_channels=(8, 16),
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        latent_channels=4,
-        norm_num_groups=8,
-        layers_per_block=1,
-    )
 
 
 def _tokenizer(folder) -> CLIPTokenizer:
@@ -93,7 +82,7 @@ def model_dirs(tmp_path_factory):
         norm_num_groups=8,
     )
     sd = StableDiffusionPipeline(
-        vae=_tiny_vae(),
+        vae=tiny_vae(),
         text_encoder=text_encoder,
         tokenizer=_tokenizer(root),
         unet=sd_unet,
@@ -108,9 +97,9 @@ def model_dirs(tmp_path_factory):
         num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=2,
         sample_size=4, patch_size=2, num_embeds_ada_norm=1000,
     )  # fmt: skip
-    DiTPipeline(
-        transformer=transformer, vae=_tiny_vae(), scheduler=DDIMScheduler()
-    ).save_pretrained(root / "dit")
+    DiTPipeline(transformer=transformer, vae=tiny_vae(), scheduler=DDIMScheduler()).save_pretrained(
+        root / "dit"
+    )
     return root
 
 

@@ -77,14 +77,7 @@ def write_mixed(folder: Path, real_train: Path, class_names=None, drop_member: b
     return folder
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine, OpenMP's spinning second thread makes
-    these tiny convolutions up to 40x slower; subprocesses get OMP_NUM_THREADS=1 likewise."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
