@@ -18,9 +18,14 @@ SETS := out=$(OUT) \
 	$(if $(DRY_RUN),dry_run=$(DRY_RUN)) $(SET)
 SEMIX := $(PY) -m pipeline
 
+# Fashion-MNIST comes offline from Debian's package dataset-fashion-mnist (MIT); targets that
+# read it install it first when it is missing and apt-get is usable (root).
+FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+DATA := $(if $(filter fashion-mnist,$(CLASSES)),fashion-mnist-data)
+
 .DEFAULT_GOAL := help
 .PHONY: help setup test test-all test-gpu lint format prepare fit-generator generate annotate \
-	train evaluate finetune publish pull demo bench clean
+	train evaluate finetune publish pull demo study bench clean fashion-mnist-data
 
 help: ## list every target
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -33,6 +38,12 @@ $(STAMP): requirements.txt pyproject.toml
 	@touch $(STAMP)
 
 setup: $(STAMP) ## create .venv and install the pinned dependencies (other targets do it too)
+
+fashion-mnist-data: ## install Debian's dataset-fashion-mnist when missing (needs root + apt-get)
+	@test -f $(FASHION_MNIST) || { command -v apt-get >/dev/null && test "$$(id -u)" = 0 && \
+	  { apt-get install -y -qq dataset-fashion-mnist || \
+	    { apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist; }; } >/dev/null 2>&1; } || \
+	  echo "semix: could not install dataset-fashion-mnist (not root or no apt-get); prepare names the other ways"
 
 test: $(STAMP) ## fast CPU test tier (what CI runs)
 	$(PY) -m pytest -q
@@ -49,19 +60,19 @@ lint: $(STAMP) ## ruff check + format check
 format: $(STAMP) ## ruff fix + format
 	$(VENV)/bin/ruff check --fix . && $(VENV)/bin/ruff format .
 
-prepare: $(STAMP) ## real dataset -> $(OUT)/<classes>/real/
+prepare: $(STAMP) $(DATA) ## real dataset -> $(OUT)/<classes>/real/
 	$(SEMIX) prepare --preset $(CLASSES) --set $(SETS)
 
 fit-generator: $(STAMP) ## train the in-house class-conditional UNet -> generator/
 	$(SEMIX) fit-generator --preset $(CLASSES) --set $(SETS)
 
-generate: $(STAMP) ## the whole generation chain (default: digits, offline) -> mixed/
+generate: $(STAMP) $(DATA) ## the whole generation chain (default: digits, offline) -> mixed/
 	$(SEMIX) chain --preset $(CLASSES) --set $(SETS)
 
 annotate: $(STAMP) ## soft labels for series/ -> mixed/
 	$(SEMIX) annotate --preset $(CLASSES) --set $(SETS)
 
-train: $(STAMP) ## train a classifier (RUN=name LOSS=ce|ls|focal|...|csm) -> train/<run>/
+train: $(STAMP) $(DATA) ## train a classifier (RUN=name LOSS=ce|ls|focal|...|csm) -> train/<run>/
 	$(SEMIX) train --preset $(CLASSES) --set $(SETS)
 
 evaluate: $(STAMP) ## metrics, reliability diagram, report.md (RUN=name or RUNS=a,b,c)
@@ -76,8 +87,11 @@ publish: $(STAMP) ## upload mixed/ to the Hub (REPO=user/name [PRIVATE=1] [DRY_R
 pull: $(STAMP) ## download a published dataset (REPO=user/name [REVISION=...])
 	$(SEMIX) pull --preset $(CLASSES) --set $(SETS)
 
-demo: $(STAMP) ## digits: ce vs csm (3 seeds each) and calibration fine-tuning, report.md
+demo: $(STAMP) $(DATA) ## digits: ce vs csm (3 seeds each) and calibration fine-tuning, report.md
 	$(SEMIX) demo --preset $(CLASSES) --set $(SETS)
+
+study: $(STAMP) $(DATA) ## every method x 3 seeds, mean ± std + bootstrap (CLASSES=fashion-mnist) -> study/
+	$(SEMIX) study --preset $(CLASSES) --set $(SETS)
 
 bench: $(STAMP) ## benchmarks -> bench/RESULTS.md
 	$(PY) -m bench

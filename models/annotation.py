@@ -26,6 +26,7 @@ SHARPENING: dict[str, float] = {
     "cifar100": 2.3,
     "tiny-imagenet": 4.0,
     "digits": 4.0,
+    "fashion-mnist": 4.0,
     "imagefolder": 4.0,
 }
 

@@ -181,22 +181,70 @@ def temperature_grid() -> list[float]:
     return [round(0.1 * i, 1) for i in range(1, 101)]
 
 
+TS_CRITERIA = ("nll", "ece")
+NLL_T_RANGE = (0.05, 20.0)  # the NLL fit searches T in this range
+
+
+def fit_temperature_nll(
+    val_logits: torch.Tensor, val_labels: torch.Tensor, t_range: tuple[float, float] = NLL_T_RANGE
+) -> float:
+    """T minimising the validation NLL of softmax(s/T) (Guo et al. 2017), T in `t_range`.
+
+    NLL(β) = mean_i[logsumexp(β·s_i) − β·s_iy] is convex in β = 1/T (a log-sum-exp of linear
+    functions minus a linear one), so a golden-section search on β finds the global minimum
+    of the range; 80 iterations shrink the bracket below 1e-15 of its width.
+    """
+    s = val_logits.detach().to("cpu", torch.float64)
+    y = val_labels.detach().cpu().long()
+
+    def nll_at(beta: float) -> float:
+        return float(F.cross_entropy(s * beta, y))
+
+    lo, hi = 1.0 / t_range[1], 1.0 / t_range[0]
+    ratio = (math.sqrt(5.0) - 1.0) / 2.0
+    b1, b2 = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+    f1, f2 = nll_at(b1), nll_at(b2)
+    for _ in range(80):
+        if f1 <= f2:
+            hi, b2, f2 = b2, b1, f1
+            b1 = hi - ratio * (hi - lo)
+            f1 = nll_at(b1)
+        else:
+            lo, b1, f1 = b1, b2, f2
+            b2 = lo + ratio * (hi - lo)
+            f2 = nll_at(b2)
+    return 1.0 / ((lo + hi) / 2.0)
+
+
 def fit_temperature(
     val_logits: torch.Tensor,
     val_labels: torch.Tensor,
     grid: list[float] | None = None,
     n_bins: int = N_BINS,
+    criterion: str = "ece",
 ) -> float:
-    """Temperature with the lowest validation ECE of softmax(s/T) (METHODS §7); ties -> smaller T.
+    """Temperature T for `logits / T`, fitted on validation logits (METHODS §7).
 
-    Apply it as `logits / T`. ECE rather than NLL is the criterion the CSM paper specifies.
+    criterion "nll": the NLL minimiser in NLL_T_RANGE (`fit_temperature_nll`, the usual choice);
+    "ece": the grid T ∈ {0.1, ..., 10.0} with the lowest validation ECE (the focal-calibration
+    code's criterion; ties -> smaller T).
     """
+    if criterion not in TS_CRITERIA:
+        raise ValueError(f"criterion must be one of {TS_CRITERIA}, got {criterion!r}")
+    if criterion == "nll":
+        return fit_temperature_nll(val_logits, val_labels)
     grid = temperature_grid() if grid is None else grid
     if not grid or min(grid) <= 0:
         raise ValueError(f"temperature grid must be non-empty and positive, got {grid}")
     s = val_logits.detach().to("cpu", torch.float64)
     scores = [ece(s / t, val_labels, n_bins) for t in grid]
     return float(grid[min(range(len(grid)), key=scores.__getitem__)])
+
+
+def temperature_on_edge(t: float, criterion: str) -> bool:
+    """A T on the edge of its search range means the fit is degenerate (METHODS §7)."""
+    low, high = NLL_T_RANGE if criterion == "nll" else (min(temperature_grid()), 10.0)
+    return t <= low * (1 + 1e-6) or t >= high * (1 - 1e-6)
 
 
 def auroc(pos_scores: torch.Tensor, neg_scores: torch.Tensor) -> float:

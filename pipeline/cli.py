@@ -31,7 +31,7 @@ STAGES = {
     "pull": "pull",
 }
 # whole chains, run stage after stage in one process (pipeline/chain.py)
-COMMANDS = ("chain", "demo")
+COMMANDS = ("chain", "demo", "study")
 
 EXIT_CONFIG = 2  # bad command line or config: nothing was written
 EXIT_DATA = 1  # the stage refused its input or failed cleanly

@@ -159,6 +159,30 @@ def scatter(
     return _save(fig, path)
 
 
+def error_bars(
+    groups: Mapping[str, Mapping[str, tuple[float, float]]],
+    path: Path,
+    *,
+    ylabel: str,
+    title: str = "",
+) -> Path:
+    """Grouped bars with error bars: {series: {category: (mean, std)}}, e.g. ECE per method
+    before and after temperature scaling, mean ± std over seeds."""
+    plt = _figure()
+    categories = list(dict.fromkeys(c for g in groups.values() for c in g))
+    fig, ax = plt.subplots(figsize=(max(5, 0.8 * len(categories) + 2), 3.8))
+    width = 0.8 / max(len(groups), 1)
+    for k, (name, values) in enumerate(groups.items()):
+        xs = [i + (k - (len(groups) - 1) / 2) * width for i in range(len(categories))]
+        means = [values.get(c, (np.nan, 0.0))[0] for c in categories]
+        stds = [values.get(c, (np.nan, 0.0))[1] for c in categories]
+        ax.bar(xs, means, width=width, yerr=stds, capsize=3, label=name, edgecolor="black")
+    ax.set_xticks(range(len(categories)), categories, rotation=30, ha="right")
+    ax.set(ylabel=ylabel, title=title)
+    ax.legend()
+    return _save(fig, path)
+
+
 def lines(
     series: Mapping[str, Sequence[float]],
     path: Path,

@@ -27,6 +27,7 @@ MODEL_LICENSES = {
 BACKEND_LICENSES = {"dit": "cc-by-nc-4.0"}  # every released DiT checkpoint is CC BY-NC 4.0
 # The in-house UNet learns only from the real training set, so its images carry that license.
 UNET_DATA_LICENSES = {
+    "fashion-mnist": ("mit", "Zalando's Fashion-MNIST (MIT licence)"),
     "digits": (
         "cc-by-4.0",
         "scikit-learn's handwritten digits (UCI Optical Recognition of Handwritten Digits)",

@@ -4,12 +4,14 @@ Every source yields uint8 HxWx3 RGB arrays and integer labels, plus its class na
 its official splits ("train", and "test" where the dataset has one). The prepare stage
 derives val (and test, where missing) from train deterministically, then writes shards.
 
-Supported: scikit-learn's bundled digits (offline), CIFAR-10/100 python archives or
+Supported: scikit-learn's bundled digits (offline), Fashion-MNIST (IDX files: a folder, Debian's
+`dataset-fashion-mnist` package, or Hugging Face `datasets`), CIFAR-10/100 python archives or
 Hugging Face `datasets`, the Tiny-ImageNet folder layout, and any ImageFolder.
 """
 
 from __future__ import annotations
 
+import gzip
 import io
 import pickle
 import tarfile
@@ -56,6 +58,92 @@ def digits_source(_: str = "") -> Source:
     labels = d.target.astype(np.int64)
     split = SplitSource(labels=labels, get=lambda i: rgb[i], describe=lambda i: f"digits[{i}]")
     return Source(class_names=tuple(str(k) for k in range(10)), splits={"train": split})
+
+
+# ---------------------------------------------------------------- Fashion-MNIST (IDX files)
+
+FASHION_MNIST_CLASSES = (
+    "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
+    "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
+)  # fmt: skip
+# Where Debian's `dataset-fashion-mnist` (MIT licence) installs the four gz files.
+DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
+FASHION_MNIST_HF = "zalando-datasets/fashion_mnist"
+_IDX_FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+_IDX_UBYTE = 0x08  # the only element type the MNIST family uses
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """An IDX file (LeCun's MNIST format, optionally gzipped) as a uint8 array.
+
+    Header: two zero bytes, the element type (0x08 = unsigned byte), the number of dimensions
+    d, then d big-endian uint32 sizes; the data follow, row-major.
+    """
+    try:
+        raw = path.read_bytes()
+        data = gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw
+    except (OSError, EOFError, gzip.BadGzipFile) as e:
+        raise ShardError(f"cannot read IDX file {path}: {e}") from e
+    if len(data) < 4 or data[:2] != b"\0\0" or data[2] != _IDX_UBYTE:
+        raise ShardError(f"{path} is not an unsigned-byte IDX file (bad magic number)")
+    ndim = data[3]
+    header = 4 + 4 * ndim
+    shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
+    if len(data) != header + int(np.prod(shape, dtype=np.int64)):
+        raise ShardError(f"{path}: {len(data) - header} data bytes, its header says {shape}")
+    return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(shape)
+
+
+def _idx_file(folder: Path, stem: str) -> Path | None:
+    for name in (f"{stem}.gz", stem):
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
+def idx_source(folder: Path, class_names: Sequence[str]) -> Source:
+    """The four MNIST-layout files (train/t10k images + labels, .gz or not) in `folder`."""
+    splits = {}
+    for split, (image_stem, label_stem) in _IDX_FILES.items():
+        image_path, label_path = _idx_file(folder, image_stem), _idx_file(folder, label_stem)
+        if image_path is None or label_path is None:
+            raise ShardError(f"{folder} lacks {image_stem}.gz or {label_stem}.gz")
+        images, labels = read_idx(image_path), read_idx(label_path).astype(np.int64)
+        if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
+            raise ShardError(
+                f"{image_path} {images.shape} and {label_path} {labels.shape} do not match "
+                "(expected [N, H, W] images and [N] labels)"
+            )
+        if len(labels) and (labels.min() < 0 or labels.max() >= len(class_names)):
+            raise ShardError(f"{label_path}: labels outside 0..{len(class_names) - 1}")
+
+        def get(i: int, images: np.ndarray = images) -> np.ndarray:
+            return np.repeat(images[i][..., None], 3, axis=-1)  # grey -> RGB, as digits
+
+        splits[split] = SplitSource(
+            labels=labels, get=get, describe=lambda i, p=image_path: f"{p.name}[{i}]"
+        )
+    return Source(class_names=tuple(class_names), splits=splits)
+
+
+def fashion_mnist_source(data_dir: str = "", hf_dataset: str = FASHION_MNIST_HF) -> Source:
+    """Fashion-MNIST from, in order: `data_dir` (the four IDX gz files), Debian's
+    `dataset-fashion-mnist` package, Hugging Face `datasets` (needs network)."""
+    if data_dir:
+        return idx_source(Path(data_dir), FASHION_MNIST_CLASSES)
+    if _idx_file(DEBIAN_FASHION_MNIST, _IDX_FILES["train"][0]) is not None:
+        return idx_source(DEBIAN_FASHION_MNIST, FASHION_MNIST_CLASSES)
+    try:
+        return hf_source("fashion-mnist", hf_dataset)
+    except ShardError:
+        raise ShardError(
+            "Fashion-MNIST not found: pass data_dir=<folder with the four IDX .gz files>, or "
+            "install Debian's package (apt-get install dataset-fashion-mnist), or go online "
+            f"for Hugging Face datasets ({hf_dataset})"
+        ) from None
 
 
 # ---------------------------------------------------------------- CIFAR python archives

@@ -4,8 +4,8 @@
     python -m pipeline evaluate --preset digits --set runs=ce-0,ce-1,ce-2    # + deep ensemble
 
 A run lives in train/<run>/ or finetune/<run>/ (train first; `stage_dir` pins one). Metrics are
-METHODS §7 on real/test, before and after a temperature fitted on real/val (lowest val ECE on
-the grid 0.1..10). Per run folder: metrics.json (section "evaluation", other sections kept),
+METHODS §7 on real/test, before and after a temperature fitted on real/val (`ts_criterion`:
+the val-NLL minimiser by default, or the lowest val ECE on the grid 0.1..10). Per run folder: metrics.json (section "evaluation", other sections kept),
 predictions.npz (test logits + labels; numpy only, load with allow_pickle=False) and
 reliability.png. Several runs also give an ensemble (mean softmax) in ensemble/<a+b+c>/.
 Finally runs/<classes>/report.md is rebuilt from every evaluated run on disk.
@@ -28,6 +28,7 @@ from models.calibration import (
     ece,
     ensemble_logits,
     fit_temperature,
+    temperature_on_edge,
     ood_scores,
     reliability_bins,
     topk_accuracy,
@@ -233,7 +234,9 @@ def write_report(root: Path) -> Path:
         f"# {root.name}: evaluated runs",
         "",
         "Test split; percentages x100 except NLL and Brier. "
-        "Temperature T fitted on the val split (lowest ECE on 0.1..10, METHODS §7).",
+        "Temperature T fitted on the val split (criterion `nll`: the val-NLL minimiser in "
+        "[0.05, 20]; `ece`: the lowest val ECE on 0.1..10; METHODS §7). T on the edge of its "
+        "range (marked !) means a degenerate fit.",
         "",
     ]
     for key, title in (
@@ -249,7 +252,8 @@ def write_report(root: Path) -> Path:
         ]
         for stage, name, ev in rows:
             cells = [f"{ev[key][c]:.{d}f}" for c, _, d in REPORT_COLUMNS]
-            t = [f"{ev['temperature']:.1f}"] if key == "after_ts" else []
+            edge = "!" if ev.get("temperature_on_edge") else ""
+            t = [f"{ev['temperature']:.2f}{edge}"] if key == "after_ts" else []
             lines_.append(
                 "| " + " | ".join([name, stage, ev.get("loss", "") or "-", *cells, *t]) + " |"
             )
@@ -350,7 +354,17 @@ def run(cfg: Config) -> Path:
         "evaluate %s on %d test / %d val images (%s)", ", ".join(names), len(test), len(val), device
     )
     test_logits, val_logits = logits_of(test.images), logits_of(val.images)
-    temps = {n: fit_temperature(val_logits[n], val.labels) for n in test_logits}
+    temps = {
+        n: fit_temperature(val_logits[n], val.labels, criterion=cfg.ts_criterion)
+        for n in test_logits
+    }
+    for n, t in temps.items():
+        if temperature_on_edge(t, cfg.ts_criterion):
+            log.warning(
+                "evaluate %s: T = %.3g is on the edge of the %s search range: the temperature "
+                "fit is degenerate, read the after-TS numbers with care",
+                *(n, t, cfg.ts_criterion),
+            )
     results = {}
     for n, lg in test_logits.items():
         t = temps[n]
@@ -360,6 +374,8 @@ def run(cfg: Config) -> Path:
             "stage": folders[n].parent.name if n in folders else ENSEMBLE,
             "loss": meta.get("loss", meta.get("method", "")) if n in models else "ensemble",
             "temperature": t,
+            "ts_criterion": cfg.ts_criterion,
+            "temperature_on_edge": temperature_on_edge(t, cfg.ts_criterion),
             "before_ts": calibration_metrics(lg, test.labels),
             "after_ts": calibration_metrics(lg / t, test.labels),
             "code_version": code_version(),
@@ -386,7 +402,7 @@ def run(cfg: Config) -> Path:
         lg, t = test_logits[n], temps[n]
         panels = {
             "before TS": panel(lg, test.labels),
-            f"after TS (T = {t:.1f})": panel(lg / t, test.labels),
+            f"after TS (T = {t:.2f})": panel(lg / t, test.labels),
         }
         if n in folders:
             out, extra = folders[n], None
@@ -402,7 +418,7 @@ def run(cfg: Config) -> Path:
         write_outputs(out, r, lg, test.labels, test.class_names, panels, extra)
         b, a = r["before_ts"], r["after_ts"]
         log.info(
-            "%s: top-1 %.2f %%, NLL %.4f, ECE %.2f %% -> after TS (T = %.1f): NLL %.4f, ECE %.2f %%",
+            "%s: top-1 %.2f %%, NLL %.4f, ECE %.2f %% -> after TS (T = %.2f): NLL %.4f, ECE %.2f %%",
             n,
             b["top1"],
             b["nll"],

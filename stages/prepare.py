@@ -25,6 +25,7 @@ from shards.sources import (
     SplitSource,
     cifar_archive_source,
     digits_source,
+    fashion_mnist_source,
     hf_source,
     imagefolder_source,
     tiny_imagenet_source,
@@ -47,6 +48,9 @@ def _cifar(variant: str):
 
 SOURCES = {
     "digits": lambda cfg: digits_source(),
+    "fashion-mnist": lambda cfg: fashion_mnist_source(
+        cfg.data_dir, cfg.hf_dataset or "zalando-datasets/fashion_mnist"
+    ),
     "cifar10": _cifar("cifar10"),
     "cifar100": _cifar("cifar100"),
     "tiny-imagenet": lambda cfg: tiny_imagenet_source(cfg.data_dir),

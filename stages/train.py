@@ -99,8 +99,14 @@ def load_mixed(cfg: Config, train: RealSplit, device: torch.device) -> Mixed:
         raise ShardError(
             f"{folder}: no complete series contains class(es) {names[:5]}; CSM needs all"
         )
-    # s re-applied from λ̂ when asked (t_a = σ(s(λ̂ − 0.5)), METHODS §2); else the stored soft
-    soft = soft_targets(table.lambda_hat, cfg.csm_sharpening) if cfg.csm_sharpening else table.soft
+    # s re-applied from λ̂ when asked (t_a = σ(s(λ̂ − 0.5)), METHODS §2); else the stored soft;
+    # the "ratio" ablation trains on the generation weight itself (t_a = α, no re-annotation)
+    if cfg.csm_targets == "ratio":
+        soft = table.alpha
+    elif cfg.csm_sharpening:
+        soft = soft_targets(table.lambda_hat, cfg.csm_sharpening)
+    else:
+        soft = table.soft
     log.info(
         "mixed %s: %d complete series x %d members (%d incomplete dropped)",
         folder,

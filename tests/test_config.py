@@ -26,7 +26,7 @@ def test_classes_file_selects_imagefolder(tmp_path):
 @pytest.mark.parametrize(
     ("preset", "sets", "needle"),
     [
-        ("mnist", [], "choose one of: digits, cifar10"),
+        ("mnist", [], "choose one of: digits, fashion-mnist, cifar10"),
         ("digits", ["bogus=1"], "unknown field 'bogus'; valid fields:"),
         ("digits", ["shard_size=many"], "not a valid int"),
         ("digits", ["source=svhn"], "choose one of: digits"),

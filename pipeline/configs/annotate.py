@@ -59,6 +59,9 @@ PRESETS = {
     # pooled features (train run "encoder") are the annotation space (ARCHITECTURE §6).
     # workers=0: on the few CPU cores digits targets, decode processes would fight the encoder.
     "digits": dict(encoder="classifier", sharpening=SHARPENING["digits"], workers=0),
+    # Fashion-MNIST: the same reasoning as digits (grey 28x28; CLIP's photo features are a poor
+    # fit), the real-only classifier trained on all of real/train is the annotation space.
+    "fashion-mnist": dict(encoder="classifier", sharpening=SHARPENING["fashion-mnist"], workers=0),
     "cifar10": dict(_CLIP, sharpening=SHARPENING["cifar10"]),
     "cifar100": dict(_CLIP, sharpening=SHARPENING["cifar100"]),
     "tiny-imagenet": dict(_CLIP, sharpening=SHARPENING["tiny-imagenet"]),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from models.calibration import TS_CRITERIA
 from pipeline.config import ConfigError, StageConfig, check_choice, check_range
 
 STAGE_DIRS = ("", "train", "finetune")  # "": look in train/ first, then finetune/
@@ -17,11 +18,15 @@ class Config(StageConfig):
     ensemble_name: str = ""  # folder under runs/<classes>/ensemble/; "" = members joined by "+"
     ood: str = ""  # another prepared real/ root, runs/<name>/ root or split folder (MSP, FPR95)
     corruptions: str = ""  # CIFAR-C layout: <corruption>.npy (5 severities x N) + labels.npy
+    # temperature scaling: "nll" minimises val NLL (Guo et al. 2017); "ece" = lowest val ECE
+    # on the grid 0.1..10 (the focal-calibration code)
+    ts_criterion: str = "nll"
     batch_size: int = 512
     device: str = ""  # "" = cuda if available, else cpu
 
     def __post_init__(self):
         check_choice("stage_dir", self.stage_dir, STAGE_DIRS)
+        check_choice("ts_criterion", self.ts_criterion, TS_CRITERIA)
         check_range("batch_size", self.batch_size, 1)
         for name in self.run_names():
             if not name or "/" in name or name.startswith("."):

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from pipeline.config import StageConfig, check_choice, check_range
 
-SOURCES = ("digits", "cifar10", "cifar100", "tiny-imagenet", "imagefolder")
+SOURCES = ("digits", "fashion-mnist", "cifar10", "cifar100", "tiny-imagenet", "imagefolder")
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,8 @@ class Config(StageConfig):
 PRESETS = {
     # digits: 8x8 originals upsampled to 16x16, the size the tiny in-house UNet works at.
     "digits": dict(source="digits", image_size=16, shard_size=128),
+    # the full 60k/10k set at its native 28x28 (Debian's dataset-fashion-mnist, offline)
+    "fashion-mnist": dict(source="fashion-mnist", image_size=28, shard_size=2000),
     "cifar10": dict(source="cifar10", hf_dataset="uoft-cs/cifar10", image_size=32),
     "cifar100": dict(source="cifar100", hf_dataset="uoft-cs/cifar100", image_size=32),
     "tiny-imagenet": dict(source="tiny-imagenet", image_size=64),
