@@ -200,7 +200,24 @@ def _resolve_openclip_weights(
         )
     if path.suffix not in CHECKPOINT_SUFFIXES:
         raise ValueError(f"checkpoint {path.name}: suffix must be one of {CHECKPOINT_SUFFIXES}")
+    if path.suffix == ".safetensors":
+        check_safetensors(path)
     return str(path), {}, {"checkpoint_sha256": file_sha256(path)}
+
+
+def check_safetensors(path: Path) -> None:
+    """Read the header only: a file that is no safetensors (say, a pickle renamed) is refused in
+    one line naming it, before open_clip's loader reports a bare "header too large"."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except (SafetensorError, OSError) as e:
+        raise ValueError(
+            f"{path} is not a valid safetensors file ({str(e).strip()[:80]}); "
+            "point encoder_pretrained= to a real checkpoint (a .pt/.bin pickle keeps its suffix)"
+        ) from e
 
 
 class OpenCLIPEncoder(ImageEncoder):

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipeline.cli import run_stage
+from pipeline.cli import STAGES, check_out, resolve_stage_config, run_stage, stage_modules
+from pipeline.config import ConfigError, parse_sets
 from pipeline.runtime import log
 
 # preset -> [(stage, extra --set values)]. The digits chain trains a quick real-only
@@ -46,7 +47,7 @@ CHAINS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
 }
 
 
-SHARED_FIELDS = ("out", "name", "seed", "classes_file")
+SHARED_FIELDS = ("out", "name", "seed", "classes_file", "verify_sha256")
 
 
 def split_sets(sets: Sequence[str], stage: str) -> list[str]:
@@ -67,8 +68,28 @@ def split_sets(sets: Sequence[str], stage: str) -> list[str]:
     return mine
 
 
+def check_chain(preset: str, sets: Sequence[str]) -> None:
+    """Resolve every step's config before the first step runs: a misspelt or invalid field fails
+    in one line now, not after minutes of the stages before the one it belongs to. Fields
+    scoped to stages outside the chain (the demo's train./finetune./evaluate.) are checked by
+    name and type; an unknown scope is refused."""
+    steps = CHAINS.get(preset, CHAINS["default"])
+    for key in (item.partition("=")[0] for item in sets):
+        scope, dot, _ = key.rpartition(".")
+        if dot and scope not in STAGES:
+            raise ConfigError(
+                f"{key!r}: unknown stage {scope!r}; choose one of {', '.join(STAGES)}"
+            )
+    for stage, extra in steps:
+        check_out(resolve_stage_config(stage, preset, [*extra, *split_sets(sets, stage)]))
+    in_chain = {stage for stage, _ in steps}
+    for stage in sorted(set(STAGES) - in_chain):
+        parse_sets(stage_modules(stage)[0].Config, split_sets(sets, stage))
+
+
 def chain(preset: str, sets: Sequence[str]) -> None:
     steps = CHAINS.get(preset, CHAINS["default"])
+    check_chain(preset, sets)
     out = None
     for i, (stage, extra) in enumerate(steps, 1):
         log.info("chain %s: step %d/%d: %s", preset, i, len(steps), stage)

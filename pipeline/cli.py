@@ -1,22 +1,29 @@
 """`python -m pipeline <stage> --preset NAME [--set key=value ...]` (also `semix ...`).
 
 Every stage is one typed function `stages.<module>.run(config) -> Path`; this file only
-parses arguments, resolves the config and calls it. Errors that are the user's to fix
-(bad config, missing or corrupt input) print as one line and exit non-zero; set
-SEMIX_DEBUG=1 for the traceback.
+parses arguments, resolves the config and calls it. It is also the error boundary: every
+expected failure (bad config; missing, corrupt or foreign input; a weights file that is no
+safetensors; I/O errors such as a full disk or read-only media) prints as one line naming the
+path and the fix, and exits non-zero; set SEMIX_DEBUG=1 for the traceback. Anything else is a
+bug: it keeps its traceback, followed by a line asking to report it.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import importlib
 import os
 import sys
+import traceback
 from collections.abc import Sequence
+
+from safetensors import SafetensorError
 
 from pipeline.config import PRESET_NAMES, ConfigError, resolve
 from pipeline.runtime import cpu_threads, setup_logging
+from shards.reader import hash_on_read
 
 # stage name on the command line -> module under pipeline/configs/ and stages/
 STAGES = {
@@ -35,6 +42,23 @@ COMMANDS = ("chain", "demo", "study")
 
 EXIT_CONFIG = 2  # bad command line or config: nothing was written
 EXIT_DATA = 1  # the stage refused its input or failed cleanly
+EXIT_BUG = 3  # an unexpected error: traceback shown, please report it
+
+REPORT = "this is a bug in semix: please report it with the traceback above"
+
+# errno -> what the user can do about it; the message names the path
+OS_HINTS = {
+    errno.ENOSPC: "the disk is full: free space or set out= to another disk, then rerun "
+    "(complete shards are kept)",
+    errno.EDQUOT: "the disk quota is exhausted: free space or set out= elsewhere, then rerun",
+    errno.EROFS: "the storage is read-only: set out= to a writable folder",
+    errno.EACCES: "permission denied: check the file's permissions or set out= elsewhere",
+    errno.EPERM: "operation not permitted: check permissions or set out= elsewhere",
+    errno.ENOTDIR: "a part of this path is a file, not a folder: check out= and the input paths",
+    errno.EISDIR: "this is a folder where a file was expected: check the path",
+    errno.ENOENT: "no such file or folder: check the path, or run the stage that writes it",
+    errno.EIO: "the storage reported an I/O error: check the disk, then rerun",
+}
 
 
 def stage_modules(stage: str):
@@ -57,10 +81,20 @@ def resolve_stage_config(stage: str, preset: str, sets: Sequence[str] = ()):
     return resolve(cfg_mod.Config, cfg_mod.PRESETS, preset, sets)
 
 
+def check_out(config) -> None:
+    """The run root must be a folder (or creatable as one): refuse out= naming a file up front."""
+    for path in (config.root, *config.root.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise ConfigError(f"out={config.out}: {path} is a file, not a folder; set out=")
+            return
+
+
 def run_stage(stage: str, preset: str, sets: Sequence[str] = ()):
     cfg_mod, run_mod = stage_modules(stage)
     config = resolve(cfg_mod.Config, cfg_mod.PRESETS, preset, sets)
-    with cpu_threads(config.cpu_threads):
+    check_out(config)
+    with cpu_threads(config.cpu_threads), hash_on_read(config.verify_sha256):
         return run_mod.run(config)
 
 
@@ -129,14 +163,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"semix {args.stage}: done -> {out}")
         return 0
     except ConfigError as e:
-        return _fail(args.stage, e, EXIT_CONFIG)
-    except (ValueError, FileNotFoundError, PermissionError) as e:
-        return _fail(args.stage, e, EXIT_DATA)
+        return _fail(args.stage, str(e), EXIT_CONFIG, e)
+    except OSError as e:  # I/O: full disk, read-only media, a file where a folder should be, ...
+        return _fail(args.stage, describe_os_error(e), EXIT_DATA, e)
+    except ValueError as e:  # bad or corrupt input (ShardError and the stages' own errors)
+        return _fail(args.stage, str(e), EXIT_DATA, e)
+    except SafetensorError as e:  # the readers name the file; this is the last resort
+        return _fail(args.stage, f"a weights file is not valid safetensors ({e})", EXIT_DATA, e)
+    except Exception:
+        traceback.print_exc()
+        print(f"semix {args.stage}: internal error: {REPORT}", file=sys.stderr)
+        return EXIT_BUG
 
 
-def _fail(stage: str, error: Exception, code: int) -> int:
+def describe_os_error(e: OSError) -> str:
+    """One line: what failed, on which path, and what to do about it."""
+    what = e.strerror or str(e) or type(e).__name__
+    path = f": {e.filename}" if e.filename else ""
+    if e.filename2:
+        path += f" -> {e.filename2}"
+    hint = OS_HINTS.get(e.errno or 0)
+    if not e.strerror:  # e.g. PIL's "broken data stream" or diffusers' loading errors
+        return what
+    return f"{what}{path}" + (f"; {hint}" if hint else "")
+
+
+def _fail(stage: str, message: str, code: int, error: Exception) -> int:
     if os.environ.get("SEMIX_DEBUG") == "1":
         raise error
-    message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    message = message.strip().splitlines()[0] if message.strip() else type(error).__name__
     print(f"semix {stage}: error: {message}", file=sys.stderr)
     return code

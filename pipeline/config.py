@@ -36,6 +36,9 @@ class StageConfig:
     # can depend on the thread count, so stages whose bytes must not depend on how they were
     # launched pin it (generate, annotate: 1).
     cpu_threads: int = 0
+    # hash every shard read against its manifest's sha256 (sizes and counts are always checked);
+    # 0 skips the hash for storage you trust. Not part of an output's identity.
+    verify_sha256: bool = True
 
     @property
     def root(self) -> Path:

@@ -39,9 +39,12 @@ class RealSplit:
         return int(self.images.shape[1])
 
 
-def load_real(folder: Path, device: str | torch.device = "cpu") -> RealSplit:
-    """A prepared real split (real/train, real/val, real/test) into memory on `device`."""
-    split = load_split(Path(folder))
+def load_real(
+    folder: Path, device: str | torch.device = "cpu", verify: bool | None = None
+) -> RealSplit:
+    """A prepared real split (real/train, real/val, real/test) into memory on `device`; every
+    shard checked against the manifest first (`verify`: sha256 too; None = the default)."""
+    split = load_split(Path(folder), verify)
     names = split.class_names
     labels = split.labels
     if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= len(names)):
@@ -85,6 +88,7 @@ def load_series_table(
     class_names: Sequence[str] | None = None,
     device: str | torch.device = "cpu",
     image_size: int | None = None,
+    verify: bool | None = None,
 ) -> SeriesTable:
     """mixed/ -> SeriesTable. `class_names` (the real ones) and `image_size` are checked if given.
 
@@ -96,7 +100,7 @@ def load_series_table(
     if class_names is not None:
         check_same_classes(f"mixed folder {folder}", manifest.class_names, class_names, "real/")
     by_series: dict[int, dict[int, tuple]] = {}
-    for s in iter_folder(folder):
+    for s in iter_folder(folder, verify):
         meta = s.get("meta", {})
         try:
             sid, pos = int(meta["series"]), int(meta["position"])
@@ -148,3 +152,37 @@ def load_series_table(
         class_names=tuple(manifest.class_names),
         dropped=len(by_series) - len(complete),
     )
+
+
+# Fields of every mixed sample's json (ARCHITECTURE §2) and their JSON types: Hugging Face
+# `datasets` infers one feature set from them, and train reads lambda_hat / soft / alpha.
+MIXED_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "series": int,
+    "position": int,
+    "classes": list,
+    "names": list,
+    "alpha": (int, float),
+    "seed": int,
+    "lambda_hat": (int, float),
+    "soft": list,
+}
+
+
+def check_mixed_sample(sample: dict) -> None:
+    """A decoded mixed sample has its png, cls and every field of MIXED_FIELDS, well typed."""
+    where = f"{sample['__url__']}: sample {sample['__key__']!r}"
+    missing = [f for f in ("image", "cls", "meta") if f not in sample]
+    if missing:
+        raise ShardError(f"{where} lacks {missing}; is this a mixed/ folder? rerun annotate")
+    meta = sample["meta"]
+    bad = [
+        name
+        for name, kind in MIXED_FIELDS.items()
+        if not isinstance(meta.get(name), kind) or isinstance(meta.get(name), bool)
+    ]
+    pairs_ok = all(len(meta.get(f, ())) == 2 for f in ("classes", "names", "soft") if f not in bad)
+    if bad or not pairs_ok:
+        raise ShardError(
+            f"{where}: json field(s) {bad or ['classes/names/soft of length 2']} missing or "
+            "malformed; rerun annotate"
+        )

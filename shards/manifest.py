@@ -24,6 +24,20 @@ class ShardError(ValueError):
     """A shard folder is missing, incomplete, corrupt or inconsistent."""
 
 
+# manifest kind -> the stage that writes such a folder: what a user reruns when one is damaged
+WRITTEN_BY = {
+    "real": "prepare",
+    "series": "generate",
+    "mixed": "annotate (or pull)",
+    "generator": "fit-generator",
+}
+
+
+def rerun_hint(kind: str) -> str:
+    stage = WRITTEN_BY.get(kind, "the stage that wrote it")
+    return f"remove the folder and rerun {stage}"
+
+
 @dataclass(frozen=True)
 class ShardRecord:
     """One complete shard: file name (relative to its folder), samples, checksum, size."""
@@ -62,15 +76,45 @@ class Manifest:
             raise ShardError(
                 f"manifest schema version {version!r} is not supported (expected {SCHEMA_VERSION})"
             )
+        shards = tuple(_shard_record(s) for s in d["shards"])
+        total = sum(s.count for s in shards)
+        # num_samples is derived, but readers (and Hub users) take it at its word: it must agree
+        if "num_samples" in d and d["num_samples"] != total:
+            raise ShardError(
+                f"num_samples is {d['num_samples']!r} but its shards hold {total} samples "
+                f"(edited or damaged); {rerun_hint(d.get('kind', ''))}"
+            )
         return cls(
             kind=d["kind"],
             class_names=tuple(d["class_names"]),
-            shards=tuple(ShardRecord(**s) for s in d["shards"]),
+            shards=shards,
             upstream=dict(d.get("upstream", {})),
             code_version=d.get("code_version", ""),
             info=dict(d.get("info", {})),
             schema_version=version,
         )
+
+
+def _shard_record(d: dict[str, Any]) -> ShardRecord:
+    """A manifest's shard entry, type-checked: a name that is a plain file in the folder (never a
+    path that could point elsewhere), a non-negative count and size, a sha256 hex digest."""
+    rec = ShardRecord(**d)
+    plain = (
+        isinstance(rec.name, str)
+        and rec.name == Path(rec.name).name
+        and rec.name not in ("", ".", "..")
+    )
+    counts = all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (rec.count, rec.bytes)
+    )
+    digest = (
+        isinstance(rec.sha256, str)
+        and len(rec.sha256) == 64
+        and all(c in "0123456789abcdef" for c in rec.sha256)
+    )
+    if not (plain and counts and digest):
+        raise ShardError(f"malformed shard entry {d!r}")
+    return rec
 
 
 def write_manifest(folder: Path, manifest: Manifest) -> Path:
@@ -91,7 +135,7 @@ def read_manifest(folder: Path) -> Manifest:
         )
     try:
         return Manifest.from_dict(read_json(path))
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ShardError(f"{path} is not a valid semix manifest: {e}") from e
 
 
@@ -108,21 +152,29 @@ def verify_shards(folder: Path, manifest: Manifest | None = None) -> Manifest:
     folder = Path(folder)
     manifest = manifest or read_manifest(folder)
     for rec in manifest.shards:
-        check_shard(folder / rec.name, rec)
+        check_shard(folder / rec.name, rec, manifest.kind)
     return manifest
 
 
-def check_shard(path: Path, rec: ShardRecord) -> None:
-    """One shard against its record: present, same size, same sha256."""
+def check_shard(path: Path, rec: ShardRecord, kind: str = "") -> None:
+    """One shard on disk against its record: present, same size, same sha256."""
     if not path.is_file():
-        raise ShardError(f"{path} is listed in the manifest but missing")
-    size = path.stat().st_size
+        raise ShardError(f"{path} is listed in the manifest but missing; {rerun_hint(kind)}")
+    check_size(path, path.stat().st_size, rec, kind)
+    check_digest(path, sha256_file(path), rec, kind)
+
+
+def check_size(path: Path, size: int, rec: ShardRecord, kind: str = "") -> None:
     if size != rec.bytes:
         raise ShardError(
-            f"{path}: size {size} != {rec.bytes} in the manifest (truncated or replaced)"
+            f"{path}: size {size} != {rec.bytes} in the manifest (truncated or replaced); "
+            f"{rerun_hint(kind)}"
         )
-    digest = sha256_file(path)
+
+
+def check_digest(path: Path, digest: str, rec: ShardRecord, kind: str = "") -> None:
     if digest != rec.sha256:
         raise ShardError(
-            f"{path}: sha256 mismatch ({digest[:12]}… != {rec.sha256[:12]}…): the shard is corrupt"
+            f"{path}: sha256 mismatch ({digest[:12]}… != {rec.sha256[:12]}… in the manifest): "
+            f"the shard is corrupt; {rerun_hint(kind)}"
         )

@@ -1,12 +1,21 @@
 """Read shard folders back: whole split in memory, or streaming through webdataset.
 
-Both modes refuse a folder without `manifest.json` and decode only the fields semix
+One read path for every stage (`read_raw_shard`): a shard's bytes are read once, their size
+and sha256 checked against the manifest's record *before* anything is decoded, then the tar is
+parsed and, per folder, the sample count compared with the record. The sha256 costs little
+next to PNG decoding (bench/RESULTS.md); users who trust their storage can skip it
+(`verify_sha256=0`, set per process by the CLI through `hash_on_read`); size and counts are
+always checked.
+
+Every mode refuses a folder without `manifest.json` and decodes only the fields semix
 writes (png, cls, json). Members with any other extension, pickles in particular, are
 an error: data from shards or the Hub is never unpickled.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import io
 import json
 import random
@@ -21,9 +30,38 @@ import torch
 import webdataset as wds
 from PIL import Image
 
-from shards.manifest import Manifest, ShardError, read_manifest, verify_shards
+from shards.io import sha256_bytes
+from shards.manifest import (
+    Manifest,
+    ShardError,
+    ShardRecord,
+    check_digest,
+    check_size,
+    read_manifest,
+    rerun_hint,
+)
 
 KNOWN_FIELDS = ("png", "cls", "json")
+
+# Whether readers hash shards by default (the `verify_sha256` config switch; on unless a user
+# turns it off). A process-wide default, set by the CLI around one stage like its thread count,
+# so that every reader a stage calls obeys it without threading a flag through each call.
+_hash_on_read = True
+
+
+@contextlib.contextmanager
+def hash_on_read(enabled: bool) -> Iterator[None]:
+    """Within the block, readers called with verify=None hash shards iff `enabled`."""
+    global _hash_on_read
+    previous, _hash_on_read = _hash_on_read, bool(enabled)
+    try:
+        yield
+    finally:
+        _hash_on_read = previous
+
+
+def _hashing(verify: bool | None) -> bool:
+    return _hash_on_read if verify is None else verify
 
 
 def decode_png(data: bytes) -> np.ndarray:
@@ -32,24 +70,43 @@ def decode_png(data: bytes) -> np.ndarray:
         return np.asarray(im if im.mode == "RGB" else im.convert("RGB"), dtype=np.uint8)
 
 
+def _decode_cls(value: bytes) -> int:
+    text = value.decode("ascii")  # a pickle or other binary fails here, before int()
+    if not text.strip().lstrip("-").isdigit():
+        raise ValueError(f"{text[:20]!r} is not an integer")
+    return int(text)
+
+
+# member type -> (decoded field, decoder); decoding is all these do: no member can run code
+_DECODERS = {
+    "png": ("image", decode_png),
+    "cls": ("cls", _decode_cls),
+    "json": ("meta", lambda value: json.loads(value.decode("utf-8"))),
+}
+
+
 def decode_sample(raw: dict[str, Any]) -> dict[str, Any]:
     """webdataset raw sample (bytes per extension) -> {key, image, cls, meta}."""
-    sample: dict[str, Any] = {"__key__": raw["__key__"], "__url__": raw.get("__url__", "?")}
+    url = raw.get("__url__", "?")
+    sample: dict[str, Any] = {"__key__": raw["__key__"], "__url__": url}
     for field, value in raw.items():
         if field.startswith("__"):
             continue
-        if field == "png":
-            sample["image"] = decode_png(value)
-        elif field == "cls":
-            sample["cls"] = int(value.decode("ascii"))
-        elif field == "json":
-            sample["meta"] = json.loads(value.decode("utf-8"))
-        else:
-            url = raw.get("__url__", "?")
+        if field not in _DECODERS:
             raise ShardError(
                 f"{url}: sample {raw['__key__']!r} has a member of type {field!r}; semix only "
                 f"reads {', '.join(KNOWN_FIELDS)} and never decodes other (e.g. pickled) members"
             )
+        name, decode = _DECODERS[field]
+        try:
+            sample[name] = decode(value)
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+            # PIL reports broken PNG data as OSError/SyntaxError; a pickle in .cls as a codec error
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ShardError(
+                f"{url}: the {field} member of sample {raw['__key__']!r} does not decode "
+                f"({first}); the shard is damaged: rerun the stage that wrote it"
+            ) from e
     return sample
 
 
@@ -105,15 +162,34 @@ def _tarfile_members(data: bytes, path: Path) -> Iterator[tuple[str, bytes]]:
         raise ShardError(f"{path} is damaged ({e}); rerun the stage that wrote it") from e
 
 
-def read_raw_shard(path: Path) -> list[dict[str, Any]]:
-    """Undecoded samples of one tar, in file order: {__key__, __url__, ext: bytes, ...}.
+def read_shard_bytes(
+    path: Path, rec: ShardRecord | None = None, *, kind: str = "", verify: bool | None = None
+) -> bytes:
+    """The bytes of one shard, checked against its record (size always, sha256 if hashing).
 
-    For stages that pass members through unchanged (annotate copies the series PNG bytes).
+    The bytes are in memory anyway, so hashing them costs one pass of sha256 and no extra I/O.
     """
     try:
         data = Path(path).read_bytes()
     except OSError as e:
-        raise ShardError(f"cannot read shard {path}: {e}") from e
+        raise ShardError(f"cannot read shard {path}: {e.strerror or e}; {rerun_hint(kind)}") from e
+    if rec is not None:
+        check_size(Path(path), len(data), rec, kind)
+        if _hashing(verify):
+            check_digest(Path(path), sha256_bytes(data), rec, kind)
+    return data
+
+
+def read_raw_shard(
+    path: Path, rec: ShardRecord | None = None, *, kind: str = "", verify: bool | None = None
+) -> list[dict[str, Any]]:
+    """Undecoded samples of one tar, in file order: {__key__, __url__, ext: bytes, ...}.
+
+    With `rec` (the shard's manifest record) the bytes are checked before parsing, and the
+    sample count after. For stages that pass members through unchanged (annotate copies the
+    series PNG bytes), and under every other reader here.
+    """
+    data = read_shard_bytes(path, rec, kind=kind, verify=verify)
     try:
         members = list(_fast_members(data, path))
     except _NotPlainUstar:
@@ -124,12 +200,19 @@ def read_raw_shard(path: Path) -> list[dict[str, Any]]:
         if not samples or samples[-1]["__key__"] != key:
             samples.append({"__key__": key, "__url__": str(path)})
         samples[-1][ext] = payload
+    if rec is not None and len(samples) != rec.count:
+        raise ShardError(
+            f"{path}: {len(samples)} samples, manifest says {rec.count} (truncated?); "
+            f"{rerun_hint(kind)}"
+        )
     return samples
 
 
-def iter_shard(path: Path) -> Iterator[dict[str, Any]]:
+def iter_shard(
+    path: Path, rec: ShardRecord | None = None, *, kind: str = "", verify: bool | None = None
+) -> Iterator[dict[str, Any]]:
     """Decoded samples of one tar, in file order. Raises ShardError naming a damaged shard."""
-    for raw in read_raw_shard(path):
+    for raw in read_raw_shard(path, rec, kind=kind, verify=verify):
         yield decode_sample(raw)
 
 
@@ -151,26 +234,20 @@ class Split:
         return len(self.keys)
 
 
-def iter_folder(folder: Path, verify: bool = False) -> Iterator[dict[str, Any]]:
-    """Every sample of a complete folder, shard by shard, in manifest order."""
+def iter_folder(folder: Path, verify: bool | None = None) -> Iterator[dict[str, Any]]:
+    """Every sample of a complete folder, shard by shard, in manifest order; each shard is
+    checked against its manifest record before use (`verify`: hash too; None = the default)."""
     folder = Path(folder)
-    manifest = verify_shards(folder) if verify else read_manifest(folder)
+    manifest = read_manifest(folder)
     for rec in manifest.shards:
-        n = 0
-        for sample in iter_shard(folder / rec.name):
-            n += 1
-            yield sample
-        if n != rec.count:
-            raise ShardError(
-                f"{folder / rec.name}: {n} samples, manifest says {rec.count} (truncated?)"
-            )
+        yield from iter_shard(folder / rec.name, rec, kind=manifest.kind, verify=verify)
 
 
-def load_split(folder: Path, verify: bool = False) -> Split:
+def load_split(folder: Path, verify: bool | None = None) -> Split:
     """Load a whole folder into memory (small datasets: CIFAR-size and below)."""
-    manifest = verify_shards(folder) if verify else read_manifest(folder)
+    manifest = read_manifest(folder)
     images, labels, keys, meta = [], [], [], []
-    for s in iter_folder(folder):
+    for s in iter_folder(folder, verify):
         if "image" not in s:
             raise ShardError(f"{s['__url__']}: sample {s['__key__']!r} has no png image")
         images.append(s["image"])
@@ -191,27 +268,42 @@ def load_split(folder: Path, verify: bool = False) -> Split:
     )
 
 
+def _read_shards(
+    shards: Iterator[dict[str, Any]], *, records: dict[str, ShardRecord], kind: str, verify: bool
+) -> Iterator[dict[str, Any]]:
+    """webdataset pipeline stage: shard urls -> raw samples, each shard checked first."""
+    for shard in shards:
+        url = shard["url"]
+        yield from read_raw_shard(url, records[url], kind=kind, verify=verify)
+
+
 def stream(
     folder: Path,
     *,
     shuffle_buffer: int = 0,
     seed: int = 0,
     shuffle_shards: bool = False,
-) -> wds.WebDataset:
+    verify: bool | None = None,
+) -> wds.DataPipeline:
     """Streaming reader for large folders: shards split by node (rank) and by worker.
 
-    Returns a webdataset pipeline of decoded samples; wrap it in a torch DataLoader.
+    Returns a webdataset pipeline of decoded samples; wrap it in a torch DataLoader. Shards are
+    read through `read_raw_shard`, so each is checked against the manifest like in memory.
     """
     folder = Path(folder)
     manifest = read_manifest(folder)
-    urls = [str(folder / rec.name) for rec in manifest.shards]
-    ds = wds.WebDataset(
-        urls,
-        nodesplitter=wds.split_by_node,
-        workersplitter=wds.split_by_worker,
-        shardshuffle=seed if shuffle_shards else False,
-        empty_check=False,
-    ).map(decode_sample)
+    records = {str(folder / rec.name): rec for rec in manifest.shards}
+    # hashing fixed now: spawned worker processes do not inherit this process' default
+    read = functools.partial(
+        _read_shards, records=records, kind=manifest.kind, verify=_hashing(verify)
+    )
+    stages: list[Any] = [
+        wds.SimpleShardList(list(records), seed=seed if shuffle_shards else None),
+        wds.split_by_node,
+        wds.split_by_worker,
+        read,
+        wds.map(decode_sample),
+    ]
     if shuffle_buffer > 0:
-        ds = ds.shuffle(shuffle_buffer, rng=random.Random(seed))
-    return ds
+        stages.append(wds.shuffle(shuffle_buffer, rng=random.Random(seed)))
+    return wds.DataPipeline(*stages)

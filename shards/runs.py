@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -47,7 +48,18 @@ def load_weights(
             f"{folder} has no trained weights ({WEIGHTS} + {META}); train the run first "
             "(make train RUN=...) or check the run name"
         )
-    return load_file(str(folder / WEIGHTS), device=str(device)), read_json(folder / META)
+    return load_safetensors(folder / WEIGHTS, device), read_json(folder / META)
+
+
+def load_safetensors(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """A safetensors file, or one line naming it when it is not one (e.g. a pickle renamed)."""
+    try:
+        return load_file(str(path), device=str(device))
+    except (SafetensorError, OSError) as e:
+        raise ShardError(
+            f"{path} is not a readable safetensors file ({str(e).strip()[:80]}); "
+            "it is damaged or of another format: rewrite it (rerun the stage that wrote it)"
+        ) from e
 
 
 def load_model(

@@ -26,7 +26,14 @@ import webdataset as wds
 from PIL import Image
 
 from shards.io import atomic_write_json, canonical_json, read_json, sha256_file, tmp_path_for
-from shards.manifest import Manifest, ShardError, ShardRecord, write_manifest
+from shards.manifest import (
+    MANIFEST,
+    Manifest,
+    ShardError,
+    ShardRecord,
+    read_manifest,
+    write_manifest,
+)
 
 DONE_DIR = ".done"
 # Sample fields we write; the reader refuses anything else (in particular pickles).
@@ -159,22 +166,57 @@ class ShardFolder:
         return manifest
 
 
+# Config fields that say where an output lives or how it is read, not what it holds: left out
+# of the identity check, so that moving or renaming the runs root, or a relative vs absolute
+# out=, keeps an output resumable (ARCHITECTURE §2), and so is turning shard hashing off.
+NOT_IDENTITY = ("out", "name", "verify_sha256")
+
+
+def _identity(config: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in config.items() if k not in NOT_IDENTITY}
+
+
 def write_config(folder: Path, config: Mapping[str, Any]) -> None:
     """Write the stage's resolved config first thing; refuse to mix two configs in one folder.
 
     Resuming is only safe when the rerun asks for exactly the same thing; otherwise the
-    folder would end up holding shards of two different runs.
+    folder would end up holding shards of two different runs. An existing config.json is only
+    compared, never rewritten: a complete folder on read-only media stays untouched. Where the
+    folder lives (NOT_IDENTITY) is neither compared nor recorded.
     """
     folder = Path(folder)
     path = folder / "config.json"
-    new = canonical_json(dict(config))
-    if path.is_file() and path.read_bytes() != new:
-        old = read_json(path)
-        changed = sorted(k for k in set(old) | set(config) if old.get(k) != config.get(k))
-        raise ShardError(
-            f"{folder} holds a run with a different config (differs in: {', '.join(changed)}); "
-            "remove the folder or write to another OUT/name"
-        )
-    if not path.is_file():
-        folder.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(path, dict(config))
+    new = _identity(config)
+    if path.is_file():
+        old = _identity(read_json(path))
+        if canonical_json(old) != canonical_json(new):
+            changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+            raise ShardError(
+                f"{folder} holds a run with a different config (differs in: {', '.join(changed)}); "
+                "remove the folder or write to another OUT/name"
+            )
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, new)
+
+
+def completed(
+    folder: Path,
+    config: Mapping[str, Any] | None = None,
+    upstream: Mapping[str, str] | None = None,
+) -> bool:
+    """True if `folder` is complete (manifest.json) for this config and these upstream manifest
+    digests (each checked when given): the stage has nothing to do and must only read, so that
+    a rerun works on read-only media.
+
+    A different config is refused (write_config); a complete folder built from other upstream
+    folders, or without a config.json of ours (e.g. pulled), is not complete for this run.
+    """
+    folder = Path(folder)
+    if not (folder / MANIFEST).is_file():
+        return False
+    if config is not None:
+        if not (folder / "config.json").is_file():
+            return False
+        write_config(folder, config)  # compares only: the file exists
+    return upstream is None or read_manifest(folder).upstream == dict(upstream)

@@ -13,8 +13,11 @@ very same weights as an uninterrupted one. The training set is small (CIFAR size
 in device memory, batches are slices of per-epoch permutations.
 
 Folder: unet/ + scheduler/ (``save_unet``), config.json, sample_grid.png, manifest.json last
-(kind ``generator``, no shards). The accelerate checkpoints under checkpoints/ are removed once
-the manifest is written.
+(kind ``generator``, no shards). Checkpoints under checkpoints/checkpoint_<i>/: accelerate's
+save_state (safetensors model; optimizer, scheduler and RNG read back with weights_only) plus our
+ema.safetensors and semix_state.json (step + EMA scalars, written last = complete); nothing is
+pickled by us or unpickled in full (shards/checkpoints.py). They are removed once the manifest
+is written.
 """
 
 from __future__ import annotations
@@ -28,31 +31,32 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import ProjectConfiguration
 from diffusers import DDPMScheduler, UNet2DModel
 from diffusers.training_utils import EMAModel
+from safetensors.torch import save_file
 
 from models.generators import UNET_PRESETS, SeriesSpec, load_generator, save_unet, unet_from_preset
 from pipeline.configs.fit_generator import Config
 from pipeline.plots import image_grid
 from pipeline.runtime import code_version, derive_seed, log, make_generator, progress
-from shards.io import sha256_file
+from shards.checkpoints import LOAD_KWARGS, check_checkpoint
+from shards.io import atomic_write_json, read_json, sha256_file, tmp_path_for
 from shards.manifest import MANIFEST, Manifest, ShardError, manifest_digest, write_manifest
 from shards.reader import load_split
+from shards.runs import load_safetensors
 from shards.writer import write_config
 
 WEIGHTS = Path("unet") / "diffusion_pytorch_model.safetensors"
 CHECKPOINTS = "checkpoints"
 
 
+STATE = "semix_state.json"  # in a checkpoint folder, written last: the checkpoint is complete
+EMA = "ema.safetensors"  # the EMA weights of a checkpoint (its scalars live in STATE)
+
+
 class TrainState:
-    """The step counter, saved with every accelerate checkpoint (register_for_checkpointing)."""
+    """The step counter, saved with every checkpoint (in STATE, as JSON)."""
 
     def __init__(self) -> None:
         self.step = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.step = int(state["step"])
 
 
 def batch_indices(n: int, seed: int, step: int, batch: int, rank: int, world: int) -> torch.Tensor:
@@ -81,27 +85,62 @@ def noise_scheduler(cfg: Config) -> DDPMScheduler:
     )
 
 
-def save_checkpoint(accelerator: Accelerator) -> None:
-    """accelerate save_state under checkpoints/checkpoint_<i>, oldest removed past the limit."""
-    accelerator.save_state()
+def save_checkpoint(accelerator: Accelerator, ema: EMAModel, state: TrainState) -> None:
+    """accelerate save_state under checkpoints/checkpoint_<i> (oldest removed past the limit),
+    then the EMA weights (safetensors) and STATE (JSON, last). No Python object is registered
+    with accelerate: it would pickle it, and unpickle it in full on resume."""
+    path = Path(accelerator.save_state())
+    if accelerator.is_main_process:
+        shadow = {f"{i}": p.detach().cpu().contiguous() for i, p in enumerate(ema.shadow_params)}
+        tmp = tmp_path_for(path / EMA)
+        save_file(shadow, str(tmp))
+        tmp.replace(path / EMA)
+        scalars = {k: v for k, v in ema.state_dict().items() if k != "shadow_params"}
+        atomic_write_json(path / STATE, {"step": state.step, "ema": scalars})
+    accelerator.wait_for_everyone()
+
+
+def load_checkpoint(accelerator: Accelerator, ckpt: Path, ema: EMAModel, state: TrainState) -> None:
+    """Inverse of save_checkpoint; the folder is checked first (nothing in it is unpickled)."""
+    check_checkpoint(ckpt, STATE, ours=(EMA,))
+    accelerator.load_state(str(ckpt), load_kwargs=LOAD_KWARGS)
+    saved = read_json(ckpt / STATE)
+    shadow = load_safetensors(ckpt / EMA)
+    if sorted(shadow, key=int) != [str(i) for i in range(len(ema.shadow_params))]:
+        raise ShardError(f"{ckpt / EMA}: EMA weights of another model; start over (resume=)")
+    ema.load_state_dict(
+        {**saved["ema"], "shadow_params": [shadow[str(i)] for i in range(len(shadow))]}
+    )
+    state.step = int(saved["step"])
+
+
+def complete_checkpoints(folder: Path) -> dict[int, Path]:
+    ckpts = (folder / CHECKPOINTS).glob("checkpoint_*")
+    return {int(p.name[11:]): p for p in ckpts if p.name[11:].isdigit() and (p / STATE).is_file()}
 
 
 def latest_checkpoint(folder: Path) -> Path | None:
-    ckpts = [p for p in (folder / CHECKPOINTS).glob("checkpoint_*") if p.name[11:].isdigit()]
-    return max(ckpts, key=lambda p: int(p.name[11:]), default=None)
+    complete = complete_checkpoints(folder)
+    return complete[max(complete)] if complete else None
 
 
 def resume_from(cfg: Config, folder: Path) -> Path | None:
-    """The checkpoint to resume from: latest (if any), none, or an explicit folder."""
+    """The checkpoint to resume from: the latest complete one (if any), none, or a folder."""
     if cfg.resume == "":  # start over: old checkpoints would clash with the new names
         shutil.rmtree(folder / CHECKPOINTS, ignore_errors=True)
         return None
     if cfg.resume == "latest":
-        return latest_checkpoint(folder)
+        ckpt = latest_checkpoint(folder)
+        # newer folders are incomplete (killed while saving): the next save reuses their names
+        newest = int(ckpt.name[11:]) if ckpt is not None else -1
+        for path in (folder / CHECKPOINTS).glob("checkpoint_*"):
+            if path.name[11:].isdigit() and int(path.name[11:]) > newest:
+                shutil.rmtree(path, ignore_errors=True)
+        return ckpt
     path = Path(cfg.resume)
-    if not path.is_dir():
-        raise ShardError(f"resume={cfg.resume}: no such checkpoint folder (or use resume=latest)")
-    return path
+    if not path.is_dir() or not path.name[11:].isdigit() or path.name[:11] != "checkpoint_":
+        raise ShardError(f"resume={cfg.resume}: not a checkpoint_<n> folder (or use resume=latest)")
+    return check_checkpoint(path, STATE, ours=(EMA,))
 
 
 def train(
@@ -128,12 +167,11 @@ def train(
     model, opt, lr_sched = accelerator.prepare(unet, opt, lr_sched)
     ema = EMAModel(unet.parameters(), decay=cfg.ema_decay)
     state = TrainState()
-    accelerator.register_for_checkpointing(ema, state)
 
     # 2. Resume
     ckpt = resume_from(cfg, folder)
     if ckpt is not None:
-        accelerator.load_state(str(ckpt))
+        load_checkpoint(accelerator, ckpt, ema, state)
         ema.to(accelerator.device)
         # the next automatic checkpoint name continues after the one we loaded
         accelerator.project_configuration.iteration = int(ckpt.name.rpartition("_")[2]) + 1
@@ -189,7 +227,7 @@ def train(
             log.info("fit-generator: step %d/%d loss %.4f", state.step, cfg.steps, mean)
             loss_sum, loss_n = torch.zeros((), device=device), 0
         if state.step % cfg.checkpoint_every == 0 or state.step == cfg.steps:
-            save_checkpoint(accelerator)
+            save_checkpoint(accelerator, ema, state)
     bar.close()
     accelerator.wait_for_everyone()
 

@@ -37,11 +37,15 @@ from models.generators import (
 from pipeline.configs.generate import Config
 from pipeline.plots import image_grid
 from pipeline.runtime import Processes, code_version, derive_seed, log, make_generator, progress
+from shards.io import sha256_file
 from shards.manifest import Manifest, ShardError, manifest_digest, read_manifest
 from shards.reader import iter_shard
-from shards.writer import ShardFolder, write_config
+from shards.writer import ShardFolder, completed, write_config
 
 MAX_SHARD_IMAGES = 1000  # auto shard size: small enough to resume and to spread over GPUs
+
+
+UNET_WEIGHTS = Path("unet") / "diffusion_pytorch_model.safetensors"  # save_unet's layout
 
 
 class GenerationError(ValueError):
@@ -131,12 +135,34 @@ def check_inputs(cfg: Config) -> Inputs:
             f"{folder} was trained on other classes ({', '.join(gen_m.class_names[:5])}, ...) "
             f"than {real} ({', '.join(real_m.class_names[:5])}, ...)"
         )
+    check_generator_weights(folder, gen_m)
     if int(gen_m.info.get("image_size", size)) != size:
         raise GenerationError(
             f"{folder} makes {gen_m.info['image_size']}px images, {real} holds {size}px; "
             "set image_size= or retrain"
         )
     return Inputs(real, real_m.class_names, size, folder, gen_m.info)
+
+
+def check_generator_weights(folder: Path, manifest: Manifest) -> None:
+    """The unet weights must be the very file fit-generator recorded (size and sha256): a
+    missing, truncated or swapped file is refused in one line before diffusers reads it."""
+    path = folder / UNET_WEIGHTS
+    expected = manifest.info.get("weights_sha256")
+    if not path.is_file():
+        raise GenerationError(f"{path} is missing: {folder} is damaged; rerun fit-generator")
+    if expected and sha256_file(path) != expected:
+        raise GenerationError(
+            f"{path}: sha256 differs from its manifest (truncated or replaced); rerun fit-generator"
+        )
+
+
+def upstream_digests(inputs: Inputs) -> dict[str, str]:
+    """What series/ is built from: its manifest's `upstream`."""
+    upstream = {"real": manifest_digest(inputs.real)}
+    if inputs.generator is not None:
+        upstream["generator"] = manifest_digest(inputs.generator)
+    return upstream
 
 
 def resolve_dtype(cfg: Config, device: torch.device) -> str:
@@ -363,6 +389,9 @@ def run(cfg: Config) -> Path:
     )
     gens = Generators(cfg.backend, kwargs, dtype)
     out = cfg.root / "series"
+    if completed(out, cfg.to_dict(), upstream_digests(inputs)):  # a complete rerun only reads
+        log.info("generate: %s is complete already", out)
+        return out
     k = len(plan.alphas)
     log.info(
         "generate plan: %d pairs, %d series x %d alphas = %d images in %d shards of <= %d series; "
@@ -402,9 +431,7 @@ def run(cfg: Config) -> Path:
 
     # 4. Preview, then the manifest last (rank 0, after every rank finished)
     write_preview(folder, plan, cfg.preview_series)
-    upstream = {"real": manifest_digest(inputs.real)}
-    if inputs.generator is not None:
-        upstream["generator"] = manifest_digest(inputs.generator)
+    upstream = upstream_digests(inputs)
     info = {
         "generator": ident,
         "alphas": list(plan.alphas),

@@ -30,7 +30,7 @@ from shards.sources import (
     imagefolder_source,
     tiny_imagenet_source,
 )
-from shards.writer import ShardFolder, write_config
+from shards.writer import ShardFolder, completed, write_config
 
 
 def _cifar(variant: str):
@@ -58,6 +58,9 @@ SOURCES = {
         cfg.data_dir, read_class_names(cfg.classes_file) if cfg.classes_file else ()
     ),
 }
+
+
+SPLITS = ("train", "val", "test")
 
 
 def stratified_split(
@@ -117,10 +120,22 @@ def _samples(
         yield {"__key__": f"{split}_{int(i):07d}", "png": image, "cls": int(src.labels[i])}
 
 
+def already_complete(cfg: Config, real: Path) -> bool:
+    """Every split has its manifest (and the config matches): a rerun only reads, so it works on
+    read-only media and without the source dataset at hand."""
+    if not all(completed(real / split) for split in SPLITS):
+        return False
+    write_config(real, cfg.to_dict())  # compares only: refuses another config
+    log.info("prepare: %s is complete already", real)
+    return True
+
+
 def run(cfg: Config) -> Path:
+    real = cfg.root / "real"
+    if already_complete(cfg, real):
+        return real
     # 1. Load the source (may fail with a one-line message naming what is missing).
     source = SOURCES[cfg.source](cfg)
-    real = cfg.root / "real"
     write_config(real, cfg.to_dict())
     splits = plan_splits(source, cfg)
     log.info(

@@ -2,7 +2,8 @@
 
     python -m pipeline publish --preset digits --set repo=user/semix-digits [private=1] [dry_run=1]
 
-Only a complete, verified folder is published. The card (README.md) is written into mixed/
+Only a complete, verified folder is published (every shard hashed, every sample's fields
+checked). The card (README.md) is written into mixed/
 first, so a dry run shows exactly what would go up; the upload is one atomic commit
 (shards/hub.py explains why that is also resumable).
 """
@@ -16,8 +17,10 @@ from pipeline.configs.publish import Config
 from pipeline.runtime import code_version, log
 from shards import hub
 from shards.card import build_card, license_for
+from shards.datasets import check_mixed_sample
 from shards.io import atomic_write_bytes, read_json
 from shards.manifest import ShardError, manifest_digest, verify_shards
+from shards.reader import iter_folder
 
 
 def format_plan(repo: str, plan: list[hub.PlannedFile]) -> str:
@@ -36,6 +39,8 @@ def run(cfg: Config) -> Path:
     manifest = verify_shards(folder)
     if manifest.kind != "mixed":
         raise ShardError(f"{folder} holds a {manifest.kind!r} folder; publish shares mixed/ only")
+    for sample in iter_folder(folder, verify=False):  # hashed just above: fields only
+        check_mixed_sample(sample)
     report = folder / "annotation.json"
     annotation = read_json(report) if report.is_file() else None
 

@@ -47,6 +47,7 @@ from models.training import (
 from pipeline.configs.train import Config
 from pipeline.plots import lines
 from pipeline.runtime import code_version, derive_seed, log, make_generator, progress
+from shards.checkpoints import LOAD_KWARGS, check_checkpoint
 from shards.datasets import RealSplit, check_same_classes, load_real, load_series_table
 from shards.io import atomic_write_json, read_json, tmp_path_for
 from shards.manifest import ShardError
@@ -351,7 +352,8 @@ def run(cfg: Config) -> Path:
         drop_checkpoints_after(ckpt_dir, number)
     accelerator.wait_for_everyone()
     if checkpoint is not None:
-        accelerator.load_state(str(checkpoint))
+        check_checkpoint(checkpoint, STATE)  # only files that load without unpickling
+        accelerator.load_state(str(checkpoint), load_kwargs=LOAD_KWARGS)
         state = TrainState(**read_json(checkpoint / STATE))
         log.info("train %s: resumed from %s (epoch %d done)", cfg.run, checkpoint, state.next_epoch)
     accelerator.project_configuration.iteration = number + 1

@@ -271,6 +271,13 @@ def test_one_line_errors(src, tmp_path, capsys):
     with torch.no_grad():
         unet.conv_out.bias.fill_(float("nan"))
     unet.save_pretrained(runs / "digits" / "generator" / "unet")
+    weights = runs / "digits" / "generator" / "unet" / "diffusion_pytorch_model.safetensors"
+    err = _fails(capsys, f"out={runs}", *CONFIG)  # weights changed behind the manifest: refused
+    assert str(weights) in err and "rerun fit-generator" in err
+    manifest = runs / "digits" / "generator" / "manifest.json"  # now a consistent NaN generator
+    data = json.loads(manifest.read_text())
+    data["info"]["weights_sha256"] = sha256_file(weights)
+    manifest.write_text(json.dumps(data))
     err = _fails(capsys, f"out={runs}", *CONFIG)
     assert "non-finite pixels in series [0, 1]" in err
     assert not list((runs / "digits" / "series").glob("*.tar"))

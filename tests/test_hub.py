@@ -398,6 +398,7 @@ def same_split(a, b):
 def _lie_about_count(path):
     manifest = json.loads(path.read_text())
     manifest["shards"][1]["count"] += 1
+    manifest["num_samples"] += 1  # self-consistent: only counting the samples can catch it
     path.write_text(json.dumps(manifest))
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shards.manifest import ShardError, manifest_digest, read_manifest, verify_shards
-from shards.reader import iter_folder, load_split, stream
+from shards.reader import iter_folder, iter_shard, load_split, stream
 from shards.writer import ShardFolder, write_config
 
 
@@ -95,8 +95,10 @@ def test_pickled_member_is_never_decoded(tmp_path):
         info.size = len(evil)
         dst.addfile(info, io.BytesIO(evil))
     shard.write_bytes(buf.getvalue())
-    with pytest.raises(ShardError, match="'pyd'.*never decodes"):
+    with pytest.raises(ShardError, match="sha256 mismatch"):  # the shard changed: refused
         list(iter_folder(tmp_path))
+    with pytest.raises(ShardError, match="'pyd'.*never decodes"):  # and without hashing too
+        list(iter_folder(tmp_path, verify=False))
 
 
 def test_resume_skips_complete_and_redoes_incomplete(tmp_path):
@@ -158,7 +160,7 @@ def test_reader_falls_back_to_tarfile_for_other_tar_dialects(tmp_path):
             m.pax_headers = {"comment": "repacked"}
             dst.addfile(m, src.extractfile(m))
     shard.write_bytes(buf.getvalue())
-    again = [s["image"] for s in iter_folder(tmp_path)]
+    again = [s["image"] for s in iter_shard(shard)]  # the parser alone (the manifest pins bytes)
     assert all(np.array_equal(a, b.numpy()) for a, b in zip(again, expected.images))
 
 
@@ -167,13 +169,15 @@ def test_bad_tar_header_and_missing_end_marker(tmp_path):
     shard = tmp_path / "part-000000.tar"
     good = shard.read_bytes()
     shard.write_bytes(good[:100] + b"X" + good[101:])  # inside the first header's name
-    with pytest.raises(ShardError, match="bad tar header checksum"):
+    with pytest.raises(ShardError, match="sha256 mismatch"):
         list(iter_folder(tmp_path))
+    with pytest.raises(ShardError, match="bad tar header checksum"):
+        list(iter_shard(shard))  # the parser alone, as with verify_sha256=0
     end = len(good.rstrip(b"\0"))
     cut = -(-end // 512) * 512  # right after the last member, before the end marker
     shard.write_bytes(good[:cut])
     with pytest.raises(ShardError, match="no end-of-archive marker"):
-        list(iter_folder(tmp_path))
+        list(iter_shard(shard))
 
 
 def test_png_bytes_pass_through_unchanged(tmp_path):

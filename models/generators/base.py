@@ -102,11 +102,22 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 def load_pretrained(load: Callable[..., Any], model: str | Path, **kwargs: Any) -> Any:
     """``load(model, **kwargs)`` (a ``from_pretrained``), turning "not found" into one clear line.
 
-    An existing folder that fails to load is a real error and propagates unchanged.
+    An existing folder that fails to load (missing or truncated weights, a broken config) is
+    reported in one line naming it.
     """
+    from safetensors import SafetensorError
+
     model = str(model)  # diffusers' pipeline loader wants a str
     if Path(model).is_dir():
-        return load(model, **kwargs)
+        try:
+            return load(model, **kwargs)
+        except (OSError, ValueError, SafetensorError, EOFError) as err:
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+            raise ModelLoadError(
+                f"cannot load the model in {model} ({first}): the folder is incomplete or "
+                "damaged; rebuild it (e.g. rerun fit-generator) or set `model` to a complete "
+                "save_pretrained folder"
+            ) from err
     try:
         return load(model, **kwargs)
     except (OSError, ValueError) as err:
@@ -115,6 +126,10 @@ def load_pretrained(load: Callable[..., Any], model: str | Path, **kwargs: Any) 
             "hub (offline, not cached or unknown id); set config key `model` to a local "
             "save_pretrained folder"
         ) from err
+
+
+class ModelLoadError(ValueError):
+    """A local model folder exists but does not load."""
 
 
 class MixableEmbedding(nn.Embedding):
