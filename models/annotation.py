@@ -299,6 +299,21 @@ def annotation_stats(
         for (k,), c, m, sd in zip(keys.tolist(), counts.tolist(), mean.tolist(), std.tolist())
     ]
     share, checked = monotone_share(lam, alpha, sid)
+    endpoints = {}
+    for name, value in (("alpha_0", 0.0), ("alpha_1", 1.0)):
+        at = lam[alpha == value]
+        if at.numel():  # the spread of λ̂ where the generator should have drawn a pure class
+            q = torch.quantile(at, torch.tensor([0.05, 0.5, 0.95], dtype=at.dtype)).tolist()
+            endpoints[name] = {
+                "n": at.numel(),
+                "mean": float(at.mean()),
+                "std": float(at.std(correction=0)),
+                "q05": q[0],
+                "median": q[1],
+                "q95": q[2],
+                "min": float(at.min()),
+                "max": float(at.max()),
+            }
     return {
         "n_images": n,
         "n_series": int(torch.unique(sid).numel()),
@@ -316,6 +331,36 @@ def annotation_stats(
             "share_below_0": float((lam < 0).double().mean()),
             "share_above_1": float((lam > 1).double().mean()),
         },
+        "endpoints": endpoints,
         "per_alpha": per_alpha,
         "per_pair": per_pair,
+    }
+
+
+def fidelity_stats(
+    predicted: Tensor,
+    expected: Tensor,
+    class_names: tuple[str, ...],
+    test_accuracy: float | None = None,
+) -> dict[str, Any]:
+    """Generator fidelity: the share of pure-class images (series endpoints, α = 0 and 1) that a
+    real-only classifier assigns to the class they were generated for, overall and per class,
+    next to that classifier's accuracy on real test images (x100)."""
+    predicted = torch.as_tensor(predicted).long().reshape(-1)
+    expected = torch.as_tensor(expected).long().reshape(-1)
+    if predicted.numel() == 0 or predicted.shape != expected.shape:
+        raise ValueError(
+            f"need matching non-empty predictions, got {predicted.shape}, {expected.shape}"
+        )
+    hit = (predicted == expected).double()
+    per_class = {}
+    for k, name in enumerate(class_names):
+        mine = expected == k
+        if mine.any():
+            per_class[name] = {"n": int(mine.sum()), "accuracy": 100.0 * float(hit[mine].mean())}
+    return {
+        "n_images": predicted.numel(),
+        "accuracy": 100.0 * float(hit.mean()),
+        "real_test_accuracy": test_accuracy,
+        "per_class": per_class,
     }

@@ -13,7 +13,8 @@ params against the factory's signature. Defaults (METHODS §6, CIFAR values):
 | focal  | gamma=3.0                         | -(1-p_y)^γ log p_y                                     |
 | flsd53 | gamma_below=5, gamma=3, threshold=0.2 | focal with γ=5 where p_y < 0.2, else γ=3           |
 | mbls   | m=6.0, lam=0.1 (Tiny: m=10, 0.05) | CE + λ·(1/C)Σ_k relu(max_l s_l - s_k - m)               |
-| mmce   | lam=2.0, width=0.4                | NLL + λ·sqrt(MMCE²), Laplacian kernel of width 0.4      |
+| mmce   | lam=2.0, width=0.4                | NLL + λ·MMCE_m (unweighted, no root), Laplacian kernel  |
+| mmce_weighted | lam=2.0, width=0.4         | NLL + λ·sqrt(MMD_w + 1e-10), correct/incorrect weighted |
 
 (`lam` stands for λ: `lambda` is a Python keyword.) The LS α is a GUESS (METHODS leaves it open;
 0.05 matches FeDLaS-LS's CIFAR-10 value); MMCE's λ is the low end of METHODS' 2-4.
@@ -136,8 +137,27 @@ def mmce_squared(logits: torch.Tensor, labels: torch.Tensor, width: float = 0.4)
     return (r[:, None] * r[None, :] * kernel).sum() / c.numel() ** 2
 
 
+def mmd_weighted(logits: torch.Tensor, labels: torch.Tensor, width: float = 0.4) -> torch.Tensor:
+    """Kumar et al.'s weighted estimator: with m correct samples C and n incorrect ones I,
+
+        MMD_w = Σ_{i,j∈C} (1−c_i)(1−c_j)k_ij / m² + Σ_{i,j∈I} c_i c_j k_ij / n²
+                − 2 Σ_{i∈C, j∈I} (1−c_i) c_j k_ij / (m·n),   k_ij = exp(−|c_i − c_j|/width),
+
+    so both groups count equally however unbalanced the batch; 0 when all or none are correct.
+    """
+    c, y_hat = F.softmax(logits, dim=1).max(dim=1)
+    correct = (y_hat == labels).to(c.dtype)
+    m, n = correct.sum(), (1.0 - correct).sum()
+    if m == 0 or n == 0:
+        return c.sum() * 0.0  # keeps the graph (and the dtype) for the caller's backward
+    kernel = torch.exp(-(c[:, None] - c[None, :]).abs() / width)
+    u = correct * (1.0 - c) / m  # correct samples: weight (1 − c_i)/m
+    v = (1.0 - correct) * c / n  # incorrect samples: weight c_j/n
+    return u @ kernel @ u + v @ kernel @ v - 2.0 * (u @ kernel @ v)
+
+
 class MMCELoss(nn.Module):
-    """NLL + λ·sqrt(MMCE²); the root is floored at 1e-12 inside so its gradient stays finite."""
+    """NLL + λ·MMCE_m (METHODS §6, the unweighted form, no square root)."""
 
     def __init__(self, num_classes: int, lam: float = 2.0, width: float = 0.4) -> None:
         super().__init__()
@@ -147,8 +167,17 @@ class MMCELoss(nn.Module):
         self.num_classes, self.lam, self.width = num_classes, lam, width
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        mmce = mmce_squared(logits, labels, self.width).clamp_min(1e-12).sqrt()
-        return F.cross_entropy(logits, labels) + self.lam * mmce
+        return F.cross_entropy(logits, labels) + self.lam * mmce_squared(logits, labels, self.width)
+
+
+class WeightedMMCELoss(MMCELoss):
+    """NLL + λ·sqrt(MMD_w + 1e-10) (METHODS §6, the form the CIFAR-10 recipe uses); the MMCE
+    term is 0 when all or none of the batch is correct."""
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        mmd = mmd_weighted(logits, labels, self.width)
+        term = (mmd.clamp_min(0.0) + 1e-10).sqrt() if bool(mmd != 0) else mmd
+        return F.cross_entropy(logits, labels) + self.lam * term
 
 
 LossFactory = Callable[..., nn.Module]
@@ -160,6 +189,7 @@ LOSSES: dict[str, LossFactory] = {
     "flsd53": FLSD53,
     "mbls": MarginLabelSmoothing,
     "mmce": MMCELoss,
+    "mmce_weighted": WeightedMMCELoss,
 }
 
 

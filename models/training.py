@@ -330,7 +330,10 @@ def _fedlas(variant: str) -> Callable[..., Objective]:
 
 # loss name -> factory(num_classes, generator=None, **params). Params: see docs/train.md.
 OBJECTIVES: dict[str, Callable[..., Objective]] = {
-    **{name: _criterion(name) for name in ("ce", "ls", "focal", "flsd53", "mbls", "mmce")},
+    **{
+        name: _criterion(name)
+        for name in ("ce", "ls", "focal", "flsd53", "mbls", "mmce", "mmce_weighted")
+    },
     "mixup": lambda num_classes, generator=None, **p: MixupObjective(**p),
     "csm": lambda num_classes, generator=None, **p: CSMObjective(**p),
     "fedlas-ls": _fedlas("ls"),

@@ -30,15 +30,8 @@ CHAINS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         ("prepare", ()),
         (
             "train",
-            (
-                "run=encoder",
-                "loss=ce",
-                "train_limit=0",
-                "epochs=8",
-                "milestones=4,7",
-                "crop_pad=2",
-            ),
-        ),  # fmt: skip
+            ("run=encoder", "loss=ce", "train_limit=0", "epochs=8", "milestones=4,7", "crop_pad=2"),
+        ),
         ("fit-generator", ()),
         ("generate", ()),
         ("annotate", ()),

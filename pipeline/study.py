@@ -109,13 +109,15 @@ def run_name(method: str, seed: int) -> str:
 @dataclass
 class Task:
     name: str
-    commands: list[list[str]]
+    steps: list[tuple[str, list[str]]]  # (stage or command, --set values), run in order
     after: set[str] = field(default_factory=set)
     done: bool = False
 
-
-def _cli(stage: str, preset: str, sets: Sequence[str]) -> list[str]:
-    return [sys.executable, "-m", "pipeline", stage, "--preset", preset, "--set", *sets]
+    def commands(self, preset: str) -> list[list[str]]:
+        return [
+            [sys.executable, "-m", "pipeline", stage, "--preset", preset, "--set", *sets]
+            for stage, sets in self.steps
+        ]
 
 
 def _evaluated(folder: Path, criterion: str) -> bool:
@@ -132,27 +134,20 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
     needs_chain = any(METHODS[m].needs_mixed for m in cfg.methods)
     chain_sets = [s for s in sets if not s.startswith("study.")]
     if needs_chain:
-        tasks.append(
-            Task(
-                "chain",
-                [_cli("chain", preset, chain_sets)],
-                done=(root / "mixed" / "manifest.json").is_file(),
-            )
-        )
+        done = (root / "mixed" / "manifest.json").is_file()
+        tasks.append(Task("chain", [("chain", chain_sets)], done=done))
     train_sets, ft_sets = split_sets(sets, "train"), split_sets(sets, "finetune")
     eval_sets = [*split_sets(sets, "evaluate"), f"ts_criterion={cfg.ts_criterion}"]
     for seed in cfg.seeds:
         for method in cfg.methods:
             m, name = METHODS[method], run_name(method, seed)
             if m.stage == "train":
-                make = _cli("train", preset, [*train_sets, *m.sets, f"run={name}", f"seed={seed}"])
+                make = ("train", [*train_sets, *m.sets, f"run={name}", f"seed={seed}"])
             else:
                 base = run_name(m.base, seed)
-                make = _cli("finetune", preset, [*ft_sets, *m.sets, f"run={base}", f"seed={seed}"])
+                make = ("finetune", [*ft_sets, *m.sets, f"run={base}", f"seed={seed}"])
             stage_dir = "train" if m.stage == "train" else "finetune"
-            evaluate = _cli(
-                "evaluate", preset, [*eval_sets, f"run={name}", f"stage_dir={stage_dir}"]
-            )
+            evaluate = ("evaluate", [*eval_sets, f"run={name}", f"stage_dir={stage_dir}"])
             after = {"chain"} if m.needs_mixed else set()
             if m.base:
                 after.add(run_name(m.base, seed))
@@ -161,12 +156,12 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
     return tasks
 
 
-def _execute(task: Task, logs: Path) -> float:
+def _execute(task: Task, preset: str, logs: Path) -> float:
     """Run the task's commands one after another, output to logs/<task>.log; seconds taken."""
     t0 = time.perf_counter()
     log_path = logs / f"{task.name}.log"
     with open(log_path, "a", encoding="utf-8") as out:
-        for cmd in task.commands:
+        for cmd in task.commands(preset):
             out.write(f"$ {' '.join(cmd[1:])}\n")
             out.flush()
             rc = subprocess.run(
@@ -177,7 +172,7 @@ def _execute(task: Task, logs: Path) -> float:
     return time.perf_counter() - t0
 
 
-def execute(tasks: list[Task], jobs: int, logs: Path) -> dict[str, float]:
+def execute(tasks: list[Task], preset: str, jobs: int, logs: Path) -> dict[str, float]:
     """Run pending tasks `jobs` at a time in dependency order. A failed task fails the tasks
     that need it; the others go on. Raises at the end naming every failure."""
     logs.mkdir(parents=True, exist_ok=True)
@@ -198,7 +193,7 @@ def execute(tasks: list[Task], jobs: int, logs: Path) -> dict[str, float]:
                     bar.update(1)
                 elif t.after <= done and len(running) < jobs:
                     pending.remove(t)
-                    running[pool.submit(_execute, t, logs)] = t
+                    running[pool.submit(_execute, t, preset, logs)] = t
                     log.info("study: started %s", t.name)
             if not running:
                 break
@@ -459,23 +454,26 @@ def figures(cfg: StudyConfig, root: Path, out: Path, preds: dict, summary: dict)
 def run_study(preset: str, sets: Sequence[str]) -> Path:
     from pipeline.cli import resolve_stage_config
 
-    # 0. Study fields (`study.key=value`) and the run root; every stage config is validated up
-    #    front so that a misspelt field fails now, not an hour in.
+    # 0. Study fields (`study.key=value`), the run root, and the plan. Every run's config is
+    #    resolved up front (the chain validates its own), so a misspelt field fails now, not an
+    #    hour in.
     study_sets = [s.removeprefix("study.") for s in sets if s.startswith("study.")]
     cfg = StudyConfig(**parse_sets(StudyConfig, study_sets))
     root = resolve_stage_config("train", preset, split_sets(sets, "train")).root
-    for stage in ("train", "finetune", "evaluate"):
-        resolve_stage_config(stage, preset, split_sets(sets, stage))
     out = root / "study"
-    # 1-2. The chain and every run (skipping what is complete).
     tasks = plan(cfg, preset, sets, root)
+    for task in tasks:
+        for stage, stage_sets in task.steps:
+            if stage != "chain":
+                resolve_stage_config(stage, preset, stage_sets)
+    # 1-2. The chain and every run (skipping what is complete).
     todo = [t.name for t in tasks if not t.done]
     log.info(
         "study %s: %d methods x %d seeds, %d of %d tasks to run, %d at a time -> %s",
         *(root.name, len(cfg.methods), len(cfg.seeds), len(todo), len(tasks), cfg.jobs, out),
     )
     t0 = time.perf_counter()
-    seconds = execute(tasks, cfg.jobs, out / "logs")
+    seconds = execute(tasks, preset, cfg.jobs, out / "logs")
     # 3. Records, statistics, report and figures.
     records = collect(cfg, root)
     summary = summarize(records)

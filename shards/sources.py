@@ -15,6 +15,7 @@ import gzip
 import io
 import pickle
 import tarfile
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,7 +86,7 @@ def read_idx(path: Path) -> np.ndarray:
     try:
         raw = path.read_bytes()
         data = gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw
-    except (OSError, EOFError, gzip.BadGzipFile) as e:
+    except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
         raise ShardError(f"cannot read IDX file {path}: {e}") from e
     if len(data) < 4 or data[:2] != b"\0\0" or data[2] != _IDX_UBYTE:
         raise ShardError(f"{path} is not an unsigned-byte IDX file (bad magic number)")

@@ -24,7 +24,13 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.annotation import ANNOTATORS, PrototypeAccumulator, annotate, annotation_stats
+from models.annotation import (
+    ANNOTATORS,
+    PrototypeAccumulator,
+    annotate,
+    annotation_stats,
+    fidelity_stats,
+)
 from models.annotation import text_prototypes as encode_text_prototypes
 from models.classifiers import classifier_from_config
 from models.encoders import (
@@ -34,9 +40,11 @@ from models.encoders import (
     OpenCLIPEncoder,
     file_sha256,
 )
+from models.training import collect_logits
 from pipeline.configs.annotate import Config
 from pipeline.plots import scatter
 from pipeline.runtime import Processes, code_version, log, make_generator, progress
+from shards.datasets import load_real
 from shards.io import atomic_write_bytes, atomic_write_json, read_json, tmp_path_for
 from shards.manifest import (
     MANIFEST,
@@ -281,14 +289,51 @@ def annotate_shards(cfg, shards, series: Path, folder: ShardFolder, encoder, pro
     return out
 
 
-def report(cfg: Config, fields: list[dict], mixed: Path) -> dict:
-    """annotation.json (models.annotation.annotation_stats) and annotation.png (λ̂ vs α)."""
+def generator_fidelity(cfg: Config, series: Path, class_names, device) -> dict[str, Any] | None:
+    """Does the generator draw each class as that class? A real-only classifier (`fidelity_run`)
+    on the pure-class images of every series (α = 1: class a, α = 0: class b), next to the same
+    classifier on real/test (models.annotation.fidelity_stats)."""
+    if not cfg.fidelity_run:
+        return None
+    folder = cfg.root / "train" / cfg.fidelity_run
+    try:
+        model, meta = load_model(folder, classifier_from_config, device)
+    except ShardError as e:
+        raise ShardError(f"fidelity_run={cfg.fidelity_run}: {e}") from e
+    images, expected = [], []
+    for s in iter_folder(series):
+        alpha, (a, b) = s["meta"]["alpha"], s["meta"]["classes"][:2]
+        if alpha in (0.0, 1.0):
+            images.append(s["image"])
+            expected.append(a if alpha == 1.0 else b)
+    if not images:
+        return None
+
+    def predict(x: torch.Tensor) -> torch.Tensor:
+        norm = meta["normalize"]
+        logits = collect_logits(
+            model, x, norm["mean"], norm["std"], batch_size=cfg.batch_size, device=device,
+            image_size=int(meta["image_size"]),
+        )  # fmt: skip
+        return logits.argmax(dim=1)
+
+    test = load_real(cfg.root / "real" / "test")
+    test_acc = 100.0 * float((predict(test.images) == test.labels).double().mean())
+    return fidelity_stats(
+        predict(torch.from_numpy(np.stack(images))), torch.tensor(expected), class_names, test_acc
+    )
+
+
+def report(cfg: Config, fields: list[dict], mixed: Path, fidelity: dict | None = None) -> dict:
+    """annotation.json (models.annotation.annotation_stats + generator fidelity) and
+    annotation.png (λ̂ vs α)."""
     lam = torch.tensor([f["lambda_hat"] for f in fields], dtype=torch.float64)
     alpha = torch.tensor([f["alpha"] for f in fields], dtype=torch.float64)
     series = torch.tensor([f["series"] for f in fields])
     pairs = torch.tensor([f["classes"] for f in fields])
     stats = {"method": cfg.method, "sharpening": cfg.sharpening}
     stats.update(annotation_stats(lam, alpha, series, pairs))
+    stats["generator_fidelity"] = fidelity
     atomic_write_json(mixed / "annotation.json", stats)
     # at most PLOT_POINTS points (seeded choice): the picture is the same, the plot stays fast
     keep = torch.randperm(len(fields), generator=make_generator(cfg.seed, "annotation-plot"))
@@ -387,7 +432,8 @@ def run(cfg: Config) -> Path:
                 raise ShardError(f"{folder.path(i)} is not complete after all ranks finished")
             check_shard(folder.path(i), rec)
             fields[i] = [json.loads(r["json"]) for r in read_raw_shard(folder.path(i))]
-    stats = report(cfg, [f for i in range(n_shards) for f in fields[i]], mixed)
+    fidelity = generator_fidelity(cfg, series, class_names, device)
+    stats = report(cfg, [f for i in range(n_shards) for f in fields[i]], mixed, fidelity)
     if (series / "preview.png").is_file():
         atomic_write_bytes(mixed / "preview.png", (series / "preview.png").read_bytes())
 
@@ -420,4 +466,17 @@ def run(cfg: Config) -> Path:
         ),
         mixed,
     )
+    for name, end in stats["endpoints"].items():
+        log.info(
+            "annotate: λ̂ at %s: mean %.3f, 5-95 %% [%.3f, %.3f], min %.3f, max %.3f",
+            name.replace("_", " = "), end["mean"], end["q05"], end["q95"], end["min"], end["max"],
+        )  # fmt: skip
+    if fidelity is not None:
+        worst = min(fidelity["per_class"].items(), key=lambda kv: kv[1]["accuracy"])
+        log.info(
+            "annotate: generator fidelity %.1f %% of %d endpoint images classified as their class "
+            "by %s (its real test accuracy: %.1f %%); worst class %s %.1f %%",
+            fidelity["accuracy"], fidelity["n_images"], cfg.fidelity_run,
+            fidelity["real_test_accuracy"], worst[0], worst[1]["accuracy"],
+        )  # fmt: skip
     return mixed

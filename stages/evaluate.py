@@ -28,9 +28,9 @@ from models.calibration import (
     ece,
     ensemble_logits,
     fit_temperature,
-    temperature_on_edge,
     ood_scores,
     reliability_bins,
+    temperature_on_edge,
     topk_accuracy,
 )
 from models.finetuning import build_model

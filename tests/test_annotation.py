@@ -16,6 +16,7 @@ from models.annotation import (
     annotation_stats,
     class_prototypes,
     default_sharpening,
+    fidelity_stats,
     monotone_share,
     project_lambda,
     rankdata,
@@ -282,3 +283,30 @@ def test_text_prototypes_shape_and_manual_mean():
         torch.testing.assert_close(protos[k], manual)
     with pytest.raises(ValueError, match="templates"):
         text_prototypes(enc, names, ("no placeholder",))
+
+
+def test_endpoint_spread_and_fidelity_stats():
+    # two series of 3 (α = 1, 0.5, 0): λ̂ at the endpoints is what the spread reports
+    lam = torch.tensor([1.1, 0.5, -0.2, 0.7, 0.4, 0.1], dtype=torch.float64)
+    alpha = torch.tensor([1.0, 0.5, 0.0] * 2, dtype=torch.float64)
+    stats = annotation_stats(
+        lam, alpha, torch.tensor([0, 0, 0, 1, 1, 1]), torch.tensor([[0, 1]] * 6)
+    )
+    ends = stats["endpoints"]
+    assert ends["alpha_1"]["n"] == 2 and ends["alpha_1"]["mean"] == pytest.approx(0.9)
+    assert ends["alpha_1"]["min"] == pytest.approx(0.7) and ends["alpha_1"]["max"] == pytest.approx(
+        1.1
+    )
+    assert ends["alpha_0"]["mean"] == pytest.approx(-0.05)
+    assert ends["alpha_0"]["q05"] == pytest.approx(-0.2 + 0.05 * 0.3)  # linear interpolation
+    json.dumps(stats)
+    # fidelity: per class share of endpoint images predicted as the class they were drawn for
+    expected = torch.tensor([0, 0, 0, 1, 1, 2])
+    predicted = torch.tensor([0, 0, 1, 1, 1, 0])
+    f = fidelity_stats(predicted, expected, ("a", "b", "c"), test_accuracy=91.0)
+    assert f["accuracy"] == pytest.approx(100 * 4 / 6)
+    assert f["per_class"]["a"] == {"n": 3, "accuracy": pytest.approx(100 * 2 / 3)}
+    assert f["per_class"]["b"]["accuracy"] == 100.0 and f["per_class"]["c"]["accuracy"] == 0.0
+    assert f["real_test_accuracy"] == 91.0
+    with pytest.raises(ValueError, match="matching"):
+        fidelity_stats(predicted[:2], expected, ("a", "b", "c"))

@@ -26,6 +26,7 @@ from models.calibration import (
     ood_scores,
     reliability_bins,
     temperature_grid,
+    temperature_on_edge,
     topk_accuracy,
     uece,
 )
@@ -211,3 +212,39 @@ def test_ensemble_logits_softmax_is_mean_softmax():
     assert torch.allclose(F.softmax(ensemble_logits(members[:1]), 1), F.softmax(members[0], 1))
     with pytest.raises(ValueError, match="same shape"):
         ensemble_logits([members[0], members[1][:3]])
+
+
+def test_nll_temperature_equals_direct_minimisation():
+    # overconfident logits: labels drawn from softmax(z / 2)
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(2000, 10, generator=g, dtype=torch.float64) * 4
+    labels = torch.multinomial(F.softmax(z / 2.0, 1), 1, generator=g).squeeze(1)
+    t = fit_temperature(z, labels, criterion="nll")
+
+    # an independent minimiser: a grid of T over the whole range, then a fine grid around its best
+    def nll_grid(grid):
+        return torch.stack([F.cross_entropy(z / s, labels) for s in grid])
+
+    coarse = torch.linspace(0.05, 20.0, 400, dtype=torch.float64)
+    best = float(coarse[nll_grid(coarse).argmin()])
+    fine = torch.linspace(best - 0.06, best + 0.06, 600, dtype=torch.float64)
+    nlls = nll_grid(fine)
+    best = float(fine[nlls.argmin()])
+    assert abs(t - best) <= 3e-4 and abs(t - 2.0) < 0.2
+    nll_t = F.cross_entropy(z / t, labels).item()
+    assert nll_t <= nlls.min().item() + 1e-9
+    for dt in (-0.01, 0.01):  # a local (hence, by convexity in 1/T, global) minimum
+        assert nll_t < F.cross_entropy(z / (t + dt), labels).item()
+    assert not temperature_on_edge(t, "nll")
+
+
+def test_temperature_edges_are_flagged():
+    # a perfectly separable val set: NLL keeps falling as T -> 0, so the fit lands on the floor
+    z = torch.tensor([[1.0, 0.0], [0.0, 1.0]] * 10, dtype=torch.float64)
+    labels = torch.tensor([0, 1] * 10)
+    t = fit_temperature(z, labels, criterion="nll")
+    assert t == pytest.approx(0.05, rel=1e-6) and temperature_on_edge(t, "nll")
+    assert temperature_on_edge(10.0, "ece") and temperature_on_edge(0.1, "ece")
+    assert not temperature_on_edge(1.3, "ece")
+    with pytest.raises(ValueError, match="criterion"):
+        fit_temperature(z, labels, criterion="brier")

@@ -15,6 +15,7 @@ from models.losses import (
     mixup_batch,
     mixup_loss,
     mmce_squared,
+    mmd_weighted,
     soft_l2,
 )
 
@@ -26,7 +27,7 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_registry_lists_baselines_and_rejects_unknown():
-    assert {"ce", "ls", "focal", "flsd53", "mbls", "mmce"} <= set(LOSSES)
+    assert {"ce", "ls", "focal", "flsd53", "mbls", "mmce", "mmce_weighted"} <= set(LOSSES)
     with pytest.raises(ValueError, match="valid: ce, ls"):
         build_loss("nope", 3)
     with pytest.raises(ValueError, match="unknown \\['beta'\\]"):
@@ -108,20 +109,54 @@ def test_mmce_matches_pairwise_formula(batch):
             expected += (a[i] - c[i]).item() * (a[j] - c[j]).item() * k
     expected /= len(y) ** 2
     assert mmce_squared(logits, y).item() == pytest.approx(expected, rel=1e-5)
+    # METHODS §6: the unweighted form is NLL + λ·MMCE_m, no square root
     loss = build_loss("mmce", 5, lam=3.0)(logits, y).item()
     nll = F.cross_entropy(logits, y).item()
-    assert loss == pytest.approx(nll + 3.0 * math.sqrt(expected), rel=1e-5)
+    assert loss == pytest.approx(nll + 3.0 * expected, rel=1e-5)
+
+
+def _weighted_mmd_by_loops(logits: torch.Tensor, y: torch.Tensor, width: float = 0.4) -> float:
+    """Kumar et al.'s weighted estimator written out pair by pair."""
+    c, pred = F.softmax(logits.double(), 1).max(1)
+    c = c.tolist()
+    good = [i for i in range(len(y)) if pred[i] == y[i]]
+    bad = [i for i in range(len(y)) if pred[i] != y[i]]
+    m, n = len(good), len(bad)
+
+    def k(i: int, j: int) -> float:
+        return math.exp(-abs(c[i] - c[j]) / width)
+
+    cc = sum((1 - c[i]) * (1 - c[j]) * k(i, j) for i in good for j in good) / m**2
+    ii = sum(c[i] * c[j] * k(i, j) for i in bad for j in bad) / n**2
+    ci = sum((1 - c[i]) * c[j] * k(i, j) for i in good for j in bad) / (m * n)
+    return cc + ii - 2 * ci
+
+
+def test_weighted_mmce_matches_pairwise_formula(batch):
+    logits, y = batch
+    y = y.clone()
+    y[:6] = logits[:6].argmax(1)  # make sure both groups are there
+    expected = _weighted_mmd_by_loops(logits, y)
+    assert expected > 0
+    assert mmd_weighted(logits.double(), y).item() == pytest.approx(expected, rel=1e-9)
+    loss = build_loss("mmce_weighted", 5, lam=3.0)(logits.double(), y).item()
+    nll = F.cross_entropy(logits.double(), y).item()
+    assert loss == pytest.approx(nll + 3.0 * math.sqrt(expected + 1e-10), rel=1e-9)
+    # all correct (or none): the MMCE term is exactly 0
+    all_right = logits.argmax(1)
+    assert mmd_weighted(logits, all_right).item() == 0.0
+    assert build_loss("mmce_weighted", 5)(logits, all_right).item() == pytest.approx(
+        F.cross_entropy(logits, all_right).item(), rel=1e-6
+    )
 
 
 def test_mmce_vanishes_when_calibrated():
     # four samples at confidence 0.75, three correct: a - c sums to 0 and the kernel is constant.
-    # float64, since sqrt turns float32 rounding of MMCE² (~1e-9) into ~1e-5
     s = torch.tensor([[math.log(3.0), 0.0]], dtype=torch.float64).repeat(4, 1)
     y = torch.tensor([0, 0, 0, 1])
     assert abs(mmce_squared(s, y).item()) < 1e-12
     loss = build_loss("mmce", 2)(s, y).item()
-    # the only difference left is the sqrt floor: λ·sqrt(1e-12) = 2e-6
-    assert loss == pytest.approx(F.cross_entropy(s, y).item(), abs=1e-5)
+    assert loss == pytest.approx(F.cross_entropy(s, y).item(), abs=1e-9)
 
 
 def test_soft_l2_and_dense_targets():

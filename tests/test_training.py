@@ -185,6 +185,23 @@ def test_csm_objective_is_ce_plus_w_times_soft_l2_with_separate_passes():
     assert loss.item() == pytest.approx(expect.item(), rel=1e-5)
 
 
+def test_csm_ce_ablation_is_soft_target_cross_entropy():
+    torch.manual_seed(0)
+    model = build_classifier("conv-mlp", 3, 1).eval()
+    x, x_syn = torch.randn(4, 1, 28, 28), torch.randn(8, 1, 28, 28)
+    y = torch.tensor([0, 1, 2, 0])
+    t = torch.softmax(torch.randn(8, 3), dim=1)
+    loss, _ = build_objective("csm", 3, weight=2.0, mixed_loss="ce")(
+        model, {"x": x, "y": y, "x_syn": x_syn, "t_syn": t}
+    )
+    with torch.no_grad():  # −Σ_k t_k log p_k per synthetic image, batch mean
+        soft_ce = -(t * torch.log_softmax(model(x_syn), 1)).sum(1).mean()
+        expect = F.cross_entropy(model(x), y) + 2.0 * soft_ce
+    assert loss.item() == pytest.approx(expect.item(), rel=1e-5)
+    with pytest.raises(ValueError, match="mixed_loss"):
+        build_objective("csm", 3, mixed_loss="kl")
+
+
 def test_fedlas_gate_parameters_live_in_the_training_module():
     model = build_classifier("digits-cnn", 4, 1)
     module = TrainingModule(model, build_objective("fedlas-ls", 4, **_params("fedlas-ls")))

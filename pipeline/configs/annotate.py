@@ -31,6 +31,9 @@ class Config(StageConfig):
     device: str = ""  # "" = this rank's accelerator (accelerate), else e.g. cpu, cuda:0
     precision: str = "fp32"  # autocast dtype of the encoder forward
     series: str = ""  # series folder; "" = runs/<classes>/series
+    # generator fidelity: a real-only classifier run under train/ classifies the series endpoints
+    # (α = 0, 1); its accuracy there is written to annotation.json ("" = skip)
+    fidelity_run: str = ""
 
     def __post_init__(self):
         check_choice("encoder", self.encoder, ENCODER_KINDS)
@@ -58,10 +61,17 @@ PRESETS = {
     # digits: CLIP means nothing on 16x16 handwritten digits; the real-only classifier's
     # pooled features (train run "encoder") are the annotation space (ARCHITECTURE §6).
     # workers=0: on the few CPU cores digits targets, decode processes would fight the encoder.
-    "digits": dict(encoder="classifier", sharpening=SHARPENING["digits"], workers=0),
+    "digits": dict(
+        encoder="classifier", sharpening=SHARPENING["digits"], workers=0, fidelity_run="encoder"
+    ),
     # Fashion-MNIST: the same reasoning as digits (grey 28x28; CLIP's photo features are a poor
     # fit), the real-only classifier trained on all of real/train is the annotation space.
-    "fashion-mnist": dict(encoder="classifier", sharpening=SHARPENING["fashion-mnist"], workers=0),
+    "fashion-mnist": dict(
+        encoder="classifier",
+        sharpening=SHARPENING["fashion-mnist"],
+        workers=0,
+        fidelity_run="encoder",
+    ),
     "cifar10": dict(_CLIP, sharpening=SHARPENING["cifar10"]),
     "cifar100": dict(_CLIP, sharpening=SHARPENING["cifar100"]),
     "tiny-imagenet": dict(_CLIP, sharpening=SHARPENING["tiny-imagenet"]),

@@ -1,0 +1,111 @@
+"""`make study`: the statistics against direct computations, and resume on a real tiny study
+(digits, one epoch per run, subprocesses as in real use)."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from models.calibration import ece
+from pipeline.config import ConfigError
+from pipeline.study import (
+    METHODS,
+    Predictions,
+    StudyConfig,
+    bootstrap_difference,
+    run_name,
+    run_study,
+)
+
+
+def _save_predictions(path, logits, labels):
+    np.savez(path, logits=logits.astype(np.float32), labels=labels.astype(np.int64))
+
+
+def test_prediction_ece_equals_the_metric(tmp_path):
+    g = np.random.default_rng(0)
+    logits, labels = g.normal(size=(500, 4)) * 3, g.integers(0, 4, 500)
+    _save_predictions(tmp_path / "p.npz", logits, labels)
+    for t in (1.0, 1.7):
+        p = Predictions.load(tmp_path / "p.npz", t)
+        direct = ece(
+            torch.from_numpy(logits.astype(np.float32)).double() / t, torch.from_numpy(labels)
+        )
+        assert p.ece() == pytest.approx(direct, abs=1e-6)
+        idx = g.integers(0, 500, 500)  # and on a resample
+        direct = ece(
+            torch.from_numpy(logits[idx].astype(np.float32)).double() / t,
+            torch.from_numpy(labels[idx]),
+        )
+        assert p.ece(idx) == pytest.approx(direct, abs=1e-6)
+
+
+def test_bootstrap_interval_separates_a_clear_difference_and_covers_none(tmp_path):
+    g = np.random.default_rng(1)
+    labels = g.integers(0, 3, 2000)
+    runs = {}
+    for name, scale in (("ce", 6.0), ("same", 6.0), ("calm", 1.0)):
+        runs[name] = []
+        for seed in range(3):
+            logits = g.normal(size=(2000, 3))
+            logits[np.arange(2000), labels] += 1.0  # ~55 % accurate whatever the scale
+            _save_predictions(tmp_path / f"{name}{seed}.npz", logits * scale, labels)
+            runs[name].append(Predictions.load(tmp_path / f"{name}{seed}.npz"))
+    boot = bootstrap_difference(runs, "ce", n=300, seed=0)
+    # scale 6 is wildly overconfident, scale 1 much less: the interval lies below 0
+    assert boot["calm"]["ci95"][1] < 0 < -boot["calm"]["relative"]
+    # the same distribution: the interval covers 0
+    assert boot["same"]["ci95"][0] < 0 < boot["same"]["ci95"][1]
+    point = np.mean([p.ece() for p in runs["calm"]]) - np.mean([p.ece() for p in runs["ce"]])
+    assert boot["calm"]["difference"] == pytest.approx(100 * point)
+
+
+def test_study_config_is_checked():
+    with pytest.raises(ConfigError, match="unknown study method"):
+        StudyConfig(methods=("ce", "magic"))
+    with pytest.raises(ConfigError, match="include ce"):
+        StudyConfig(methods=("ls",))
+    with pytest.raises(ConfigError, match="add csm"):
+        StudyConfig(methods=("ce", "csm+maccal"))
+    assert run_name("ce+maccal", 2) == "ce-s2-maccal" and run_name("csm-ce", 0) == "csm-ce-s0"
+    assert METHODS["csm-ratio"].needs_mixed and not METHODS["ls"].needs_mixed
+
+
+def test_study_runs_reports_and_resumes_only_what_is_missing(digits_root, tmp_path, capsys):
+    shutil.copytree(digits_root / "real", tmp_path / "digits" / "real")
+    sets = [
+        f"out={tmp_path}", "study.methods=ce,ls,ce+maccal", "study.seeds=0,1", "study.jobs=2",
+        "study.bootstrap=200", "train.epochs=2", "train.milestones=", "finetune.maccal_epochs=1",
+    ]  # fmt: skip
+    report = run_study("digits", sets)
+    study = json.loads((report.parent / "study.json").read_text())
+    assert sorted((r["method"], r["seed"]) for r in study["records"]) == sorted(
+        (m, s) for m in ("ce", "ls", "ce+maccal") for s in (0, 1)
+    )
+    assert set(study["task_seconds_this_invocation"]) == {
+        "ce-s0", "ce-s1", "ls-s0", "ls-s1", "ce-s0-maccal", "ce-s1-maccal",
+    }  # fmt: skip
+    for r in study["records"]:  # each record is the run's own evaluation
+        ev = json.loads((tmp_path / "digits" / r["run"] / "metrics.json").read_text())
+        assert r["before_ts"]["ece"] == ev["evaluation"]["before_ts"]["ece"]
+        assert r["temperature"] == ev["evaluation"]["temperature"] and r["ts_criterion"] == "nll"
+    ce = [r["before_ts"]["ece"] for r in study["records"] if r["method"] == "ce"]
+    assert study["summary"]["ce"]["before_ts.ece"]["mean"] == pytest.approx(np.mean(ce))
+    assert study["summary"]["ce"]["before_ts.ece"]["std"] == pytest.approx(np.std(ce, ddof=1))
+    text = report.read_text()
+    assert "| ls |" in text and "95 % interval" in text
+    assert (report.parent / "reliability.png").is_file() and (report.parent / "ece.png").is_file()
+
+    # a rerun does nothing; a study killed before ls-s1 was evaluated reruns only that
+    assert run_study("digits", sets) == report
+    again = json.loads((report.parent / "study.json").read_text())
+    assert again["task_seconds_this_invocation"] == {}
+    assert again["records"] == study["records"]
+    (tmp_path / "digits" / "train" / "ls-s1" / "predictions.npz").unlink()
+    run_study("digits", sets)
+    third = json.loads((report.parent / "study.json").read_text())
+    assert list(third["task_seconds_this_invocation"]) == ["ls-s1"]
+    log = (report.parent / "logs" / "ls-s1.log").read_text()
+    assert "already finished" in log  # train skipped the finished run; only evaluate ran again
