@@ -36,6 +36,7 @@ STAGES = {
     "finetune": "finetune",
     "publish": "publish",
     "pull": "pull",
+    "convert-edm": "convert_edm",
 }
 # whole chains, run stage after stage in one process (pipeline/chain.py)
 COMMANDS = ("chain", "demo", "study")

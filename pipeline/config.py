@@ -3,7 +3,8 @@
 Each stage has one frozen dataclass in `pipeline/configs/<stage>.py` deriving from
 `StageConfig`, plus a `PRESETS` dict mapping a preset name to the field values that
 differ from the dataclass defaults. Resolution order: dataclass defaults < preset <
-`--set`. The resolved config is what a stage writes into its folder as config.json.
+`--set`. A preset may hold `when={"field=value": {...}}`: values that apply only when the field
+resolves to that value. The resolved config is what a stage writes into its folder as config.json.
 """
 
 from __future__ import annotations
@@ -137,8 +138,16 @@ def resolve(
             f"unknown preset {preset!r}; choose one of: {', '.join(PRESET_NAMES)} "
             "(or a .txt file with one class name per line)"
         )
-    values.update(presets.get(preset, {}))
-    values.update(parse_sets(config_cls, sets))
+    chosen = dict(presets.get(preset, {}))
+    sets_values = parse_sets(config_cls, sets)
+    # "when": {"backend=edm": {...}} = preset values that apply when that field (after --set)
+    # has that value, e.g. the paper's steps once `--set backend=edm` picks its generator
+    for condition, overrides in chosen.pop("when", {}).items():
+        field, _, value = condition.partition("=")
+        if str(sets_values.get(field, chosen.get(field))) == value:
+            chosen.update(overrides)
+    values.update(chosen)
+    values.update(sets_values)
     values["preset"] = preset
     try:
         return config_cls(**values)

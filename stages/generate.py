@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from models.generators import (
+    EDM_CHECKPOINTS,
     Generator,
     ModelNotFoundError,
     NonFiniteImageError,
@@ -121,6 +122,13 @@ def check_inputs(cfg: Config) -> Inputs:
     size = cfg.image_size or int(real_m.info.get("image_size", 0))
     if size < 1:
         raise ShardError(f"{real}: the manifest names no image_size; set image_size=N")
+    if cfg.backend == "edm" and not edm_model(cfg).exists():
+        where = EDM_CHECKPOINTS.get(cfg.preset, "the EDM checkpoint of your dataset")
+        raise GenerationError(
+            f"EDM network {edm_model(cfg)} not found: download {where} and set model=<the .pkl>, "
+            "or convert it once with `python -m pipeline convert-edm --set source=<the .pkl> "
+            f"dest={edm_model(cfg)}`"
+        )
     if cfg.backend != "unet":
         return Inputs(real, real_m.class_names, size, None, {})
     folder = Path(cfg.model) if cfg.model else cfg.root / "generator"
@@ -165,6 +173,11 @@ def upstream_digests(inputs: Inputs) -> dict[str, str]:
     return upstream
 
 
+def edm_model(cfg: Config) -> Path:
+    """The edm backend's network: model=<folder or .pkl>, by default runs/<classes>/edm."""
+    return Path(cfg.model) if cfg.model else cfg.root / "edm"
+
+
 def resolve_dtype(cfg: Config, device: torch.device) -> str:
     return cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32")
 
@@ -178,6 +191,8 @@ def identity(cfg: Config, inputs: Inputs, dtype: str) -> dict[str, Any]:
     if inputs.generator is not None:
         model_id = f"{inputs.generator.parent.name}/{inputs.generator.name}"
         revision = inputs.generator_info.get("weights_sha256")
+    elif cfg.backend == "edm":  # a local folder or .pkl: its name only
+        model_id, revision = edm_model(cfg).name, cfg.revision or None
     else:
         model_id = Path(cfg.model).name if Path(cfg.model).is_dir() else cfg.model
         revision = cfg.revision or None
@@ -230,10 +245,19 @@ def _dit_kwargs(cfg: Config, inputs: Inputs) -> dict[str, Any]:
     }
 
 
+def _edm_kwargs(cfg: Config, inputs: Inputs) -> dict[str, Any]:
+    return {
+        "model": edm_model(cfg),
+        "num_classes": len(inputs.class_names),
+        "image_size": inputs.image_size,
+    }
+
+
 BACKEND_KWARGS: dict[str, Callable[[Config, Inputs], dict[str, Any]]] = {
     "unet": _unet_kwargs,
     "sd": _sd_kwargs,
     "dit": _dit_kwargs,
+    "edm": _edm_kwargs,
 }
 
 

@@ -28,6 +28,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 from models.generators import (
     GENERATORS,
     UNET_PRESETS,
+    EDMNetwork,
     NonFiniteImageError,
     SeriesSpec,
     build_unet,
@@ -100,6 +101,9 @@ def model_dirs(tmp_path_factory):
     DiTPipeline(transformer=transformer, vae=tiny_vae(), scheduler=DDIMScheduler()).save_pretrained(
         root / "dit"
     )
+    # edm: a tiny class-conditional DDPM++/VP EDM network (tests/test_edm.py covers it in depth)
+    EDMNetwork(img_resolution=8, label_dim=3, model_channels=8, channel_mult=[1, 2], num_blocks=1,
+               attn_resolutions=[4]).save_pretrained(root / "edm")  # fmt: skip
     return root
 
 
@@ -108,6 +112,7 @@ def _kwargs(backend: str, root) -> dict:
         "unet": {"model": root / "unet"},
         "sd": {"model": root / "sd", "class_names": NAMES, "image_size": 8, "guidance": 3.0},
         "dit": {"model": root / "dit", "class_ids": DIT_IDS, "guidance": 2.0, "image_size": 8},
+        "edm": {"model": root / "edm"},
     }[backend]
 
 
@@ -121,6 +126,9 @@ def _pure_reference(name: str, gen, class_a: int, seed: int, root) -> torch.Tens
     """The plain class-a image from the series noise, by a path that does no mixing (8 rows, as
     a padded chunk of ``generate_series``, so the kernels see the same shapes)."""
     noise = gen.initial_noise(seed).expand(8, *gen.noise_shape).contiguous()
+    if name == "edm":  # a one-hot label straight into the network's label layer
+        x = gen.sample(noise, torch.nn.functional.one_hot(torch.full((8,), class_a), 3).float())
+        return gen.to_uint8(x / 2 + 0.5)[0]
     if name == "unet":  # integer labels through the original embedding lookup
         x = gen.sample(noise, torch.full((8,), class_a))
         return gen.to_uint8(x / 2 + 0.5)[0]
@@ -174,8 +182,8 @@ def test_batch_size_and_seed(backend):
 def test_metadata(backend):
     name, gen = backend
     meta = gen.metadata()
-    assert meta["sampler"] == "ddim" and meta["steps"] == STEPS
-    assert meta["guidance"] == {"unet": 1.0, "sd": 3.0, "dit": 2.0}[name]
+    assert meta["sampler"] == ("heun" if name == "edm" else "ddim") and meta["steps"] == STEPS
+    assert meta["guidance"] == {"unet": 1.0, "sd": 3.0, "dit": 2.0, "edm": 1.0}[name]
     assert meta["model_id"].endswith(name) and meta["revision"] is None
 
 

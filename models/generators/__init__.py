@@ -18,6 +18,9 @@ from .base import (
     make_scheduler,
 )
 from .dit import DiTGenerator
+from .edm import EDM_CHECKPOINTS, EDM_SAMPLERS, EDMGenerator, load_edm
+from .edm_net import EDMNetwork
+from .edm_pickle import UnsafePickleError, convert_edm_pickle, read_edm_pickle
 from .sd import SDGenerator
 from .unet import (
     UNET_PRESETS,
@@ -33,6 +36,7 @@ GENERATORS: dict[str, type[Generator]] = {
     "unet": UNetGenerator,
     "sd": SDGenerator,
     "dit": DiTGenerator,
+    "edm": EDMGenerator,
 }
 
 
@@ -46,10 +50,14 @@ def load_generator(backend: str, **kwargs: Any) -> Generator:
 
 
 __all__ = [
+    "EDM_CHECKPOINTS",
+    "EDM_SAMPLERS",
     "GENERATORS",
     "SAMPLERS",
     "UNET_PRESETS",
     "DiTGenerator",
+    "EDMGenerator",
+    "EDMNetwork",
     "Generator",
     "MixableEmbedding",
     "ModelNotFoundError",
@@ -58,10 +66,14 @@ __all__ = [
     "SeriesSpec",
     "UNetGenerator",
     "UNetPreset",
+    "UnsafePickleError",
     "build_unet",
+    "convert_edm_pickle",
+    "load_edm",
     "load_generator",
     "load_unet",
     "make_scheduler",
+    "read_edm_pickle",
     "save_unet",
     "unet_from_preset",
 ]

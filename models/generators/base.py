@@ -15,7 +15,7 @@ row, a prompt embedding) and in how they sample; everything else lives here:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -181,6 +181,7 @@ class Generator(ABC):
     guidance: float  # 1.0 = no classifier-free guidance
     image_size: int  # output resolution (H = W)
     num_classes: int
+    samplers: Mapping[str, Any] = SAMPLERS  # the deterministic samplers this backend offers
 
     def __init__(
         self,
@@ -192,8 +193,11 @@ class Generator(ABC):
         batch_size: int,
         row_multiple: int,
     ) -> None:
-        if sampler not in SAMPLERS:
-            make_scheduler(sampler, {})  # raises the one-line ValueError
+        if sampler not in self.samplers:
+            raise ValueError(
+                f"unknown or non-deterministic sampler {sampler!r}; choose one of "
+                f"{sorted(self.samplers)} (ancestral/SDE samplers break the shared noise of a series)"
+            )
         if steps < 1 or batch_size < 1 or row_multiple < 1:
             raise ValueError(
                 f"steps, batch_size, row_multiple must be >= 1, got {steps}, {batch_size}, {row_multiple}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.generators import GENERATORS, SAMPLERS
+from models.generators import EDM_SAMPLERS, GENERATORS, SAMPLERS
 from pipeline.config import ConfigError, StageConfig, check_choice, check_range
 
 DTYPES = ("", "float32", "bfloat16", "float16")  # "" = float32 on the CPU, bfloat16 on a GPU
@@ -13,11 +13,13 @@ DTYPES = ("", "float32", "bfloat16", "float16")  # "" = float32 on the CPU, bflo
 @dataclass(frozen=True)
 class Config(StageConfig):
     cpu_threads: int = 1  # pinned: CPU bytes must not depend on the launcher (StageConfig)
-    backend: str = "unet"  # unet | sd | dit (models.generators)
-    model: str = ""  # unet: "" = runs/<classes>/generator; sd/dit: hub id or local folder
+    backend: str = "unet"  # unet | sd | dit | edm (models.generators)
+    # unet: "" = runs/<classes>/generator; sd/dit: hub id or local folder; edm: a folder written
+    # by convert-edm ("" = runs/<classes>/edm) or an EDM .pkl (read without executing it)
+    model: str = ""
     revision: str = ""  # hub revision of `model` ("" = the default branch)
     license: str = ""  # license of the generated images, recorded in the manifest ("" = unknown)
-    sampler: str = "ddim"  # deterministic samplers only: ddim (eta 0) | dpmsolver++
+    sampler: str = "ddim"  # deterministic only: ddim (eta 0) | dpmsolver++; edm: heun | euler
     steps: int = 25
     guidance: float = 1.0  # classifier-free guidance scale; 1.0 = none (unet: always 1.0)
     prompt_template: str = "a photo of a {name}"  # sd
@@ -39,7 +41,7 @@ class Config(StageConfig):
 
     def __post_init__(self):
         check_choice("backend", self.backend, sorted(GENERATORS))
-        check_choice("sampler", self.sampler, sorted(SAMPLERS))
+        check_choice("sampler", self.sampler, sorted(EDM_SAMPLERS if self.edm else SAMPLERS))
         check_choice("dtype", self.dtype, DTYPES)
         check_range("alphas", self.alphas, 2)
         for name in ("steps", "series_per_pair", "min_shards", "batch_size"):
@@ -48,16 +50,21 @@ class Config(StageConfig):
             check_range(name, getattr(self, name), 0)
         check_range("preview_series", self.preview_series, 0)
         check_range("guidance", self.guidance, 0.0)
-        if self.backend == "unet" and self.guidance != 1.0:
+        if self.backend in ("unet", "edm") and self.guidance != 1.0:
             raise ConfigError(
-                f"guidance={self.guidance}: the unet backend has no classifier-free guidance; set guidance=1"
+                f"guidance={self.guidance}: the {self.backend} backend has no classifier-free "
+                "guidance; set guidance=1"
             )
-        if self.backend != "unet" and not self.model:
+        if self.backend not in ("unet", "edm") and not self.model:
             raise ConfigError(f"backend={self.backend} needs model=<hub id or local folder>")
         if "{name}" not in self.prompt_template:
             raise ConfigError(
                 f"prompt_template must contain '{{name}}', got {self.prompt_template!r}"
             )
+
+    @property
+    def edm(self) -> bool:
+        return self.backend == "edm"
 
 
 # Pretrained text-to-image model of the photo presets; a local save_pretrained folder works too
@@ -65,14 +72,23 @@ class Config(StageConfig):
 SD15 = "stable-diffusion-v1-5/stable-diffusion-v1-5"
 _SD = dict(backend="sd", model=SD15, steps=25, guidance=7.5, batch_size=16)
 
+
+def _edm(steps: int) -> dict:
+    """`--set backend=edm` on a photo preset: the paper's EDM sampling (METHODS §1): Heun,
+    σ 0.002..80, ρ 7, no guidance; the EDM networks are CC BY-NC-SA 4.0."""
+    edm = dict(model="", sampler="heun", steps=steps, guidance=1.0, batch_size=256)
+    return {"backend=edm": edm | dict(license="cc-by-nc-sa-4.0")}
+
+
 PRESETS = {
     # the in-house UNet of fit-generator; 45 pairs x 6 = 270 series, 2160 images (~1 min, 2 cores)
     "digits": dict(backend="unet", steps=25, series_per_pair=6, batch_size=64),
     # METHODS §1 reference budgets: 444 / 4 / 2 series per pair (about 160k / 158k / 318k images)
     # the in-house 28x28 UNet; 45 pairs x 20 = 900 series, 7,200 images (~12 CPU minutes)
     "fashion-mnist": dict(backend="unet", steps=25, series_per_pair=20, batch_size=64),
-    "cifar10": dict(_SD, series_per_pair=444),
-    "cifar100": dict(_SD, series_per_pair=4),
-    "tiny-imagenet": dict(_SD, series_per_pair=2),
+    # `--set backend=edm` switches to the paper's EDM networks with its 20 / 25 / 25 Heun steps
+    "cifar10": dict(_SD, series_per_pair=444, when=_edm(20)),
+    "cifar100": dict(_SD, series_per_pair=4, when=_edm(25)),
+    "tiny-imagenet": dict(_SD, series_per_pair=2, when=_edm(25)),
     "imagefolder": dict(_SD, series_per_pair=4),
 }

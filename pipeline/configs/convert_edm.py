@@ -1,0 +1,16 @@
+"""Config of `convert-edm`: an EDM network pickle -> a safetensors + config folder (the edm backend)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.config import StageConfig
+
+
+@dataclass(frozen=True)
+class Config(StageConfig):
+    source: str = ""  # the EDM .pkl (e.g. edm-cifar10-32x32-cond-vp.pkl); read, never executed
+    dest: str = ""  # "" = runs/<classes>/edm, where `generate --set backend=edm` looks first
+
+
+PRESETS: dict[str, dict] = {}  # converting is the same for every dataset
