@@ -67,8 +67,9 @@ METHODS: dict[str, Method] = {
     "ce+maccal": Method("finetune", ("method=maccal",), base="ce"),
     "csm+maccal": Method("finetune", ("method=maccal",), base="csm", needs_mixed=True),
 }
+# the order runs start in: the comparison that matters most first
 DEFAULT_METHODS = (
-    "ce", "csm", "csm-ratio", "csm-ce", "ls", "focal", "mixup", "fedlas-ls",
+    "ce", "csm", "ls", "focal", "mixup", "fedlas-ls", "csm-ratio", "csm-ce",
     "ce+maccal", "csm+maccal",
 )  # fmt: skip
 METRICS = ("top1", "ece", "aece", "classwise_ece", "oece", "uece", "mce", "nll", "brier")
@@ -138,8 +139,8 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
         tasks.append(Task("chain", [("chain", chain_sets)], done=done))
     train_sets, ft_sets = split_sets(sets, "train"), split_sets(sets, "finetune")
     eval_sets = [*split_sets(sets, "evaluate"), f"ts_criterion={cfg.ts_criterion}"]
-    for seed in cfg.seeds:
-        for method in cfg.methods:
+    for method in cfg.methods:  # method by method (all its seeds), in the order given
+        for seed in cfg.seeds:
             m, name = METHODS[method], run_name(method, seed)
             if m.stage == "train":
                 make = ("train", [*train_sets, *m.sets, f"run={name}", f"seed={seed}"])

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import builtins
+import errno
+import io
 import os
 import sys
 from pathlib import Path
@@ -92,3 +95,52 @@ def tiny_vae():
         norm_num_groups=8,
         layers_per_block=1,
     )
+
+
+@pytest.fixture
+def read_only(monkeypatch):
+    """read_only(root): every write, rename, removal or mkdir under `root` fails with EROFS, as
+    on read-only media (the tests run as root, so file modes would not stop anything)."""
+
+    def guard(root: Path) -> None:
+        root = str(root.resolve())
+
+        def inside(path) -> bool:
+            try:
+                return os.path.abspath(os.fspath(path)).startswith(root)
+            except TypeError:  # a file descriptor
+                return False
+
+        def refuse(path):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(path))
+
+        real_open = builtins.open
+
+        def open_(file, mode="r", *args, **kwargs):
+            if inside(file) and any(c in mode for c in "wax+"):
+                refuse(file)
+            return real_open(file, mode, *args, **kwargs)
+
+        def wrap(fn):
+            def guarded(path, *args, **kwargs):
+                if inside(path):
+                    refuse(path)
+                return fn(path, *args, **kwargs)
+
+            return guarded
+
+        monkeypatch.setattr(builtins, "open", open_)
+        monkeypatch.setattr(io, "open", open_)
+        for name in ("replace", "rename", "unlink", "remove", "mkdir", "rmdir"):
+            monkeypatch.setattr(os, name, wrap(getattr(os, name)))
+
+    return guard
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file under root: (mtime, bytes), to show that nothing was written (or rewritten)."""
+    return {
+        p.relative_to(root).as_posix(): (p.stat().st_mtime_ns, p.read_bytes())
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }

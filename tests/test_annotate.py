@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import subprocess_env, tiny_openclip
+from conftest import snapshot, subprocess_env, tiny_openclip
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file
 
@@ -425,3 +425,13 @@ def test_bad_input_is_refused_with_one_line(runs, capsys, monkeypatch, tmp_path)
     (root / "series" / "manifest.json").unlink()
     assert "incomplete" in _fails(capsys, runs, "method=ratio")
     assert not (root / "mixed").exists()
+
+
+def test_complete_annotate_rerun_on_read_only_copy(runs, read_only):
+    mixed = _annotate(runs)
+    before = snapshot(runs)
+    read_only(runs)
+    with pytest.raises(OSError, match="Read-only"):  # the guard works
+        (mixed / "probe").write_text("x")
+    assert _annotate(runs) == mixed  # complete: only reads
+    assert snapshot(runs) == before

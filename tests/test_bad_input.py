@@ -6,7 +6,6 @@ Each case builds its bad input in tmp_path from the session's prepared digits.
 
 from __future__ import annotations
 
-import builtins
 import errno
 import io
 import json
@@ -17,6 +16,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from conftest import snapshot
 from test_train import write_mixed
 
 import shards.writer
@@ -89,54 +89,6 @@ def replace_member(shard: Path, suffix: str, payload: bytes) -> None:
 def copy_real(digits_root: Path, out: Path) -> Path:
     shutil.copytree(digits_root / "real", out / "digits" / "real")
     return out / "digits"
-
-
-def snapshot(root: Path) -> dict[str, tuple[int, bytes]]:
-    return {
-        str(p.relative_to(root)): (p.stat().st_mtime_ns, p.read_bytes())
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-    }
-
-
-@pytest.fixture
-def read_only(monkeypatch):
-    """read_only(root): every write, rename, removal or mkdir under `root` fails with EROFS, as
-    on read-only media (the tests run as root, so file modes would not stop anything)."""
-
-    def guard(root: Path) -> None:
-        root = str(root.resolve())
-
-        def inside(path) -> bool:
-            try:
-                return os.path.abspath(os.fspath(path)).startswith(root)
-            except TypeError:  # a file descriptor
-                return False
-
-        def refuse(path):
-            raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(path))
-
-        real_open = builtins.open
-
-        def open_(file, mode="r", *args, **kwargs):
-            if inside(file) and any(c in mode for c in "wax+"):
-                refuse(file)
-            return real_open(file, mode, *args, **kwargs)
-
-        def wrap(fn):
-            def guarded(path, *args, **kwargs):
-                if inside(path):
-                    refuse(path)
-                return fn(path, *args, **kwargs)
-
-            return guarded
-
-        monkeypatch.setattr(builtins, "open", open_)
-        monkeypatch.setattr(io, "open", open_)
-        for name in ("replace", "rename", "unlink", "remove", "mkdir", "rmdir"):
-            monkeypatch.setattr(os, name, wrap(getattr(os, name)))
-
-    return guard
 
 
 # ---------------------------------------------------------------- corrupt data is refused

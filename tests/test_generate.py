@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import subprocess_env, tiny_vae
+from conftest import snapshot, subprocess_env, tiny_vae
 from diffusers import (
     DDIMScheduler,
     DDPMScheduler,
@@ -343,3 +343,14 @@ def test_pretrained_backends_end_to_end(src, tmp_path, backend):
     a = split.meta[0]["classes"][0]
     pure = gen.generate_series([SeriesSpec(0, a, a, (1.0,), split.meta[0]["seed"])])
     assert torch.equal(split.images[2], pure[0, 0])
+
+
+def test_complete_generate_rerun_on_read_only_copy(src, reference, tmp_path, read_only):
+    out = tmp_path / "runs"
+    shutil.copytree(reference.parent.parent, out)  # the complete runs root of the reference
+    before = snapshot(out)
+    read_only(out)
+    with cpu_threads(1):
+        series = run_stage("generate", "digits", [f"out={out}", *CONFIG])
+    assert series == out / "digits" / "series"
+    assert snapshot(out) == before

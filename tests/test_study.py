@@ -76,16 +76,16 @@ def test_study_config_is_checked():
 def test_study_runs_reports_and_resumes_only_what_is_missing(digits_root, tmp_path, capsys):
     shutil.copytree(digits_root / "real", tmp_path / "digits" / "real")
     sets = [
-        f"out={tmp_path}", "study.methods=ce,ls,ce+maccal", "study.seeds=0,1", "study.jobs=2",
+        f"out={tmp_path}", "study.methods=ce,ce+maccal", "study.seeds=0,1", "study.jobs=2",
         "study.bootstrap=200", "train.epochs=2", "train.milestones=", "finetune.maccal_epochs=1",
     ]  # fmt: skip
     report = run_study("digits", sets)
     study = json.loads((report.parent / "study.json").read_text())
     assert sorted((r["method"], r["seed"]) for r in study["records"]) == sorted(
-        (m, s) for m in ("ce", "ls", "ce+maccal") for s in (0, 1)
+        (m, s) for m in ("ce", "ce+maccal") for s in (0, 1)
     )
     assert set(study["task_seconds_this_invocation"]) == {
-        "ce-s0", "ce-s1", "ls-s0", "ls-s1", "ce-s0-maccal", "ce-s1-maccal",
+        "ce-s0", "ce-s1", "ce-s0-maccal", "ce-s1-maccal",
     }  # fmt: skip
     for r in study["records"]:  # each record is the run's own evaluation
         ev = json.loads((tmp_path / "digits" / r["run"] / "metrics.json").read_text())
@@ -95,17 +95,17 @@ def test_study_runs_reports_and_resumes_only_what_is_missing(digits_root, tmp_pa
     assert study["summary"]["ce"]["before_ts.ece"]["mean"] == pytest.approx(np.mean(ce))
     assert study["summary"]["ce"]["before_ts.ece"]["std"] == pytest.approx(np.std(ce, ddof=1))
     text = report.read_text()
-    assert "| ls |" in text and "95 % interval" in text
+    assert "| ce+maccal |" in text and "95 % interval" in text
     assert (report.parent / "reliability.png").is_file() and (report.parent / "ece.png").is_file()
 
-    # a rerun does nothing; a study killed before ls-s1 was evaluated reruns only that
+    # a rerun does nothing; a study killed before ce-s1 was evaluated reruns only that
     assert run_study("digits", sets) == report
     again = json.loads((report.parent / "study.json").read_text())
     assert again["task_seconds_this_invocation"] == {}
     assert again["records"] == study["records"]
-    (tmp_path / "digits" / "train" / "ls-s1" / "predictions.npz").unlink()
+    (tmp_path / "digits" / "train" / "ce-s1" / "predictions.npz").unlink()
     run_study("digits", sets)
     third = json.loads((report.parent / "study.json").read_text())
-    assert list(third["task_seconds_this_invocation"]) == ["ls-s1"]
-    log = (report.parent / "logs" / "ls-s1.log").read_text()
+    assert list(third["task_seconds_this_invocation"]) == ["ce-s1"]
+    log = (report.parent / "logs" / "ce-s1.log").read_text()
     assert "already finished" in log  # train skipped the finished run; only evaluate ran again
