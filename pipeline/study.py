@@ -31,10 +31,11 @@ from typing import Any
 
 import numpy as np
 
+from models.study_stats import Predictions, bootstrap_difference, softmax, summarize
 from pipeline.chain import split_sets
 from pipeline.config import ConfigError, parse_sets
 from pipeline.plots import error_bars, reliability_diagram
-from pipeline.runtime import derive_seed, log, progress
+from pipeline.runtime import log, progress
 from shards.io import atomic_write_bytes, atomic_write_json, read_json
 
 
@@ -73,7 +74,6 @@ DEFAULT_METHODS = (
     "ce+maccal", "csm+maccal",
 )  # fmt: skip
 METRICS = ("top1", "ece", "aece", "classwise_ece", "oece", "uece", "mce", "nll", "brier")
-N_BINS = 15
 
 
 @dataclass(frozen=True)
@@ -217,93 +217,6 @@ def execute(tasks: list[Task], preset: str, jobs: int, logs: Path) -> dict[str, 
     return seconds
 
 
-# ---------------------------------------------------------------- statistics
-
-
-def _softmax(logits: np.ndarray) -> np.ndarray:
-    z = logits - logits.max(axis=1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(axis=1, keepdims=True)
-
-
-@dataclass(frozen=True)
-class Predictions:
-    """One run's test predictions, reduced to what the bootstrap of ECE needs."""
-
-    bins: np.ndarray  # equal-width bin of each sample's confidence (METHODS §7)
-    gap: np.ndarray  # 1[correct] − confidence
-    logits: np.ndarray  # already divided by the temperature
-    labels: np.ndarray
-
-    FIELDS = ("bins", "gap", "logits", "labels")
-
-    @classmethod
-    def load(cls, path: Path, temperature: float = 1.0) -> Predictions:
-        with np.load(path, allow_pickle=False) as z:
-            logits, labels = z["logits"].astype(np.float64), z["labels"].astype(np.int64)
-        p = _softmax(logits / temperature)
-        conf, pred = p.max(axis=1), p.argmax(axis=1)
-        bins = np.clip(np.ceil(conf * N_BINS).astype(np.int64) - 1, 0, N_BINS - 1)
-        return cls(bins, (pred == labels) - conf, logits / temperature, labels)
-
-    def ece(self, idx: np.ndarray | None = None) -> float:
-        """ECE = Σ_bins |Σ_{i in bin} (1[correct_i] − c_i)| / N on the samples `idx`."""
-        bins, gap = (self.bins, self.gap) if idx is None else (self.bins[idx], self.gap[idx])
-        return float(np.abs(np.bincount(bins, weights=gap, minlength=N_BINS)).sum() / len(gap))
-
-
-def bootstrap_difference(
-    runs: dict[str, list[Predictions]], reference: str, n: int, seed: int
-) -> dict[str, dict[str, float]]:
-    """95 % interval of mean-over-seeds ECE(method) − ECE(reference), x100.
-
-    Each resample draws the test images with replacement (the same images for every run:
-    paired) and, per method, the seeds with replacement: the interval covers test-set and
-    seed-to-seed variation together.
-    """
-    rng = np.random.default_rng(derive_seed(seed, "study-bootstrap"))
-    n_test = len(runs[reference][0].gap)
-    diffs: dict[str, list[float]] = {m: [] for m in runs if m != reference}
-    for _ in range(n):
-        idx = rng.integers(0, n_test, n_test)
-        means = {
-            m: np.mean([preds[k].ece(idx) for k in rng.integers(0, len(preds), len(preds))])
-            for m, preds in runs.items()
-        }
-        for m in diffs:
-            diffs[m].append(100.0 * (means[m] - means[reference]))
-    point = {m: 100.0 * np.mean([p.ece() for p in preds]) for m, preds in runs.items()}
-    return {
-        m: {
-            "difference": point[m] - point[reference],
-            "relative": (point[m] - point[reference]) / point[reference],
-            "ci95": [float(np.percentile(d, 2.5)), float(np.percentile(d, 97.5))],
-        }
-        for m, d in diffs.items()
-    }
-
-
-def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
-    """{method: {"before_ts.ece": {mean, std, n, ci95 (t interval of the mean)}, ...}}."""
-    out: dict[str, dict[str, dict[str, float]]] = {}
-    for method in dict.fromkeys(r["method"] for r in records):
-        rows = [r for r in records if r["method"] == method]
-        stats = {}
-        for when in ("before_ts", "after_ts"):
-            for metric in METRICS:
-                v = np.array([r[when][metric] for r in rows], dtype=float)
-                std = float(v.std(ddof=1)) if len(v) > 1 else 0.0
-                stats[f"{when}.{metric}"] = {"mean": float(v.mean()), "std": std, "n": len(v)}
-        v = np.array([r["temperature"] for r in rows], dtype=float)
-        stats["temperature"] = {
-            "mean": float(v.mean()),
-            "std": float(v.std(ddof=1)) if len(v) > 1 else 0.0,
-            "n": len(v),
-        }
-        out[method] = stats
-    return out
-
-
 # ---------------------------------------------------------------- report
 
 
@@ -434,7 +347,7 @@ def figures(cfg: StudyConfig, root: Path, out: Path, preds: dict, summary: dict)
         pooled = Predictions(
             *(np.concatenate([getattr(p, f) for p in runs]) for f in Predictions.FIELDS)
         )
-        prob = _softmax(pooled.logits)
+        prob = softmax(pooled.logits)
         correct = torch.from_numpy(prob.argmax(axis=1) == pooled.labels)
         bins = reliability_bins(torch.from_numpy(prob.max(axis=1)), correct)
         panels[f"{method} ({len(runs)} seeds pooled)"] = {
@@ -477,14 +390,16 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
     seconds = execute(tasks, preset, cfg.jobs, out / "logs")
     # 3. Records, statistics, report and figures.
     records = collect(cfg, root)
-    summary = summarize(records)
+    summary = summarize(records, METRICS)
     preds: dict[str, dict[str, list[Predictions]]] = {"before_ts": {}, "after_ts": {}}
     for r in records:
         path = root / r["run"] / "predictions.npz"
-        preds["before_ts"].setdefault(r["method"], []).append(Predictions.load(path))
-        preds["after_ts"].setdefault(r["method"], []).append(
-            Predictions.load(path, r["temperature"])
-        )
+        with np.load(path, allow_pickle=False) as z:
+            logits, labels = z["logits"], z["labels"]
+        for when, t in (("before_ts", 1.0), ("after_ts", r["temperature"])):
+            preds[when].setdefault(r["method"], []).append(
+                Predictions.from_logits(logits, labels, t)
+            )
     boot = {when: bootstrap_difference(p, "ce", cfg.bootstrap, seed=0) for when, p in preds.items()}
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(

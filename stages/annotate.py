@@ -297,9 +297,10 @@ def generator_fidelity(cfg: Config, series: Path, class_names, device) -> dict[s
         return None
     folder = cfg.root / "train" / cfg.fidelity_run
     try:
-        model, meta = load_model(folder, classifier_from_config, device)
+        model, meta = load_model(folder, classifier_from_config)  # on the CPU, then moved
     except ShardError as e:
         raise ShardError(f"fidelity_run={cfg.fidelity_run}: {e}") from e
+    model = model.to(device)
     images, expected = [], []
     for s in iter_folder(series):
         alpha, (a, b) = s["meta"]["alpha"], s["meta"]["classes"][:2]

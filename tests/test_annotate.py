@@ -250,8 +250,11 @@ def test_each_image_encoded_once_and_prototypes_reused(runs, monkeypatch):
     monkeypatch.setattr(DigitsCNN, "forward_features", counting)
     root = runs / "digits"
     n_real = read_manifest(root / "real" / "train").num_samples
+    # the fidelity check (fidelity_run=encoder) classifies real/test and both endpoints of every
+    # series once more, each image once, whenever the report is made
+    fidelity = read_manifest(root / "real" / "test").num_samples + 2 * N_SERIES
     mixed = _annotate(runs)
-    assert sum(counted) == n_real + N_SERIES * K
+    assert sum(counted) == n_real + N_SERIES * K + fidelity
     first = _tree_bytes(mixed)
 
     counted.clear()  # rerun: prototypes reused, every shard complete -> nothing encoded
@@ -262,7 +265,7 @@ def test_each_image_encoded_once_and_prototypes_reused(runs, monkeypatch):
     (mixed / ".done" / "mixed-000005.json").unlink()
     (mixed / "manifest.json").unlink()
     _annotate(runs)
-    assert sum(counted) == PER_SHARD * K and _tree_bytes(mixed) == first
+    assert sum(counted) == PER_SHARD * K + fidelity and _tree_bytes(mixed) == first
 
     # a retrained encoder (same run name, new weights): prototypes and every shard recomputed
     counted.clear()
@@ -271,7 +274,7 @@ def test_each_image_encoded_once_and_prototypes_reused(runs, monkeypatch):
     state = {k: v * 1.01 if v.is_floating_point() else v for k, v in state.items()}
     save_weights(root / "train" / "encoder", state, meta)
     _annotate(runs)
-    assert sum(counted) == n_real + N_SERIES * K
+    assert sum(counted) == n_real + N_SERIES * K + fidelity
     old = load_safetensors(first["prototypes.safetensors"])["prototypes"]
     assert load_file(str(mixed / "prototypes.safetensors"))["prototypes"].ne(old).any()
     assert (
