@@ -35,7 +35,7 @@ from models.study_stats import Predictions, bootstrap_difference, softmax, summa
 from pipeline.chain import split_sets
 from pipeline.config import ConfigError, parse_sets
 from pipeline.plots import error_bars, reliability_diagram
-from pipeline.runtime import log, progress
+from pipeline.runtime import derive_seed, log, progress
 from shards.io import atomic_write_bytes, atomic_write_json, read_json
 
 
@@ -400,7 +400,8 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
             preds[when].setdefault(r["method"], []).append(
                 Predictions.from_logits(logits, labels, t)
             )
-    boot = {when: bootstrap_difference(p, "ce", cfg.bootstrap, seed=0) for when, p in preds.items()}
+    rng = np.random.default_rng(derive_seed(0, "study-bootstrap"))
+    boot = {when: bootstrap_difference(p, "ce", cfg.bootstrap, rng) for when, p in preds.items()}
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(
         out / "study.json",
