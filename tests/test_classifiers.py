@@ -26,6 +26,7 @@ EXPECTED_DIM = {
     "wrn-26-10": 640,
     "wrn-28-10": 640,
     "digits-cnn": 128,
+    "conv-mlp": 256,
     "timm:resnet18": 512,
 }
 
