@@ -1,0 +1,159 @@
+"""k-way semantic mixing (issue 13): k = 2 stays byte-identical to the 2-way code it replaced,
+k = 3 series are lattices over a simplex with the same guarantees (shared noise, determinism).
+
+The k = 2 digests were pinned on the 2-way code (commit "tests: pin today's k = 2 bytes") before
+the k-way code replaced it: the same config must keep giving the very same files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from test_edm import tiny_edm
+from test_generate import _save_dit, _save_sd
+
+from models.classifiers import build_classifier
+from models.generators import SeriesSpec, build_unet, load_generator, save_unet
+from pipeline.cli import run_stage
+from pipeline.runtime import cpu_threads
+from shards.io import sha256_file
+from shards.manifest import Manifest, manifest_digest, read_manifest, write_manifest
+from shards.reader import load_split
+from shards.runs import save_weights
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GEN = ["alphas=4", "steps=3", "limit=6", "series_per_shard=2"]  # 6 series x 4 = 24 images
+ANN = ["batch_size=16", "workers=0", "fidelity_run="]
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _tree(root: Path) -> dict[str, str]:
+    return {
+        p.relative_to(root).as_posix(): _sha(p.read_bytes())
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def kway_src(digits_root, tmp_path_factory) -> Path:
+    """runs/digits/ with real/, a random tiny unet generator/ and a random digits-cnn
+    train/encoder/ (read-only: tests copy it)."""
+    root = tmp_path_factory.mktemp("kway-src") / "digits"
+    shutil.copytree(digits_root / "real", root / "real")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        unet = build_unet(16, num_classes=10, channels=(16, 32), attention=(False, True))
+        encoder = build_classifier("digits-cnn", 10)
+    from diffusers import DDPMScheduler
+
+    save_unet(root / "generator", unet, DDPMScheduler(timestep_spacing="trailing"))
+    names = read_manifest(root / "real" / "train").class_names
+    sha = sha256_file(root / "generator" / "unet" / "diffusion_pytorch_model.safetensors")
+    info = {"backend": "unet", "image_size": 16, "class_names": list(names), "weights_sha256": sha}
+    upstream = {"real": manifest_digest(root / "real" / "train")}
+    write_manifest(
+        root / "generator",
+        Manifest(kind="generator", class_names=names, shards=(), upstream=upstream, info=info),
+    )
+    meta = {
+        "arch": encoder.arch_config(),
+        "class_names": list(names),
+        "image_size": 16,
+        "normalize": {"mean": [0.5, 0.5, 0.5], "std": [0.25, 0.25, 0.25]},
+    }
+    save_weights(root / "train" / "encoder", encoder.state_dict(), meta)
+    return root
+
+
+def _copy(src: Path, dest: Path) -> Path:
+    shutil.copytree(src, dest / "digits")
+    return dest
+
+
+@pytest.fixture
+def pinned_version(monkeypatch):
+    """Manifests record the git commit; pin it so that whole folders can be compared."""
+    import stages.annotate
+    import stages.generate
+
+    monkeypatch.setattr(stages.generate, "code_version", lambda: "0.1.0")
+    monkeypatch.setattr(stages.annotate, "code_version", lambda: "0.1.0")
+
+
+# sha256 of every file of series/ and mixed/ written by the 2-way code for GEN / ANN
+PINNED_SERIES: dict[str, str] = {
+    '.done/series-000000.json': '053dc8fbbfb21913f7ce8ccf32659ab298854c4a06bd33e33478a1ba133f05a6',
+    '.done/series-000001.json': 'bec13617da56fbe0ccda82024502a1b89a65e61511502e471bd3612fec6cf6fe',
+    '.done/series-000002.json': 'e7fe4808d5f6c1c3c4a618fa2d38882fb0b05b4400d96acda81d7a94fe050189',
+    'config.json': '375c563f8813e2527f7958c29bedbadad40ce52dd4d79674fd3db909aa1fbc00',
+    'manifest.json': 'c53ba634e820b6d309dea76d9952e1954b8f70306e07f9df6b221cd1ab1ecf54',
+    'preview.png': 'f64f9e4774c0807f319ece3ddb147d8d41579a693282ca6fb45a46b4cf61b92e',
+    'series-000000.tar': 'ad993a9b0df914b4f93b18c4f030ef17e93dc77590de59729e83980e9aa96fc2',
+    'series-000001.tar': '6a75b60eb6a094706580945b5f1ee90f656ec11a873e47fe082ed37dafc6121a',
+    'series-000002.tar': '1c1d2ac064d53ec1e4684a8a327909118f55161006b9fc03467cf91ff9ace3ce',
+}
+PINNED_MIXED: dict[str, str] = {
+    '.done/inputs.json': '7c431195cc03c2f55ea682cc854066dba73e20274b1d6938a99ed56c013c42a3',
+    '.done/mixed-000000.json': '59c71e8df087f0d849707d401945fd26dfc859e7873ceb09d15f82d853bebcd3',
+    '.done/mixed-000001.json': '0d6e84c96a43461a8194efe536ccf995a9683185daf09c983d826d317d171339',
+    '.done/mixed-000002.json': 'e6eddaa3682970d2ab580a50b8866286124eea125ba29bf339788bab53fbfb86',
+    'annotation.json': 'ee7ebb1009c7f45f06d31b638d03a1f490e087cccae7b010fd99aba7e871fd66',
+    'annotation.png': '24ffb039f4530b740980e1c92a6413d755d19962b1b574998dc0e9a9f17ab5fa',
+    'config.json': '50f93f2efb7453b6e51f9c514aced30a2c2e16f50796bb47ef7ae0ffb78966fc',
+    'manifest.json': '4ef671f5a5905c4e69209e4cb4b69ac210677b06a61d61ed78df15a1aa2b29dc',
+    'mixed-000000.tar': '922b3c4b8cad304c16a403686a25950960661b95995bc21ab810c1c4503955d4',
+    'mixed-000001.tar': '75a7070c4ae3b474367cccf1f0d678f2a2974a24c0e8a82fb59cd5054a38a3ad',
+    'mixed-000002.tar': 'd8c1b1c75e714252d946755cdaa98e05b0150f818be8a06d955001e6f726620c',
+    'preview.png': 'f64f9e4774c0807f319ece3ddb147d8d41579a693282ca6fb45a46b4cf61b92e',
+    'prototypes.json': '95554899e8bc693bd4270b7997b33f6e35510fb82f61766258b02cf2a417cbc5',
+    'prototypes.safetensors': '91b7635d29298a146cc8c5c41227f67ccea2c1e26b79468102dde97e56307c05',
+}
+
+
+def test_k2_stage_output_is_byte_identical_to_the_2way_code(kway_src, tmp_path, pinned_version):
+    runs = _copy(kway_src, tmp_path)
+    series = run_stage("generate", "digits", [f"out={runs}", *GEN])
+    mixed = run_stage("annotate", "digits", [f"out={runs}", *ANN])
+    got_series, got_mixed = _tree(series), _tree(mixed)
+    assert got_series == PINNED_SERIES
+    assert got_mixed == PINNED_MIXED
+
+
+# uint8 bytes of two 2-way series per backend, from the 2-way code
+PINNED_BACKENDS: dict[str, list[str]] = {
+    'sd': ['ca2490dbaa614858e67786ab7ad6e6a4984a8f79b1a9baef4b2f45c5066b2d52', 'e00b08795d0edb46b9c33a2fcb28d9c52e163c053043366fc534aa7f65933dab'],
+    'dit': ['ace4d3e08f0b1d3712a9a81cca65f14eeb02bd6e2972a8098ee954dac523baf0', 'ce90dc1fbcd6bbd6b2ed4b1091aff02035834817f4f7e30c8495ae3758ce642b'],
+    'edm': ['7907f513d4d416b0112fe7deb41c464aa7fd47c63a13e6bd4480699621ee85ed', 'b31261c689ecaf3a50252486328e227ff95013d12fd58171b07ad890d8f0af49'],
+}
+
+
+def _backend(name: str, folder: Path):
+    torch.manual_seed(0)  # random init of the tiny model only
+    if name == "sd":
+        _save_sd(folder)
+        return load_generator("sd", model=folder, steps=2, image_size=16, guidance=3.0,
+                              class_names=list("0123456789"))  # fmt: skip
+    if name == "dit":
+        _save_dit(folder)
+        return load_generator("dit", model=folder, steps=2, image_size=16, guidance=2.0,
+                              class_ids=list(range(10, 20)))  # fmt: skip
+    tiny_edm().save_pretrained(folder)
+    return load_generator("edm", model=folder, steps=2)
+
+
+@pytest.mark.parametrize("name", ["sd", "dit", "edm"])
+def test_k2_backends_are_byte_identical_to_the_2way_code(name, tmp_path):
+    gen = _backend(name, tmp_path / name)
+    specs = [SeriesSpec(0, 3, 7, (0.0, 1 / 3, 2 / 3, 1.0), 11), SeriesSpec(1, 5, 2, (0.25, 0.5), 12)]
+    with cpu_threads(1):
+        got = [_sha(gen.generate_series([s]).numpy().tobytes()) for s in specs]
+    assert got == PINNED_BACKENDS[name]
