@@ -7,6 +7,7 @@ the k-way code replaced it: the same config must keep giving the very same files
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import shutil
 from pathlib import Path
@@ -49,6 +50,9 @@ def kway_src(digits_root, tmp_path_factory) -> Path:
     train/encoder/ (read-only: tests copy it)."""
     root = tmp_path_factory.mktemp("kway-src") / "digits"
     shutil.copytree(digits_root / "real", root / "real")
+    for split in ("train", "val", "test"):  # prepare recorded the git commit: pin it
+        folder = root / "real" / split
+        write_manifest(folder, dataclasses.replace(read_manifest(folder), code_version="0.1.0"))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         unet = build_unet(16, num_classes=10, channels=(16, 32), attention=(False, True))
@@ -95,26 +99,26 @@ PINNED_SERIES: dict[str, str] = {
     '.done/series-000001.json': 'bec13617da56fbe0ccda82024502a1b89a65e61511502e471bd3612fec6cf6fe',
     '.done/series-000002.json': 'e7fe4808d5f6c1c3c4a618fa2d38882fb0b05b4400d96acda81d7a94fe050189',
     'config.json': '375c563f8813e2527f7958c29bedbadad40ce52dd4d79674fd3db909aa1fbc00',
-    'manifest.json': 'c53ba634e820b6d309dea76d9952e1954b8f70306e07f9df6b221cd1ab1ecf54',
+    'manifest.json': 'e5df4cd4c70f39ee42816c3b515e57931b175eebb02d5d32784280a95a495808',
     'preview.png': 'f64f9e4774c0807f319ece3ddb147d8d41579a693282ca6fb45a46b4cf61b92e',
     'series-000000.tar': 'ad993a9b0df914b4f93b18c4f030ef17e93dc77590de59729e83980e9aa96fc2',
     'series-000001.tar': '6a75b60eb6a094706580945b5f1ee90f656ec11a873e47fe082ed37dafc6121a',
     'series-000002.tar': '1c1d2ac064d53ec1e4684a8a327909118f55161006b9fc03467cf91ff9ace3ce',
 }
 PINNED_MIXED: dict[str, str] = {
-    '.done/inputs.json': '7c431195cc03c2f55ea682cc854066dba73e20274b1d6938a99ed56c013c42a3',
+    '.done/inputs.json': '327c6901e2c585490ae4af8e9f1f93249da70f8e4b12582db437a9f4ce56abb6',
     '.done/mixed-000000.json': '59c71e8df087f0d849707d401945fd26dfc859e7873ceb09d15f82d853bebcd3',
     '.done/mixed-000001.json': '0d6e84c96a43461a8194efe536ccf995a9683185daf09c983d826d317d171339',
     '.done/mixed-000002.json': 'e6eddaa3682970d2ab580a50b8866286124eea125ba29bf339788bab53fbfb86',
     'annotation.json': 'ee7ebb1009c7f45f06d31b638d03a1f490e087cccae7b010fd99aba7e871fd66',
     'annotation.png': '24ffb039f4530b740980e1c92a6413d755d19962b1b574998dc0e9a9f17ab5fa',
     'config.json': '50f93f2efb7453b6e51f9c514aced30a2c2e16f50796bb47ef7ae0ffb78966fc',
-    'manifest.json': '4ef671f5a5905c4e69209e4cb4b69ac210677b06a61d61ed78df15a1aa2b29dc',
+    'manifest.json': 'b61c199ee313a1fdd9eb67067fad92e69b3fb2cdd3adf22a1d6d4611216faa1a',
     'mixed-000000.tar': '922b3c4b8cad304c16a403686a25950960661b95995bc21ab810c1c4503955d4',
     'mixed-000001.tar': '75a7070c4ae3b474367cccf1f0d678f2a2974a24c0e8a82fb59cd5054a38a3ad',
     'mixed-000002.tar': 'd8c1b1c75e714252d946755cdaa98e05b0150f818be8a06d955001e6f726620c',
     'preview.png': 'f64f9e4774c0807f319ece3ddb147d8d41579a693282ca6fb45a46b4cf61b92e',
-    'prototypes.json': '95554899e8bc693bd4270b7997b33f6e35510fb82f61766258b02cf2a417cbc5',
+    'prototypes.json': '70bd3a08b11052c93b8e2661c2de0a29f77748c67ccf742d7e05298a2106f54d',
     'prototypes.safetensors': '91b7635d29298a146cc8c5c41227f67ccea2c1e26b79468102dde97e56307c05',
 }
 
