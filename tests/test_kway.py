@@ -161,3 +161,81 @@ def test_k2_backends_are_byte_identical_to_the_2way_code(name, tmp_path):
     with cpu_threads(1):
         got = [_sha(gen.generate_series([s]).numpy().tobytes()) for s in specs]
     assert got == PINNED_BACKENDS[name]
+
+
+# ---------------------------------------------------------------- k = 3: plan and generation
+
+K3 = ["mix_classes=3", "lattice=2", "steps=2", "limit=6", "series_per_shard=2"]  # 6 x 6 images
+
+
+def test_k3_plan_walks_tuples_and_lattice():
+    from pipeline.cli import resolve_stage_config
+    from stages.generate import make_plan
+
+    cfg = resolve_stage_config("generate", "digits", ["mix_classes=3", "lattice=2", "series_per_tuple=2"])  # fmt: skip
+    plan = make_plan(cfg, 4)
+    triples = [(0, 1, 2), (0, 1, 3), (0, 2, 3), (1, 2, 3)]
+    assert plan.pairs == tuple(triples) and plan.num_series == 8
+    assert plan.alphas == ((0, 0, 1), (0, 0.5, 0.5), (0, 1, 0), (0.5, 0, 0.5), (0.5, 0.5, 0), (1, 0, 0))  # fmt: skip
+    specs = [plan.spec(s) for s in range(8)]
+    assert [s.classes for s in specs] == triples + triples  # walked in order, cycled
+    sub = make_plan(resolve_stage_config("generate", "digits", ["mix_classes=3", "tuples=3"]), 10)
+    assert len(sub.pairs) == 3 and list(sub.pairs) == sorted(sub.pairs)
+    assert len(sub.alphas) == 36  # alphas=8 -> m = 7: C(9, 2) lattice points
+    # the k-way fields stay out of a 2-way config.json
+    assert "mix_classes" not in resolve_stage_config("generate", "digits", []).to_dict()
+    assert cfg.to_dict()["mix_classes"] == 3
+
+
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (["mix_classes=3", "pairs=2"], "use tuples=N"),
+        (["pairs=2", "tuples=3"], "disagree"),
+        (["alphas=4", "lattice=5"], "alphas=4 and lattice=5 disagree"),
+        (["mix_classes=1"], "mix_classes"),
+    ],
+)
+def test_contradictory_kway_settings_are_one_line_errors(sets, message):
+    from pipeline.cli import resolve_stage_config
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        resolve_stage_config("generate", "digits", sets)
+
+
+@pytest.fixture(scope="module")
+def k3_reference(kway_src, tmp_path_factory) -> Path:
+    runs = _copy(kway_src, tmp_path_factory.mktemp("k3-ref"))
+    with cpu_threads(1):
+        return run_stage("generate", "digits", [f"out={runs}", *K3])
+
+
+def test_k3_series_vertices_permutations_and_fields(kway_src, k3_reference):
+    from models.generators import MixSpec
+
+    split = load_split(k3_reference, verify=True)
+    info = read_manifest(k3_reference).info
+    assert info["mix_classes"] == 3 and info["lattice"] == 2 and len(info["weights"]) == 6
+    assert split.images.shape == (36, 16, 16, 3)
+    for meta, cls in zip(split.meta, split.labels.tolist()):
+        assert len(meta["classes"]) == len(meta["weights"]) == len(meta["names"]) == 3
+        assert "alpha" not in meta and abs(sum(meta["weights"]) - 1) < 1e-12
+        assert cls == meta["classes"][max(range(3), key=lambda i: (meta["weights"][i], -i))]
+    gen = load_generator("unet", model=kway_src / "generator", steps=2)
+    for s in (0, 4):
+        rows = split.meta[6 * s : 6 * s + 6]
+        classes, seed = tuple(rows[0]["classes"]), rows[0]["seed"]
+        weights = tuple(tuple(r["weights"]) for r in rows)
+        with cpu_threads(1):  # as the reference run
+            # a lattice vertex is the pure-class image of the same noise
+            # (12 rows, as a shard of the reference: CPU BLAS rounds by the padded row count)
+            for pos, c in ((5, classes[0]), (2, classes[1]), (0, classes[2])):
+                pure = gen.generate_series([SeriesSpec(s, c, c, (1.0,) * 6, seed)] * 2)
+                assert torch.equal(split.images[6 * s + pos], pure[0, 0])
+            # permuting the tuple (and its weights) gives the same images
+            perm = (2, 0, 1)
+            again = gen.generate_series([MixSpec(s, tuple(classes[i] for i in perm), tuple(tuple(w[i] for i in perm) for w in weights), seed)] * 2)  # fmt: skip
+        assert torch.equal(again[0], split.images[6 * s : 6 * s + 6])
+        assert not torch.equal(split.images[6 * s + 1], split.images[6 * s + 3])
+    assert (k3_reference / "preview.png").is_file()
