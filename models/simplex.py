@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from models.annotation import spearman
+
 
 def lattice_points(k: int, m: int) -> tuple[tuple[int, ...], ...]:
     """All n ∈ N^k with Σ n_i = m, in ascending lexicographic order.
@@ -119,3 +121,101 @@ def ternary_xy(w: Tensor) -> Tensor:
     (0, 0), class 2 at (1, 0), class 3 at (1/2, √3/2)."""
     w = w.double()
     return torch.stack([w[:, 1] + w[:, 2] / 2, w[:, 2] * math.sqrt(3) / 2], dim=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# k-way re-annotation (METHODS §2 generalised) and its statistics
+
+
+def annotate_simplex(
+    method: str, features: Tensor | None, weights: Tensor, classes: Tensor, prototypes, s: float
+) -> tuple[Tensor, Tensor]:
+    """-> (λ̂ [N, k], t [N, k]) float32 for images of class tuples `classes` [N, k] generated
+    with `weights` [N, k]. projection: barycentric λ̂, t = softmax((s/2)·λ̂); similarity:
+    t ∝ positive cosine to the k prototypes, λ̂ := t; ratio: t = λ̂ := w (no re-annotation)."""
+    weights, classes = torch.as_tensor(weights), torch.as_tensor(classes).long()
+    if weights.ndim != 2 or weights.shape != classes.shape:
+        raise ValueError(f"weights and classes must both be [N, k], got {tuple(weights.shape)}, "
+                         f"{tuple(classes.shape)}")  # fmt: skip
+    if method == "ratio":
+        return weights.float().clone(), weights.float().clone()
+    if features is None or prototypes is None:
+        raise ValueError(f"method '{method}' needs features and prototypes")
+    if features.shape[0] != weights.shape[0]:
+        raise ValueError(f"{features.shape[0]} features for {weights.shape[0]} images")
+    if int(classes.min()) < 0 or int(classes.max()) >= prototypes.shape[0]:
+        raise ValueError(f"class ids must lie in [0, {prototypes.shape[0]})")
+    p = prototypes.to(features.device)[classes]  # [N, k, d]
+    if method == "similarity":
+        t = similarity_shares(features, p)
+        return t.clone(), t
+    if method != "projection":
+        raise ValueError(f"unknown annotation method '{method}'")
+    lam = barycentric(features, p)
+    return lam, softmax_targets(lam, s)
+
+
+def edge_monotone_share(
+    lambda_hat: Tensor, series: Tensor, positions: Tensor, points: tuple[tuple[int, ...], ...]
+) -> tuple[float | None, int]:
+    """Share of complete series whose λ̂ follows w along every lattice edge, and their count.
+
+    Along an edge that moves weight from class j to class i (w_i − w_j rises), λ̂_i − λ̂_j must
+    not fall (for k = 2 this is "λ̂_a non-decreasing in α"). Ties count as following.
+    """
+    edges = lattice_edges(points)
+    by_series: dict[int, dict[int, Tensor]] = {}
+    for sid, pos, lam in zip(series.tolist(), positions.tolist(), lambda_hat.double()):
+        by_series.setdefault(sid, {})[pos] = lam
+    complete = [m for m in by_series.values() if len(m) == len(points)]
+    if not complete:
+        return None, 0
+    lam = torch.stack([torch.stack([m[p] for p in range(len(points))]) for m in complete])
+    p, q, i, j = torch.tensor(edges, dtype=torch.long).reshape(-1, 4).T
+    before = lam[:, p, i] - lam[:, p, j]
+    after = lam[:, q, i] - lam[:, q, j]
+    follows = (after >= before).all(dim=1)
+    return float(follows.double().mean()), len(complete)
+
+
+def simplex_stats(
+    lambda_hat: Tensor,
+    weights: Tensor,
+    series: Tensor,
+    positions: Tensor,
+    points: tuple[tuple[int, ...], ...],
+) -> dict:
+    """JSON-able summary of a k-way annotation: Spearman(w_i, λ̂_i) over all images and
+    classes, the edge-monotone share, λ̂ per lattice point (mean, std), λ̂ outside the simplex."""
+    lam, w = lambda_hat.double(), weights.double()
+    if lam.shape != w.shape or lam.ndim != 2 or lam.shape[0] == 0:
+        raise ValueError(f"need λ̂ and w [N, k], got {tuple(lam.shape)}, {tuple(w.shape)}")
+    if not torch.isfinite(lam).all():
+        raise ValueError("lambda_hat contains non-finite values")
+    share, checked = edge_monotone_share(lam, series, positions, points)
+    per_point = []
+    for p, n in enumerate(points):
+        at = lam[positions == p]
+        if at.numel():
+            per_point.append({
+                "weights": [n_i / sum(n) for n_i in n], "n": int(at.shape[0]),
+                "mean": at.mean(dim=0).tolist(), "std": at.std(dim=0, correction=0).tolist(),
+            })  # fmt: skip
+    return {
+        "n_images": int(lam.shape[0]),
+        "n_series": int(torch.unique(series).numel()),
+        "mix_classes": int(lam.shape[1]),
+        "lattice_points": len(points),
+        "spearman_lambda_weight": spearman(w.flatten(), lam.flatten()),
+        "edge_monotone_direction": "along every lattice edge moving weight from class j to "
+        "class i, lambda_hat_i - lambda_hat_j does not decrease",
+        "edge_monotone_share": share,
+        "n_series_checked": checked,
+        "lambda_hat": {
+            "mean": lam.mean(dim=0).tolist(),
+            "min": float(lam.min()),
+            "max": float(lam.max()),
+            "share_outside_simplex": float((lam < 0).any(dim=1).double().mean()),
+        },
+        "per_point": per_point,
+    }

@@ -239,3 +239,77 @@ def test_k3_series_vertices_permutations_and_fields(kway_src, k3_reference):
         assert torch.equal(again[0], split.images[6 * s : 6 * s + 6])
         assert not torch.equal(split.images[6 * s + 1], split.images[6 * s + 3])
     assert (k3_reference / "preview.png").is_file()
+
+
+# ---------------------------------------------------------------- annotation
+
+
+def test_barycentric_recovers_known_weights_and_is_the_projection_for_k2():
+    from models.annotation import project_lambda, soft_targets
+    from models.simplex import barycentric, softmax_targets
+
+    g = torch.Generator().manual_seed(0)
+    for k in (2, 3, 5):
+        p = torch.randn(64, k, 32, generator=g) * 3 + 10  # a large common component, as CLIP's
+        w = torch.randn(64, k, generator=g)
+        w[:, -1] = 1 - w[:, :-1].sum(dim=1)  # any affine weights, also outside the simplex
+        f = (w.double()[:, :, None] * p.double()).sum(dim=1).float()
+        lam = barycentric(f, p)
+        assert torch.allclose(lam, w, atol=2e-4), (k, (lam - w).abs().max())
+        assert torch.allclose(lam.sum(dim=1), torch.ones(64), atol=1e-5)
+    # exact on float64 features: the unclipped least-squares coordinates
+    p = torch.randn(8, 3, 16, generator=g, dtype=torch.float64)
+    w = torch.softmax(torch.randn(8, 3, generator=g, dtype=torch.float64), dim=1)
+    assert torch.allclose(barycentric((w[:, :, None] * p).sum(1), p).double(), w, atol=1e-7)
+    # k = 2: today's projection on the line through p_a and p_b, and today's sigmoid target
+    f, pa, pb = (torch.randn(100, 16, generator=g) for _ in range(3))
+    lam2 = barycentric(f, torch.stack([pa, pb], dim=1))
+    assert torch.allclose(lam2[:, 0], project_lambda(f, pa, pb), atol=1e-6)
+    for s in (2.3, 4.0):
+        t = softmax_targets(lam2, s)
+        assert torch.allclose(t[:, 0], soft_targets(lam2[:, 0], s), atol=1e-6)  # σ(s(λ̂_a − ½))
+        assert torch.allclose(t[:, 1], 1 - soft_targets(lam2[:, 0], s), atol=1e-6)
+    with pytest.raises(ValueError, match="affinely dependent"):
+        barycentric(f[:1], torch.stack([pa[:1], pb[:1], (pa[:1] + pb[:1]) / 2], dim=1))
+
+
+def test_edge_monotone_share_and_spearman():
+    from models.simplex import lattice_points, lattice_weights, simplex_stats
+
+    points = lattice_points(3, 2)
+    w = torch.tensor(lattice_weights(3, 2)).repeat(2, 1)
+    series, positions = torch.tensor([0] * 6 + [1] * 6), torch.arange(6).repeat(2)
+    assert simplex_stats(w, w, series, positions, points)["edge_monotone_share"] == 1.0
+    lam = w.clone()
+    lam[7] = torch.tensor([0.9, 0.05, 0.05])  # series 1, point (0, ½, ½) pulled towards class 1
+    stats = simplex_stats(lam, w, series, positions, points)
+    assert stats["edge_monotone_share"] == 0.5 and stats["n_series_checked"] == 2
+    assert stats["spearman_lambda_weight"] < 1.0
+
+
+@pytest.mark.parametrize("method", ["projection", "ratio", "similarity"])
+def test_k3_annotate_writes_k_way_labels_and_report(kway_src, k3_reference, tmp_path, method):
+    runs = _copy(kway_src, tmp_path)
+    shutil.copytree(k3_reference, runs / "digits" / "series")
+    mixed = run_stage("annotate", "digits", [f"out={runs}", *ANN, f"method={method}"])
+    split = load_split(mixed, verify=True)
+    for meta, cls in zip(split.meta, split.labels.tolist()):
+        assert len(meta["classes"]) == len(meta["weights"]) == 3
+        assert len(meta["lambda_hat"]) == len(meta["soft"]) == 3
+        assert abs(sum(meta["weights"]) - 1) < 1e-12 and abs(sum(meta["soft"]) - 1) < 1e-5
+        assert cls == meta["classes"][max(range(3), key=lambda i: (meta["soft"][i], -i))]
+        if method == "ratio":
+            assert meta["soft"] == meta["lambda_hat"] == pytest.approx(meta["weights"])
+        if method == "projection":
+            assert abs(sum(meta["lambda_hat"]) - 1) < 1e-5
+            expected = torch.softmax(2.0 * torch.tensor(meta["lambda_hat"]), 0)  # s = 4
+            assert torch.allclose(torch.tensor(meta["soft"]), expected, atol=1e-6)
+    report = __import__("json").loads((mixed / "annotation.json").read_text())
+    assert report["mix_classes"] == 3 and report["n_images"] == 36
+    assert report["spearman_lambda_weight"] is not None
+    assert report["n_series_checked"] == 6
+    if method == "ratio":
+        assert report["spearman_lambda_weight"] == pytest.approx(1.0)
+        assert report["edge_monotone_share"] == 1.0
+    assert (mixed / "ternary.png").is_file() and (mixed / "annotation.png").is_file()
+    assert read_manifest(mixed).info["mix_classes"] == 3
