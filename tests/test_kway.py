@@ -313,3 +313,82 @@ def test_k3_annotate_writes_k_way_labels_and_report(kway_src, k3_reference, tmp_
         assert report["edge_monotone_share"] == 1.0
     assert (mixed / "ternary.png").is_file() and (mixed / "annotation.png").is_file()
     assert read_manifest(mixed).info["mix_classes"] == 3
+
+
+# ---------------------------------------------------------------- shards and training
+
+
+def test_kway_sampler_picks_the_best_member_for_y_and_a_mixed_one():
+    from models.simplex import lattice_weights
+    from models.training import SeriesIndex, csm_targets, interior_positions, sample_csm_members
+
+    w = torch.tensor(lattice_weights(3, 2))  # 6 points, vertices at 0, 2, 5
+    interior = interior_positions(w)
+    assert interior.tolist() == [1, 3, 4]
+    classes = torch.tensor([[0, 1, 2], [1, 3, 4], [0, 2, 4], [2, 3, 4]])
+    g = torch.Generator().manual_seed(0)
+    soft = torch.softmax(torch.randn(4, 6, 3, generator=g) * 3, dim=2)
+    index = SeriesIndex(classes, 5)
+    y = torch.randint(0, 5, (256,), generator=g)
+    series, pos = sample_csm_members(y, index, soft, torch.Generator().manual_seed(1), interior=interior)  # fmt: skip
+    assert (classes[series[:, 0]] == y[:, None]).any(dim=1).all()  # a series containing y
+    for b in range(len(y)):
+        col = (classes[series[b, 0]] == y[b]).nonzero().item()
+        assert pos[b, 0] == soft[series[b, 0], :, col].argmax()  # its best member for y
+    assert set(pos[:, 1].tolist()) == {1, 3, 4}  # a random point mixing >= 2 classes
+    t = csm_targets(classes[series].flatten(0, 1), soft[series, pos].flatten(0, 1), 5)
+    assert torch.allclose(t.sum(dim=1), torch.ones(512)) and t.shape == (512, 5)
+    assert torch.equal(t.nonzero()[:, 1].unique(), torch.arange(5))
+
+
+def _write_k3_mixed(folder: Path, real_train: Path) -> Path:
+    """A small k = 3 mixed/ folder: pixel blends of real images of (c, c+1, c+2 mod 10)."""
+    import numpy as np
+
+    from models.simplex import lattice_weights, softmax_targets
+    from shards.writer import ShardFolder
+
+    split = load_split(real_train)
+    names = list(split.class_names)
+    first = {c: split.images[split.labels == c][0].numpy().astype(float) for c in range(10)}
+    weights = lattice_weights(3, 2)
+    samples = []
+    for sid in range(10):
+        tup = sorted({sid, (sid + 1) % 10, (sid + 2) % 10})
+        for k, w in enumerate(weights):
+            image = sum(w_i * first[c] for w_i, c in zip(w, tup))
+            lam = [w_i + 0.05 * np.sin(sid + k + i) for i, w_i in enumerate(w)]
+            soft = softmax_targets(torch.tensor([lam]), 4.0)[0].tolist()
+            meta = dict(series=sid, position=k, classes=tup, names=[names[c] for c in tup],
+                        weights=list(w), seed=sid, generator="blend", revision="", sampler="none",
+                        steps=0, guidance=0.0, lambda_hat=lam, soft=soft)  # fmt: skip
+            samples.append({"__key__": f"s{sid:07d}_{k:02d}", "png": image.round().astype(np.uint8),
+                            "cls": tup[int(np.argmax(soft))], "json": meta})  # fmt: skip
+    shards = ShardFolder(folder, "mixed")
+    shards.write(0, samples[:30])
+    shards.write(1, samples[30:])
+    info = {"mix_classes": 3, "lattice": 2, "weights": [list(w) for w in weights]}
+    shards.finish(2, kind="mixed", class_names=names, info=info)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "sets", [[], ["csm_targets=ratio"], ["csm_mixed_loss=ce", "csm_sharpening=2.3"]]
+)
+def test_csm_trains_on_k3_series(digits_root, tmp_path, sets):
+    import json
+
+    from shards.datasets import check_mixed_sample, load_series_table
+    from shards.reader import iter_folder
+
+    root = tmp_path / "digits"
+    shutil.copytree(digits_root / "real", root / "real")
+    _write_k3_mixed(root / "mixed", root / "real" / "train")
+    table = load_series_table(root / "mixed", [str(c) for c in range(10)])
+    assert table.mix_classes == 3 and table.soft.shape == (10, 6, 3) and table.members == 6
+    for sample in iter_folder(root / "mixed"):
+        check_mixed_sample(sample)  # publish's field check accepts k-way samples
+    run = run_stage("train", "digits", [f"out={tmp_path}", "run=k3", "loss=csm", "epochs=1",
+                                        "train_limit=128", "batch_size=64", *sets])  # fmt: skip
+    history = json.loads((run / "metrics.json").read_text())["train"]["history"]
+    assert len(history) == 1 and torch.isfinite(torch.tensor(history[0]["loss"]))
