@@ -165,7 +165,7 @@ def test_k2_backends_are_byte_identical_to_the_2way_code(name, tmp_path):
 
 # ---------------------------------------------------------------- k = 3: plan and generation
 
-K3 = ["mix_classes=3", "lattice=2", "steps=2", "limit=6", "series_per_shard=2"]  # 6 x 6 images
+K3 = ["mix_classes=3", "lattice=2", "steps=2", "limit=6", "series_per_shard=1"]  # 6 x 6 images
 
 
 def test_k3_plan_walks_tuples_and_lattice():
@@ -229,13 +229,13 @@ def test_k3_series_vertices_permutations_and_fields(kway_src, k3_reference):
         weights = tuple(tuple(r["weights"]) for r in rows)
         with cpu_threads(1):  # as the reference run
             # a lattice vertex is the pure-class image of the same noise
-            # (12 rows, as a shard of the reference: CPU BLAS rounds by the padded row count)
+            # (6 rows, as a shard of the reference: CPU BLAS rounds by the padded row count)
             for pos, c in ((5, classes[0]), (2, classes[1]), (0, classes[2])):
-                pure = gen.generate_series([SeriesSpec(s, c, c, (1.0,) * 6, seed)] * 2)
+                pure = gen.generate_series([SeriesSpec(s, c, c, (1.0,) * 6, seed)])
                 assert torch.equal(split.images[6 * s + pos], pure[0, 0])
             # permuting the tuple (and its weights) gives the same images
             perm = (2, 0, 1)
-            again = gen.generate_series([MixSpec(s, tuple(classes[i] for i in perm), tuple(tuple(w[i] for i in perm) for w in weights), seed)] * 2)  # fmt: skip
+            again = gen.generate_series([MixSpec(s, tuple(classes[i] for i in perm), tuple(tuple(w[i] for i in perm) for w in weights), seed)])  # fmt: skip
         assert torch.equal(again[0], split.images[6 * s : 6 * s + 6])
         assert not torch.equal(split.images[6 * s + 1], split.images[6 * s + 3])
     assert (k3_reference / "preview.png").is_file()
@@ -392,3 +392,70 @@ def test_csm_trains_on_k3_series(digits_root, tmp_path, sets):
                                         "train_limit=128", "batch_size=64", *sets])  # fmt: skip
     history = json.loads((run / "metrics.json").read_text())["train"]["history"]
     assert len(history) == 1 and torch.isfinite(torch.tensor(history[0]["loss"]))
+
+
+# ---------------------------------------------------------------- k = 3: processes, kill + rerun
+
+
+def _subprocess(stage: str, cwd: Path, *launcher: str, sets=K3, popen: bool = False):
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    cmd = [sys.executable, *launcher, "-m", "pipeline", stage, "--set", "out=runs", *sets]
+    env = subprocess_env() | {"OMP_NUM_THREADS": "1"}
+    if popen:
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
+def _same(a: Path, b: Path) -> None:
+    import json
+
+    ta, tb = _tree(a), _tree(b)
+    ca, cb = (json.loads((p / "config.json").read_text()) for p in (a, b))
+    assert ca | {"out": ""} == cb | {"out": ""}
+    assert [k for k in ta.keys() | tb.keys() if k != "config.json" and ta.get(k) != tb.get(k)] == []
+
+
+TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
+def test_k3_two_processes_byte_identical(kway_src, k3_reference, tmp_path):
+    _copy(kway_src, tmp_path / "runs")
+    proc = _subprocess("generate", tmp_path, *TORCHRUN)
+    assert "2 process(es)" in proc.stderr
+    _same(k3_reference, tmp_path / "runs" / "digits" / "series")
+
+
+def test_k3_kill_and_rerun_is_byte_identical(kway_src, k3_reference, tmp_path):
+    import os
+    import signal
+    import time
+
+    _copy(kway_src, tmp_path / "runs")
+    proc = _subprocess("generate", tmp_path, popen=True)
+    done = tmp_path / "runs" / "digits" / "series" / ".done"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not done.is_dir() or len(list(done.iterdir())) < 2):
+        time.sleep(0.005)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    series = tmp_path / "runs" / "digits" / "series"
+    assert not (series / "manifest.json").exists(), "the kill came too late to test resume"
+    _subprocess("generate", tmp_path)
+    _same(k3_reference, series)
+
+
+def test_k3_annotate_two_processes_byte_identical(kway_src, k3_reference, tmp_path):
+    one = _copy(kway_src, tmp_path / "one")
+    shutil.copytree(k3_reference, one / "digits" / "series")
+    with cpu_threads(1):
+        mixed = run_stage("annotate", "digits", [f"out={one}", *ANN])
+    _copy(kway_src, tmp_path / "runs")
+    shutil.copytree(k3_reference, tmp_path / "runs" / "digits" / "series")
+    _subprocess("annotate", tmp_path, *TORCHRUN, sets=ANN)
+    _same(mixed, tmp_path / "runs" / "digits" / "mixed")
