@@ -167,13 +167,13 @@ def collect_logits(
 class SeriesIndex:
     """Which complete series contain class c: a padded table [C, M] of series ids + counts [C].
 
-    Built once from the series' class pairs [S, 2]; sampling a series per real label is then a
-    gather, on the device the pairs live on.
+    Built once from the series' class pairs [S, 2] (k-way series: tuples [S, k]); sampling a
+    series per real label is then a gather, on the device the pairs live on.
     """
 
     def __init__(self, classes: Tensor, num_classes: int) -> None:
-        if classes.ndim != 2 or classes.shape[1] != 2:
-            raise ValueError(f"series classes must be [S, 2], got {tuple(classes.shape)}")
+        if classes.ndim != 2 or classes.shape[1] < 2:
+            raise ValueError(f"series classes must be [S, k >= 2], got {tuple(classes.shape)}")
         members = [torch.nonzero((classes == c).any(dim=1)).flatten() for c in range(num_classes)]
         self.counts = torch.tensor([len(m) for m in members], device=classes.device)
         width = max(1, int(self.counts.max()) if len(members) else 1)
@@ -194,6 +194,7 @@ def sample_csm_members(
     soft_a: Tensor,
     generator: torch.Generator,
     check: bool = True,
+    interior: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Series ids and positions [B, 2] of the synthetic images for a real batch (METHODS §3).
 
@@ -202,10 +203,18 @@ def sample_csm_members(
     ties), column 1 a uniformly random interior member (positions 1..K−2). Draw order: series
     choice, then interior position. `check=False` skips the test that every label has a series
     (a device sync): for callers that checked `index.missing()` once up front.
+
+    k-way series: `soft_a` holds the targets over the tuple [S, K, k] and `interior` the
+    positions the random member is drawn from (the lattice points that mix at least two
+    classes, see `interior_positions`); the best member is the one with the highest target
+    for y, as for k = 2.
     """
-    k = soft_a.shape[1]
-    if k < 3:
-        raise ValueError(f"series need K >= 3 members to have an interior, got K = {k}")
+    if soft_a.ndim == 2 and soft_a.shape[1] < 3:
+        raise ValueError(
+            f"series need K >= 3 members to have an interior, got K = {soft_a.shape[1]}"
+        )
+    if soft_a.ndim == 3 and (interior is None or interior.numel() == 0):
+        raise ValueError("k-way series need the interior positions to draw a mixed member from")
     dev = index.table.device
     y = labels.to(dev)
     counts = index.counts[y]
@@ -216,15 +225,33 @@ def sample_csm_members(
     u = torch.rand(len(y), generator=generator, device=generator.device).to(dev)
     pick = (u * counts).long().clamp_max(counts - 1)
     series = index.table[y, pick]
-    interior = torch.randint(1, k - 1, (len(y),), generator=generator, device=generator.device)
-    t_a = soft_a[series]  # [B, K]
-    t_y = torch.where((index.classes[series, 0] == y)[:, None], t_a, 1.0 - t_a)
+    gen_dev = generator.device
+    if soft_a.ndim == 2:  # 2-way: t_y = t_a if y = a else 1 − t_a
+        mixed = torch.randint(
+            1, soft_a.shape[1] - 1, (len(y),), generator=generator, device=gen_dev
+        )
+        t_a = soft_a[series]  # [B, K]
+        t_y = torch.where((index.classes[series, 0] == y)[:, None], t_a, 1.0 - t_a)
+    else:  # k-way: the column of y in the tuple
+        which = torch.randint(0, len(interior), (len(y),), generator=generator, device=gen_dev)
+        mixed = interior.to(dev)[which.to(dev)]
+        is_y = (index.classes[series] == y[:, None]).to(soft_a.dtype)  # [B, k], one 1 per row
+        t_y = (soft_a[series] * is_y[:, None, :]).sum(dim=2)  # [B, K]
     best = t_y.argmax(dim=1)
-    return torch.stack([series, series], dim=1), torch.stack([best, interior.to(dev)], dim=1)
+    return torch.stack([series, series], dim=1), torch.stack([best, mixed.to(dev)], dim=1)
+
+
+def interior_positions(weights: Tensor) -> Tensor:
+    """Positions of a k-way series' lattice [K, k] that mix at least two classes (every point
+    but the k vertices; for k = 2 the positions 1..K−2)."""
+    return torch.nonzero((weights > 0).sum(dim=1) >= 2).flatten()
 
 
 def csm_targets(classes: Tensor, soft_a: Tensor, num_classes: int) -> Tensor:
-    """Dense targets [N, C] of mixed samples: t_a on class a, 1 − t_a on class b (METHODS §2)."""
+    """Dense targets [N, C] of mixed samples: t_a on class a, 1 − t_a on class b (METHODS §2);
+    k-way samples: soft [N, k] over classes [N, k]."""
+    if soft_a.ndim == 2:
+        return dense_soft_targets(classes, soft_a, num_classes)
     return dense_soft_targets(classes, torch.stack([soft_a, 1.0 - soft_a], dim=1), num_classes)
 
 

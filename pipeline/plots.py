@@ -159,6 +159,37 @@ def scatter(
     return _save(fig, path)
 
 
+def ternary(
+    weights: Sequence[Sequence[float]],
+    lambda_hat: Sequence[Sequence[float]],
+    path: Path,
+    *,
+    corners: Sequence[str] = ("class 1", "class 2", "class 3"),
+    title: str = "",
+) -> Path:
+    """k = 3 annotation picture: λ̂ [N, 3] as points of the simplex triangle (coloured by the
+    lattice point w [N, 3] that generated them; black crosses = the lattice). Barycentric
+    (b_1, b_2, b_3) sits at (b_2 + b_3/2, b_3·√3/2); points outside the triangle have λ̂ < 0."""
+    plt = _figure()
+    w, lam = np.asarray(weights, dtype=float), np.asarray(lambda_hat, dtype=float)
+
+    def xy(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return b[:, 1] + b[:, 2] / 2, b[:, 2] * np.sqrt(3) / 2
+
+    _, colour = np.unique(w, axis=0, return_inverse=True)
+    fig, ax = plt.subplots(figsize=(5, 4.6))
+    ax.plot([0, 1, 0.5, 0], [0, 0, np.sqrt(3) / 2, 0], "k-", lw=1)
+    ax.scatter(*xy(lam), c=colour.reshape(-1), cmap="viridis", s=6, alpha=0.4)
+    ax.scatter(*xy(np.unique(w, axis=0)), marker="x", c="black", s=30, lw=1)
+    for (x, y), name in zip(((0, 0), (1, 0), (0.5, np.sqrt(3) / 2)), corners):
+        ax.annotate(name, (x, y), ha="center", va="top" if y == 0 else "bottom",
+                    xytext=(0, -4 if y == 0 else 4), textcoords="offset points")  # fmt: skip
+    ax.set_aspect("equal")
+    ax.set_axis_off()
+    ax.set_title(title)
+    return _save(fig, path)
+
+
 def error_bars(
     groups: Mapping[str, Mapping[str, tuple[float, float]]],
     path: Path,

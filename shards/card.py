@@ -90,6 +90,23 @@ FIELDS = (
 )
 
 
+# k-way data (generate's mix_classes = k >= 3): the fields that differ from the 2-way ones
+KWAY_FIELDS = (
+    ("png", "the image (RGB)"),
+    ("cls", "dominant class after re-annotation: the class with the highest soft target"),
+    ("json.series, json.position", "series id; lattice point of the series (shared initial noise)"),
+    ("json.classes, json.names", "the k mixed classes as class indices and names"),
+    ("json.weights", "generation weights w of the k classes (a point of the simplex lattice)"),
+    (
+        "json.lambda_hat",
+        "re-annotated weights: barycentric coordinates of the image feature in "
+        "the affine hull of the k prototypes (unclipped, sum 1)",
+    ),
+    ("json.soft", "training target over the k classes, softmax((s/2) lambda_hat)"),
+    ("json.seed, json.generator, ...", "seed, generator id, revision, sampler, steps, guidance"),
+)
+
+
 def _fmt(value: Any) -> str:
     """Compact Markdown-safe rendering of a manifest value; empty -> an em dash."""
     if isinstance(value, Mapping):
@@ -104,6 +121,18 @@ def _fmt(value: Any) -> str:
 def _stats_lines(stats: Mapping[str, Any]) -> list[str]:
     """Annotation report (annotation.json) as prose and a per-alpha table; absent keys skipped."""
     lines = []
+    if stats.get("spearman_lambda_weight") is not None:
+        k = stats.get("mix_classes", "k")
+        lines.append(
+            f"- Spearman correlation of λ̂_i with w_i over every image and its {k} classes: "
+            f"{stats['spearman_lambda_weight']:.3f}"
+        )
+    if stats.get("edge_monotone_share") is not None:
+        n = stats.get("n_series_checked", "?")
+        lines.append(
+            f"- series whose λ̂ follows w along every lattice edge: "
+            f"{stats['edge_monotone_share']:.1%} (of {n})"
+        )
     if stats.get("spearman_lambda_alpha") is not None:
         lines.append(f"- Spearman correlation of λ̂ with α: {stats['spearman_lambda_alpha']:.3f}")
     if stats.get("monotone_share") is not None:
@@ -151,14 +180,28 @@ def build_card(
     )
     classes = manifest.class_names
     shown = ", ".join(classes[:20]) + (", …" if len(classes) > 20 else "")
+    k = int(info.get("mix_classes", 2))
+    if k == 2:
+        mixing = [
+            ("classes mixed per series (k)", "2"),
+            ("α grid (weight of class a)", _fmt(info.get("alphas"))),
+            ("series per pair", _fmt(info.get("series_per_pair"))),
+            ("pairs / series", f"{_fmt(info.get('num_pairs'))} / {_fmt(info.get('num_series'))}"),
+        ]
+    else:
+        mixing = [
+            ("classes mixed per series (k)", str(k)),
+            ("simplex lattice m (weights n_i / m)", _fmt(info.get("lattice"))),
+            ("lattice points per series", _fmt(len(info.get("weights") or ()))),
+            ("series per tuple", _fmt(info.get("series_per_tuple"))),
+            ("tuples / series", f"{_fmt(info.get('num_tuples'))} / {_fmt(info.get('num_series'))}"),
+        ]
     made = [
         ("generator", f"{_fmt(gen.get('backend'))} `{_fmt(gen.get('model_id'))}`"),
         ("revision", _fmt(gen.get("revision"))),
         ("sampler", f"{_fmt(gen.get('sampler'))}, {_fmt(gen.get('steps'))} steps"),
         ("guidance", _fmt(gen.get("guidance"))),
-        ("α grid (weight of class a)", _fmt(info.get("alphas"))),
-        ("series per pair", _fmt(info.get("series_per_pair"))),
-        ("pairs / series", f"{_fmt(info.get('num_pairs'))} / {_fmt(info.get('num_series'))}"),
+        *mixing,
         ("image size", _fmt(info.get("image_size"))),
         ("annotation method", _fmt(ann.get("method"))),
         ("encoder", _fmt(ann.get("encoder"))),
@@ -170,10 +213,20 @@ def build_card(
     body = [
         f"# {data.pretty_name}",
         "",
-        f"{n} synthetic images made with semix by Calibration-aware "
-        "Semantic Mixing (CSM): each series shares one initial noise and morphs class a into "
-        "class b as the mixing weight α goes from 0 to 1; every image carries a soft label "
-        f"re-annotated from image features. {len(classes)} classes: {shown}.",
+        (
+            f"{n} synthetic images made with semix by Calibration-aware "
+            "Semantic Mixing (CSM): each series shares one initial noise and morphs class a into "
+            "class b as the mixing weight α goes from 0 to 1; every image carries a soft label "
+            f"re-annotated from image features. {len(classes)} classes: {shown}."
+        )
+        if k == 2
+        else (
+            f"{n} synthetic images made with semix by {k}-way semantic mixing (CSM extended "
+            f"to {k} classes): each series shares one initial noise rendered at every point of "
+            f"a simplex lattice of weights over {k} classes; every image carries a soft label "
+            f"over its {k} classes re-annotated from image features. {len(classes)} classes: "
+            f"{shown}."
+        ),
         "",
         "## How it was made",
         "",
@@ -192,9 +245,10 @@ def build_card(
             "",
             *_stats_lines(annotation.get("stats", annotation)),
         ]
-    body += [f"\n![{p[:-4]}]({p})" for p in ("annotation.png", "preview.png") if p in files]
+    plots = ("annotation.png", "ternary.png", "preview.png")
+    body += [f"\n![{p[:-4]}]({p})" for p in plots if p in files]
     body += ["", "## Fields", "", "| field | meaning |", "|---|---|"]
-    body += [f"| `{k}` | {v} |" for k, v in FIELDS]
+    body += [f"| `{name}` | {v} |" for name, v in (FIELDS if k == 2 else KWAY_FIELDS)]
     body += [
         "",
         "## Load it",

@@ -3,7 +3,9 @@
 - `load_real(folder)`: one real split as uint8 images [N, H, W, 3] + labels [N], on a device.
 - `load_series_table(mixed, class_names)`: mixed/ as a table of *complete* series, the layout
   CSM training samples from (METHODS §3): images [S, K, H, W, 3], classes [S, 2] and per-member
-  lambda_hat / soft (= t_a) / alpha [S, K]. Series missing a member are dropped (counted).
+  lambda_hat / soft (= t_a) / alpha [S, K]; for k-way series (json `weights`, generate's
+  mix_classes = k ≥ 3) classes [S, k] and lambda_hat / soft / weights [S, K, k]. Series missing a
+  member are dropped (counted).
 
 Both refuse missing or incomplete folders (no manifest.json) through `shards.reader`, and the
 series table refuses a mixed/ folder whose class list differs from the real one: class ids
@@ -67,10 +69,10 @@ class SeriesTable:
     """Complete series of a mixed/ folder, member k at index k (position order)."""
 
     images: torch.Tensor  # uint8 [S, K, H, W, 3]
-    classes: torch.Tensor  # int64 [S, 2]: (a, b)
-    lambda_hat: torch.Tensor  # float32 [S, K]: re-annotated weight of class a
-    soft: torch.Tensor  # float32 [S, K]: stored target t_a (t_b = 1 - t_a)
-    alpha: torch.Tensor  # float32 [S, K]: generation weight of class a
+    classes: torch.Tensor  # int64 [S, k]: (a, b) for k = 2
+    lambda_hat: torch.Tensor  # float32 [S, K]: re-annotated weight of class a (k ≥ 3: [S, K, k])
+    soft: torch.Tensor  # float32 [S, K]: stored target t_a, t_b = 1 - t_a (k ≥ 3: [S, K, k])
+    alpha: torch.Tensor  # float32 [S, K]: generation weight of class a (k ≥ 3: weights [S, K, k])
     series_ids: torch.Tensor  # int64 [S]
     class_names: tuple[str, ...]
     dropped: int  # incomplete series left out
@@ -81,6 +83,10 @@ class SeriesTable:
     @property
     def members(self) -> int:
         return int(self.images.shape[1])
+
+    @property
+    def mix_classes(self) -> int:
+        return int(self.classes.shape[1])
 
 
 def load_series_table(
@@ -104,24 +110,37 @@ def load_series_table(
         meta = s.get("meta", {})
         try:
             sid, pos = int(meta["series"]), int(meta["position"])
-            record = (
-                s["image"],
-                tuple(int(c) for c in meta["classes"]),
-                float(meta["lambda_hat"]),
-                float(meta["soft"][0]),
-                float(meta["alpha"]),
-            )
+            classes = tuple(int(c) for c in meta["classes"])
+            if "weights" in meta:  # k-way: lists of length k
+                record = (
+                    s["image"],
+                    classes,
+                    [float(v) for v in meta["lambda_hat"]],
+                    [float(v) for v in meta["soft"]],
+                    [float(v) for v in meta["weights"]],
+                )
+                if not len(classes) == len(record[2]) == len(record[3]) == len(record[4]):
+                    raise ValueError("classes, lambda_hat, soft, weights differ in length")
+            else:
+                record = (
+                    s["image"],
+                    classes,
+                    float(meta["lambda_hat"]),
+                    float(meta["soft"][0]),
+                    float(meta["alpha"]),
+                )
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise ShardError(
                 f"{s['__url__']}: sample {s['__key__']!r} lacks mixed fields (series, position, "
-                f"classes, lambda_hat, soft, alpha, png): {e!r}; is {folder} a mixed/ folder?"
+                f"classes, lambda_hat, soft, alpha or weights, png): {e!r}; is {folder} a mixed/ "
+                "folder?"
             ) from e
         if pos in by_series.setdefault(sid, {}):
             raise ShardError(f"{folder}: series {sid} has position {pos} twice")
         by_series[sid][pos] = record
     if not by_series:
         raise ShardError(f"{folder} holds no samples")
-    alphas = manifest.info.get("alphas")
+    alphas = manifest.info.get("alphas") or manifest.info.get("weights")  # 2-way / k-way
     k = len(alphas) if alphas else max(len(m) for m in by_series.values())
     complete = sorted(sid for sid, m in by_series.items() if sorted(m) == list(range(k)))
     if not complete:
@@ -133,6 +152,8 @@ def load_series_table(
             f"{folder}: mixed images are {images.shape[3]}x{images.shape[2]}, real images "
             f"{image_size}x{image_size}; regenerate at the dataset resolution"
         )
+    if len({len(row[0][1]) for row in rows}) != 1:
+        raise ShardError(f"{folder}: series mix different numbers of classes")
     classes = torch.tensor([row[0][1] for row in rows], dtype=torch.int64)
     if classes.numel() and (
         int(classes.min()) < 0 or int(classes.max()) >= len(manifest.class_names)
@@ -166,6 +187,17 @@ MIXED_FIELDS: dict[str, type | tuple[type, ...]] = {
     "lambda_hat": (int, float),
     "soft": list,
 }
+# k-way samples (generate's mix_classes = k ≥ 3): lists of length k instead of alpha and scalar λ̂
+KWAY_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "series": int,
+    "position": int,
+    "classes": list,
+    "names": list,
+    "weights": list,
+    "seed": int,
+    "lambda_hat": list,
+    "soft": list,
+}
 
 
 def check_mixed_sample(sample: dict) -> None:
@@ -175,14 +207,19 @@ def check_mixed_sample(sample: dict) -> None:
     if missing:
         raise ShardError(f"{where} lacks {missing}; is this a mixed/ folder? rerun annotate")
     meta = sample["meta"]
+    fields = KWAY_FIELDS if "weights" in meta else MIXED_FIELDS
     bad = [
         name
-        for name, kind in MIXED_FIELDS.items()
+        for name, kind in fields.items()
         if not isinstance(meta.get(name), kind) or isinstance(meta.get(name), bool)
     ]
-    pairs_ok = all(len(meta.get(f, ())) == 2 for f in ("classes", "names", "soft") if f not in bad)
-    if bad or not pairs_ok:
+    lists = [f for f, kind in fields.items() if kind is list and f not in bad]
+    k = len(meta["classes"]) if "classes" in lists else 2
+    same_k = k >= 2 and all(len(meta[f]) == k for f in lists)
+    if "weights" not in meta:
+        same_k = k == 2 and same_k
+    if bad or not same_k:
+        what = "classes/names/soft of length 2" if fields is MIXED_FIELDS else "lists of length k"
         raise ShardError(
-            f"{where}: json field(s) {bad or ['classes/names/soft of length 2']} missing or "
-            "malformed; rerun annotate"
+            f"{where}: json field(s) {bad or [what]} missing or malformed; rerun annotate"
         )

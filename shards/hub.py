@@ -40,7 +40,7 @@ CARD = "README.md"
 # Optional files uploaded when present. Never uploaded: config.json (it holds local paths: the
 # card states the settings from the manifest instead) and .done/ (local resume bookkeeping).
 EXTRAS = ("annotation.json", "annotation.png", "preview.png", "prototypes.safetensors")
-EXTRAS += ("prototypes.json",)
+EXTRAS += ("prototypes.json", "ternary.png")  # ternary.png: k = 3 mixed data only
 PULL_PATTERNS = (DATA_GLOB, MANIFEST, CARD, *EXTRAS)
 REMOTE_KEEP = (".gitattributes",)  # created by the Hub with the repo; not ours to delete
 

@@ -9,7 +9,8 @@ the very same PNG bytes (copied, never re-encoded); only `json` (+ λ̂, soft) a
 
 Each image is encoded exactly once: the real training images once for the prototypes (skipped
 when mixed/prototypes.* already hold them for this encoder and this real/train), every series
-image once for its λ̂. Under N processes rank r writes shards i ≡ r (mod N); rank 0 computes the
+image once for its λ̂. k-way series (`weights` in their json, generate's mix_classes ≥ 3) get
+the barycentric λ̂ and t = softmax((s/2)·λ̂) over their k classes (models/simplex.py). Under N processes rank r writes shards i ≡ r (mod N); rank 0 computes the
 prototypes before the others start and writes the report and the manifest after all finished.
 """
 
@@ -40,9 +41,10 @@ from models.encoders import (
     OpenCLIPEncoder,
     file_sha256,
 )
+from models.simplex import annotate_simplex, lattice_points, simplex_stats
 from models.training import collect_logits
 from pipeline.configs.annotate import Config
-from pipeline.plots import scatter
+from pipeline.plots import scatter, ternary
 from pipeline.runtime import Processes, code_version, log, make_generator, progress
 from shards.datasets import load_real
 from shards.io import atomic_write_bytes, atomic_write_json, read_json, tmp_path_for
@@ -218,14 +220,18 @@ def load_series_shard(path: Path, rec: ShardRecord) -> tuple[list[dict], list[di
         raise ShardError(f"{path} holds no samples; rerun generate")
     decoded = [decode_sample(r) for r in raw]  # refuses foreign members (never unpickles)
     meta = [d.get("meta", {}) for d in decoded]
-    missing = {"alpha", "classes", "series"} - set(meta[0])
+    mix = "weights" if "weights" in meta[0] else "alpha"  # k-way or 2-way series
+    missing = {mix, "classes", "series", "position"} - set(meta[0])
     if missing:
         raise ShardError(f"{path}: series samples lack the fields {sorted(missing)}")
     return raw, meta, np.stack([d["image"] for d in decoded])
 
 
 def label(cfg: Config, meta: list[dict], images: np.ndarray, encoder, prototypes) -> list[dict]:
-    """Series json -> mixed json: + lambda_hat and soft [t_a, t_b] (METHODS §2)."""
+    """Series json -> mixed json: + lambda_hat and soft [t_a, t_b] (METHODS §2); k-way series:
+    lambda_hat and soft of length k."""
+    if "weights" in meta[0]:
+        return label_kway(cfg, meta, images, encoder, prototypes)
     alpha = torch.tensor([m["alpha"] for m in meta], dtype=torch.float64)
     pairs = torch.tensor([m["classes"] for m in meta], dtype=torch.int64)
     features = encoder.encode(torch.as_tensor(images)) if encoder is not None else None
@@ -238,15 +244,29 @@ def label(cfg: Config, meta: list[dict], images: np.ndarray, encoder, prototypes
     ]
 
 
+def label_kway(cfg: Config, meta: list[dict], images: np.ndarray, encoder, prototypes) -> list:
+    weights = torch.tensor([m["weights"] for m in meta], dtype=torch.float64)
+    classes = torch.tensor([m["classes"] for m in meta], dtype=torch.int64)
+    features = encoder.encode(torch.as_tensor(images)) if encoder is not None else None
+    lam, t = annotate_simplex(cfg.method, features, weights, classes, prototypes, cfg.sharpening)
+    return [
+        {**m, "lambda_hat": lam_i, "soft": t_i}
+        for m, lam_i, t_i in zip(meta, lam.tolist(), t.tolist())
+    ]
+
+
+def dominant(f: dict) -> int:
+    """cls of a mixed sample: argmax of soft (2-way: a if t_a >= 0.5; first class on ties)."""
+    soft = f["soft"]
+    if len(soft) == 2:
+        return f["classes"][0] if soft[0] >= 0.5 else f["classes"][1]
+    return f["classes"][max(range(len(soft)), key=lambda i: (soft[i], -i))]
+
+
 def mixed_samples(raw: list[dict], fields: list[dict]) -> list[dict]:
     """Mixed samples with the series PNG bytes passed through (never re-encoded)."""
     return [
-        {
-            "__key__": r["__key__"],
-            "png": r["png"],
-            "cls": f["classes"][0] if f["soft"][0] >= 0.5 else f["classes"][1],
-            "json": f,
-        }
+        {"__key__": r["__key__"], "png": r["png"], "cls": dominant(f), "json": f}
         for r, f in zip(raw, fields)
     ]
 
@@ -303,7 +323,13 @@ def generator_fidelity(cfg: Config, series: Path, class_names, device) -> dict[s
     model = model.to(device)
     images, expected = [], []
     for s in iter_folder(series):
-        alpha, (a, b) = s["meta"]["alpha"], s["meta"]["classes"][:2]
+        fields = s["meta"]
+        if "weights" in fields:  # k-way: the lattice vertices
+            if 1.0 in fields["weights"]:
+                images.append(s["image"])
+                expected.append(fields["classes"][fields["weights"].index(1.0)])
+            continue
+        alpha, (a, b) = fields["alpha"], fields["classes"][:2]
         if alpha in (0.0, 1.0):
             images.append(s["image"])
             expected.append(a if alpha == 1.0 else b)
@@ -327,7 +353,9 @@ def generator_fidelity(cfg: Config, series: Path, class_names, device) -> dict[s
 
 def report(cfg: Config, fields: list[dict], mixed: Path, fidelity: dict | None = None) -> dict:
     """annotation.json (models.annotation.annotation_stats + generator fidelity) and
-    annotation.png (λ̂ vs α)."""
+    annotation.png (λ̂ vs α); k-way: report_kway."""
+    if "weights" in fields[0]:
+        return report_kway(cfg, fields, mixed, fidelity)
     lam = torch.tensor([f["lambda_hat"] for f in fields], dtype=torch.float64)
     alpha = torch.tensor([f["alpha"] for f in fields], dtype=torch.float64)
     series = torch.tensor([f["series"] for f in fields])
@@ -354,7 +382,42 @@ def report(cfg: Config, fields: list[dict], mixed: Path, fidelity: dict | None =
     return stats
 
 
+def report_kway(cfg: Config, fields: list[dict], mixed: Path, fidelity: dict | None) -> dict:
+    """annotation.json (models.simplex.simplex_stats + generator fidelity), annotation.png
+    (λ̂_i vs w_i over every class) and, for k = 3, ternary.png (λ̂ in the simplex triangle)."""
+    lam = torch.tensor([f["lambda_hat"] for f in fields], dtype=torch.float64)
+    w = torch.tensor([f["weights"] for f in fields], dtype=torch.float64)
+    k = w.shape[1]
+    m = round(1 / w[w > 0].min().item())
+    points = lattice_points(k, m)
+    series = torch.tensor([f["series"] for f in fields])
+    positions = torch.tensor([f["position"] for f in fields])
+    stats = {"method": cfg.method, "sharpening": cfg.sharpening}
+    stats.update(simplex_stats(lam, w, series, positions, points))
+    stats["generator_fidelity"] = fidelity
+    atomic_write_json(mixed / "annotation.json", stats)
+    keep = torch.randperm(len(fields), generator=make_generator(cfg.seed, "annotation-plot"))
+    keep = keep[:PLOT_POINTS].sort().values
+    rho = stats["spearman_lambda_weight"]
+    title = (
+        f"{cfg.method}, k = {k}: Spearman ρ(w, λ̂) = {rho:.3f}" if rho is not None else cfg.method
+    )
+    scatter(
+        w[keep].flatten(), lam[keep].flatten(), mixed / "annotation.png",
+        xlabel="w_i (generation weight of class i)", ylabel="λ̂_i (re-annotated weight of i)",
+        title=title, diagonal=True, jitter=0.01, seed=cfg.seed,
+    )  # fmt: skip
+    if k == 3:
+        ternary(w[keep], lam[keep], mixed / "ternary.png", title=title,
+                corners=("class 1 (first of the tuple)", "class 2", "class 3"))  # fmt: skip
+    return stats
+
+
 # ---------------------------------------------------------------- the stage
+
+
+def _fmt(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.3f}"
 
 
 def already_complete(cfg: Config, mixed: Path, series: Path, real: Path | None, encoder) -> bool:
@@ -458,16 +521,19 @@ def run(cfg: Config) -> Path:
         code_version=code_version(),
         info={**series_m.info, "annotation": annotation},
     )
+    kway = "mix_classes" in stats
     log.info(
-        "annotate: %d images, Spearman(λ̂, α) = %s, monotone series share = %s -> %s",
+        "annotate: %d images, Spearman(%s) = %s, %s = %s -> %s",
         stats["n_images"],
-        *(
-            "n/a" if v is None else f"{v:.3f}"
-            for v in (stats["spearman_lambda_alpha"], stats["monotone_share"])
-        ),
+        f"w, λ̂ over {stats['mix_classes']} classes" if kway else "λ̂, α",
+        _fmt(stats["spearman_lambda_weight" if kway else "spearman_lambda_alpha"]),
+        "share of series following w on every lattice edge" if kway else "monotone series share",
+        _fmt(stats["edge_monotone_share" if kway else "monotone_share"]),
         mixed,
     )
-    for name, end in stats["endpoints"].items():
+    if kway and (mixed / "ternary.png").is_file():
+        log.info("annotate: ternary plot (w vs λ̂) -> %s", mixed / "ternary.png")
+    for name, end in stats.get("endpoints", {}).items():
         log.info(
             "annotate: λ̂ at %s: mean %.3f, 5-95 %% [%.3f, %.3f], min %.3f, max %.3f",
             name.replace("_", " = "), end["mean"], end["q05"], end["q95"], end["min"], end["max"],

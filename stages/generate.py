@@ -6,7 +6,9 @@
 
 CSM series: every unordered pair a < b, walked in order and cycled until the budget
 (``series_per_pair`` per pair) is used; series s takes pair s mod P, its noise seed is
-derive_seed(seed, "series", s), and its K images have α_k = k/(K−1) (α = weight of class a). The
+derive_seed(seed, "series", s), and its K images have α_k = k/(K−1) (α = weight of class a).
+With mix_classes = k ≥ 3 the pairs become every k-subset (same walk) and the α grid the simplex
+lattice w = n/m (models/simplex.py); k = 2 is the 2-way case, byte for byte. The
 plan depends on the config only, so ids, seeds, shards and bytes never depend on the number of
 processes, the batch size or the resume point.
 
@@ -30,11 +32,13 @@ import torch
 from models.generators import (
     EDM_CHECKPOINTS,
     Generator,
+    MixSpec,
     ModelNotFoundError,
     NonFiniteImageError,
     SeriesSpec,
     load_generator,
 )
+from models.simplex import class_tuples, lattice_weights
 from pipeline.configs.generate import Config
 from pipeline.plots import image_grid
 from pipeline.runtime import Processes, code_version, derive_seed, log, make_generator, progress
@@ -58,13 +62,21 @@ class GenerationError(ValueError):
 
 @dataclass(frozen=True)
 class Plan:
-    """Which series exist, with which classes, noise and shard (a pure function of the config)."""
+    """Which series exist, with which classes, noise and shard (a pure function of the config).
 
-    pairs: tuple[tuple[int, int], ...]
-    alphas: tuple[float, ...]
+    ``pairs`` are the class tuples in walk order (pairs for k = 2); ``alphas`` the positions of a
+    series: α of class a for k = 2, the weight vector w (length k) of the lattice point for k ≥ 3.
+    """
+
+    pairs: tuple[tuple[int, ...], ...]
+    alphas: tuple[float, ...] | tuple[tuple[float, ...], ...]
     num_series: int
     series_per_shard: int
     seed: int
+
+    @property
+    def k(self) -> int:
+        return len(self.pairs[0])
 
     @property
     def num_shards(self) -> int:
@@ -74,32 +86,38 @@ class Plan:
         start = shard * self.series_per_shard
         return range(start, min(start + self.series_per_shard, self.num_series))
 
-    def spec(self, series: int) -> SeriesSpec:
-        """Series s: pair s mod P (the walk cycles over the pairs), its own noise seed."""
-        a, b = self.pairs[series % len(self.pairs)]
-        return SeriesSpec(series, a, b, self.alphas, derive_seed(self.seed, "series", series))
+    def spec(self, series: int) -> SeriesSpec | MixSpec:
+        """Series s: tuple s mod P (the walk cycles over the tuples), its own noise seed."""
+        classes = self.pairs[series % len(self.pairs)]
+        seed = derive_seed(self.seed, "series", series)
+        if self.k == 2:
+            return SeriesSpec(series, *classes, self.alphas, seed)
+        return MixSpec(series, classes, self.alphas, seed)
 
 
 def make_plan(cfg: Config, num_classes: int) -> Plan:
-    every = [(a, b) for a in range(num_classes) for b in range(a + 1, num_classes)]
+    k, what = cfg.mix_classes, "pairs" if cfg.mix_classes == 2 else f"{cfg.mix_classes}-tuples"
+    every = class_tuples(num_classes, k)  # k = 2: every a < b in order
     if not every:
-        raise GenerationError(f"{num_classes} class(es): series need at least two classes")
-    if cfg.pairs > len(every):
+        raise GenerationError(f"{num_classes} class(es): series need at least {k} classes")
+    if cfg.subset > len(every):
         raise GenerationError(
-            f"pairs={cfg.pairs}: only {len(every)} pairs among {num_classes} classes (0 = all)"
+            f"{'pairs' if cfg.pairs else 'tuples'}={cfg.subset}: only {len(every)} {what} among "
+            f"{num_classes} classes (0 = all)"
         )
     pairs = every
-    if cfg.pairs:  # a seeded subset, kept in walk order
+    if cfg.subset:  # a seeded subset, kept in walk order
         pick = torch.randperm(len(every), generator=make_generator(cfg.seed, "pairs"))
-        pairs = [every[i] for i in sorted(pick[: cfg.pairs].tolist())]
-    n = cfg.series_per_pair * len(pairs)
+        pairs = [every[i] for i in sorted(pick[: cfg.subset].tolist())]
+    n = cfg.budget_per_tuple * len(pairs)
     if cfg.limit:
         n = min(n, cfg.limit)
-    k = cfg.alphas
+    m = cfg.lattice_m
+    # k = 2: α_j = j/(K−1), the 2-way grid; k >= 3: every point of the simplex lattice
+    alphas = tuple(i / m for i in range(m + 1)) if k == 2 else lattice_weights(k, m)
     per_shard = cfg.series_per_shard or max(
-        1, min(math.ceil(n / cfg.min_shards), MAX_SHARD_IMAGES // k)
+        1, min(math.ceil(n / cfg.min_shards), MAX_SHARD_IMAGES // len(alphas))
     )
-    alphas = tuple(i / (k - 1) for i in range(k))
     return Plan(tuple(pairs), alphas, n, per_shard, cfg.seed)
 
 
@@ -324,6 +342,30 @@ def sample_series(gens: Generators, specs: Sequence[SeriesSpec], bar=None) -> to
 # ---------------------------------------------------------------- 3. shards
 
 
+def _mixing_fields(plan: Plan, spec, k: int, names) -> tuple[dict[str, Any], int]:
+    """(json fields naming the mix of position k, the dominant class).
+
+    k = 2 keeps the 2-way fields (classes [a, b], alpha = weight of a); k ≥ 3 writes classes
+    and weights of length k. Dominant = highest weight, the first class on ties (α = 0.5: a).
+    """
+    if plan.k == 2:
+        a, b, alpha = spec.class_a, spec.class_b, plan.alphas[k]
+        fields = {"classes": [a, b], "names": [names[a], names[b]], "alpha": alpha}
+        return fields, (a if alpha >= 0.5 else b)
+    w = plan.alphas[k]
+    fields = {
+        "classes": list(spec.classes),
+        "names": [names[c] for c in spec.classes],
+        "weights": list(w),
+    }
+    return fields, spec.classes[max(range(len(w)), key=lambda i: (w[i], -i))]
+
+
+def sample_key(series: int, position: int, positions: int) -> str:
+    """s0000042_03: series id, position (two digits, more when a series has > 100 images)."""
+    return f"s{series:07d}_{position:0{max(2, len(str(positions - 1)))}d}"
+
+
 def shard_samples(
     plan: Plan, specs: Sequence[SeriesSpec], images: torch.Tensor, names, ident: dict
 ) -> list[dict[str, Any]]:
@@ -331,14 +373,12 @@ def shard_samples(
     generator = f"{ident['backend']}:{ident['model_id']}"
     samples = []
     for spec, series in zip(specs, images.numpy()):
-        a, b = spec.class_a, spec.class_b
-        for k, alpha in enumerate(plan.alphas):
+        for k in range(len(plan.alphas)):
+            mix, dominant = _mixing_fields(plan, spec, k, names)
             meta = {
                 "series": spec.series_id,
                 "position": k,
-                "classes": [a, b],
-                "names": [names[a], names[b]],
-                "alpha": alpha,
+                **mix,
                 "seed": spec.seed,
                 "generator": generator,
                 "revision": ident["revision"],
@@ -348,9 +388,9 @@ def shard_samples(
             }
             samples.append(
                 {
-                    "__key__": f"s{spec.series_id:07d}_{k:02d}",
+                    "__key__": sample_key(spec.series_id, k, len(plan.alphas)),
                     "png": series[k],
-                    "cls": a if alpha >= 0.5 else b,  # the dominant class
+                    "cls": dominant,
                     "json": meta,
                 }
             )
@@ -374,8 +414,12 @@ def write_preview(folder: ShardFolder, plan: Plan, n_series: int) -> None:
             meta = sample["meta"]
             if meta["series"] in images:
                 images[meta["series"]][meta["position"]] = sample["image"]
-                a, b = meta["names"]
-                names[meta["series"]] = f"{b}>{a}"  # reads left to right: α = 0 is pure b
+                # reads left to right: α = 0 is pure b (k ≥ 3: position 0 is the last class)
+                names[meta["series"]] = ">".join(reversed(meta["names"]))
+    if plan.k == 3:
+        return write_triangles(
+            folder, plan, [images[s] for s in wanted], [names[s] for s in wanted]
+        )
     rows = [im for s in wanted for im in images[s]]
     labels = [names[s] for s in wanted]
     n = min(n_series, len(rows) // k)
@@ -386,8 +430,38 @@ def write_preview(folder: ShardFolder, plan: Plan, n_series: int) -> None:
         grid,
         folder.folder / "preview.png",
         row_labels=labels[:n],
-        col_labels=[f"{a:.2f}" for a in plan.alphas],
+        col_labels=[f"{a:.2f}" for a in plan.alphas] if plan.k == 2 else [],
         scale=max(1, 64 // rows[0].shape[0]),
+    )
+
+
+def write_triangles(folder: ShardFolder, plan: Plan, series: list, names: list[str]) -> None:
+    """k = 3 preview: each series as a triangle of its lattice (row i: n_1 = m − i, column j:
+    n_3 = j), so the pure classes sit at the corners: c_1 top left, c_2 bottom left, c_3
+    bottom right. Series side by side (at most 4), labelled c_3>c_2>c_1 on the left."""
+    if not series:
+        return
+    m = round(1 / min(w for point in plan.alphas for w in point if w > 0))
+    where = {tuple(round(w * m) for w in point): p for p, point in enumerate(plan.alphas)}
+    series, names = series[:4], names[:4]
+    blank = np.full_like(series[0][0], 255)
+    grid = np.stack(
+        [
+            np.stack(
+                [
+                    s[where[(m - i, i - j, j)]] if j <= i else blank
+                    for s in series
+                    for j in range(m + 1)
+                ]
+            )
+            for i in range(m + 1)
+        ]
+    )
+    image_grid(
+        grid,
+        folder.folder / "preview.png",
+        row_labels=[" | ".join(names)] + [""] * m,
+        scale=max(1, 64 // series[0][0].shape[0]),
     )
 
 
@@ -418,9 +492,10 @@ def run(cfg: Config) -> Path:
         return out
     k = len(plan.alphas)
     log.info(
-        "generate plan: %d pairs, %d series x %d alphas = %d images in %d shards of <= %d series; "
+        "generate plan: %d %s, %d series x %d %s = %d images in %d shards of <= %d series; "
         "%s:%s, %s %d steps, guidance %g, %s, %d process(es) -> %s",
-        len(plan.pairs), plan.num_series, k, plan.num_series * k, plan.num_shards,
+        len(plan.pairs), "pairs" if plan.k == 2 else f"{plan.k}-tuples", plan.num_series, k,
+        "alphas" if plan.k == 2 else f"lattice points (m = {cfg.lattice_m})", plan.num_series * k, plan.num_shards,
         plan.series_per_shard, cfg.backend, ident["model_id"], cfg.sampler, cfg.steps,
         cfg.guidance, dtype, procs.world, out,
     )  # fmt: skip
@@ -464,6 +539,15 @@ def run(cfg: Config) -> Path:
         "num_pairs": len(plan.pairs),
         "image_size": inputs.image_size,
     }
+    if plan.k > 2:  # k-way: the lattice instead of the α grid
+        del info["alphas"], info["series_per_pair"], info["num_pairs"]
+        info |= {
+            "mix_classes": plan.k,
+            "lattice": cfg.lattice_m,
+            "weights": [list(w) for w in plan.alphas],
+            "series_per_tuple": cfg.budget_per_tuple,
+            "num_tuples": len(plan.pairs),
+        }
     manifest: Manifest = folder.finish(
         plan.num_shards,
         kind="series",

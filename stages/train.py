@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from models.annotation import soft_targets
 from models.calibration import ece, nll, topk_accuracy
 from models.classifiers import build_classifier
+from models.simplex import softmax_targets
 from models.training import (
     SeriesIndex,
     TrainingModule,
@@ -39,6 +40,7 @@ from models.training import (
     collect_logits,
     csm_targets,
     epoch_batches,
+    interior_positions,
     multistep_lr,
     normalize,
     random_crop_flip,
@@ -73,9 +75,10 @@ class Mixed:
     """The series table on the device, with the targets CSM trains on (METHODS §3)."""
 
     images: torch.Tensor  # uint8 [S, K, H, W, 3]
-    classes: torch.Tensor  # [S, 2]
-    soft: torch.Tensor  # t_a [S, K]
+    classes: torch.Tensor  # [S, 2] (k-way: [S, k])
+    soft: torch.Tensor  # t_a [S, K] (k-way: t over the tuple [S, K, k])
     index: SeriesIndex
+    interior: torch.Tensor | None = None  # k-way: positions mixing >= 2 classes
 
 
 @dataclass
@@ -100,22 +103,27 @@ def load_mixed(cfg: Config, train: RealSplit, device: torch.device) -> Mixed:
         raise ShardError(
             f"{folder}: no complete series contains class(es) {names[:5]}; CSM needs all"
         )
-    # s re-applied from λ̂ when asked (t_a = σ(s(λ̂ − 0.5)), METHODS §2); else the stored soft;
-    # the "ratio" ablation trains on the generation weight itself (t_a = α, no re-annotation)
+    # s re-applied from λ̂ when asked (t_a = σ(s(λ̂ − 0.5)), METHODS §2; k-way: softmax((s/2)λ̂));
+    # else the stored soft; the "ratio" ablation trains on the generation weights themselves
+    # (t_a = α; k-way: t = w), no re-annotation
+    kway = table.mix_classes > 2
     if cfg.csm_targets == "ratio":
         soft = table.alpha
     elif cfg.csm_sharpening:
-        soft = soft_targets(table.lambda_hat, cfg.csm_sharpening)
+        sharpen = softmax_targets if kway else soft_targets
+        soft = sharpen(table.lambda_hat, cfg.csm_sharpening)
     else:
         soft = table.soft
     log.info(
-        "mixed %s: %d complete series x %d members (%d incomplete dropped)",
+        "mixed %s: %d complete series x %d members of %d classes (%d incomplete dropped)",
         folder,
         len(table),
         table.members,
+        table.mix_classes,
         table.dropped,
     )
-    return Mixed(table.images, table.classes, soft.float(), index)
+    interior = interior_positions(table.alpha[0]) if kway else None
+    return Mixed(table.images, table.classes, soft.float(), index, interior)
 
 
 def load_data(cfg: Config, device: torch.device) -> tuple[RealSplit, RealSplit]:
@@ -221,13 +229,15 @@ def make_batch(
         "y": y[rank::world],
     }
     if mixed is not None:  # METHODS §3: per real image, its series' best member + an interior one
-        series, pos = sample_csm_members(y, mixed.index, mixed.soft, extra, check=False)
+        series, pos = sample_csm_members(
+            y, mixed.index, mixed.soft, extra, check=False, interior=mixed.interior
+        )
         syn = random_crop_flip(
             mixed.images[series, pos].flatten(0, 1), augment, cfg.crop_pad, cfg.flip
         )
         t = csm_targets(
             mixed.classes[series].flatten(0, 1),
-            mixed.soft[series, pos].flatten(),
+            mixed.soft[series, pos].flatten(0, 1),
             mixed.index.num_classes,
         )
         mine = torch.arange(len(y), device=idx.device)[rank::world]

@@ -2,6 +2,7 @@
 
 gen = load_generator("unet", model="runs/digits/generator", steps=25)
 images = gen.generate_series([SeriesSpec(0, 3, 8, (1.0, 0.5, 0.0), seed=123)])  # uint8 [1, 3, H, W, 3]
+mix = MixSpec(0, (3, 5, 8), ((1.0, 0.0, 0.0), (0.5, 0.25, 0.25)), seed=123)  # a k = 3 series
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from .base import (
     SAMPLERS,
     Generator,
     MixableEmbedding,
+    MixSpec,
     ModelNotFoundError,
     NonFiniteImageError,
     SeriesSpec,
@@ -59,6 +61,7 @@ __all__ = [
     "EDMGenerator",
     "EDMNetwork",
     "Generator",
+    "MixSpec",
     "MixableEmbedding",
     "ModelNotFoundError",
     "NonFiniteImageError",

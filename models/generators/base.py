@@ -1,12 +1,15 @@
 """The generator interface of ARCHITECTURE §4 and what the three backends share.
 
 A *series* (METHODS §1) is one initial noise z reused for K mixing ratios α_k; image k is sampled
-under the condition α_k·c_a + (1−α_k)·c_b. The backends only differ in what c is (a class-embedding
-row, a prompt embedding) and in how they sample; everything else lives here:
+under the condition α_k·c_a + (1−α_k)·c_b. A k-way series (``MixSpec``, models/simplex.py) reuses z
+for K weight vectors w over k classes, condition Σ_i w_i·c_i; the 2-way ``SeriesSpec`` is the case
+w = (α, 1 − α). The backends only differ in what c is (a class-embedding row, a prompt embedding)
+and in how they sample; everything else lives here:
 
 - the noise of a series comes from its own CPU ``torch.Generator`` seeded with ``spec.seed``, so an
   image never depends on the batch size, the device or the other series of the call;
-- (series, α) pairs are flattened into rows and sampled in chunks of ``batch_size`` rows; every model
+- (series, weight vector) pairs are flattened into rows, each row's classes sorted (so a permuted
+  tuple gives the same condition, bit for bit), and sampled in chunks of ``batch_size`` rows; every model
   call is padded to a multiple of ``row_multiple`` rows (see ``Generator._sample_rows`` for why);
 - only deterministic samplers (DDIM η=0, DPM-Solver++ multistep) are accepted;
 - outputs are checked for non-finite values, clipped and quantised to uint8 RGB.
@@ -36,6 +39,35 @@ class SeriesSpec:
     class_b: int
     alphas: tuple[float, ...]
     seed: int
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(classes int64 [K, 2], weights float32 [K, 2]) with w = (α, 1 − α), 1 − α in float32."""
+        alpha = torch.tensor(self.alphas, dtype=torch.float32)
+        classes = torch.tensor([self.class_a, self.class_b]).expand(len(alpha), 2)
+        return classes, torch.stack([alpha, 1 - alpha], dim=1)
+
+
+@dataclass(frozen=True)
+class MixSpec:
+    """One k-way series: shared noise (from ``seed``) for every weight vector of ``weights``;
+    ``weights[j][i]`` is the weight of ``classes[i]`` at position j (rows sum to 1)."""
+
+    series_id: int
+    classes: tuple[int, ...]
+    weights: tuple[tuple[float, ...], ...]
+    seed: int
+
+    @property
+    def alphas(self) -> tuple[tuple[float, ...], ...]:  # the positions, as SeriesSpec names them
+        return self.weights
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(classes int64 [K, k], weights float32 [K, k])."""
+        weights = torch.tensor(self.weights, dtype=torch.float32).reshape(len(self.weights), -1)
+        return torch.tensor(self.classes).expand(len(weights), len(self.classes)), weights
+
+
+Spec = SeriesSpec | MixSpec
 
 
 class NonFiniteImageError(RuntimeError):
@@ -164,8 +196,22 @@ def make_mixable(parent: nn.Module, name: str) -> MixableEmbedding:
 
 def class_weights(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, n: int) -> torch.Tensor:
     """w = α·e_a + (1−α)·e_b ∈ R^{B×n} (METHODS §1), float32."""
-    alpha = alpha.to(torch.float32)[:, None]
-    return alpha * F.one_hot(a, n).float() + (1 - alpha) * F.one_hot(b, n).float()
+    alpha = alpha.to(torch.float32)
+    return mix_weights(torch.stack([a, b], 1), torch.stack([alpha, 1 - alpha], 1), n)
+
+
+def mix_weights(classes: torch.Tensor, weights: torch.Tensor, n: int) -> torch.Tensor:
+    """Σ_i w_i·e_{c_i} ∈ R^{B×n}, float32, for classes [B, k] and weights [B, k].
+
+    Summed left to right as w_1·e_{c_1} + w_2·e_{c_2} + ...: for k = 2 the very float operations
+    of α·e_a + (1−α)·e_b. With distinct classes every entry is one w_i plus exact zeros, so the
+    result does not depend on the order of the tuple.
+    """
+    weights = weights.to(torch.float32)
+    out = weights[:, :1] * F.one_hot(classes[:, 0], n).float()
+    for i in range(1, classes.shape[1]):
+        out = out + weights[:, i : i + 1] * F.one_hot(classes[:, i], n).float()
+    return out
 
 
 class Generator(ABC):
@@ -217,8 +263,10 @@ class Generator(ABC):
         """Shape of one series' initial noise (pixels or latents), without the batch dim."""
 
     @abstractmethod
-    def condition(self, a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-        """Mixed condition α·c_a + (1−α)·c_b for rows (a, b, α), batch dim first, on the device."""
+    def condition(self, classes: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Mixed condition Σ_i w_i·c_i for rows of classes [B, k] and weights [B, k] (float32;
+        k = 2: (α, 1 − α)), batch dim first, on the device. Sum left to right: for k = 2 that is
+        α·c_a + (1−α)·c_b, the 2-way code's float operations."""
 
     @abstractmethod
     def sample(self, noise: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
@@ -252,26 +300,31 @@ class Generator(ABC):
             x = x.clamp(0, 1)
         return (x * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
 
-    def _check_specs(self, specs: Sequence[SeriesSpec]) -> int:
+    def _check_specs(self, specs: Sequence[Spec]) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (classes [S, K, k], weights [S, K, k]) of every series, checked."""
         if not specs:
             raise ValueError("generate_series needs at least one SeriesSpec")
-        n_alphas = len(specs[0].alphas)
-        for s in specs:
-            if len(s.alphas) != n_alphas or n_alphas == 0:
+        rows = [s.rows() for s in specs]
+        shape = rows[0][1].shape
+        for s, (classes, weights) in zip(specs, rows):
+            if weights.shape != shape or shape[0] == 0:
                 raise ValueError(
-                    f"all series need the same non-zero number of alphas; series {s.series_id} has {len(s.alphas)}"
+                    f"all series need the same non-zero number of alphas (weight vectors of one "
+                    f"length); series {s.series_id} has {tuple(weights.shape)}, not {tuple(shape)}"
                 )
-            for c in (s.class_a, s.class_b):
-                if not 0 <= c < self.num_classes:
-                    raise ValueError(
-                        f"series {s.series_id}: class {c} outside [0, {self.num_classes})"
-                    )
-            if not all(0.0 <= a <= 1.0 for a in s.alphas):
+            bad = [c for c in classes[0].tolist() if not 0 <= c < self.num_classes]
+            if bad:
+                raise ValueError(
+                    f"series {s.series_id}: class {bad[0]} outside [0, {self.num_classes})"
+                )
+            if not bool(((weights >= 0) & (weights <= 1)).all()):
                 raise ValueError(f"series {s.series_id}: alphas must lie in [0, 1], got {s.alphas}")
-        return n_alphas
+            if isinstance(s, MixSpec) and len(set(s.classes)) != len(s.classes):
+                raise ValueError(f"series {s.series_id}: classes {s.classes} repeat a class")
+        return torch.stack([c for c, _ in rows]), torch.stack([w for _, w in rows])
 
     def _sample_rows(
-        self, noise: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor
+        self, noise: torch.Tensor, classes: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """Sample one chunk of rows; returns float images in [-1, 1] (possibly non-finite).
 
@@ -286,40 +339,43 @@ class Generator(ABC):
         n = noise.shape[0]
         pad = -n % self.row_multiple
         idx = torch.cat([torch.arange(n), torch.full((pad,), n - 1)])
-        noise, a, b, alpha = noise[idx], a[idx], b[idx], alpha[idx]
-        cond = self.condition(a.to(self.device), b.to(self.device), alpha.to(self.device))
+        noise, classes, weights = noise[idx], classes[idx], weights[idx]
+        # canonical order of each row's classes: a permuted tuple is the same condition
+        order = torch.argsort(classes, dim=1, stable=True)
+        classes, weights = classes.gather(1, order), weights.gather(1, order)
+        cond = self.condition(classes.to(self.device), weights.to(self.device))
         x = self.sample(noise.to(device=self.device, dtype=self.dtype), cond)
         return x[:n]
 
     @torch.inference_mode()
     def generate_series(
         self,
-        specs: Sequence[SeriesSpec],
+        specs: Sequence[Spec],
         batch_size: int | None = None,
         progress: Callable[[int], Any] | None = None,
     ) -> torch.Tensor:
         """Images of every series: uint8 [n_series, K, H, W, 3] (RGB, CPU).
 
-        ``batch_size`` rows (one row = one (series, α) image) per model call; ``progress(n)`` is
+        ``specs`` are 2-way ``SeriesSpec`` or k-way ``MixSpec`` (one k for the whole call).
+        ``batch_size`` rows (one row = one (series, weight vector) image) per model call; ``progress(n)`` is
         called with the number of images finished after each chunk (e.g. ``tqdm.update``).
         Raises ``NonFiniteImageError`` naming the series with NaN/Inf pixels.
         """
         # 1. Check inputs
-        n_alphas = self._check_specs(specs)
+        classes, weights = self._check_specs(specs)
+        n_alphas = classes.shape[1]
         batch_size = batch_size or self.batch_size
-        # 2. One noise tensor per series, on the CPU; flatten (series, α) into rows
+        # 2. One noise tensor per series, on the CPU; flatten (series, weight vector) into rows
         noise = torch.stack([self.initial_noise(s.seed) for s in specs])
         series_of_row = torch.arange(len(specs)).repeat_interleave(n_alphas)
-        a = torch.tensor([s.class_a for s in specs]).repeat_interleave(n_alphas)
-        b = torch.tensor([s.class_b for s in specs]).repeat_interleave(n_alphas)
-        alpha = torch.tensor([x for s in specs for x in s.alphas], dtype=torch.float32)
+        classes, weights = classes.flatten(0, 1), weights.flatten(0, 1)
         # 3. Sample chunk by chunk
         n_rows = len(series_of_row)
         out = torch.zeros(n_rows, self.image_size, self.image_size, 3, dtype=torch.uint8)
         bad: set[int] = set()
         for start in range(0, n_rows, batch_size):
             rows = slice(start, min(start + batch_size, n_rows))
-            x = self._sample_rows(noise[series_of_row[rows]], a[rows], b[rows], alpha[rows])
+            x = self._sample_rows(noise[series_of_row[rows]], classes[rows], weights[rows])
             finite = torch.isfinite(x).flatten(1).all(dim=1).cpu()
             bad.update(series_of_row[rows][~finite].tolist())
             out[rows] = self.to_uint8(torch.nan_to_num(x.float() / 2 + 0.5))

@@ -22,10 +22,10 @@ from diffusers import DiTPipeline
 from .base import (
     Generator,
     MixableEmbedding,
-    class_weights,
     load_pretrained,
     make_mixable,
     make_scheduler,
+    mix_weights,
 )
 
 
@@ -97,11 +97,10 @@ class DiTGenerator(Generator):
         cfg = self.transformer.config
         return (cfg.in_channels, cfg.sample_size, cfg.sample_size)
 
-    def condition(self, a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-        """Weights over the DiT table: α·e_{id(a)} + (1−α)·e_{id(b)} [B, n_ids]."""
-        return class_weights(
-            self.class_ids[a], self.class_ids[b], alpha, self._tables[0].num_embeddings
-        )
+    def condition(self, classes: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Weights over the DiT table: Σ_i w_i·e_{id(c_i)} [B, n_ids] (k = 2: α·e_{id(a)} +
+        (1−α)·e_{id(b)}), mixed in every block."""
+        return mix_weights(self.class_ids[classes], weights, self._tables[0].num_embeddings)
 
     def sample(self, noise: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         """Deterministic reverse process (DiTPipeline's loop); ``cond``: labels [B] or weights [B, N]."""

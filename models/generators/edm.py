@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from diffusers import EDMEulerScheduler
 
-from .base import Generator, ModelNotFoundError, class_weights, load_pretrained
+from .base import Generator, ModelNotFoundError, load_pretrained, mix_weights
 from .edm_net import EDMNetwork
 from .edm_pickle import load_edm_pickle
 
@@ -121,9 +121,10 @@ class EDMGenerator(Generator):
         cfg = self.net.config
         return (cfg.img_channels, cfg.img_resolution, cfg.img_resolution)
 
-    def condition(self, a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-        """y = α·e_a + (1−α)·e_b, the input of the label-embedding layer (a linear map)."""
-        return class_weights(a, b, alpha, self.num_classes)
+    def condition(self, classes: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """y = Σ_i w_i·e_{c_i} (k = 2: α·e_a + (1−α)·e_b), the input of the label-embedding
+        layer (a linear map)."""
+        return mix_weights(classes, weights, self.num_classes)
 
     def _d(self, x: torch.Tensor, sigma: float, cond: torch.Tensor) -> torch.Tensor:
         """ODE direction d = (x − D(x; σ))/σ, in float64."""

@@ -97,12 +97,16 @@ class SDGenerator(Generator):
                 self._uncond = uncond[0]
         return self._embeds[c]
 
-    def condition(self, a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-        """α·E(a) + (1−α)·E(b) per row [B, T, D] (mixed in float32, then cast)."""
-        e_a = torch.stack([self._encode(c) for c in a.tolist()])
-        e_b = torch.stack([self._encode(c) for c in b.tolist()])
-        w = alpha.float()[:, None, None]
-        return (w * e_a + (1 - w) * e_b).to(self.dtype)
+    def condition(self, classes: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Σ_i w_i·E(c_i) per row [B, T, D], summed left to right (k = 2: α·E(a) + (1−α)·E(b));
+        mixed in float32, then cast."""
+        w = weights.float()
+        cond = None
+        for i in range(classes.shape[1]):
+            e_i = torch.stack([self._encode(c) for c in classes[:, i].tolist()])
+            term = w[:, i, None, None] * e_i
+            cond = term if cond is None else cond + term
+        return cond.to(self.dtype)
 
     def sample(self, noise: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         """Run the pipeline on shared ``latents``; decode ourselves to see non-finite values."""

@@ -1,7 +1,7 @@
 """`unet` backend: class-conditional pixel diffusion with diffusers' ``UNet2DModel``.
 
 Closest to the original CSM (class-conditional EDM at 32×32, METHODS §1): the class enters through
-the table ``unet.class_embedding`` (``num_class_embeds = C``) and is mixed as α·E[a] + (1−α)·E[b].
+the table ``unet.class_embedding`` (``num_class_embeds = C``) and is mixed as α·E[a] + (1−α)·E[b] (k-way: Σ_i w_i·E[c_i]).
 To mix without touching diffusers' forward, the table is replaced by a ``MixableEmbedding`` that
 takes class-weight vectors as ``class_labels``.
 
@@ -20,7 +20,7 @@ import torch
 from diffusers import DDIMScheduler, UNet2DModel
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
-from .base import Generator, class_weights, load_pretrained, make_mixable, make_scheduler
+from .base import Generator, load_pretrained, make_mixable, make_scheduler, mix_weights
 
 
 @dataclass(frozen=True)
@@ -141,9 +141,10 @@ class UNetGenerator(Generator):
     def noise_shape(self) -> tuple[int, ...]:
         return (self.unet.config.in_channels, self.image_size, self.image_size)
 
-    def condition(self, a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-        """Class weights w = α·e_a + (1−α)·e_b; the table turns them into α·E[a] + (1−α)·E[b]."""
-        return class_weights(a, b, alpha, self.num_classes)
+    def condition(self, classes: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Class weights Σ_i w_i·e_{c_i} (k = 2: α·e_a + (1−α)·e_b); the table turns them into
+        Σ_i w_i·E[c_i]."""
+        return mix_weights(classes, weights, self.num_classes)
 
     def sample(self, noise: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         """Deterministic reverse process; ``cond`` is integer labels [B] or class weights [B, C]."""

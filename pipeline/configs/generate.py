@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from models.generators import EDM_SAMPLERS, GENERATORS, SAMPLERS
 from pipeline.config import ConfigError, StageConfig, check_choice, check_range
@@ -30,6 +31,12 @@ class Config(StageConfig):
     alphas: int = 8  # K mixing ratios per series, alpha_k = k/(K-1), endpoints included
     series_per_pair: int = 1
     pairs: int = 0  # 0 = every pair a < b; N = a seeded subset of N pairs
+    # k-way mixing (docs/generate.md): a series = one noise at every point of the simplex lattice
+    # w_i = n_i/m over k classes; k = 2, m = alphas - 1 is the CSM alpha grid above
+    mix_classes: int = 2  # k classes per series
+    lattice: int = 0  # m; 0 = alphas - 1
+    tuples: int = 0  # 0 = every k-subset; N = a seeded subset of N tuples (k = 2: as pairs)
+    series_per_tuple: int = 0  # 0 = series_per_pair
     limit: int = 0  # quick runs: only the first N series of the plan (0 = all)
     series_per_shard: int = 0  # 0 = auto: >= min_shards shards where the budget allows
     min_shards: int = 16  # >= 1 shard per process x data-loader worker downstream
@@ -44,6 +51,21 @@ class Config(StageConfig):
         check_choice("sampler", self.sampler, sorted(EDM_SAMPLERS if self.edm else SAMPLERS))
         check_choice("dtype", self.dtype, DTYPES)
         check_range("alphas", self.alphas, 2)
+        check_range("mix_classes", self.mix_classes, 2)
+        for name in ("lattice", "tuples", "series_per_tuple"):
+            check_range(name, getattr(self, name), 0)
+        if self.pairs and self.mix_classes != 2:
+            raise ConfigError(
+                f"pairs={self.pairs} picks class pairs, but mix_classes={self.mix_classes}: "
+                "use tuples=N"
+            )
+        if self.pairs and self.tuples and self.pairs != self.tuples:
+            raise ConfigError(f"pairs={self.pairs} and tuples={self.tuples} disagree; set one")
+        if self.lattice and self.alphas not in (DEFAULT_ALPHAS, self.lattice + 1):
+            raise ConfigError(
+                f"alphas={self.alphas} and lattice={self.lattice} disagree (the lattice m has "
+                "m + 1 points per edge: alphas = lattice + 1); set one of them"
+            )
         for name in ("steps", "series_per_pair", "min_shards", "batch_size"):
             check_range(name, getattr(self, name), 1)
         for name in ("pairs", "limit", "series_per_shard", "native_size", "image_size"):
@@ -65,6 +87,33 @@ class Config(StageConfig):
     @property
     def edm(self) -> bool:
         return self.backend == "edm"
+
+    @property
+    def lattice_m(self) -> int:
+        """m of the simplex lattice (k = 2: K − 1 of the α grid)."""
+        return self.lattice or self.alphas - 1
+
+    @property
+    def budget_per_tuple(self) -> int:
+        return self.series_per_tuple or self.series_per_pair
+
+    @property
+    def subset(self) -> int:
+        """N of a seeded subset of class tuples (0 = all)."""
+        return self.tuples or self.pairs
+
+    def to_dict(self) -> dict[str, Any]:
+        """The k-way fields are recorded only when set: a 2-way config.json stays the very file
+        the 2-way code wrote (so its folders still resume)."""
+        d = super().to_dict()
+        for name, default in K_WAY_DEFAULTS.items():
+            if d[name] == default:
+                del d[name]
+        return d
+
+
+DEFAULT_ALPHAS = 8  # the default of Config.alphas, for the alphas/lattice consistency check
+K_WAY_DEFAULTS = {"mix_classes": 2, "lattice": 0, "tuples": 0, "series_per_tuple": 0}
 
 
 # Pretrained text-to-image model of the photo presets; a local save_pretrained folder works too
