@@ -10,21 +10,12 @@ from __future__ import annotations
 import hashlib
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
+from bench.bench_shards import best_of
 from pipeline.cli import run_stage
 from shards.datasets import load_real
 from shards.manifest import read_manifest
-
-
-def _best(fn, repeats: int = 7) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def run() -> dict:
@@ -35,10 +26,10 @@ def run() -> dict:
         manifest = read_manifest(folder)
         size = sum(rec.bytes for rec in manifest.shards)
         load_real(folder)  # warm the page cache: both variants read from memory
-        off = _best(lambda: load_real(folder, verify=False))
-        on = _best(lambda: load_real(folder, verify=True))
+        off = best_of(lambda: load_real(folder, verify=False), repeats=7)
+        on = best_of(lambda: load_real(folder, verify=True), repeats=7)
         data = b"\0" * size
-        sha = _best(lambda: hashlib.sha256(data).digest())
+        sha = best_of(lambda: hashlib.sha256(data).digest(), repeats=7)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     share = (on - off) / on
