@@ -19,11 +19,14 @@ to study/logs/<run>.log.
 
 from __future__ import annotations
 
+import functools
+import math
 import os
+import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,12 +34,14 @@ from typing import Any
 
 import numpy as np
 
-from models.study_stats import Predictions, bootstrap_difference, softmax, summarize
+from models.simplex import num_lattice_points
+from models.study_stats import Predictions, bootstrap_difference, summarize
 from pipeline.chain import split_sets
 from pipeline.config import ConfigError, parse_sets
-from pipeline.plots import error_bars, reliability_diagram
 from pipeline.runtime import derive_seed, log, progress
-from shards.io import atomic_write_bytes, atomic_write_json, read_json
+from pipeline.study_report import figures, write_report
+from shards.io import atomic_write_json, read_json
+from shards.manifest import read_manifest
 
 
 class StudyError(ValueError):
@@ -52,6 +57,8 @@ class Method:
     sets: tuple[str, ...]
     base: str = ""  # finetune: the method whose run is fine-tuned
     needs_mixed: bool = False
+    # k of the mixed set it trains on; k >= 3: a second chain into <root>-k<k>/ (kway_chain)
+    mix_classes: int = 2
 
 
 METHODS: dict[str, Method] = {
@@ -60,6 +67,8 @@ METHODS: dict[str, Method] = {
     # the CSM paper's ablations: ratio labels t_a = α (no re-annotation); CE on the mixed images
     "csm-ratio": Method("train", ("loss=csm", "csm_targets=ratio"), needs_mixed=True),
     "csm-ce": Method("train", ("loss=csm", "csm_mixed_loss=ce"), needs_mixed=True),
+    # beyond the paper: series mixing 3 classes (simplex lattice m = 4), as many images as csm
+    "csm3": Method("train", ("loss=csm",), needs_mixed=True, mix_classes=3),
     "ls": Method("train", ("loss=ls",)),
     "focal": Method("train", ("loss=focal",)),
     "mixup": Method("train", ("loss=mixup",)),
@@ -96,6 +105,8 @@ class StudyConfig:
             base = METHODS[m].base
             if base and base not in self.methods:
                 raise ConfigError(f"study method {m} fine-tunes {base}: add {base} to methods")
+            if METHODS[m].mix_classes > 2 and "csm" not in self.methods:
+                raise ConfigError(f"study method {m} is compared with 2-way csm: add csm")
         if not self.seeds or self.jobs < 1 or self.bootstrap < 100:
             raise ConfigError("study needs >= 1 seed, jobs >= 1 and bootstrap >= 100")
 
@@ -113,12 +124,72 @@ class Task:
     steps: list[tuple[str, list[str]]]  # (stage or command, --set values), run in order
     after: set[str] = field(default_factory=set)
     done: bool = False
+    # run in this process before the commands; returns extra --set values for the last step
+    prepare: Callable[[], list[str]] | None = None
 
-    def commands(self, preset: str) -> list[list[str]]:
+    def commands(self, preset: str, extra: Sequence[str] = ()) -> list[list[str]]:
+        last = len(self.steps) - 1
         return [
             [sys.executable, "-m", "pipeline", stage, "--preset", preset, "--set", *sets]
-            for stage, sets in self.steps
+            + (list(extra) if i == last else [])
+            for i, (stage, sets) in enumerate(self.steps)
         ]
+
+
+# ---------------------------------------------------------------- k-way mixed sets
+
+KWAY_LATTICE = 4  # m of the study's k-way sets: 15 images per 3-class series
+KWAY_UPSTREAM = ("real", "generator", "train/encoder")  # what a k-way chain shares with csm's
+
+
+def kway_root(root: Path, k: int) -> Path:
+    """runs/<classes>-k<k>/: the k-way chain's own root (generate and annotate always write
+    <root>/series and <root>/mixed, and the 2-way ones are csm's)."""
+    return root.with_name(f"{root.name}-k{k}")
+
+
+def link_complete(src: Path, dst: Path) -> None:
+    """Share a complete upstream folder with another root: hard links (a copy across
+    devices), built beside `dst` and renamed into place. Safe because semix never rewrites a
+    file in place (temp + rename), and the downstream stages check its digests as usual."""
+    if dst.exists() or not src.is_dir():
+        return
+
+    def link(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    tmp = dst.with_name(f".{dst.name}.linking")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(src, tmp, copy_function=link)
+    os.replace(tmp, dst)
+
+
+def prepare_kway(root: Path, k: int) -> list[str]:
+    """Before the k-way chain: share csm's real/, generator/ and encoder run (no second
+    prepare or fit), and size the k-way set to csm's number of generated images: lattice m =
+    KWAY_LATTICE, `tuples` x `series_per_tuple` series, `tuples` the largest divisor of the
+    series count that is at most C(n, k) so every tuple gets the same number of series."""
+    for rel in KWAY_UPSTREAM:
+        link_complete(root / rel, kway_root(root, k) / rel)
+    mixed = read_manifest(root / "mixed")
+    per_series = num_lattice_points(k, KWAY_LATTICE)
+    series = max(1, round(mixed.num_samples / per_series))
+    limit = min(series, math.comb(len(mixed.class_names), k))
+    tuples = max(d for d in range(1, limit + 1) if series % d == 0)
+    log.info(
+        "study: k=%d set of %d series x %d images (csm: %d images), %d tuples",
+        *(k, series, per_series, mixed.num_samples, tuples),
+    )
+    return [
+        f"generate.mix_classes={k}",
+        f"generate.lattice={KWAY_LATTICE}",
+        f"generate.tuples={tuples}",
+        f"generate.series_per_tuple={series // tuples}",
+    ]
 
 
 def _evaluated(folder: Path, criterion: str) -> bool:
@@ -137,6 +208,14 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
     if needs_chain:
         done = (root / "mixed" / "manifest.json").is_file()
         tasks.append(Task("chain", [("chain", chain_sets)], done=done))
+    for k in sorted({METHODS[m].mix_classes for m in cfg.methods} - {2}):
+        k_sets = [
+            *(s for s in chain_sets if not s.startswith("name=")),
+            f"name={kway_root(root, k).name}",
+        ]
+        done = (kway_root(root, k) / "mixed" / "manifest.json").is_file()
+        prepare = functools.partial(prepare_kway, root, k)
+        tasks.append(Task(f"chain-k{k}", [("chain", k_sets)], {"chain"}, done, prepare))
     train_sets, ft_sets = split_sets(sets, "train"), split_sets(sets, "finetune")
     eval_sets = [*split_sets(sets, "evaluate"), f"ts_criterion={cfg.ts_criterion}"]
     for method in cfg.methods:  # method by method (all its seeds), in the order given
@@ -144,12 +223,16 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
             m, name = METHODS[method], run_name(method, seed)
             if m.stage == "train":
                 make = ("train", [*train_sets, *m.sets, f"run={name}", f"seed={seed}"])
+                if m.mix_classes > 2:
+                    make[1].append(f"mixed={kway_root(root, m.mix_classes) / 'mixed'}")
             else:
                 base = run_name(m.base, seed)
                 make = ("finetune", [*ft_sets, *m.sets, f"run={base}", f"seed={seed}"])
             stage_dir = "train" if m.stage == "train" else "finetune"
             evaluate = ("evaluate", [*eval_sets, f"run={name}", f"stage_dir={stage_dir}"])
             after = {"chain"} if m.needs_mixed else set()
+            if m.mix_classes > 2:
+                after = {f"chain-k{m.mix_classes}"}
             if m.base:
                 after.add(run_name(m.base, seed))
             done = _evaluated(root / stage_dir / name, cfg.ts_criterion)
@@ -161,8 +244,9 @@ def _execute(task: Task, preset: str, logs: Path) -> float:
     """Run the task's commands one after another, output to logs/<task>.log; seconds taken."""
     t0 = time.perf_counter()
     log_path = logs / f"{task.name}.log"
+    extra = task.prepare() if task.prepare else []
     with open(log_path, "a", encoding="utf-8") as out:
-        for cmd in task.commands(preset):
+        for cmd in task.commands(preset, extra):
             out.write(f"$ {' '.join(cmd[1:])}\n")
             out.flush()
             rc = subprocess.run(
@@ -242,127 +326,22 @@ def collect(cfg: StudyConfig, root: Path) -> list[dict[str, Any]]:
     return records
 
 
-def _pm(stats: dict[str, float], digits: int = 2) -> str:
-    return f"{stats['mean']:.{digits}f} ± {stats['std']:.{digits}f}"
-
-
-COLUMNS = (
-    ("top1", "top-1", 2), ("ece", "ECE", 2), ("aece", "AECE", 2), ("classwise_ece", "cw-ECE", 3),
-    ("oece", "O-ECE", 2), ("uece", "U-ECE", 2), ("nll", "NLL", 4), ("brier", "Brier", 4),
-)  # fmt: skip
-
-
-def write_report(
-    cfg: StudyConfig, root: Path, out: Path, records: list, summary: dict, boot: dict
-) -> Path:
-    """study/report.md: the tables a reader needs to judge every method against ce."""
-    n_seeds = len(cfg.seeds)
-    lines = [
-        f"# Study: {root.name}",
-        "",
-        f"{len(cfg.methods)} methods x {n_seeds} seeds ({', '.join(map(str, cfg.seeds))}); test "
-        f"split; mean ± std (sample std) over seeds; percentages x100 except NLL and Brier. "
-        f"Temperature scaling fitted on the val split (criterion `{cfg.ts_criterion}`).",
-        "",
-    ]
-    for when, title in (
-        ("before_ts", "Before temperature scaling"),
-        ("after_ts", "After temperature scaling"),
-    ):
-        t_col = " T |" if when == "after_ts" else ""
-        lines += [
-            f"## {title}",
-            "",
-            "| method | " + " | ".join(c[1] for c in COLUMNS) + " |" + t_col,
-            "|---|" + "---|" * len(COLUMNS) + ("---|" if t_col else ""),
-        ]
-        for method, stats in summary.items():
-            cells = [_pm(stats[f"{when}.{k}"], d) for k, _, d in COLUMNS]
-            if t_col:
-                cells.append(_pm(stats["temperature"], 2))
-            lines.append(f"| {method} | " + " | ".join(cells) + " |")
-        lines.append("")
-    lines += [
-        "## ECE difference to ce (x100), bootstrap 95 % interval",
-        "",
-        f"{cfg.bootstrap} resamples of the test images (paired across runs) and of the seeds "
-        "(per method); the difference of mean-over-seeds ECE. An interval below 0 means the "
-        "method is better calibrated than ce beyond test-set and seed noise.",
-        "",
-        "| method | ΔECE before TS | 95 % interval | relative | ΔECE after TS | 95 % interval |",
-        "|---|---|---|---|---|---|",
-    ]
-    for method in summary:
-        if method == "ce":
-            continue
-        b, a = boot["before_ts"][method], boot["after_ts"][method]
-        lines.append(
-            f"| {method} | {b['difference']:+.2f} | [{b['ci95'][0]:+.2f}, {b['ci95'][1]:+.2f}] | "
-            f"{100 * b['relative']:+.0f} % | {a['difference']:+.2f} | "
-            f"[{a['ci95'][0]:+.2f}, {a['ci95'][1]:+.2f}] |"
-        )
-    lines.append("")
-    if "csm" in summary:
-        ce, csm, b = summary["ce"], summary["csm"], boot["before_ts"]["csm"]
-        d_acc = csm["before_ts.top1"]["mean"] - ce["before_ts.top1"]["mean"]
-        reached = -b["relative"] >= 0.3 and d_acc >= -1.0 and b["ci95"][1] < 0
-        lines += [
-            "## The goal (issue: csm vs ce)",
-            "",
-            f"- ECE {_pm(csm['before_ts.ece'])} vs {_pm(ce['before_ts.ece'])}: "
-            f"{-100 * b['relative']:.0f} % lower (goal >= 30 %)",
-            f"- top-1 {d_acc:+.2f} points (goal >= -1)",
-            f"- 95 % interval of ΔECE [{b['ci95'][0]:+.2f}, {b['ci95'][1]:+.2f}] "
-            f"({'excludes' if b['ci95'][1] < 0 or b['ci95'][0] > 0 else 'includes'} 0)",
-            f"- **{'reached' if reached else 'not reached'}**",
-            "",
-        ]
-    lines += [
-        "## Every run",
-        "",
-        "| run | seed | top-1 | ECE | NLL | T | ECE after TS |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in records:
-        edge = " (edge!)" if r["temperature_on_edge"] else ""
-        lines.append(
-            f"| {r['run']} | {r['seed']} | {r['before_ts']['top1']:.2f} | {r['before_ts']['ece']:.2f} | "
-            f"{r['before_ts']['nll']:.4f} | {r['temperature']:.2f}{edge} | {r['after_ts']['ece']:.2f} |"
-        )
-    lines += ["", "Figures: [reliability.png](reliability.png), [ece.png](ece.png).", ""]
-    path = out / "report.md"
-    atomic_write_bytes(path, "\n".join(lines).encode())
-    return path
-
-
-def figures(cfg: StudyConfig, root: Path, out: Path, preds: dict, summary: dict) -> None:
-    """reliability.png (ce vs csm, seeds pooled) and ece.png (ECE per method, error bars)."""
-    import torch
-
-    from models.calibration import reliability_bins
-
-    panels = {}
-    for method in [m for m in ("ce", "csm") if m in preds]:
-        runs = preds[method]
-        pooled = Predictions(
-            *(np.concatenate([getattr(p, f) for p in runs]) for f in Predictions.FIELDS)
-        )
-        prob = softmax(pooled.logits)
-        correct = torch.from_numpy(prob.argmax(axis=1) == pooled.labels)
-        bins = reliability_bins(torch.from_numpy(prob.max(axis=1)), correct)
-        panels[f"{method} ({len(runs)} seeds pooled)"] = {
-            k: bins[k].tolist() for k in ("acc", "conf", "count")
-        } | {"ece": 100.0 * pooled.ece()}
-    reliability_diagram(panels, out / "reliability.png", title=f"{root.name}: test, before TS")
-    error_bars(
-        {
-            when: {m: (s[f"{key}.ece"]["mean"], s[f"{key}.ece"]["std"]) for m, s in summary.items()}
-            for when, key in (("before TS", "before_ts"), ("after TS", "after_ts"))
-        },
-        out / "ece.png",
-        ylabel="test ECE (%)",
-        title=f"{root.name}: ECE per method, mean ± std over {len(cfg.seeds)} seeds",
-    )
+def kway_comparison(
+    cfg: StudyConfig, root: Path, preds: dict, rng: np.random.Generator
+) -> dict[str, Any] | None:
+    """csm<k> against 2-way csm: the bootstrap of the ECE difference, and the number of
+    generated images each was given (they should match)."""
+    ks = sorted({METHODS[m].mix_classes for m in cfg.methods} - {2})
+    if not ks:
+        return None
+    folders = [root / "mixed", *(kway_root(root, k) / "mixed" for k in ks)]
+    methods = ["csm", *(m for m in cfg.methods if METHODS[m].mix_classes > 2)]
+    result: dict[str, Any] = {
+        "images": {f"{f.parent.name}/mixed": read_manifest(f).num_samples for f in folders}
+    }
+    for when, p in preds.items():
+        result[when] = bootstrap_difference({m: p[m] for m in methods}, "csm", cfg.bootstrap, rng)
+    return result
 
 
 def run_study(preset: str, sets: Sequence[str]) -> Path:
@@ -402,6 +381,7 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
             )
     rng = np.random.default_rng(derive_seed(0, "study-bootstrap"))
     boot = {when: bootstrap_difference(p, "ce", cfg.bootstrap, rng) for when, p in preds.items()}
+    kway = kway_comparison(cfg, root, preds, rng)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(
         out / "study.json",
@@ -411,10 +391,11 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
             "records": records,
             "summary": summary,
             "ece_difference_to_ce": boot,
+            "kway": kway,
             "task_seconds_this_invocation": seconds,
             "wall_seconds_this_invocation": round(time.perf_counter() - t0, 1),
         },
     )
     figures(cfg, root, out, preds["before_ts"], summary)
-    report = write_report(cfg, root, out, records, summary, boot)
+    report = write_report(cfg, root, out, records, summary, boot, kway)
     return report

@@ -109,3 +109,73 @@ def test_study_runs_reports_and_resumes_only_what_is_missing(digits_root, tmp_pa
     assert list(third["task_seconds_this_invocation"]) == ["ce-s1"]
     log = (report.parent / "logs" / "ce-s1.log").read_text()
     assert "already finished" in log  # train skipped the finished run; only evaluate ran again
+
+
+def _mixed_manifest(folder, num_samples: int, num_classes: int = 10):
+    """A mixed/ manifest with `num_samples` in 3 shards (what prepare_kway reads)."""
+    from shards.manifest import Manifest, ShardRecord, write_manifest
+
+    folder.mkdir(parents=True)
+    counts = [num_samples // 3, num_samples // 3, num_samples - 2 * (num_samples // 3)]
+    shards = tuple(ShardRecord(f"mixed-{i:06d}.tar", c, "0" * 64, 1) for i, c in enumerate(counts))
+    names = tuple(f"c{i}" for i in range(num_classes))
+    write_manifest(folder, Manifest("mixed", names, shards))
+
+
+@pytest.mark.parametrize(
+    ("images", "classes", "tuples", "per_tuple"),
+    [(2160, 10, 72, 2), (5760, 10, 96, 4), (1800, 10, 120, 1), (30, 4, 2, 1)],
+)
+def test_kway_set_gets_the_image_budget_of_csm(tmp_path, images, classes, tuples, per_tuple):
+    """csm3's chain: m = 4 (15 images per series), tuples x series_per_tuple series = csm's
+    image count / 15, every tuple the same number of series, at most C(n, 3) tuples."""
+    from math import comb
+
+    from pipeline.study import KWAY_LATTICE, prepare_kway
+
+    root = tmp_path / "digits"
+    _mixed_manifest(root / "mixed", images, classes)
+    sets = dict(s.split("=") for s in prepare_kway(root, 3))
+    assert sets["generate.mix_classes"] == "3" and int(sets["generate.lattice"]) == KWAY_LATTICE
+    t, s = int(sets["generate.tuples"]), int(sets["generate.series_per_tuple"])
+    assert (t, s) == (tuples, per_tuple)
+    assert t <= comb(classes, 3) and t * s * 15 == images
+
+
+def test_kway_chain_shares_complete_upstream_folders_by_link(tmp_path):
+    from pipeline.study import kway_root, prepare_kway
+
+    root = tmp_path / "digits"
+    _mixed_manifest(root / "mixed", 2160)
+    for rel in ("real/train/manifest.json", "generator/unet/w.safetensors", "train/encoder/m.json"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(rel.encode())
+    (root / "train" / "ce-s0").mkdir()  # study runs are not shared
+    prepare_kway(root, 3)
+    k3 = kway_root(root, 3)
+    assert k3 == tmp_path / "digits-k3"
+    for rel in ("real/train/manifest.json", "generator/unet/w.safetensors", "train/encoder/m.json"):
+        assert (k3 / rel).read_bytes() == rel.encode()
+        assert (k3 / rel).stat().st_ino == (root / rel).stat().st_ino  # a link, not a copy
+    assert not (k3 / "train" / "ce-s0").exists() and not (k3 / "mixed").exists()
+    assert not list(k3.rglob(".*linking"))
+    prepare_kway(root, 3)  # a second time: nothing changes, nothing fails
+
+
+def test_csm3_plan_trains_on_the_kway_set_after_its_chain(tmp_path):
+    from pipeline.study import plan
+
+    root = tmp_path / "digits"
+    cfg = StudyConfig(methods=("ce", "csm", "csm3"), seeds=(0, 1))
+    tasks = {t.name: t for t in plan(cfg, "digits", [f"out={tmp_path}"], root)}
+    assert tasks["chain-k3"].after == {"chain"} and tasks["chain-k3"].prepare is not None
+    chain_sets = tasks["chain-k3"].steps[0][1]
+    assert "name=digits-k3" in chain_sets and f"out={tmp_path}" in chain_sets
+    for seed in (0, 1):
+        task = tasks[f"csm3-s{seed}"]
+        assert task.after == {"chain-k3"}
+        train = task.steps[0][1]
+        assert f"mixed={tmp_path / 'digits-k3' / 'mixed'}" in train and "loss=csm" in train
+    assert not any(s.startswith("mixed=") for s in tasks["csm-s0"].steps[0][1])
+    with pytest.raises(ConfigError, match="add csm"):
+        StudyConfig(methods=("ce", "csm3"))
