@@ -95,7 +95,8 @@ def write_report(
             "## The goal (issue: csm vs ce)",
             "",
             f"- ECE {_pm(csm['before_ts.ece'])} vs {_pm(ce['before_ts.ece'])}: "
-            f"{-100 * b['relative']:.0f} % lower (goal >= 30 %)",
+            f"{abs(100 * b['relative']):.0f} % {'lower' if b['relative'] < 0 else 'higher'} "
+            "(goal: >= 30 % lower)",
             f"- top-1 {d_acc:+.2f} points (goal >= -1)",
             f"- 95 % interval of ΔECE [{b['ci95'][0]:+.2f}, {b['ci95'][1]:+.2f}] "
             f"({'excludes' if b['ci95'][1] < 0 or b['ci95'][0] > 0 else 'includes'} 0)",
