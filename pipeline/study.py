@@ -36,7 +36,9 @@ from pipeline.chain import split_sets
 from pipeline.config import ConfigError, parse_sets
 from pipeline.plots import error_bars, reliability_diagram
 from pipeline.runtime import derive_seed, log, progress
-from shards.io import atomic_write_bytes, atomic_write_json, read_json
+from shards import evals
+from shards.io import atomic_write_bytes, atomic_write_json
+from shards.manifest import ShardError
 
 
 class StudyError(ValueError):
@@ -122,11 +124,14 @@ class Task:
 
 
 def _evaluated(folder: Path, criterion: str) -> bool:
-    path = folder / "metrics.json"
-    if not path.is_file():
+    """A complete evaluation (eval/<stage>/<run>/, shards/evals.py) with this TS criterion. A
+    stale one (its run retrained since) is redone by the task's evaluate step, which skips it
+    when it is current."""
+    try:
+        metrics = evals.read_metrics(folder)
+    except ShardError:  # damaged: the task's evaluate step redoes it
         return False
-    ev = read_json(path).get("evaluation", {})
-    return ev.get("ts_criterion") == criterion and (folder / "predictions.npz").is_file()
+    return bool(metrics) and metrics["evaluation"].get("ts_criterion") == criterion
 
 
 def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list[Task]:
@@ -152,7 +157,7 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
             after = {"chain"} if m.needs_mixed else set()
             if m.base:
                 after.add(run_name(m.base, seed))
-            done = _evaluated(root / stage_dir / name, cfg.ts_criterion)
+            done = _evaluated(evals.eval_dir(root, stage_dir, name), cfg.ts_criterion)
             tasks.append(Task(name, [make, evaluate], after, done))
     return tasks
 
@@ -225,8 +230,8 @@ def collect(cfg: StudyConfig, root: Path) -> list[dict[str, Any]]:
     for method in cfg.methods:
         stage_dir = "finetune" if METHODS[method].stage == "finetune" else "train"
         for seed in cfg.seeds:
-            folder = root / stage_dir / run_name(method, seed)
-            ev = read_json(folder / "metrics.json")["evaluation"]
+            folder = evals.eval_dir(root, stage_dir, run_name(method, seed))
+            ev = evals.read_metrics(folder)["evaluation"]
             records.append(
                 {
                     "method": method,
@@ -393,7 +398,7 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
     summary = summarize(records, METRICS)
     preds: dict[str, dict[str, list[Predictions]]] = {"before_ts": {}, "after_ts": {}}
     for r in records:
-        path = root / r["run"] / "predictions.npz"
+        path = root / evals.EVAL / r["run"] / evals.PREDICTIONS  # r["run"] = <stage>/<run>
         with np.load(path, allow_pickle=False) as z:
             logits, labels = z["logits"], z["labels"]
         for when, t in (("before_ts", 1.0), ("after_ts", r["temperature"])):

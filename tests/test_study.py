@@ -88,7 +88,7 @@ def test_study_runs_reports_and_resumes_only_what_is_missing(digits_root, tmp_pa
         "ce-s0", "ce-s1", "ce-s0-maccal", "ce-s1-maccal",
     }  # fmt: skip
     for r in study["records"]:  # each record is the run's own evaluation
-        ev = json.loads((tmp_path / "digits" / r["run"] / "metrics.json").read_text())
+        ev = json.loads((tmp_path / "digits" / "eval" / r["run"] / "metrics.json").read_text())
         assert r["before_ts"]["ece"] == ev["evaluation"]["before_ts"]["ece"]
         assert r["temperature"] == ev["evaluation"]["temperature"] and r["ts_criterion"] == "nll"
     ce = [r["before_ts"]["ece"] for r in study["records"] if r["method"] == "ce"]
@@ -103,7 +103,7 @@ def test_study_runs_reports_and_resumes_only_what_is_missing(digits_root, tmp_pa
     again = json.loads((report.parent / "study.json").read_text())
     assert again["task_seconds_this_invocation"] == {}
     assert again["records"] == study["records"]
-    (tmp_path / "digits" / "train" / "ce-s1" / "predictions.npz").unlink()
+    shutil.rmtree(tmp_path / "digits" / "eval" / "train" / "ce-s1")
     run_study("digits", sets)
     third = json.loads((report.parent / "study.json").read_text())
     assert list(third["task_seconds_this_invocation"]) == ["ce-s1"]
