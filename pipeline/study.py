@@ -38,7 +38,7 @@ from pipeline.plots import error_bars, reliability_diagram
 from pipeline.runtime import derive_seed, log, progress
 from shards import evals
 from shards.io import atomic_write_bytes, atomic_write_json
-from shards.manifest import ShardError
+from shards.manifest import ShardError, read_manifest
 
 
 class StudyError(ValueError):
@@ -124,14 +124,21 @@ class Task:
 
 
 def _evaluated(folder: Path, criterion: str) -> bool:
-    """A complete evaluation (eval/<stage>/<run>/, shards/evals.py) with this TS criterion. A
-    stale one (its run retrained since) is redone by the task's evaluate step, which skips it
-    when it is current."""
+    """A complete evaluation (eval/<stage>/<run>/, shards/evals.py) with this TS criterion, made
+    from the run as it is now (same run digest). Otherwise the task runs: train/finetune skip a
+    finished run and evaluate redoes only what is stale."""
+    from stages.evaluate import run_digest, run_is_complete
+
+    key = f"{folder.parent.name}/{folder.name}"  # <stage>/<run>, as evaluate names it
+    run = folder.parent.parent.parent / key
     try:
-        metrics = evals.read_metrics(folder)
+        metrics = evals.read_metrics(folder)  # checked against its manifest; None: not there
+        if not metrics or not run_is_complete(run):
+            return False
+        made_from = read_manifest(folder).upstream.get(key)
     except ShardError:  # damaged: the task's evaluate step redoes it
         return False
-    return bool(metrics) and metrics["evaluation"].get("ts_criterion") == criterion
+    return made_from == run_digest(run) and metrics["evaluation"].get("ts_criterion") == criterion
 
 
 def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list[Task]:

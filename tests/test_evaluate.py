@@ -193,7 +193,7 @@ def test_trained_runs_ensemble_files_and_report(digits_root, tmp_path):
     assert "| a+b | ensemble | ensemble |" in report.read_text()
 
 
-def test_rerun_only_reads_and_a_retrained_run_is_redone(tmp_path):
+def test_rerun_only_reads_and_a_retrained_run_is_redone(tmp_path, read_only, monkeypatch):
     root = constructed_root(tmp_path)
     evaluate(root, "run=over")
     folder = root / "eval" / "train" / "over"
@@ -208,6 +208,9 @@ def test_rerun_only_reads_and_a_retrained_run_is_redone(tmp_path):
     assert {k: v for k, v in after.items() if not k.startswith("train/")} == {
         k: v for k, v in before.items() if not k.startswith("train/")
     }
+    read_only(root)
+    evaluate(root, "run=over")  # so it also reruns on read-only media
+    monkeypatch.undo()
     # "retrain" the run: other weights, so another digest; the stale evaluation is replaced
     torch.manual_seed(1)
     model = build_classifier("digits-cnn", 4, 3)

@@ -73,12 +73,20 @@ def test_study_config_is_checked():
     assert run_name("ce+maccal", 2) == "ce-s2-maccal" and run_name("csm-ce", 0) == "csm-ce-s0"
 
 
-def _evaluation(root, stage, run, criterion):
-    """A complete evaluation folder as evaluate leaves it (shards/evals.py), for plan()."""
+def _run_and_evaluation(root, stage, run, criterion, digest=None):
+    """A finished run folder and a complete evaluation of it, as the stages leave them."""
+    from stages.evaluate import run_digest
+
+    folder = root / stage / run
+    folder.mkdir(parents=True)
+    for name in ("model.safetensors", "model.json"):
+        (folder / name).write_text(f"{run} {name}")
+    (folder / "metrics.json").write_text(json.dumps({stage: {"finished": True}}))
+    upstream = {f"{stage}/{run}": digest or run_digest(folder)}
     with evals.building(evals.eval_dir(root, stage, run)) as tmp:
         (tmp / evals.METRICS).write_text(json.dumps({"evaluation": {"ts_criterion": criterion}}))
         np.savez(tmp / evals.PREDICTIONS, logits=np.zeros((2, 2)), labels=np.zeros(2))
-        evals.finish(tmp, class_names=("a", "b"), upstream={}, settings={}, code_version="t")
+        evals.finish(tmp, class_names=("a", "b"), upstream=upstream, settings={}, code_version="t")
 
 
 def test_plan_orders_tasks_by_what_they_need_and_skips_evaluated_runs(tmp_path):
@@ -99,10 +107,12 @@ def test_plan_orders_tasks_by_what_they_need_and_skips_evaluated_runs(tmp_path):
     assert plan(StudyConfig(methods=("ce", "ls"), seeds=(0,)), "digits", [], tmp_path)[0].name == (
         "ce-s0"
     )  # no method reads mixed/: no chain task
-    # a complete evaluation with the study's criterion marks the task done; another criterion,
-    # or an evaluation without its manifest (killed mid-write), does not
-    _evaluation(tmp_path, "train", "ce-s0", "nll")
-    _evaluation(tmp_path, "train", "ls-s0", "ece")
+    # a complete evaluation of the run as it is, with the study's criterion, marks the task
+    # done; another criterion, a run retrained since (other digest), or an evaluation without
+    # its manifest (killed mid-write) does not
+    _run_and_evaluation(tmp_path, "train", "ce-s0", "nll")
+    _run_and_evaluation(tmp_path, "train", "ls-s0", "ece")
+    _run_and_evaluation(tmp_path, "train", "csm-ratio-s0", "nll", digest="0" * 64)
     (tmp_path / "eval" / "finetune" / "ce-s0-maccal").mkdir(parents=True)
     (tmp_path / "eval" / "finetune" / "ce-s0-maccal" / "metrics.json").write_text("{}")
     done = {t.name: t.done for t in plan(cfg, "digits", [], tmp_path)}
@@ -110,6 +120,8 @@ def test_plan_orders_tasks_by_what_they_need_and_skips_evaluated_runs(tmp_path):
         "chain": False, "ce-s0": True, "ls-s0": False, "csm-ratio-s0": False,
         "ce-s0-maccal": False,
     }  # fmt: skip
+    (tmp_path / "train" / "ce-s0" / "model.safetensors").write_text("retrained")
+    assert not next(t for t in plan(cfg, "digits", [], tmp_path) if t.name == "ce-s0").done
 
 
 def test_study_runs_reports_and_resumes_only_what_is_missing(digits_root, tmp_path, capsys):
