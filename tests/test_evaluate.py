@@ -141,7 +141,7 @@ def test_ood_corruptions_and_finetune_runs(tmp_path):
         evaluate(root, "run=ft", "stage_dir=train")
 
 
-def test_trained_runs_ensemble_files_and_report(digits_root, tmp_path):
+def test_evaluate_leaves_trained_runs_byte_identical_and_writes_eval_folders(digits_root, tmp_path):
     shutil.copytree(digits_root / "real", tmp_path / "digits" / "real")
     root = tmp_path / "digits"
     for run in ("a", "b"):
