@@ -3,7 +3,8 @@
 After the generation chain (`make generate`), train the same classifier with plain
 cross-entropy and with CSM (real CE + L2 to the soft labels of mixed/) for several seeds,
 fine-tune both with MaC-Cal, train FeDLaS-LS and FeDLaS-MbLS from scratch, evaluate every
-run, and let report.md put mean ± std side by side. Whatever it shows is what we report.
+run (each into eval/<stage>/<run>/), and let eval/report.md put mean ± std side by side.
+Whatever it shows is what we report. A rerun skips every run and evaluation already complete.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def run_demo(preset: str, sets: Sequence[str]) -> None:
                 preset,
                 [*train_sets, f"run={name}", f"loss={loss}", f"seed={seed}"],
             )
-            evaluated.append(name)
+            evaluated.append((name, "train"))
         for loss, method in FINETUNED:
             log.info("demo: finetune %s-s%d with %s", loss, seed, method)
             run_stage(
@@ -50,11 +51,13 @@ def run_demo(preset: str, sets: Sequence[str]) -> None:
                     f"seed={seed}",
                 ],
             )
-            evaluated.append(f"{loss}-s{seed}-{method}")
-    # 3. Evaluate all; report.md groups the seeds into mean ± std.
+            evaluated.append((f"{loss}-s{seed}-{method}", "finetune"))
+    # 3. Evaluate all (each run where it lives); eval/report.md groups seeds into mean ± std.
     report = None
-    for name in evaluated:
-        report = run_stage("evaluate", preset, [*evaluate_sets, f"run={name}"])
+    for name, stage in evaluated:
+        report = run_stage(
+            "evaluate", preset, [*evaluate_sets, f"run={name}", f"stage_dir={stage}"]
+        )
     print(f"semix demo: report in {report}")
     if report is not None:
         text = report.read_text()

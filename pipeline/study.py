@@ -40,8 +40,9 @@ from pipeline.chain import split_sets
 from pipeline.config import ConfigError, parse_sets
 from pipeline.runtime import derive_seed, log, progress
 from pipeline.study_report import figures, write_report
-from shards.io import atomic_write_json, read_json
-from shards.manifest import read_manifest
+from shards import evals
+from shards.io import atomic_write_json
+from shards.manifest import ShardError, read_manifest
 
 
 class StudyError(ValueError):
@@ -193,11 +194,21 @@ def prepare_kway(root: Path, k: int) -> list[str]:
 
 
 def _evaluated(folder: Path, criterion: str) -> bool:
-    path = folder / "metrics.json"
-    if not path.is_file():
+    """A complete evaluation (eval/<stage>/<run>/, shards/evals.py) with this TS criterion, made
+    from the run as it is now (same run digest). Otherwise the task runs: train/finetune skip a
+    finished run and evaluate redoes only what is stale."""
+    from stages.evaluate import run_digest, run_is_complete
+
+    key = f"{folder.parent.name}/{folder.name}"  # <stage>/<run>, as evaluate names it
+    run = folder.parent.parent.parent / key
+    try:
+        metrics = evals.read_metrics(folder)  # checked against its manifest; None: not there
+        if not metrics or not run_is_complete(run):
+            return False
+        made_from = read_manifest(folder).upstream.get(key)
+    except ShardError:  # damaged: the task's evaluate step redoes it
         return False
-    ev = read_json(path).get("evaluation", {})
-    return ev.get("ts_criterion") == criterion and (folder / "predictions.npz").is_file()
+    return made_from == run_digest(run) and metrics["evaluation"].get("ts_criterion") == criterion
 
 
 def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list[Task]:
@@ -235,7 +246,7 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
                 after = {f"chain-k{m.mix_classes}"}
             if m.base:
                 after.add(run_name(m.base, seed))
-            done = _evaluated(root / stage_dir / name, cfg.ts_criterion)
+            done = _evaluated(evals.eval_dir(root, stage_dir, name), cfg.ts_criterion)
             tasks.append(Task(name, [make, evaluate], after, done))
     return tasks
 
@@ -309,8 +320,8 @@ def collect(cfg: StudyConfig, root: Path) -> list[dict[str, Any]]:
     for method in cfg.methods:
         stage_dir = "finetune" if METHODS[method].stage == "finetune" else "train"
         for seed in cfg.seeds:
-            folder = root / stage_dir / run_name(method, seed)
-            ev = read_json(folder / "metrics.json")["evaluation"]
+            folder = evals.eval_dir(root, stage_dir, run_name(method, seed))
+            ev = evals.read_metrics(folder)["evaluation"]
             records.append(
                 {
                     "method": method,
@@ -372,7 +383,7 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
     summary = summarize(records, METRICS)
     preds: dict[str, dict[str, list[Predictions]]] = {"before_ts": {}, "after_ts": {}}
     for r in records:
-        path = root / r["run"] / "predictions.npz"
+        path = root / evals.EVAL / r["run"] / evals.PREDICTIONS  # r["run"] = <stage>/<run>
         with np.load(path, allow_pickle=False) as z:
             logits, labels = z["logits"], z["labels"]
         for when, t in (("before_ts", 1.0), ("after_ts", r["temperature"])):

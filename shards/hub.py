@@ -1,7 +1,11 @@
 """The Hugging Face Hub side of a mixed/ folder: dataset card, upload plan, publish, pull.
 
-    publish: verified folder -> card (README.md) -> plan -> create_repo + ONE create_commit
+    publish: verified folder -> card bytes (README.md) -> plan -> create_repo + ONE create_commit
     pull:    snapshot_download into a hidden sibling -> verify every shard -> rename into place
+
+The card is built in memory and uploaded from bytes: mixed/ is a finished folder (its manifest
+exists) and publishing never writes into it. The repo holds the card, so `pull` installs it as
+mixed/README.md next to the verified shards.
 
 Why one commit: a Hub commit is atomic, so a repo either holds the whole dataset, manifest
 included, or nothing new; a failed upload never leaves a half-published dataset that looks
@@ -13,6 +17,7 @@ no commit at all. The client is always the real `HfApi`; the token is whatever i
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -33,7 +38,6 @@ from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, Revi
 from safetensors import safe_open
 
 from shards.card import DATA_GLOB
-from shards.io import read_json
 from shards.manifest import MANIFEST, Manifest, ShardError, read_manifest, verify_shards
 
 CARD = "README.md"
@@ -57,19 +61,28 @@ class HubError(ValueError):
 
 @dataclass(frozen=True)
 class PlannedFile:
-    local: Path
+    """One file of the upload: from disk (`local`) or from memory (`data`, the card)."""
+
+    local: Path | None
     repo_path: str
     bytes: int
+    data: bytes | None = None
+
+    def read_bytes(self) -> bytes:
+        return self.data if self.data is not None else Path(self.local).read_bytes()
 
 
-def upload_plan(folder: Path, manifest: Manifest) -> list[PlannedFile]:
-    """Shards in manifest order, manifest.json, the card, then the extras that exist."""
-    names = [rec.name for rec in manifest.shards] + [MANIFEST, CARD]
-    names += [name for name in EXTRAS if (folder / name).is_file()]
+def upload_plan(folder: Path, manifest: Manifest, card: bytes) -> list[PlannedFile]:
+    """Shards in manifest order, manifest.json, the card (from memory), then the extras that
+    exist. A README.md lying in the folder (left by an older semix) is not uploaded."""
+    names = [rec.name for rec in manifest.shards] + [MANIFEST]
     missing = [n for n in names if not (folder / n).is_file()]
     if missing:
         raise HubError(f"{folder} lacks {', '.join(missing)}: nothing to publish without it")
-    return [PlannedFile(folder / n, n, (folder / n).stat().st_size) for n in names]
+    plan = [PlannedFile(folder / n, n, (folder / n).stat().st_size) for n in names]
+    plan.append(PlannedFile(None, CARD, len(card), data=card))
+    extras = [name for name in EXTRAS if (folder / name).is_file()]
+    return plan + [PlannedFile(folder / n, n, (folder / n).stat().st_size) for n in extras]
 
 
 def find_local_paths(obj: Any, where: str, markers: Sequence[str]) -> Iterator[str]:
@@ -90,12 +103,12 @@ def check_no_local_paths(plan: Sequence[PlannedFile]) -> None:
     markers = [m for m in {str(Path.home()), os.getcwd()} if len(m) > 1]
     for f in plan:
         if f.repo_path.endswith(".json"):
-            hits = find_local_paths(read_json(f.local), f.repo_path, markers)
+            hits = find_local_paths(json.loads(f.read_bytes()), f.repo_path, markers)
         elif f.repo_path.endswith(".safetensors"):
             with safe_open(f.local, framework="numpy") as tensors:
                 hits = find_local_paths(tensors.metadata() or {}, f.repo_path, markers)
         elif f.repo_path.endswith(".md"):
-            text = f.local.read_text(encoding="utf-8")
+            text = f.read_bytes().decode("utf-8")
             hits = (f"{f.repo_path} mentions {m!r}" for m in markers if m in text)
         else:
             continue
@@ -154,7 +167,7 @@ def _remote_deletions(
     same = False
     if MANIFEST in remote:
         theirs = Path(api.hf_hub_download(repo, MANIFEST, repo_type="dataset")).read_bytes()
-        ours = next(f.local for f in plan if f.repo_path == MANIFEST).read_bytes()
+        ours = next(f for f in plan if f.repo_path == MANIFEST).read_bytes()
         same = theirs == ours
     elif not [p for p in remote if p not in (*REMOTE_KEEP, CARD)]:
         same = True  # a fresh repo (or one holding only a card): nothing of anyone's to lose
@@ -186,7 +199,11 @@ def publish(
         remote = [sibling.rfilename for sibling in info.siblings or []]
         deletions = _remote_deletions(api, repo, remote, plan, overwrite)
     operations: list[CommitOperationAdd | CommitOperationDelete] = [
-        CommitOperationAdd(path_in_repo=f.repo_path, path_or_fileobj=str(f.local)) for f in plan
+        CommitOperationAdd(
+            path_in_repo=f.repo_path,
+            path_or_fileobj=f.data if f.data is not None else str(f.local),
+        )
+        for f in plan
     ]
     operations += [CommitOperationDelete(path_in_repo=p) for p in deletions]
     with hub_errors(f"upload to {repo}"):

@@ -1,21 +1,27 @@
 """evaluate: trained runs -> test metrics before/after temperature scaling, plots, report.md.
 
     python -m pipeline evaluate --preset digits --set run=ce
-    python -m pipeline evaluate --preset digits --set runs=ce-0,ce-1,ce-2    # + deep ensemble
+    python -m pipeline evaluate --preset digits --set runs=ce-s0,ce-s1,ce-s2   # + deep ensemble
+    python -m pipeline evaluate --preset digits            # every complete run, one by one
 
-A run lives in train/<run>/ or finetune/<run>/ (train first; `stage_dir` pins one). Metrics are
-METHODS §7 on real/test, before and after a temperature fitted on real/val (`ts_criterion`:
-the val-NLL minimiser by default, or the lowest val ECE on the grid 0.1..10). Per run folder: metrics.json (section "evaluation", other sections kept),
-predictions.npz (test logits + labels; numpy only, load with allow_pickle=False) and
-reliability.png. Several runs also give an ensemble (mean softmax) in ensemble/<a+b+c>/.
-Finally runs/<classes>/report.md is rebuilt from every evaluated run on disk.
+A run is read from train/<run>/ or finetune/<run>/ (train first; `stage_dir` pins one) and is
+never written to. Metrics are METHODS §7 on real/test, before and after a temperature fitted on
+real/val (`ts_criterion`: the val-NLL minimiser by default, or the lowest val ECE on the grid
+0.1..10). Each evaluation is a folder of its own (layout: shards/evals.py):
+eval/<stage>/<run>/ with metrics.json, predictions.npz (test logits + labels; numpy only, load
+with allow_pickle=False), reliability.png and manifest.json (kind `eval`), written last. Several
+runs also give their deep ensemble (mean softmax) in eval/ensemble/<a+b+c>/. Finally
+eval/report.md is rebuilt from every complete evaluation (stages/evaluate_report.py).
+
+Reruns: an evaluation whose manifest pins the same upstream digests (the run's, real/test's and
+real/val's, the OOD set's and the corruptions' when used) and the same settings is skipped
+before anything is loaded. A retrained run has another digest: its stale evaluation is redone
+in a hidden sibling folder that replaces the old one in one rename.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,66 +44,81 @@ from models.training import collect_logits
 from pipeline.configs.evaluate import Config
 from pipeline.plots import reliability_diagram
 from pipeline.runtime import Processes, code_version, log
+from shards import evals
 from shards.datasets import check_same_classes, load_real
-from shards.io import atomic_write_bytes, atomic_write_json, read_json
-from shards.manifest import MANIFEST, ShardError
-from shards.runs import META
+from shards.io import (
+    atomic_write_bytes,
+    atomic_write_json,
+    canonical_json,
+    read_json,
+    sha256_bytes,
+    sha256_file,
+)
+from shards.manifest import ShardError, manifest_digest
+from shards.runs import META, WEIGHTS
 from shards.runs import load_model as load_run_model
+from stages.evaluate_report import ENSEMBLE, write_report
 
-ENSEMBLE = "ensemble"
-STAGE_FOLDERS = ("train", "finetune", ENSEMBLE)  # report.md order
+RUN_STAGES = ("train", "finetune")
 
-# ---------------------------------------------------------------- 1. runs and data
+# ---------------------------------------------------------------- 1. runs and their identity
+# run_is_complete and run_digest are the only places that know when a run folder is finished
+# and what identifies its content. Today a run is finished when model.json exists and
+# metrics.json has a section with "finished": true, and its identity is the digest of those
+# files and its weights; once run folders carry a `run` manifest (written last) these become
+# "manifest.json exists" and its manifest_digest.
+RUN_FILES = (WEIGHTS, META, "metrics.json")
+
+
+def run_is_complete(folder: Path) -> bool:
+    folder = Path(folder)
+    if not all((folder / f).is_file() for f in RUN_FILES):
+        return False
+    try:
+        metrics = read_json(folder / "metrics.json")
+    except ValueError:  # a torn or hand-edited metrics.json: not a finished run
+        return False
+    return any(isinstance(v, dict) and v.get("finished") is True for v in metrics.values())
+
+
+def run_digest(folder: Path) -> str:
+    """sha256 naming what a run is: any retraining changes it."""
+    return sha256_bytes(canonical_json({f: sha256_file(Path(folder) / f) for f in RUN_FILES}))
 
 
 def find_run(root: Path, name: str, stage_dir: str) -> Path:
-    """root/train/<name> or root/finetune/<name> (the first with trained weights)."""
-    candidates = [stage_dir] if stage_dir else ["train", "finetune"]
+    """root/train/<name> or root/finetune/<name>: the first complete one."""
+    candidates = [stage_dir] if stage_dir else list(RUN_STAGES)
     for stage in candidates:
-        if (root / stage / name / META).is_file():
+        if run_is_complete(root / stage / name):
             return root / stage / name
+    started = [root / s / name for s in candidates if (root / s / name).is_dir()]
+    if started:
+        raise ShardError(
+            f"run {name!r} in {started[0]} is not complete (its training did not finish); "
+            f"rerun it (make {started[0].parent.name} RUN=...) before evaluating it"
+        )
     where = " or ".join(str(root / s / name) for s in candidates)
     raise ShardError(
         f"run {name!r} has no trained weights in {where}; train it first (make train RUN={name})"
     )
 
 
+def complete_runs(root: Path) -> list[tuple[str, str]]:
+    """(stage, name) of every complete run under train/ and finetune/, in report order."""
+    return [
+        (stage, p.name)
+        for stage in RUN_STAGES
+        if (root / stage).is_dir()
+        for p in sorted((root / stage).iterdir())
+        if p.is_dir() and run_is_complete(p)
+    ]
+
+
 def load_model(folder: Path, device: torch.device, class_names: tuple[str, ...]):
     model, meta = load_run_model(folder, build_model, device)  # linear or MaC-Cal head
     check_same_classes(f"{folder / META}", meta["class_names"], class_names, "real/test")
     return model.eval(), meta
-
-
-def ood_folder(path: str) -> Path:
-    """A split folder, a real/ root or a runs/<name>/ root -> the split folder to score."""
-    p = Path(path)
-    for candidate in (p, p / "test", p / "real" / "test"):
-        if (candidate / MANIFEST).is_file():
-            return candidate
-    raise ShardError(
-        f"ood={path}: no prepared split there (looked for {MANIFEST} in ., test/, real/test/)"
-    )
-
-
-def corruption_sets(path: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """CIFAR-C layout: {name: uint8 [5·N, H, W, 3] (memory-mapped)}, labels [N] or [5·N]."""
-    folder = Path(path)
-    if not (folder / "labels.npy").is_file():
-        raise ShardError(f"corruptions={path}: no labels.npy (expected CIFAR-C layout)")
-    labels = np.load(folder / "labels.npy", allow_pickle=False)
-    sets = {}
-    for f in sorted(folder.glob("*.npy")):
-        if f.stem == "labels":
-            continue
-        arr = np.load(f, mmap_mode="r", allow_pickle=False)
-        if arr.ndim != 4 or arr.shape[-1] != 3 or arr.dtype != np.uint8 or arr.shape[0] % 5:
-            raise ShardError(f"{f}: expected uint8 [5*N, H, W, 3], got {arr.dtype} {arr.shape}")
-        if len(labels) not in (arr.shape[0], arr.shape[0] // 5):
-            raise ShardError(f"{f}: {arr.shape[0]} images but {len(labels)} labels")
-        sets[f.stem] = arr
-    if not sets:
-        raise ShardError(f"corruptions={path}: no <corruption>.npy files")
-    return sets, labels
 
 
 # ---------------------------------------------------------------- 2. metrics
@@ -141,191 +162,10 @@ def corruption_metrics(
     return out
 
 
-# ---------------------------------------------------------------- 3. outputs
-
-
-def write_outputs(
-    folder: Path,
-    evaluation: dict,
-    test_logits: torch.Tensor,
-    labels: torch.Tensor,
-    class_names: tuple[str, ...],
-    panels: dict,
-    extra: dict | None = None,
-) -> None:
-    path = folder / "metrics.json"
-    metrics = read_json(path) if path.is_file() else {}
-    metrics["evaluation"] = evaluation
-    metrics.update(extra or {})
-    atomic_write_json(path, metrics)
-    buf = io.BytesIO()
-    np.savez(
-        buf,
-        logits=test_logits.float().numpy(),
-        labels=labels.numpy().astype(np.int64),
-        temperature=np.float64(evaluation["temperature"]),
-        class_names=np.array(class_names, dtype=str),
-    )
-    atomic_write_bytes(folder / "predictions.npz", buf.getvalue())
-    reliability_diagram(panels, folder / "reliability.png", title=evaluation["run"])
-
-
-REPORT_COLUMNS = [
-    ("top1", "top-1", 2),
-    ("top5", "top-5", 2),
-    ("nll", "NLL", 4),
-    ("brier", "Brier", 4),
-    ("ece", "ECE", 2),
-    ("aece", "AECE", 2),
-    ("mce", "MCE", 2),
-    ("classwise_ece", "cw-ECE", 3),
-    ("oece", "O-ECE", 2),
-    ("uece", "U-ECE", 2),
-]
-
-
-SEED_RUN = re.compile(r"^(?P<pre>.+?)-s(?P<seed>\d+)(?P<post>-.+)?$")  # e.g. csm-s2, ce-s0-maccal
-SUMMARY_COLUMNS = [
-    ("top1", "before_ts"),
-    ("ece", "before_ts"),
-    ("nll", "before_ts"),
-    ("ece", "after_ts"),
-]
-
-
-def seed_summary(rows: list[tuple[str, str, dict]]) -> list[str]:
-    """Mean ± std (sample std) over runs that differ only in their `-s<seed>` part."""
-    groups: dict[tuple[str, str], list[dict]] = {}
-    for stage, name, ev in rows:
-        m = SEED_RUN.match(name)
-        if m:
-            groups.setdefault((stage, m["pre"] + (m["post"] or "")), []).append(ev)
-    groups = {k: v for k, v in groups.items() if len(v) >= 2}
-    if not groups:
-        return []
-    lines_ = [
-        "## Mean ± std over seeds",
-        "",
-        "Runs named `<name>-s<seed>[-<method>]`, grouped by everything but the seed.",
-        "",
-        "| runs | stage | n | top-1 | ECE | NLL | ECE after TS |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for (stage, name), evs in sorted(groups.items()):
-        cells = []
-        for metric, when in SUMMARY_COLUMNS:
-            v = np.array([ev[when][metric] for ev in evs], dtype=float)
-            digits = 3 if metric == "nll" else 2
-            cells.append(f"{v.mean():.{digits}f} ± {v.std(ddof=1):.{digits}f}")
-        lines_.append(f"| {name} | {stage} | {len(evs)} | " + " | ".join(cells) + " |")
-    return [*lines_, ""]
-
-
-def write_report(root: Path) -> Path:
-    """report.md: one row per evaluated run on disk (train, finetune, ensembles), side by side."""
-    rows = []
-    for stage in STAGE_FOLDERS:
-        for path in sorted((root / stage).glob("*/metrics.json")):
-            ev = read_json(path).get("evaluation")
-            if ev:
-                rows.append((stage, path.parent.name, ev))
-    head = "| run | stage | loss | " + " | ".join(c[1] for c in REPORT_COLUMNS)
-    lines_ = [
-        f"# {root.name}: evaluated runs",
-        "",
-        "Test split; percentages x100 except NLL and Brier. "
-        "Temperature T fitted on the val split (criterion `nll`: the val-NLL minimiser in "
-        "[0.05, 20]; `ece`: the lowest val ECE on 0.1..10; METHODS §7). T on the edge of its "
-        "range (marked !) means a degenerate fit.",
-        "",
-    ]
-    for key, title in (
-        ("before_ts", "Before temperature scaling"),
-        ("after_ts", "After temperature scaling"),
-    ):
-        extra = " | T |" if key == "after_ts" else " |"
-        lines_ += [
-            f"## {title}",
-            "",
-            head + extra,
-            "|" + "---|" * (len(REPORT_COLUMNS) + 3 + (key == "after_ts")),
-        ]
-        for stage, name, ev in rows:
-            cells = [f"{ev[key][c]:.{d}f}" for c, _, d in REPORT_COLUMNS]
-            edge = "!" if ev.get("temperature_on_edge") else ""
-            t = [f"{ev['temperature']:.2f}{edge}"] if key == "after_ts" else []
-            lines_.append(
-                "| " + " | ".join([name, stage, ev.get("loss", "") or "-", *cells, *t]) + " |"
-            )
-        lines_.append("")
-    lines_ += seed_summary(rows)
-    ood = [(s, n, ev) for s, n, ev in rows if "ood" in ev]
-    if ood:
-        lines_ += [
-            "## OOD detection (ID = positive)",
-            "",
-            "| run | stage | OOD set | MSP AUROC | FPR95 | entropy AUROC | MSP AUROC after TS |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for s, n, ev in ood:
-            b, a = ev["ood"]["before_ts"], ev["ood"]["after_ts"]
-            lines_.append(
-                f"| {n} | {s} | {ev['ood']['set']} | {b['msp_auroc']:.2f} | {b['msp_fpr95']:.2f} | {b['entropy_auroc']:.2f} | {a['msp_auroc']:.2f} |"
-            )
-        lines_.append("")
-    corr = [(s, n, ev) for s, n, ev in rows if "corruptions" in ev]
-    if corr:
-        lines_ += [
-            "## Corruptions: mean ECE per severity (before / after TS)",
-            "",
-            "| run | stage | " + " | ".join(f"s{i}" for i in range(1, 6)) + " |",
-            "|---|---|" + "---|" * 5,
-        ]
-        for s, n, ev in corr:
-            b, a = ev["corruptions"]["before_ts"]["mean"], ev["corruptions"]["after_ts"]["mean"]
-            lines_.append(
-                f"| {n} | {s} | "
-                + " | ".join(
-                    f"{b[str(i)]['ece']:.2f} / {a[str(i)]['ece']:.2f}" for i in range(1, 6)
-                )
-                + " |"
-            )
-        lines_.append("")
-    path = root / "report.md"
-    atomic_write_bytes(path, "\n".join(lines_).encode())
-    return path
-
-
-# ---------------------------------------------------------------- the stage
-
-
-def trained_runs(root: Path) -> list[str]:
-    """Every run with final weights under train/ and finetune/, in report order."""
-    names = []
-    for stage in ("train", "finetune"):
-        names += [p.parent.name for p in sorted((root / stage).glob(f"*/{META}"))]
-    return list(dict.fromkeys(names))
-
-
-def run(cfg: Config) -> Path:
-    if not cfg.run and not cfg.runs:  # `make evaluate`: refresh every run, then the report
-        names = trained_runs(cfg.root)
-        if not names:
-            raise ShardError(
-                f"no trained runs under {cfg.root}/train or /finetune: run `make train` first"
-            )
-        report = cfg.root / "report.md"
-        for name in names:
-            report = run(dataclasses.replace(cfg, run=name))
-        return report
-    procs = Processes()
-    if not procs.is_main:  # evaluation is cheap and writes shared files: the main process does it
-        procs.barrier()
-        return cfg.root / "report.md"
+def measure(cfg: Config, folders: dict[str, Path]):
+    """({name: evaluation dict}, {name: test logits}, real/test) for every run and the ensemble."""
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    # 1. Runs and the real val/test splits.
-    names = cfg.run_names()
-    folders = {n: find_run(cfg.root, n, cfg.stage_dir) for n in names}
+    names = list(folders)
     test, val = load_real(cfg.root / "real" / "test"), load_real(cfg.root / "real" / "val")
     check_same_classes("real/val", val.class_names, test.class_names, "real/test")
     models = {n: load_model(folders[n], device, test.class_names) for n in names}
@@ -382,7 +222,7 @@ def run(cfg: Config) -> Path:
         }
     # 3. Optional OOD set and corruptions.
     if cfg.ood:
-        folder = ood_folder(cfg.ood)
+        folder = evals.ood_folder(cfg.ood)
         ood_logits = logits_of(load_real(folder).images)
         for n, r in results.items():
             t = temps[n]
@@ -394,39 +234,143 @@ def run(cfg: Config) -> Path:
                 "after_ts": ood_scores(test_logits[n] / t, ood_logits[n] / t),
             }
     if cfg.corruptions:
-        sets, labels = corruption_sets(cfg.corruptions)
+        sets, labels = evals.corruption_sets(cfg.corruptions)
         for n, c in corruption_metrics(sets, labels, logits_of, temps).items():
             results[n]["corruptions"] = c
-    # 4. Files per run (and ensemble), then report.md from everything evaluated so far.
-    for n, r in results.items():
-        lg, t = test_logits[n], temps[n]
-        panels = {
-            "before TS": panel(lg, test.labels),
-            f"after TS (T = {t:.2f})": panel(lg / t, test.labels),
-        }
-        if n in folders:
-            out, extra = folders[n], None
-        else:
-            out = cfg.root / ENSEMBLE / n
-            out.mkdir(parents=True, exist_ok=True)
-            extra = {
-                "ensemble": {
-                    "members": names,
-                    "folders": [str(folders[m].relative_to(cfg.root)) for m in names],
-                }
-            }
-        write_outputs(out, r, lg, test.labels, test.class_names, panels, extra)
-        b, a = r["before_ts"], r["after_ts"]
-        log.info(
-            "%s: top-1 %.2f %%, NLL %.4f, ECE %.2f %% -> after TS (T = %.2f): NLL %.4f, ECE %.2f %%",
-            n,
-            b["top1"],
-            b["nll"],
-            b["ece"],
-            t,
-            a["nll"],
-            a["ece"],
+    return results, test_logits, test
+
+
+# ---------------------------------------------------------------- 3. evaluation folders
+
+
+def data_upstream(cfg: Config) -> dict[str, str]:
+    """Digests of the data every evaluation of this call reads (split roles as keys)."""
+    real = cfg.root / "real"
+    upstream = {
+        "real/test": manifest_digest(real / "test"),
+        "real/val": manifest_digest(real / "val"),
+    }
+    if cfg.ood:
+        upstream["ood"] = manifest_digest(evals.ood_folder(cfg.ood))
+    if cfg.corruptions:
+        upstream["corruptions"] = evals.corruptions_digest(cfg.corruptions)
+    return upstream
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """One evaluation folder this call is responsible for, and what it must be made from."""
+
+    folder: Path
+    stage: str
+    upstream: dict[str, str]
+
+
+def plan_outputs(cfg: Config, folders: dict[str, Path]) -> dict[str, Output]:
+    """{run or ensemble name: Output}: one per run, plus the ensemble of several runs."""
+    data = data_upstream(cfg)
+    keys = {n: f"{f.parent.name}/{n}" for n, f in folders.items()}
+    digests = {keys[n]: run_digest(f) for n, f in folders.items()}
+    outputs = {
+        n: Output(
+            evals.eval_dir(cfg.root, f.parent.name, n),
+            f.parent.name,
+            {keys[n]: digests[keys[n]], **data},
         )
+        for n, f in folders.items()
+    }
+    if len(folders) > 1:
+        name = cfg.ensemble_name or "+".join(folders)
+        outputs[name] = Output(
+            evals.eval_dir(cfg.root, ENSEMBLE, name), ENSEMBLE, {**digests, **data}
+        )
+    return outputs
+
+
+def write_evaluation(
+    out: Output,
+    result: dict[str, Any],
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    class_names: tuple[str, ...],
+    settings: dict[str, Any],
+    extra: dict[str, Any],
+) -> None:
+    """metrics.json, predictions.npz, reliability.png, then the manifest; renamed into place."""
+    t = result["temperature"]
+    panels = {
+        "before TS": panel(logits, labels),
+        f"after TS (T = {t:.2f})": panel(logits / t, labels),
+    }
+    with evals.building(out.folder) as tmp:
+        atomic_write_json(tmp / evals.METRICS, {"evaluation": result, **extra})
+        arrays = {
+            "logits": logits.float().numpy(),
+            "labels": labels.numpy().astype(np.int64),
+            "temperature": np.float64(t),
+            "class_names": np.array(class_names, dtype=str),
+        }
+        atomic_write_bytes(tmp / evals.PREDICTIONS, evals.npz_bytes(arrays))
+        reliability_diagram(panels, tmp / evals.RELIABILITY, title=result["run"])
+        evals.finish(
+            tmp,
+            class_names=class_names,
+            upstream=out.upstream,
+            settings=settings,
+            code_version=code_version(),
+            info={"run": result["run"], "stage": out.stage},
+        )
+
+
+# ---------------------------------------------------------------- the stage
+
+
+def run(cfg: Config) -> Path:
+    report = evals.report_path(cfg.root)
+    if not cfg.run and not cfg.runs:  # `make evaluate`: every complete run, then the report
+        pairs = complete_runs(cfg.root)
+        if not pairs:
+            raise ShardError(
+                f"no trained runs under {cfg.root}/train or /finetune: run `make train` first"
+            )
+        for stage, name in pairs:
+            run(dataclasses.replace(cfg, run=name, stage_dir=stage))
+        return report
+    procs = Processes()
+    if not procs.is_main:  # evaluation is cheap and writes shared files: the main process does it
+        procs.barrier()
+        return report
+    # 1. Runs, and the evaluations this call owes: skip those already made from the same inputs.
+    names = cfg.run_names()
+    folders = {n: find_run(cfg.root, n, cfg.stage_dir) for n in names}
+    outputs = plan_outputs(cfg, folders)
+    settings = {"ts_criterion": cfg.ts_criterion}
+    stale = [n for n, o in outputs.items() if not evals.is_current(o.folder, o.upstream, settings)]
+    if not stale:
+        log.info(
+            "evaluate %s: up to date (same run and data digests); nothing to do", ", ".join(outputs)
+        )
+    else:
+        # 2-3. Logits, temperatures and metrics of every run (an ensemble needs all members).
+        results, test_logits, test = measure(cfg, folders)
+        # 4. One folder per stale evaluation, each complete before it gets its name.
+        for n in stale:
+            extra = {}
+            if n not in folders:
+                rel = [str(folders[m].relative_to(cfg.root)) for m in names]
+                extra = {"ensemble": {"members": names, "folders": rel}}
+            r = results[n]
+            write_evaluation(
+                outputs[n], r, test_logits[n], test.labels, test.class_names, settings, extra
+            )
+            b, a = r["before_ts"], r["after_ts"]
+            log.info(
+                "%s: top-1 %.2f %%, NLL %.4f, ECE %.2f %% -> after TS (T = %.2f): NLL %.4f, "
+                "ECE %.2f %% -> %s",
+                *(n, b["top1"], b["nll"], b["ece"], r["temperature"], a["nll"], a["ece"]),
+                outputs[n].folder,
+            )
+    # 5. eval/report.md from every complete evaluation (unchanged bytes are not rewritten).
     report = write_report(cfg.root)
     procs.barrier()
     return report

@@ -3,9 +3,10 @@
     python -m pipeline publish --preset digits --set repo=user/semix-digits [private=1] [dry_run=1]
 
 Only a complete, verified folder is published (every shard hashed, every sample's fields
-checked). The card (README.md) is written into mixed/
-first, so a dry run shows exactly what would go up; the upload is one atomic commit
-(shards/hub.py explains why that is also resumable).
+checked). The dataset card (README.md) is built in memory and uploaded from bytes: mixed/ is a
+finished folder and publish never writes into it. A dry run prints the upload plan and the card,
+exactly what would go up; the upload is one atomic commit (shards/hub.py explains why that is
+also resumable).
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from pipeline.runtime import code_version, log
 from shards import hub
 from shards.card import build_card, license_for
 from shards.datasets import check_mixed_sample
-from shards.io import atomic_write_bytes, read_json
+from shards.io import read_json
 from shards.manifest import ShardError, manifest_digest, verify_shards
 from shards.reader import iter_folder
+
+CARD_BANNER = f"--- {hub.CARD} (the dataset card, uploaded from memory) ---"
 
 
 def format_plan(repo: str, plan: list[hub.PlannedFile]) -> str:
@@ -44,20 +47,21 @@ def run(cfg: Config) -> Path:
     report = folder / "annotation.json"
     annotation = read_json(report) if report.is_file() else None
 
-    # 2. The dataset card, written into mixed/ (dry run included: it is part of the folder).
+    # 2. The dataset card, in memory (mixed/ is complete: nothing is written into it).
     license_id, note = license_for(manifest.info.get("generator", {}), cfg.preset, cfg.license)
     files = [name for name in hub.EXTRAS if (folder / name).is_file()]
     card = build_card(
         manifest, annotation, repo=cfg.repo, license_id=license_id, license_note=note, files=files
     )
-    atomic_write_bytes(folder / hub.CARD, str(card).encode("utf-8"))
+    card_bytes = str(card).encode("utf-8")
 
     # 3. The plan: exact files and repo paths; nothing that names this machine goes up.
-    plan = hub.upload_plan(folder, manifest)
+    plan = hub.upload_plan(folder, manifest, card_bytes)
     hub.check_no_local_paths(plan)
     print(format_plan(cfg.repo, plan))
     if cfg.dry_run:
-        log.info("publish: dry run, card written to %s, nothing uploaded", folder / hub.CARD)
+        print(f"{CARD_BANNER}\n{card_bytes.decode('utf-8')}", end="")
+        log.info("publish: dry run, card printed above, nothing uploaded or written")
         return folder
 
     # 4. Upload: create the repo if missing, then one commit carrying the code version.

@@ -5,7 +5,8 @@
 
 The download lands in a hidden sibling folder and is renamed into place only after every
 shard matched manifest.json (sha256, size, sample count), so a reader never sees a
-half-downloaded or corrupt dataset under the real name.
+half-downloaded or corrupt dataset under the real name. The repo's dataset card, which
+publish uploads from memory, comes along as mixed/README.md.
 """
 
 from __future__ import annotations

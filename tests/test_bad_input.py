@@ -162,7 +162,7 @@ def test_flipped_cls_in_real_test_stops_evaluate(trained, tmp_path, capsys):
     flip(root / "real" / "test" / "test-000000.tar", ".cls")
     argv = ["evaluate", "--set", f"out={tmp_path}", "run=ce"]
     one_line_error(capsys, argv, "test-000000.tar: sha256 mismatch")
-    assert not (root / "report.md").exists() and not (root / "eval").exists()
+    assert not (root / "eval").exists()  # no evaluation folder, no eval/report.md
 
 
 def test_publish_refuses_a_mixed_sample_without_lambda_hat(digits_root, tmp_path, capsys):
@@ -236,7 +236,7 @@ def test_run_weights_that_are_a_pickle_are_refused(trained, tmp_path, capsys):
     argv = ["evaluate", "--set", f"out={tmp_path}", "run=ce"]
     line = one_line_error(capsys, argv, str(weights))
     assert "not a readable safetensors" in line
-    assert not (root / "report.md").exists()
+    assert not (root / "eval").exists()
 
 
 class _Payload:

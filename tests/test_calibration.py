@@ -167,6 +167,19 @@ def test_temperature_scaling_recovers_known_temperature(t0):
     assert ece(z / t, labels) < ece(z, labels)
 
 
+def test_ece_criterion_picks_the_grid_temperature_with_the_lowest_val_ece():
+    """Against torchmetrics' ECE at every grid point: the argmin, the first (smallest T) on ties."""
+    from torchmetrics.classification import MulticlassCalibrationError
+
+    logits, labels = random_case(6, n=600, c=5)
+    metric = MulticlassCalibrationError(num_classes=5, n_bins=15, norm="l1")
+    scores = [metric(F.softmax(logits.double() / t, 1), labels).item() for t in temperature_grid()]
+    t = fit_temperature(logits, labels, criterion="ece")
+    best = min(scores)
+    assert scores[temperature_grid().index(t)] == pytest.approx(best, abs=1e-6)
+    assert all(s > best + 1e-6 for s in scores[: temperature_grid().index(t)])
+
+
 def test_temperature_grid_and_bad_grid():
     grid = temperature_grid()
     assert len(grid) == 100 and grid[0] == 0.1 and grid[-1] == 10.0 and 1.0 in grid

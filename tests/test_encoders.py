@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 
 import pytest
 import torch
@@ -70,8 +71,19 @@ def test_module_encoder_encodes_each_image_once_in_order():
     assert enc.feature_dim == 6
     assert enc.identity["kind"] == "module" and enc.identity["run"] == "r1"
     assert enc.identity["mean"] == pytest.approx(MEAN)
-    json.dumps(enc.identity)
     assert enc.encode(images[:0]).shape == (0, 6)
+    # the identity names what the features depend on (annotate compares it on reruns): the
+    # batch size changes neither, the normalisation changes both
+    other_batch = _module_encoder(CountingNet(), batch_size=3)
+    assert other_batch.identity == enc.identity
+    torch.testing.assert_close(other_batch.encode(images), feats, rtol=0, atol=1e-6)
+    shifted = ModuleFeatureEncoder(
+        CountingNet(), 16, (0.4, *MEAN[1:]), STD, {"run": "r1"}, device="cpu"
+    )
+    assert shifted.identity != enc.identity
+    assert not torch.allclose(shifted.encode(images), feats)
+    with pytest.raises(ValueError, match="JSON-able"):  # it goes into manifests
+        ModuleFeatureEncoder(CountingNet(), 16, MEAN, STD, {"run": object()}, device="cpu")
 
 
 def test_module_encoder_resizes_to_its_image_size_and_probes_dim():
@@ -107,21 +119,15 @@ def test_encoder_rejects_bad_input():
         ModuleFeatureEncoder(nn.Linear(2, 2), 16, MEAN, STD, {}, device="cpu")
     with pytest.raises(ValueError, match="precision"):
         ModuleFeatureEncoder(CountingNet(), 16, MEAN, STD, {}, device="cpu", precision="fp8")
-    with pytest.raises(ValueError, match="hf-clip"):
+    with pytest.raises(ValueError, match=re.escape(f"valid: {sorted(ENCODERS)}")):
         build_encoder("clip", model_name="ViT-B-32")
-    assert isinstance(
-        build_encoder(
-            "module",
-            module=CountingNet(),
-            image_size=16,
-            mean=MEAN,
-            std=STD,
-            identity={},
-            device="cpu",
-        ),
-        ModuleFeatureEncoder,
+    # the registry builds the same encoder as the class itself
+    built = build_encoder(
+        "module", module=CountingNet(), image_size=16, mean=MEAN, std=STD, identity={}, device="cpu"
     )
-    assert set(ENCODERS) == {"openclip", "hf-clip", "module"}
+    direct = ModuleFeatureEncoder(CountingNet(), 16, MEAN, STD, {}, device="cpu")
+    assert built.identity == direct.identity
+    assert torch.equal(built.encode(_images(3)), direct.encode(_images(3)))
 
 
 def test_bf16_autocast_runs_and_returns_float32():

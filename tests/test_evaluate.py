@@ -1,7 +1,10 @@
-"""evaluate stage: metrics vs torchmetrics, temperature scaling, files, ensembles, OOD, corruptions."""
+"""evaluate stage: metrics vs torchmetrics, temperature scaling, files, ensembles, OOD, corruptions,
+its own eval/ folders (run folders untouched, reruns skip, stale evaluations redone)."""
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -9,10 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import snapshot
 from torchmetrics.classification import MulticlassCalibrationError
 
 from models.classifiers import build_classifier
 from pipeline.cli import main, run_stage
+from shards.io import atomic_write_json
+from shards.manifest import read_manifest
 from shards.runs import save_weights
 from shards.writer import ShardFolder
 
@@ -31,6 +37,37 @@ def write_split(folder: Path, images: np.ndarray, labels: np.ndarray, names: lis
     shards.finish(1, kind="real", class_names=names, info={"split": folder.name, "image_size": 16})
 
 
+def finish_run(folder: Path, loss: str = "ce") -> None:
+    """Mark a hand-made run folder finished the way train does: metrics.json with a finished
+    section, written after the weights (stages.evaluate.run_is_complete reads it)."""
+    atomic_write_json(folder / "metrics.json", {"train": {"loss": loss, "finished": True}})
+
+
+def save_run(folder: Path, model: torch.nn.Module, names: list[str]) -> None:
+    meta = {
+        "arch": model.arch_config(),
+        "class_names": names,
+        "image_size": 16,
+        "normalize": {"mean": [0.5] * 3, "std": [0.25] * 3},
+        "loss": "ce",
+    }
+    save_weights(folder, model.state_dict(), meta)
+    finish_run(folder)
+
+
+def tree_digest(folder: Path) -> str:
+    """sha256 over every file under folder: relative names and bytes."""
+    h = hashlib.sha256()
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            h.update(p.relative_to(folder).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def eval_files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
 def constructed_root(tmp: Path, n: int = 240, classes: int = 4) -> Path:
     """real/{val,test} with identical random samples and random labels, plus train/over/: a
     random digits-cnn with a 30x head, i.e. confident and mostly wrong (overconfident)."""
@@ -45,14 +82,7 @@ def constructed_root(tmp: Path, n: int = 240, classes: int = 4) -> Path:
     model = build_classifier("digits-cnn", classes, 3)
     with torch.no_grad():
         model.head.weight.mul_(30.0)
-    meta = {
-        "arch": model.arch_config(),
-        "class_names": names,
-        "image_size": 16,
-        "normalize": {"mean": [0.5] * 3, "std": [0.25] * 3},
-        "loss": "ce",
-    }
-    save_weights(root / "train" / "over", model.state_dict(), meta)
+    save_run(root / "train" / "over", model, names)
     return root
 
 
@@ -63,8 +93,8 @@ def evaluate(root: Path, *sets: str) -> Path:
 def test_metrics_match_torchmetrics_and_ts_does_not_hurt_an_overconfident_model(tmp_path):
     root = constructed_root(tmp_path)
     evaluate(root, "run=over")
-    ev = json.loads((root / "train" / "over" / "metrics.json").read_text())["evaluation"]
-    with np.load(root / "train" / "over" / "predictions.npz", allow_pickle=False) as npz:
+    ev = json.loads((root / "eval" / "train" / "over" / "metrics.json").read_text())["evaluation"]
+    with np.load(root / "eval" / "train" / "over" / "predictions.npz", allow_pickle=False) as npz:
         logits, labels = torch.from_numpy(npz["logits"]), torch.from_numpy(npz["labels"])
         assert float(npz["temperature"]) == ev["temperature"]
     probs = torch.softmax(logits.double(), dim=1)
@@ -95,7 +125,7 @@ def test_ood_corruptions_and_finetune_runs(tmp_path):
     np.save(corr / "noise.npy", rng.integers(0, 256, (150, 12, 12, 3), dtype=np.uint8))  # resized
     shutil.copytree(root / "train" / "over", root / "finetune" / "ft")
     evaluate(root, "run=ft", f"ood={tmp_path / 'other'}", f"corruptions={corr}")
-    ev = json.loads((root / "finetune" / "ft" / "metrics.json").read_text())["evaluation"]
+    ev = json.loads((root / "eval" / "finetune" / "ft" / "metrics.json").read_text())["evaluation"]
     assert ev["stage"] == "finetune"
     for key in ("before_ts", "after_ts"):
         assert set(ev["ood"][key]) == {"msp_auroc", "msp_fpr95", "entropy_auroc"}
@@ -103,71 +133,169 @@ def test_ood_corruptions_and_finetune_runs(tmp_path):
         assert set(ev["corruptions"][key]) == {"noise", "mean"}
         assert set(ev["corruptions"][key]["noise"]) == {"1", "2", "3", "4", "5"}
         assert ev["corruptions"][key]["mean"]["3"] == ev["corruptions"][key]["noise"]["3"]
-    report = (root / "report.md").read_text()
+    report = (root / "eval" / "report.md").read_text()
     assert "OOD detection" in report and "Corruptions" in report
+    upstream = read_manifest(root / "eval" / "finetune" / "ft").upstream
+    assert set(upstream) == {"finetune/ft", "real/test", "real/val", "ood", "corruptions"}
     with pytest.raises(ValueError, match="no trained weights"):
         evaluate(root, "run=ft", "stage_dir=train")
 
 
-def test_trained_runs_ensemble_files_and_report(digits_root, tmp_path):
+def test_evaluate_leaves_trained_runs_byte_identical_and_writes_eval_folders(digits_root, tmp_path):
     shutil.copytree(digits_root / "real", tmp_path / "digits" / "real")
     root = tmp_path / "digits"
     for run in ("a", "b"):
-        run_stage(
-            "train",
-            "digits",
-            [
-                f"out={tmp_path}",
-                f"run={run}",
-                f"seed={run == 'b':d}",
-                "epochs=2",
-                "train_limit=256",
-            ],
-        )
+        sets = [f"out={tmp_path}", f"run={run}", f"seed={run == 'b':d}", "epochs=2"]
+        run_stage("train", "digits", [*sets, "train_limit=256"])
+    runs = {r: (tree_digest(root / "train" / r), snapshot(root / "train" / r)) for r in "ab"}
     report = evaluate(root, "runs=a,b")
-    assert report == root / "report.md"
-    for folder in (root / "train" / "a", root / "train" / "b", root / "ensemble" / "a+b"):
-        metrics = json.loads((folder / "metrics.json").read_text())
-        ev = metrics["evaluation"]
-        assert {"before_ts", "after_ts", "temperature"} <= set(ev)
-        assert {
-            "top1",
-            "top5",
-            "nll",
-            "brier",
-            "ece",
-            "aece",
-            "mce",
-            "classwise_ece",
-            "oece",
-            "uece",
-        } <= set(ev["before_ts"])
+    assert report == root / "eval" / "report.md"
+    # evaluate reads the run folders and writes none of their bytes (names, contents, mtimes)
+    for r in "ab":
+        assert (tree_digest(root / "train" / r), snapshot(root / "train" / r)) == runs[r]
+    evals = {
+        "a": root / "eval" / "train" / "a",
+        "b": root / "eval" / "train" / "b",
+        "a+b": root / "eval" / "ensemble" / "a+b",
+    }
+    for name, folder in evals.items():
+        files = sorted(p.name for p in folder.iterdir())
+        assert files == ["manifest.json", "metrics.json", "predictions.npz", "reliability.png"]
+        manifest = read_manifest(folder)
+        assert manifest.kind == "eval" and manifest.class_names == tuple("0123456789")
+        members = ["a", "b"] if name == "a+b" else [name]
+        assert set(manifest.upstream) == {"real/test", "real/val", *(f"train/{m}" for m in members)}
+        for f, rec in manifest.info["files"].items():  # the manifest pins every file
+            assert hashlib.sha256((folder / f).read_bytes()).hexdigest() == rec["sha256"]
+        ev = json.loads((folder / "metrics.json").read_text())["evaluation"]
+        metrics = {"top1", "top5", "nll", "brier", "ece", "aece", "mce", "classwise_ece"}
+        assert {"oece", "uece"} | metrics <= set(ev["before_ts"])
         assert ev["before_ts"]["oece"] + ev["before_ts"]["uece"] == pytest.approx(
             ev["before_ts"]["ece"]
         )
         with np.load(folder / "predictions.npz", allow_pickle=False) as npz:
             assert npz["logits"].shape == (359, 10) and npz["labels"].shape == (359,)
-        assert (folder / "reliability.png").stat().st_size > 1000
-    assert "train" in json.loads((root / "train" / "a" / "metrics.json").read_text())  # kept
-    assert json.loads((root / "ensemble" / "a+b" / "metrics.json").read_text())["ensemble"][
-        "members"
-    ] == ["a", "b"]
+            assert float(npz["temperature"]) == ev["temperature"]
+            probs = torch.softmax(torch.from_numpy(npz["logits"]).double(), 1)
+            top1 = (probs.argmax(1) == torch.from_numpy(npz["labels"])).double().mean()
+            assert ev["before_ts"]["top1"] == pytest.approx(100 * top1.item())
+    assert json.loads((evals["a+b"] / "metrics.json").read_text())["ensemble"]["members"] == [
+        "a",
+        "b",
+    ]
     # the ensemble = mean softmax of the members
-    p = [np.load(root / "train" / r / "predictions.npz")["logits"] for r in ("a", "b")]
+    p = [np.load(evals[r] / "predictions.npz")["logits"] for r in ("a", "b")]
     mean = (torch.softmax(torch.from_numpy(p[0]), 1) + torch.softmax(torch.from_numpy(p[1]), 1)) / 2
-    ens = torch.softmax(
-        torch.from_numpy(np.load(root / "ensemble" / "a+b" / "predictions.npz")["logits"]), 1
-    )
+    ens = torch.softmax(torch.from_numpy(np.load(evals["a+b"] / "predictions.npz")["logits"]), 1)
     assert torch.allclose(ens, mean, atol=1e-5)
     rows = [line for line in report.read_text().splitlines() if line.startswith("| a")]
     assert len(rows) == 4  # a and a+b, before and after TS
     assert "| a+b | ensemble | ensemble |" in report.read_text()
 
 
+def test_rerun_only_reads_and_a_retrained_run_is_redone(tmp_path, read_only, monkeypatch):
+    root = constructed_root(tmp_path)
+    evaluate(root, "run=over")
+    folder = root / "eval" / "train" / "over"
+    first = eval_files(folder)
+    before = snapshot(root)
+    # new time stamps on the run, same bytes: its digest is the same, nothing is redone
+    for p in (root / "train" / "over").iterdir():
+        p.touch()
+    evaluate(root, "run=over")
+    evaluate(root, "run=over", "batch_size=7")  # how logits are batched is not identity
+    after = snapshot(root)
+    assert {k: v for k, v in after.items() if not k.startswith("train/")} == {
+        k: v for k, v in before.items() if not k.startswith("train/")
+    }
+    read_only(root)
+    evaluate(root, "run=over")  # so it also reruns on read-only media
+    monkeypatch.undo()
+    # "retrain" the run: other weights, so another digest; the stale evaluation is replaced
+    torch.manual_seed(1)
+    model = build_classifier("digits-cnn", 4, 3)
+    save_run(root / "train" / "over", model, [f"c{k}" for k in range(4)])
+    evaluate(root, "run=over")
+    second = eval_files(folder)
+    assert second["predictions.npz"] != first["predictions.npz"]
+    old_up = json.loads(first["manifest.json"])["upstream"]["train/over"]
+    assert read_manifest(folder).upstream["train/over"] != old_up
+    # another temperature criterion is another evaluation too
+    evaluate(root, "run=over", "ts_criterion=ece")
+    ev = json.loads((folder / "metrics.json").read_text())["evaluation"]
+    assert ev["ts_criterion"] == "ece" and read_manifest(folder).info["settings"] == {
+        "ts_criterion": "ece"
+    }
+    assert sorted(p.name for p in (root / "eval" / "train").iterdir()) == ["over"]  # no leftovers
+
+
+def test_a_failed_evaluation_never_replaces_or_half_writes(tmp_path, monkeypatch):
+    import stages.evaluate
+
+    root = constructed_root(tmp_path)
+    evaluate(root, "run=over")
+    folder = root / "eval" / "train" / "over"
+    complete = snapshot(root / "eval")
+    torch.manual_seed(1)
+    save_run(
+        root / "train" / "over", build_classifier("digits-cnn", 4, 3), ["c0", "c1", "c2", "c3"]
+    )
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(stages.evaluate, "reliability_diagram", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        evaluate(root, "run=over")
+    assert snapshot(root / "eval") == complete  # the old, complete evaluation is still there
+    monkeypatch.undo()
+    # a kill mid-build leaves a hidden work folder (and maybe a stepped-aside old one)
+    for leftover in (".over.tmp", ".over.old"):
+        (folder.parent / leftover).mkdir()
+        (folder.parent / leftover / "metrics.json").write_text("{}")
+    (root / "eval" / "train" / "half").mkdir()  # an evaluation without a manifest
+    (root / "eval" / "train" / "half" / "metrics.json").write_text('{"evaluation": {}}')
+    evaluate(root, "run=over")
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["half", "over"]
+    assert (
+        read_manifest(folder).info["files"]["predictions.npz"]["sha256"]
+        != json.loads(complete["train/over/manifest.json"][1])["info"]["files"]["predictions.npz"][
+            "sha256"
+        ]
+    )
+    report = (root / "eval" / "report.md").read_text()
+    assert "| over |" in report and "half" not in report  # incomplete: not reported
+
+
+def test_same_inputs_give_the_same_bytes_anywhere(tmp_path):
+    a = constructed_root(tmp_path / "a")
+    b = constructed_root(tmp_path / "b")
+    for root in (a, b):
+        evaluate(root, "run=over")
+    assert snapshot(a / "eval").keys() == snapshot(b / "eval").keys()
+    assert eval_files(a / "eval" / "train" / "over") == eval_files(b / "eval" / "train" / "over")
+    assert (a / "eval" / "report.md").read_bytes() == (b / "eval" / "report.md").read_bytes()
+
+
+def test_an_unfinished_run_is_not_evaluated(tmp_path, capsys):
+    root = constructed_root(tmp_path)
+    run = root / "train" / "over"
+    atomic_write_json(run / "metrics.json", {"train": {"finished": False}})  # killed mid-training
+    base = ["evaluate", "--preset", "digits", "--set", f"out={root.parent}", f"name={root.name}"]
+    assert main([*base, "run=over"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not complete" in err and str(run) in err
+    assert not (root / "eval").exists()
+    with pytest.raises(ValueError, match="no trained runs"):
+        evaluate(root)  # the unfinished run is not "every trained run"
+
+
 def test_bad_input_gives_one_line_errors(tmp_path, capsys):
     root = constructed_root(tmp_path)
     base = ["evaluate", "--preset", "digits", "--set", f"out={root.parent}", f"name={root.name}"]
     assert main([*base, "run=a/b"]) == 2
+    assert "plain folder name" in capsys.readouterr().err
+    assert main([*base, "runs=over,over2", "ensemble_name=../x"]) == 2
     assert "plain folder name" in capsys.readouterr().err
     assert main([*base, "run=nope"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
@@ -177,7 +305,7 @@ def test_bad_input_gives_one_line_errors(tmp_path, capsys):
 
 
 def test_report_groups_seeds_into_mean_and_std():
-    from stages.evaluate import seed_summary
+    from stages.evaluate_report import seed_summary
 
     def ev(top1, ece):
         return {"before_ts": {"top1": top1, "ece": ece, "nll": 0.1}, "after_ts": {"ece": ece / 2}}
@@ -201,13 +329,37 @@ def test_without_run_every_trained_run_is_evaluated(tmp_path):
     root = constructed_root(tmp_path)
     shutil.copytree(root / "train" / "over", root / "train" / "second")
     shutil.copytree(root / "train" / "over", root / "finetune" / "over-maccal")
+    shutil.copytree(root / "train" / "over", root / "finetune" / "over")  # same name, other stage
     evaluate(root)
-    for folder in ("train/over", "train/second", "finetune/over-maccal"):
-        assert "evaluation" in json.loads((root / folder / "metrics.json").read_text())
-    assert not (root / "ensemble").exists()  # one by one, not as an ensemble
-    report = (root / "report.md").read_text()
+    done = {f"{p.parent.name}/{p.name}" for p in (root / "eval").glob("*/*") if p.is_dir()}
+    assert done == {"train/over", "train/second", "finetune/over-maccal", "finetune/over"}
+    for folder in done:
+        ev = json.loads((root / "eval" / folder / "metrics.json").read_text())["evaluation"]
+        assert ev["stage"] == folder.split("/")[0]
+    assert not (root / "eval" / "ensemble").exists()  # one by one, not as an ensemble
+    report = (root / "eval" / "report.md").read_text()
     assert all(f"| {n} |" in report for n in ("over", "second", "over-maccal"))
+    assert "| over | finetune |" in report and "| over | train |" in report
     empty = tmp_path / "runs" / "empty"
     shutil.copytree(root / "real", empty / "real")
     with pytest.raises(ValueError, match="no trained runs"):
         evaluate(empty)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_evaluation_matches_cpu(tmp_path):
+    """The same run on the GPU: identical predictions up to float rounding, same accuracy."""
+    cpu, gpu = constructed_root(tmp_path / "cpu"), constructed_root(tmp_path / "gpu")
+    evaluate(cpu, "run=over", "device=cpu")
+    evaluate(gpu, "run=over", "device=cuda")
+    logits = [
+        np.load(r / "eval" / "train" / "over" / "predictions.npz")["logits"] for r in (cpu, gpu)
+    ]
+    np.testing.assert_allclose(logits[0], logits[1], rtol=1e-3, atol=1e-3)
+    ev = [
+        json.loads((r / "eval" / "train" / "over" / "metrics.json").read_text())["evaluation"]
+        for r in (cpu, gpu)
+    ]
+    assert ev[0]["before_ts"]["top1"] == ev[1]["before_ts"]["top1"]
+    assert ev[0]["before_ts"]["ece"] == pytest.approx(ev[1]["before_ts"]["ece"], abs=0.05)

@@ -41,7 +41,7 @@ def finetune(root: Path, *sets: str) -> Path:
 
 def evaluate(root: Path, run: str) -> dict:
     run_stage("evaluate", "digits", [f"out={root.parent}", f"run={run}"])
-    return json.loads((root / "finetune" / run / "metrics.json").read_text())["evaluation"]
+    return json.loads((root / "eval" / "finetune" / run / "metrics.json").read_text())["evaluation"]
 
 
 # ---------------------------------------------------------------- MaC-Cal
@@ -121,7 +121,7 @@ def test_evaluate_reads_a_maccal_run(root, maccal):
     ev = evaluate(root, f"{SRC}-maccal")
     assert ev["stage"] == "finetune" and ev["loss"] == "ce+maccal"
     assert 0 <= ev["before_ts"]["ece"] <= 100 and ev["before_ts"]["top1"] > 30
-    assert f"| {SRC}-maccal | finetune | ce+maccal |" in (root / "report.md").read_text()
+    assert f"| {SRC}-maccal | finetune | ce+maccal |" in (root / "eval" / "report.md").read_text()
 
 
 # ---------------------------------------------------------------- FeDLaS

@@ -227,12 +227,18 @@ def test_non_finite_names_series(model_dirs, monkeypatch):
 
 def test_unet_save_load_and_presets(model_dirs):
     gen = load_generator("unet", model=model_dirs / "unet")
-    reloaded = build_unet(16, num_classes=3, channels=(16, 32), attention=(False, True))
+    reloaded = build_unet(16, num_classes=3, channels=(16, 32), attention=(False, True)).eval()
     reloaded.load_state_dict(gen.unet.state_dict())  # mixable table keeps the state-dict keys
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = reloaded(x, 500, class_labels=torch.tensor([2, 0])).sample
+        one_hot = gen.unet(x, 500, class_labels=torch.eye(3)[[2, 0]]).sample
+    assert torch.equal(plain, one_hot)  # a one-hot mix is exactly the plain class embedding
     assert gen.image_size == 16 and gen.num_classes == 3
-    assert gen.scheduler.config.num_train_timesteps == 1000
-    tiny = unet_from_preset("digits-tiny", 10)
-    assert tiny.config.sample_size == UNET_PRESETS["digits-tiny"].image_size == 16
+    assert gen.scheduler.config.num_train_timesteps == 1000  # the saved training schedule
+    tiny, preset = unet_from_preset("digits-tiny", 10), UNET_PRESETS["digits-tiny"]
+    assert tiny.config.sample_size == preset.image_size
+    assert tuple(tiny.config.block_out_channels) == preset.block_out_channels
     assert 0.9e6 < sum(p.numel() for p in tiny.parameters()) < 1.3e6
     with pytest.raises(ValueError, match="digits-tiny"):
         unet_from_preset("huge", 10)

@@ -15,6 +15,7 @@ import huggingface_hub
 import numpy as np
 import pytest
 import yaml
+from conftest import snapshot
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, DatasetCard, HfApi
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 from huggingface_hub.hf_api import DatasetInfo
@@ -28,6 +29,7 @@ from shards.io import atomic_write_json
 from shards.manifest import MANIFEST
 from shards.reader import load_split
 from shards.writer import ShardFolder, write_config
+from stages.publish import CARD_BANNER
 
 REPO = "someone/semix-digits"
 SENTINEL = "hf_SENTINELtoken0123456789abcdef"
@@ -147,12 +149,23 @@ def one_line_error(capsys, code):
 # ----------------------------------------------------------------------------- card
 
 
-def test_dry_run_writes_a_card_that_parses_and_prints_the_plan(mixed, tmp_path, capsys):
+def dry_run_card(tmp_path, capsys) -> tuple[str, str]:
+    """(plan text, card text) as a dry run prints them."""
     assert publish_cli(tmp_path, "dry_run=1") == 0  # the autouse fixture forbids network calls
     out = capsys.readouterr().out
-    text = (mixed / "README.md").read_text()
+    plan, banner, rest = out.partition(CARD_BANNER + "\n")
+    card_text, done, _ = rest.rpartition("semix publish: done -> ")
+    assert banner and done, out
+    return plan, card_text
+
+
+def test_dry_run_prints_plan_and_card_and_writes_nothing(mixed, tmp_path, capsys):
+    before = snapshot(tmp_path)
+    plan, text = dry_run_card(tmp_path, capsys)
+    assert snapshot(tmp_path) == before  # mixed/ (and everything else) byte- and mtime-identical
+    assert not (mixed / "README.md").exists()
     meta = yaml.safe_load(text.split("---\n")[1])
-    assert meta == DatasetCard.load(mixed / "README.md").data.to_dict()
+    assert meta == DatasetCard(text).data.to_dict()
     assert meta["license"] == "cc-by-4.0"  # unet trained on the digits -> the digits' license
     assert meta["task_categories"] == ["image-classification"]
     assert meta["size_categories"] == ["n<1K"]
@@ -168,9 +181,16 @@ def test_dry_run_writes_a_card_that_parses_and_prints_the_plan(mixed, tmp_path, 
     assert "Beyond One-Hot Labels" in text and "ICML" in text and "0.1.0+gtest" in text
     assert f'load_dataset("{REPO}"' in text and "wds.WebDataset" in text
     assert str(tmp_path) not in text and SENTINEL not in text
-    planned = [line.split()[0] for line in out.splitlines()[1:] if line.startswith("  ")]
-    assert planned == [*SHARDS, MANIFEST, "README.md", *EXTRAS]
-    assert f"{(mixed / 'mixed-000000.tar').stat().st_size:,} B" in out
+    rows = [line.split() for line in plan.splitlines()[1:] if line.startswith("  ")]
+    assert [r[0] for r in rows] == [*SHARDS, MANIFEST, "README.md", *EXTRAS]
+    assert f"{(mixed / 'mixed-000000.tar').stat().st_size:,} B" in plan
+    assert rows[len(SHARDS) + 1][1] == f"{len(text.encode()):,}"  # the card's own size
+    # an old card left in mixed/ by an earlier semix is neither read nor uploaded
+    old = snapshot(mixed)
+    (mixed / "README.md").write_text("stale card")
+    assert dry_run_card(tmp_path, capsys)[1] == text
+    (mixed / "README.md").unlink()
+    assert snapshot(mixed) == old
 
 
 LICENSE_CASES = [  # backend, model id, dataset, recorded license, override -> expected
@@ -203,16 +223,39 @@ def test_bad_license_override_and_repo_are_config_errors(tmp_path, mixed, capsys
         assert "is not a Hub repo id" in capsys.readouterr().err
 
 
-def test_card_configs_glob_loads_in_datasets_with_one_feature_set(mixed, tmp_path):
+def committed_files(ops) -> dict[str, bytes]:
+    """What a create_commit would put in the repo: path -> bytes (files or in-memory bytes)."""
+    out = {}
+    for op in ops:
+        with op.as_file() as f:
+            out[op.path_in_repo] = f.read()
+    return out
+
+
+def test_published_card_comes_back_with_pull_and_loads_in_datasets(
+    mixed, tmp_path, monkeypatch, capsys
+):
+    """publish -> (the repo's files) -> pull: the card arrives next to the shards, and
+    `datasets` reads the folder through the card's `configs` glob with one feature set."""
     datasets = pytest.importorskip("datasets")
-    assert publish_cli(tmp_path, "dry_run=1") == 0
-    card = DatasetCard.load(mixed / "README.md")
+    _, card_text = dry_run_card(tmp_path, capsys)
+    calls = fake_hub(monkeypatch)
+    assert publish_cli(tmp_path) == 0
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    for name, data in committed_files(calls[-1][1][1]).items():
+        (remote / name).write_bytes(data)
+    fake_snapshot(monkeypatch, remote)
+    assert pull_cli(tmp_path) == 0
+    dest = tmp_path / "pulled" / "semix-digits" / "mixed"
+    assert (dest / "README.md").read_text() == card_text
+    card = DatasetCard.load(dest / "README.md")
     glob = card.data.to_dict()["configs"][0]["data_files"][0]["path"]
     cache = str(tmp_path / "hf-cache")
     by_glob = datasets.load_dataset(
-        "webdataset", data_files={"train": str(mixed / glob)}, split="train", cache_dir=cache
+        "webdataset", data_files={"train": str(dest / glob)}, split="train", cache_dir=cache
     )
-    by_card = datasets.load_dataset(str(mixed), split="train", cache_dir=cache)  # reads the card
+    by_card = datasets.load_dataset(str(dest), split="train", cache_dir=cache)  # reads the card
     split = load_split(mixed)
     for ds in (by_glob, by_card):
         assert len(ds) == len(split) == 12
@@ -229,9 +272,12 @@ def test_card_configs_glob_loads_in_datasets_with_one_feature_set(mixed, tmp_pat
 # ----------------------------------------------------------------------------- publish
 
 
-def test_publish_hands_the_exact_plan_to_create_commit(mixed, tmp_path, monkeypatch):
+def test_publish_hands_the_exact_plan_to_create_commit(mixed, tmp_path, monkeypatch, capsys):
+    _, card_text = dry_run_card(tmp_path, capsys)
+    before = snapshot(mixed)
     calls = fake_hub(monkeypatch)
     assert publish_cli(tmp_path, "private=1") == 0
+    assert snapshot(mixed) == before  # the upload wrote nothing into mixed/
     names = [c[0] for c in calls]
     assert names == ["create_repo", "dataset_info", "create_commit"]
     (_, args, kwargs) = calls[0]
@@ -245,8 +291,9 @@ def test_publish_hands_the_exact_plan_to_create_commit(mixed, tmp_path, monkeypa
     ops = args[1]
     assert all(isinstance(op, CommitOperationAdd) for op in ops)
     assert [op.path_in_repo for op in ops] == [*SHARDS, MANIFEST, "README.md", *EXTRAS]
-    for op in ops:
-        assert Path(op.path_or_fileobj).read_bytes() == (mixed / op.path_in_repo).read_bytes()
+    uploaded = committed_files(ops)
+    assert uploaded.pop("README.md") == card_text.encode()  # the card the dry run showed
+    assert uploaded == {name: (mixed / name).read_bytes() for name in uploaded}
     assert all("token" not in kw for _, _, kw in calls)  # the client finds the token itself
 
 

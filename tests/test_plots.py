@@ -14,13 +14,28 @@ def test_image_grid_places_tiles_exactly(tmp_path):
     assert image_grid(images, tmp_path / "h.png").read_bytes() == path.read_bytes()
 
 
-def test_charts_are_written_deterministically(tmp_path):
+def test_charts_are_deterministic_and_change_with_their_data(tmp_path):
+    """Same input, same bytes (no time stamps); other data, other bytes (the chart draws it);
+    seeded jitter follows its seed; one column per reliability panel; no temp file left."""
     panel = {"acc": [0.0, 0.5, 1.0], "conf": [0.2, 0.5, 0.9], "count": [1, 0, 5], "ece": 3.2}
-    a = reliability_diagram({"before TS": panel, "after TS": panel}, tmp_path / "a.png")
-    b = reliability_diagram({"before TS": panel, "after TS": panel}, tmp_path / "b.png")
-    assert a.read_bytes() == b.read_bytes() and Image.open(a).size[0] > 400
-    s = scatter(
-        [0, 0.5, 1], [0.1, 0.4, 0.9], tmp_path / "s.png", xlabel="α", ylabel="λ̂", diagonal=True
-    )
-    q = lines({"q": [0.9, 0.8, 0.85]}, tmp_path / "q.png", xlabel="epoch")
-    assert Image.open(s).format == Image.open(q).format == "PNG"
+    other = dict(panel, acc=[0.0, 0.5, 0.4])
+
+    def png(name, draw, *args, **kwargs) -> bytes:
+        return draw(*args, tmp_path / name, **kwargs).read_bytes()
+
+    two = {"before TS": panel, "after TS": panel}
+    a = png("a.png", reliability_diagram, two)
+    assert a == png("b.png", reliability_diagram, two)
+    assert a != png("c.png", reliability_diagram, {"before TS": panel, "after TS": other})
+    one = Image.open(reliability_diagram({"before TS": panel}, tmp_path / "one.png")).size[0]
+    assert 1.7 < Image.open(tmp_path / "a.png").size[0] / one < 2.3
+    xy = ([0, 0.5, 1], [0.1, 0.4, 0.9])
+    kw = dict(xlabel="α", ylabel="λ̂", diagonal=True)
+    s = png("s1.png", scatter, *xy, **kw, jitter=0.05, seed=1)
+    assert s == png("s2.png", scatter, *xy, **kw, jitter=0.05, seed=1)
+    assert s != png("s3.png", scatter, *xy, **kw, jitter=0.05, seed=2)
+    assert png("s4.png", scatter, *xy, **kw, seed=1) == png("s5.png", scatter, *xy, **kw, seed=2)
+    q = png("q1.png", lines, {"q": [0.9, 0.8, 0.85]}, xlabel="epoch")
+    assert q == png("q2.png", lines, {"q": [0.9, 0.8, 0.85]}, xlabel="epoch")
+    assert q != png("q3.png", lines, {"q": [0.9, 0.8, 0.95]}, xlabel="epoch")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

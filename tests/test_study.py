@@ -11,7 +11,8 @@ import torch
 from models.calibration import ece
 from models.study_stats import Predictions, bootstrap_difference
 from pipeline.config import ConfigError
-from pipeline.study import METHODS, StudyConfig, run_name, run_study
+from pipeline.study import StudyConfig, plan, run_name, run_study
+from shards import evals
 
 
 def _save_predictions(path, logits, labels):
@@ -70,7 +71,57 @@ def test_study_config_is_checked():
     with pytest.raises(ConfigError, match="add csm"):
         StudyConfig(methods=("ce", "csm+maccal"))
     assert run_name("ce+maccal", 2) == "ce-s2-maccal" and run_name("csm-ce", 0) == "csm-ce-s0"
-    assert METHODS["csm-ratio"].needs_mixed and not METHODS["ls"].needs_mixed
+
+
+def _run_and_evaluation(root, stage, run, criterion, digest=None):
+    """A finished run folder and a complete evaluation of it, as the stages leave them."""
+    from stages.evaluate import run_digest
+
+    folder = root / stage / run
+    folder.mkdir(parents=True)
+    for name in ("model.safetensors", "model.json"):
+        (folder / name).write_text(f"{run} {name}")
+    (folder / "metrics.json").write_text(json.dumps({stage: {"finished": True}}))
+    upstream = {f"{stage}/{run}": digest or run_digest(folder)}
+    with evals.building(evals.eval_dir(root, stage, run)) as tmp:
+        (tmp / evals.METRICS).write_text(json.dumps({"evaluation": {"ts_criterion": criterion}}))
+        np.savez(tmp / evals.PREDICTIONS, logits=np.zeros((2, 2)), labels=np.zeros(2))
+        evals.finish(tmp, class_names=("a", "b"), upstream=upstream, settings={}, code_version="t")
+
+
+def test_plan_orders_tasks_by_what_they_need_and_skips_evaluated_runs(tmp_path):
+    cfg = StudyConfig(methods=("ce", "ls", "csm-ratio", "ce+maccal"), seeds=(0,))
+    tasks = {t.name: t for t in plan(cfg, "digits", ["train.epochs=1"], tmp_path)}
+    assert list(tasks) == ["chain", "ce-s0", "ls-s0", "csm-ratio-s0", "ce-s0-maccal"]
+    # only methods that read mixed/ wait for the chain; a fine-tuning waits for its source run
+    assert tasks["ce-s0"].after == tasks["ls-s0"].after == set()
+    assert tasks["csm-ratio-s0"].after == {"chain"}
+    assert tasks["ce-s0-maccal"].after == {"ce-s0"}
+    make, evaluate = tasks["ce-s0-maccal"].steps
+    assert make[0] == "finetune" and "run=ce-s0" in make[1]
+    assert evaluate[0] == "evaluate" and {"run=ce-s0-maccal", "stage_dir=finetune"} <= set(
+        evaluate[1]
+    )
+    assert "epochs=1" in tasks["ls-s0"].steps[0][1]  # train. overrides reach train only
+    assert not any(s.startswith("epochs") for s in evaluate[1])
+    assert plan(StudyConfig(methods=("ce", "ls"), seeds=(0,)), "digits", [], tmp_path)[0].name == (
+        "ce-s0"
+    )  # no method reads mixed/: no chain task
+    # a complete evaluation of the run as it is, with the study's criterion, marks the task
+    # done; another criterion, a run retrained since (other digest), or an evaluation without
+    # its manifest (killed mid-write) does not
+    _run_and_evaluation(tmp_path, "train", "ce-s0", "nll")
+    _run_and_evaluation(tmp_path, "train", "ls-s0", "ece")
+    _run_and_evaluation(tmp_path, "train", "csm-ratio-s0", "nll", digest="0" * 64)
+    (tmp_path / "eval" / "finetune" / "ce-s0-maccal").mkdir(parents=True)
+    (tmp_path / "eval" / "finetune" / "ce-s0-maccal" / "metrics.json").write_text("{}")
+    done = {t.name: t.done for t in plan(cfg, "digits", [], tmp_path)}
+    assert done == {
+        "chain": False, "ce-s0": True, "ls-s0": False, "csm-ratio-s0": False,
+        "ce-s0-maccal": False,
+    }  # fmt: skip
+    (tmp_path / "train" / "ce-s0" / "model.safetensors").write_text("retrained")
+    assert not next(t for t in plan(cfg, "digits", [], tmp_path) if t.name == "ce-s0").done
 
 
 def test_study_runs_reports_and_resumes_only_what_is_missing(digits_root, tmp_path, capsys):
@@ -88,7 +139,7 @@ def test_study_runs_reports_and_resumes_only_what_is_missing(digits_root, tmp_pa
         "ce-s0", "ce-s1", "ce-s0-maccal", "ce-s1-maccal",
     }  # fmt: skip
     for r in study["records"]:  # each record is the run's own evaluation
-        ev = json.loads((tmp_path / "digits" / r["run"] / "metrics.json").read_text())
+        ev = json.loads((tmp_path / "digits" / "eval" / r["run"] / "metrics.json").read_text())
         assert r["before_ts"]["ece"] == ev["evaluation"]["before_ts"]["ece"]
         assert r["temperature"] == ev["evaluation"]["temperature"] and r["ts_criterion"] == "nll"
     ce = [r["before_ts"]["ece"] for r in study["records"] if r["method"] == "ce"]
@@ -103,7 +154,7 @@ def test_study_runs_reports_and_resumes_only_what_is_missing(digits_root, tmp_pa
     again = json.loads((report.parent / "study.json").read_text())
     assert again["task_seconds_this_invocation"] == {}
     assert again["records"] == study["records"]
-    (tmp_path / "digits" / "train" / "ce-s1" / "predictions.npz").unlink()
+    shutil.rmtree(tmp_path / "digits" / "eval" / "train" / "ce-s1")
     run_study("digits", sets)
     third = json.loads((report.parent / "study.json").read_text())
     assert list(third["task_seconds_this_invocation"]) == ["ce-s1"]

@@ -1,4 +1,8 @@
-"""Config of the `evaluate` stage: trained runs -> metrics, plots, runs/<classes>/report.md."""
+"""Config of the `evaluate` stage: trained runs -> eval/<stage>/<run>/ and eval/report.md.
+
+Identity of an evaluation (a rerun with the same values skips it): the upstream digests and
+`ts_criterion`. `batch_size` and `device` say how it is computed, not what: they are not compared.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,9 @@ class Config(StageConfig):
     run: str = ""  # one run (RUN=name); with neither run nor runs: every trained run, one by one
     runs: tuple[str, ...] = ()  # several runs (RUNS=a,b,c): each one, plus their deep ensemble
     stage_dir: str = ""  # pin where runs live: train | finetune
-    ensemble_name: str = ""  # folder under runs/<classes>/ensemble/; "" = members joined by "+"
+    ensemble_name: str = (
+        ""  # folder under runs/<classes>/eval/ensemble/; "" = members joined by "+"
+    )
     ood: str = ""  # another prepared real/ root, runs/<name>/ root or split folder (MSP, FPR95)
     corruptions: str = ""  # CIFAR-C layout: <corruption>.npy (5 severities x N) + labels.npy
     # temperature scaling: "nll" minimises val NLL (Guo et al. 2017); "ece" = lowest val ECE
@@ -31,6 +37,8 @@ class Config(StageConfig):
         for name in self.run_names():
             if not name or "/" in name or name.startswith("."):
                 raise ConfigError(f"run name {name!r} must be a plain folder name")
+        if "/" in self.ensemble_name or self.ensemble_name.startswith("."):
+            raise ConfigError(f"ensemble_name={self.ensemble_name!r} must be a plain folder name")
 
     def run_names(self) -> list[str]:
         """`run` then `runs`, without repeats."""

@@ -22,7 +22,7 @@ def check_repo(repo: str) -> None:
 class Config(StageConfig):
     repo: str = ""  # user/name of the dataset repo (REPO=)
     private: bool = False  # create the repo private (PRIVATE=1)
-    dry_run: bool = False  # write the card, print the upload plan, touch no network (DRY_RUN=1)
+    dry_run: bool = False  # print the upload plan and the card; no network, no file (DRY_RUN=1)
     license: str = ""  # Hub license id overriding the one derived from the generator
     overwrite: bool = False  # replace a repo that holds a different dataset
     mixed: str = ""  # the mixed/ folder; defaults to runs/<classes>/mixed (MIXED=)
