@@ -170,7 +170,9 @@ def run(cfg: Config) -> Path:
     made_from["init"] = source.digest
     if run_complete(run_dir, made_from):
         write_config(run_dir, cfg.record())  # refuses another config under the same name
-        log.info("finetune %s: complete already (%s); nothing to do", cfg.output, run_dir)
+        log.info(
+            "finetune %s: already finished (%s is complete); nothing to do", cfg.output, run_dir
+        )
         return run_dir
     check_resume(run_dir, cfg.resume)
     meta = source.meta

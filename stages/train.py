@@ -115,7 +115,7 @@ def run(cfg: Config) -> Path:
     made_from = upstream(cfg, needs_mixed)
     if run_complete(run_dir, made_from):
         write_config(run_dir, cfg.record())  # refuses another config under the same run name
-        log.info("train %s: complete already (%s); nothing to do", cfg.run, run_dir)
+        log.info("train %s: already finished (%s is complete); nothing to do", cfg.run, run_dir)
         return run_dir
 
     check_resume(run_dir, cfg.resume)
