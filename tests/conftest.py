@@ -187,13 +187,14 @@ class Killed(BaseException):
 class KillPoints:
     """Every file-system change under `root` (a file opened for writing, a rename, a removal,
     a new folder) made while `armed` is one kill point; with `kill_at = n` the n-th one (from 0)
-    raises Killed instead of happening. `changes` lists the points passed. Writes that bypass
+    raises Killed instead of happening (or OSError(ENOSPC) with `full_disk`). `changes` lists the points passed. Writes that bypass
     Python's file API (safetensors, torch.save's zip writer) land between two points."""
 
     def __init__(self, monkeypatch, root: Path) -> None:
         self.root = str(Path(root).resolve())
         self.armed = False
         self.kill_at: int | None = None
+        self.full_disk = False  # raise OSError(ENOSPC) at kill_at instead of Killed
         self.changes: list[str] = []
         real_open = builtins.open
 
@@ -206,6 +207,8 @@ class KillPoints:
             if not os.path.abspath(path).startswith(self.root):
                 return
             if len(self.changes) == self.kill_at:
+                if self.full_disk:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
                 raise Killed(f"killed before {what} {path}")
             self.changes.append(f"{what} {os.path.relpath(path, self.root)}")
 

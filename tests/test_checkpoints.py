@@ -46,12 +46,16 @@ def _consistent(path) -> int:
     return step
 
 
+@pytest.mark.parametrize("full_disk", [False, True])
 @pytest.mark.parametrize("keep", [1, 2])
-def test_a_kill_at_every_point_of_a_save_leaves_a_loadable_checkpoint(tmp_path, monkeypatch, keep):
-    """Kill before each file-system change of the third save: `auto` then loads a complete,
-    consistent checkpoint (the third, or the second while the third was not yet renamed into
-    place), and tidy leaves only complete checkpoints."""
+def test_a_kill_at_every_point_of_a_save_leaves_a_loadable_checkpoint(
+    tmp_path, monkeypatch, keep, full_disk
+):
+    """Kill (or fill the disk) before each file-system change of the third save: `auto` then
+    loads a complete, consistent checkpoint (the third, or the second while the third was not
+    yet renamed into place), and tidy leaves only complete checkpoints."""
     points = KillPoints(monkeypatch, tmp_path)
+    points.full_disk = full_disk
 
     def saved_twice(name):
         ckpt = Checkpointer(tmp_path / name / "checkpoints", keep=keep, files=("ema.safetensors",))
@@ -68,7 +72,7 @@ def test_a_kill_at_every_point_of_a_save_leaves_a_loadable_checkpoint(tmp_path, 
     for k in range(len(changes)):
         ckpt = saved_twice(f"kill{k}")
         points.armed, points.kill_at, points.changes = True, k, []
-        with pytest.raises(Killed):
+        with pytest.raises(OSError if full_disk else Killed):
             _save(ckpt, 2)
         points.armed, points.kill_at = False, None
         chosen = ckpt.choose("auto")

@@ -113,10 +113,14 @@ def test_batches_are_epoch_permutations():
     )
 
 
-@pytest.mark.parametrize("limit", [1, 2])
+# limit=1 reproduces the issue-12 failure on the code before the Checkpointer: accelerate's
+# save_state pruned the only complete checkpoint before writing the new one, and a kill while it
+# deleted files (5 of its 13 kill points) left a folder with its marker but without its model:
+# "No such file or directory: .../checkpoint_1/pytorch_model.bin" on resume.
+@pytest.mark.parametrize("limit", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_kill_at_every_point_of_a_checkpoint_save_resumes(runs, monkeypatch, limit):
-    """Kill fit-generator before each file-system change of its third checkpoint save (the first
-    that prunes an older checkpoint), rerun it: every rerun ends with the uninterrupted bytes."""
+    """Kill fit-generator before each file-system change of its third checkpoint save (one that
+    prunes an older checkpoint), rerun it: every rerun ends with the uninterrupted weights."""
     from conftest import Killed, KillPoints
 
     quick = ["steps=4", "batch_size=8", "checkpoint_every=1", "samples_per_class=1"]
