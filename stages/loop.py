@@ -47,6 +47,7 @@ from pipeline.runtime import code_version, log, make_generator, progress
 from shards.checkpoints import LOAD_KWARGS, Checkpointer
 from shards.datasets import RealSplit
 from shards.io import atomic_write_json
+from shards.manifest import ShardError
 from shards.runs import finish_run, write_weights
 
 BEST = "best.safetensors"  # in a checkpoint: the best weights so far (keep="best")
@@ -277,6 +278,10 @@ def fit(
         saved, tensors = ckpt.load(
             checkpoint, lambda p: accelerator.load_state(str(p), load_kwargs=LOAD_KWARGS)
         )
+        if "loop" not in saved:
+            raise ShardError(
+                f"{checkpoint} was written by an older semix; start over (resume=) or remove it"
+            )
         state = LoopState(**saved["loop"])
         objective.load_extra_state(saved["objective"] | tensors.get(OBJECTIVE, {}))
         best = tensors.get(BEST)
