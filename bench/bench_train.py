@@ -1,5 +1,5 @@
 """Training step rate: the train stage's data path (shards -> device tensors -> on-device
-crop/flip + normalise, `stages.train.train_epoch`) vs the same model, optimizer and step on
+crop/flip + normalise, `stages.loop.train_epoch`) vs the same model, optimizer and step on
 in-memory random tensors (no indexing, augmentation or normalisation). Goal: ratio >= 0.9.
 
 GPU section (only when CUDA is available): ResNet-18 on CIFAR-sized images (32x32, 10 classes),
@@ -16,10 +16,11 @@ from pathlib import Path
 import torch
 
 from models.classifiers import build_classifier
-from models.training import TrainingModule, build_objective, channel_stats, normalize
+from models.objectives import TrainingModule, build_objective
+from models.training import channel_stats, multistep_lr, normalize
 from pipeline.cli import resolve_stage_config, run_stage
 from shards.datasets import RealSplit, load_real
-from stages.train import TrainData, train_epoch
+from stages.loop import Data, Recipe, train_epoch
 
 
 class _NoBar:
@@ -56,8 +57,16 @@ def _compare(
     classes = len(train.class_names)
     cfg, acc, module, opt = _setup(model_name, classes, in_channels, sets)
     mean, std = channel_stats(train.images, in_channels)
-    data = TrainData(
-        train, None, torch.tensor(mean, device=acc.device), torch.tensor(std, device=acc.device)
+    mean_t, std_t = torch.tensor(mean, device=acc.device), torch.tensor(std, device=acc.device)
+    data = Data(train, train, mean_t, std_t, train.image_size)
+    recipe = Recipe(
+        key=(cfg.seed, "train"),
+        epochs=epochs,
+        batch_size=cfg.batch_size,
+        lr=lambda e: multistep_lr(e, cfg.lr, cfg.milestones, cfg.lr_gamma),
+        clip_norm=cfg.clip_norm,
+        crop_pad=cfg.crop_pad,
+        flip=cfg.flip,
     )
     steps = len(train) // cfg.batch_size
     n = steps * cfg.batch_size
@@ -75,7 +84,7 @@ def _compare(
 
     def real_path() -> None:
         for e in range(epochs):
-            train_epoch(cfg, e, acc, module, opt, data, _NoBar())
+            train_epoch(recipe, e, acc, module, opt, data, _NoBar())
 
     def random_path() -> None:
         module.train()

@@ -90,23 +90,31 @@ class GateTracker:
     step's augmentation). `end_epoch()` returns the share of the epoch's samples in each gate
     mode (order `GATE_MODES`: +1, −1, 0) and the flip rate: the share of samples seen in this
     and the previous epoch whose ψ changed (None in the first epoch: nothing to compare).
+    Under several processes each sees its own samples; `end_epoch(reduce)` sums the records
+    (every sample is seen by one process per epoch) so all agree. The record lives on the
+    device of the ψ it gets (no host sync per step); `state_dict()` is what a resume needs.
     """
 
-    def __init__(self, num_samples: int, device: str | torch.device = "cpu") -> None:
-        # kept on the training device: recording ψ needs no host sync per step
-        def zeros(dtype: torch.dtype) -> Tensor:
-            return torch.zeros(num_samples, dtype=dtype, device=device)
-
-        self.prev, self.prev_seen = zeros(torch.int8), zeros(torch.bool)
-        self.cur, self.seen = zeros(torch.int8), zeros(torch.bool)
+    def __init__(self, num_samples: int) -> None:
+        self.prev = torch.zeros(num_samples, dtype=torch.int8)
+        self.prev_seen = torch.zeros(num_samples, dtype=torch.bool)
+        self.cur, self.seen = self.prev.clone(), self.prev_seen.clone()
 
     def update(self, idx: Tensor, psi: Tensor) -> None:
         """ψ [B] of the samples with dataset indices idx [B]."""
-        idx = idx.to(self.cur.device)
-        self.cur[idx] = psi.detach().sign().to(self.cur.device, torch.int8)
+        if self.cur.device != psi.device:
+            self.prev, self.prev_seen, self.cur, self.seen = (
+                t.to(psi.device) for t in (self.prev, self.prev_seen, self.cur, self.seen)
+            )
+        idx = idx.to(psi.device)
+        self.cur[idx] = psi.detach().sign().to(torch.int8)
         self.seen[idx] = True
 
-    def end_epoch(self) -> dict[str, Any]:
+    def end_epoch(self, reduce: Callable[[Tensor], Tensor] | None = None) -> dict[str, Any]:
+        if reduce is not None:  # each sample was seen by one process: the sums are the records
+            both = torch.stack([self.cur.to(torch.int32), self.seen.to(torch.int32)])
+            cur, seen = reduce(both)
+            self.cur, self.seen = cur.to(torch.int8), seen.bool()
         if not bool(self.seen.any()):
             raise ValueError("no gate decisions recorded this epoch")
         psi = self.cur[self.seen]
@@ -114,5 +122,13 @@ class GateTracker:
         both = self.seen & self.prev_seen
         flip = float((self.cur[both] != self.prev[both]).float().mean()) if both.any() else None
         self.prev, self.prev_seen = self.cur.clone(), self.seen.clone()
+        self.cur.zero_()
         self.seen.zero_()
         return {"mode_share": share, "flip_rate": flip}
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {"prev": self.prev, "prev_seen": self.prev_seen}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        device = self.cur.device
+        self.prev, self.prev_seen = state["prev"].to(device), state["prev_seen"].to(device)

@@ -1,4 +1,5 @@
-"""Pure-torch pieces of a classifier training loop, shared by the train and finetune stages.
+"""Pure-torch data pieces of the classifier training loop (stages/loop.py): batches, on-device
+augmentation and normalisation, the eval loop, the CSM sampler. The objectives: models/objectives.py.
 
 Small datasets live on the device as uint8 [N, H, W, 3]; each step indexes a batch, augments it
 there and normalises it, so no CPU data loader runs at all (airbench-style). Every random draw
@@ -7,25 +8,18 @@ replays exactly what an uninterrupted one would have drawn.
 
     perm_batches = epoch_batches(n, batch_size, gen)                  # index tensors
     x = normalize(random_crop_flip(images[idx], gen, pad=4), mean, std)   # [B, C, H, W]
-    loss, logits = TrainingModule(model, build_objective("ce", C))(x=x, y=labels[idx])
-
-Objectives (`OBJECTIVES`, one per `loss=` value of the train stage) compute the loss from the
-model and a batch dict *inside* one forward call, so DDP sees a single forward per step even
-when CSM runs the real and the synthetic images through the model separately (METHODS §3), and
-FeDLaS' gate parameters (METHODS §5) are synchronised with the model's.
+    series, pos = sample_csm_members(labels[idx], SeriesIndex(classes, C), soft, gen)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from models.heads import FeDLaSCriterion
-from models.losses import build_loss, dense_soft_targets, mixup_batch, mixup_loss, soft_l2
+from models.losses import dense_soft_targets
 
 # ------------------------------------------------------------------------- batches and inputs
 
@@ -253,140 +247,3 @@ def csm_targets(classes: Tensor, soft_a: Tensor, num_classes: int) -> Tensor:
     if soft_a.ndim == 2:
         return dense_soft_targets(classes, soft_a, num_classes)
     return dense_soft_targets(classes, torch.stack([soft_a, 1.0 - soft_a], dim=1), num_classes)
-
-
-# ------------------------------------------------------------------------- objectives
-
-
-class Objective(nn.Module):
-    """forward(model, batch) -> (loss, logits of the real images). `prepare` may transform the
-    batch outside the model's forward (e.g. mixup) with the caller's generator."""
-
-    needs_mixed = False
-
-    def prepare(self, batch: dict[str, Any], generator: torch.Generator) -> dict[str, Any]:
-        return batch
-
-
-class CriterionObjective(Objective):
-    """Any `models.losses` criterion on the real batch: ce, ls, focal, flsd53, mbls, mmce."""
-
-    def __init__(self, criterion: nn.Module) -> None:
-        super().__init__()
-        self.criterion = criterion
-
-    def forward(self, model: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
-        logits = model(batch["x"])
-        return self.criterion(logits, batch["y"]), logits
-
-
-class MixupObjective(Objective):
-    """Mixup (METHODS §6): x̃ = λx + (1−λ)x[π] in `prepare`, λ·CE(y) + (1−λ)·CE(y[π])."""
-
-    def __init__(self, alpha: float = 1.0) -> None:
-        super().__init__()
-        if alpha <= 0:
-            raise ValueError(f"mixup alpha must be > 0, got {alpha}")
-        self.alpha = alpha
-
-    def prepare(self, batch: dict[str, Any], generator: torch.Generator) -> dict[str, Any]:
-        x, y_a, y_b, lam = mixup_batch(batch["x"], batch["y"], self.alpha, generator)
-        return {**batch, "x": x, "y": y_a, "y_b": y_b, "lam": lam}
-
-    def forward(self, model: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
-        logits = model(batch["x"])
-        return mixup_loss(logits, batch["y"], batch["y_b"], batch["lam"]), logits
-
-
-MIXED_LOSSES = ("l2", "ce")
-
-
-class CSMObjective(Objective):
-    """CE(real) + w·mean_j ||softmax(s̃_j) − t_j||² on the synthetic batch (METHODS §3).
-
-    Real and synthetic images take separate forward passes, so BatchNorm normalises each with
-    its own batch statistics, as the reference code does. `mixed_loss="ce"` is the paper's
-    ablation: soft-target cross-entropy −Σ_k t_k log p_k instead of the L2 term.
-    """
-
-    needs_mixed = True
-
-    def __init__(self, weight: float = 1.0, mixed_loss: str = "l2") -> None:
-        super().__init__()
-        if weight < 0:
-            raise ValueError(f"csm weight must be >= 0, got {weight}")
-        if mixed_loss not in MIXED_LOSSES:
-            raise ValueError(f"csm mixed_loss must be one of {MIXED_LOSSES}, got {mixed_loss!r}")
-        self.weight, self.mixed_loss = weight, mixed_loss
-
-    def forward(self, model: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
-        logits = model(batch["x"])
-        synthetic = model(batch["x_syn"]).float()
-        if self.mixed_loss == "l2":
-            mixed = soft_l2(synthetic, batch["t_syn"])
-        else:  # F.cross_entropy takes probability targets: −Σ_k t_k log p_k, batch mean
-            mixed = F.cross_entropy(synthetic, batch["t_syn"])
-        return F.cross_entropy(logits, batch["y"]) + self.weight * mixed, logits
-
-
-class FeDLaSObjective(Objective):
-    """FeDLaS-LS / -MbLS (METHODS §5) on pooled features + logits of the real batch."""
-
-    def __init__(self, criterion: FeDLaSCriterion) -> None:
-        super().__init__()
-        self.criterion = criterion
-
-    def forward(self, model: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
-        h = model.forward_features(batch["x"])
-        logits = model.head(h)
-        loss, _ = self.criterion(h, logits, batch["y"])
-        return loss, logits
-
-
-def _criterion(name: str) -> Callable[..., Objective]:
-    return lambda num_classes, generator=None, **p: CriterionObjective(
-        build_loss(name, num_classes, **p)
-    )
-
-
-def _fedlas(variant: str) -> Callable[..., Objective]:
-    return lambda num_classes, generator=None, **p: FeDLaSObjective(
-        FeDLaSCriterion(num_classes, variant, generator=generator, **p)
-    )
-
-
-# loss name -> factory(num_classes, generator=None, **params). Params: see docs/train.md.
-OBJECTIVES: dict[str, Callable[..., Objective]] = {
-    **{
-        name: _criterion(name)
-        for name in ("ce", "ls", "focal", "flsd53", "mbls", "mmce", "mmce_weighted")
-    },
-    "mixup": lambda num_classes, generator=None, **p: MixupObjective(**p),
-    "csm": lambda num_classes, generator=None, **p: CSMObjective(**p),
-    "fedlas-ls": _fedlas("ls"),
-    "fedlas-mbls": _fedlas("mbls"),
-}
-
-
-def build_objective(
-    name: str, num_classes: int, generator: torch.Generator | None = None, **params: Any
-) -> Objective:
-    if name not in OBJECTIVES:
-        raise ValueError(f"unknown loss {name!r}; valid: {', '.join(OBJECTIVES)}")
-    return OBJECTIVES[name](num_classes, generator=generator, **params)
-
-
-class TrainingModule(nn.Module):
-    """model + objective as one module: what DDP wraps and the checkpoint holds.
-
-    forward(**batch) -> (loss, logits). `model` is the classifier (final weights); the objective
-    may own parameters (FeDLaS gate) that train with it but stay out of gradient clipping.
-    """
-
-    def __init__(self, model: nn.Module, objective: Objective) -> None:
-        super().__init__()
-        self.model = model
-        self.objective = objective
-
-    def forward(self, **batch: Any) -> tuple[Tensor, Tensor]:
-        return self.objective(self.model, batch)

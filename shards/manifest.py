@@ -30,6 +30,7 @@ WRITTEN_BY = {
     "series": "generate",
     "mixed": "annotate (or pull)",
     "generator": "fit-generator",
+    "run": "train (or finetune)",
 }
 
 

@@ -1,34 +1,57 @@
-"""Weights of trained runs on disk: `model.safetensors` + `model.json`.
+"""Run folders on disk (`train/<run>/`, `finetune/<run>/`): trained weights and their manifest.
+
+A run folder holds `model.safetensors` (the classifier's state dict), `model.json`, the stage's
+`metrics.json` and plots, and `manifest.json`, written last: the one completion rule of every
+semix output. A folder without a manifest is incomplete and no reader accepts it; once it has
+one, nothing in it changes (a rerun only reads, later stages write their own folders).
 
 `model.json` says how to rebuild the network and feed it:
     {"arch": <Classifier.arch_config()>, "class_names": [...], "image_size": int,
      "normalize": {"mean": [...], "std": [...]}, ...anything else the writer adds}
-Stages rebuild with `models.classifiers.classifier_from_config(meta["arch"])` and load the
-state dict. Weights are safetensors: loading never unpickles anything.
+The manifest (`shards.manifest.Manifest`, kind "run", no shards) records the weights' sha256,
+the sha256 of every other file of the run, the upstream manifest digests the run was made from
+(`real/train`, `real/val`, `mixed`, `init`) and the code version. Weights are safetensors:
+loading never unpickles anything, and `read_run(...).state_dict()` checks their sha256.
+
+    run = read_run(folder)                        # refuses an incomplete run in one line
+    model, meta = load_model(folder, build)        # build(meta["arch"]) -> nn.Module
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, load_file, save_file
 from torch import nn
 
-from shards.io import atomic_write_json, read_json, tmp_path_for
-from shards.manifest import ShardError
+from shards.io import atomic_write_json, read_json, sha256_bytes, sha256_file, tmp_path_for
+from shards.manifest import (
+    MANIFEST,
+    Manifest,
+    ShardError,
+    manifest_digest,
+    read_manifest,
+    write_manifest,
+)
 
 WEIGHTS = "model.safetensors"
 META = "model.json"
+RUN_KIND = "run"
 
 
-def save_weights(
+# ---------------------------------------------------------------- writing
+
+
+def write_weights(
     folder: Path, state_dict: Mapping[str, torch.Tensor], meta: Mapping[str, Any]
-) -> Path:
-    """Weights first, then model.json: a folder with model.json has complete weights."""
+) -> str:
+    """model.safetensors, then model.json; returns the weights' sha256. The run is complete only
+    once `finish_run` has written its manifest."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
@@ -36,19 +59,71 @@ def save_weights(
     save_file(tensors, str(tmp))
     tmp.replace(folder / WEIGHTS)
     atomic_write_json(folder / META, dict(meta))
-    return folder / WEIGHTS
+    return sha256_file(folder / WEIGHTS)
 
 
-def load_weights(
-    folder: Path, device: str | torch.device = "cpu"
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def finish_run(
+    folder: Path,
+    class_names: tuple[str, ...] | list[str],
+    upstream: Mapping[str, str],
+    code_version: str = "",
+    info: Mapping[str, Any] | None = None,
+) -> Manifest:
+    """The manifest, last: the sha256 of the weights and of every other file now in the folder
+    (subfolders such as checkpoints/ are the stage's working state, not its output)."""
     folder = Path(folder)
-    if not (folder / META).is_file() or not (folder / WEIGHTS).is_file():
+    files = {
+        p.name: sha256_file(p)
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")
+    }
+    if WEIGHTS not in files or META not in files:
+        raise ShardError(f"{folder}: no {WEIGHTS} + {META} to finish the run with")
+    manifest = Manifest(
+        kind=RUN_KIND,
+        class_names=tuple(class_names),
+        shards=(),
+        upstream=dict(upstream),
+        code_version=code_version,
+        info={**(info or {}), "weights_sha256": files[WEIGHTS], "files": files},
+    )
+    write_manifest(folder, manifest)
+    return manifest
+
+
+def save_weights(
+    folder: Path,
+    state_dict: Mapping[str, torch.Tensor],
+    meta: Mapping[str, Any],
+    upstream: Mapping[str, str] | None = None,
+) -> Path:
+    """A complete run in one call (weights, model.json, manifest): for runs made without a
+    training stage (tools, tests). Stages write their metrics and plots in between."""
+    write_weights(folder, state_dict, meta)
+    finish_run(folder, meta.get("class_names", ()), upstream or {}, meta.get("code_version", ""))
+    return Path(folder) / WEIGHTS
+
+
+def run_complete(folder: Path, upstream: Mapping[str, str]) -> bool:
+    """True if `folder` is a complete run made from these upstream manifests (a rerun only
+    reads); False if it is not complete. A complete run made from other inputs is refused in
+    one line: it is never rewritten."""
+    folder = Path(folder)
+    if not (folder / MANIFEST).is_file():
+        return False
+    made_from = read_manifest(folder).upstream
+    changed = sorted(
+        k for k in made_from.keys() | upstream.keys() if made_from.get(k) != upstream.get(k)
+    )
+    if changed:
         raise ShardError(
-            f"{folder} has no trained weights ({WEIGHTS} + {META}); train the run first "
-            "(make train RUN=...) or check the run name"
+            f"{folder} is complete but was made from other inputs ({', '.join(changed)} changed "
+            "since); remove the folder or choose another run name"
         )
-    return load_safetensors(folder / WEIGHTS, device), read_json(folder / META)
+    return True
+
+
+# ---------------------------------------------------------------- reading
 
 
 def load_safetensors(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
@@ -62,6 +137,70 @@ def load_safetensors(path: Path, device: str | torch.device = "cpu") -> dict[str
         ) from e
 
 
+@dataclass(frozen=True)
+class Run:
+    """A complete run folder: its manifest and model.json; weights loaded on demand."""
+
+    folder: Path
+    manifest: Manifest
+    meta: dict[str, Any]
+
+    @property
+    def digest(self) -> str:
+        """sha256 of manifest.json: what a stage that reads this run records as its upstream."""
+        return manifest_digest(self.folder)
+
+    def state_dict(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """The weights, parsed and then checked against the manifest's sha256."""
+        path = self.folder / WEIGHTS
+        data = path.read_bytes()
+        try:
+            state = load(data)
+        except (SafetensorError, OSError) as e:
+            raise ShardError(
+                f"{path} is not a readable safetensors file ({str(e).strip()[:80]}); "
+                "it is damaged or of another format: rerun the stage that wrote it"
+            ) from e
+        if sha256_bytes(data) != self.manifest.info.get("weights_sha256"):
+            raise ShardError(
+                f"{path}: sha256 differs from the run's manifest (modified after the run "
+                "finished); remove the run folder and rerun its stage"
+            )
+        return {k: v.to(device) for k, v in state.items()}
+
+
+def read_run(folder: Path) -> Run:
+    """The run in `folder`, or one line saying why it cannot be read (missing, incomplete,
+    not a run)."""
+    folder = Path(folder)
+    if not (folder / META).is_file() or not (folder / WEIGHTS).is_file():
+        raise ShardError(
+            f"{folder} has no trained weights ({WEIGHTS} + {META}); train the run first "
+            "(make train RUN=...) or check the run name"
+        )
+    if not (folder / MANIFEST).is_file():
+        raise ShardError(
+            f"{folder} is incomplete: it has no {MANIFEST} (its stage did not finish); rerun "
+            "the stage to complete it"
+        )
+    manifest = read_manifest(folder)
+    if manifest.kind != RUN_KIND:
+        raise ShardError(f"{folder} holds a {manifest.kind!r} folder, not a trained run")
+    meta = read_json(folder / META)
+    missing = [k for k in ("arch", "class_names", "image_size", "normalize") if k not in meta]
+    if missing:
+        raise ShardError(f"{folder / META} lacks {missing}; retrain the run with this version")
+    return Run(folder, manifest, meta)
+
+
+def load_weights(
+    folder: Path, device: str | torch.device = "cpu"
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(state dict, model.json) of a complete run, the weights' sha256 checked."""
+    run = read_run(folder)
+    return run.state_dict(device), run.meta
+
+
 def load_model(
     folder: Path, build: Callable[[dict[str, Any]], nn.Module], device: str | torch.device = "cpu"
 ) -> tuple[nn.Module, dict[str, Any]]:
@@ -71,11 +210,6 @@ def load_model(
     passed in so that this on-disk module stays free of model code.
     """
     state, meta = load_weights(folder, device)
-    missing = [k for k in ("arch", "class_names", "image_size", "normalize") if k not in meta]
-    if missing:
-        raise ShardError(
-            f"{Path(folder) / META} lacks {missing}; retrain the run with this version"
-        )
     model = build(meta["arch"])
     try:
         model.load_state_dict(state)

@@ -49,13 +49,9 @@ from shards.datasets import check_same_classes, load_real
 from shards.io import (
     atomic_write_bytes,
     atomic_write_json,
-    canonical_json,
-    read_json,
-    sha256_bytes,
-    sha256_file,
 )
-from shards.manifest import ShardError, manifest_digest
-from shards.runs import META, WEIGHTS
+from shards.manifest import MANIFEST, ShardError, manifest_digest
+from shards.runs import META
 from shards.runs import load_model as load_run_model
 from stages.evaluate_report import ENSEMBLE, write_report
 
@@ -63,27 +59,17 @@ RUN_STAGES = ("train", "finetune")
 
 # ---------------------------------------------------------------- 1. runs and their identity
 # run_is_complete and run_digest are the only places that know when a run folder is finished
-# and what identifies its content. Today a run is finished when model.json exists and
-# metrics.json has a section with "finished": true, and its identity is the digest of those
-# files and its weights; once run folders carry a `run` manifest (written last) these become
-# "manifest.json exists" and its manifest_digest.
-RUN_FILES = (WEIGHTS, META, "metrics.json")
+# and what identifies its content: the run's manifest (kind `run`, written last by the training
+# loop) exists, and its digest (it pins the weights' and every other file's sha256).
 
 
 def run_is_complete(folder: Path) -> bool:
-    folder = Path(folder)
-    if not all((folder / f).is_file() for f in RUN_FILES):
-        return False
-    try:
-        metrics = read_json(folder / "metrics.json")
-    except ValueError:  # a torn or hand-edited metrics.json: not a finished run
-        return False
-    return any(isinstance(v, dict) and v.get("finished") is True for v in metrics.values())
+    return (Path(folder) / MANIFEST).is_file()
 
 
 def run_digest(folder: Path) -> str:
-    """sha256 naming what a run is: any retraining changes it."""
-    return sha256_bytes(canonical_json({f: sha256_file(Path(folder) / f) for f in RUN_FILES}))
+    """sha256 naming what a run is: any retraining changes it (shards.runs.Run.digest)."""
+    return manifest_digest(folder)
 
 
 def find_run(root: Path, name: str, stage_dir: str) -> Path:

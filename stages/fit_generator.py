@@ -8,16 +8,17 @@ with diffusers' ``DDPMScheduler`` for the noise schedule, AdamW, an EMA of the w
 saved: the generate stage samples from it) and accelerate for devices, processes and checkpoints.
 
 Every random draw of step s (batch indices, flips, t, ε, dropout) comes from generators seeded by
-(seed, s, rank), so a run resumed from a checkpoint (``resume=latest``, the default) ends with the
-very same weights as an uninterrupted one. The training set is small (CIFAR size at most): it is held
+(seed, s, rank), so a run resumed from a checkpoint (``resume=auto``, the default: the newest
+complete one) ends with the very same weights as an uninterrupted one. The training set is small (CIFAR size at most): it is held
 in device memory, batches are slices of per-epoch permutations.
 
 Folder: unet/ + scheduler/ (``save_unet``), config.json, sample_grid.png, manifest.json last
-(kind ``generator``, no shards). Checkpoints under checkpoints/checkpoint_<i>/: accelerate's
-save_state (safetensors model; optimizer, scheduler and RNG read back with weights_only) plus our
-ema.safetensors and semix_state.json (step + EMA scalars, written last = complete); nothing is
-pickled by us or unpickled in full (shards/checkpoints.py). They are removed once the manifest
-is written.
+(kind ``generator``, no shards). Checkpoints under checkpoints/checkpoint_<i>/ (the same
+Checkpointer as train and finetune, shards/checkpoints.py: written to a temporary folder, marker
+last, renamed, then older ones pruned): accelerate's save_state (safetensors model; optimizer,
+scheduler and RNG read back with weights_only) plus our ema.safetensors and semix_state.json
+(step + EMA scalars); nothing is pickled by us or unpickled in full. They are removed just
+before the manifest is written (a kill in between costs a retraining, never a wrong folder).
 """
 
 from __future__ import annotations
@@ -28,35 +29,38 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator, PartialState
-from accelerate.utils import ProjectConfiguration
 from diffusers import DDPMScheduler, UNet2DModel
 from diffusers.training_utils import EMAModel
-from safetensors.torch import save_file
 
 from models.generators import UNET_PRESETS, SeriesSpec, load_generator, save_unet, unet_from_preset
 from pipeline.configs.fit_generator import Config
 from pipeline.plots import image_grid
 from pipeline.runtime import code_version, derive_seed, log, make_generator, progress
-from shards.checkpoints import LOAD_KWARGS, check_checkpoint
-from shards.io import atomic_write_json, read_json, sha256_file, tmp_path_for
+from shards.checkpoints import LOAD_KWARGS, MARKER, Checkpointer
+from shards.io import sha256_file
 from shards.manifest import MANIFEST, Manifest, ShardError, manifest_digest, write_manifest
 from shards.reader import load_split
-from shards.runs import load_safetensors
 from shards.writer import write_config
 
 WEIGHTS = Path("unet") / "diffusion_pytorch_model.safetensors"
 CHECKPOINTS = "checkpoints"
 
 
-STATE = "semix_state.json"  # in a checkpoint folder, written last: the checkpoint is complete
+STATE = MARKER  # in a checkpoint folder, written last: the checkpoint is complete
 EMA = "ema.safetensors"  # the EMA weights of a checkpoint (its scalars live in STATE)
 
 
 class TrainState:
     """The step counter, saved with every checkpoint (in STATE, as JSON)."""
 
-    def __init__(self) -> None:
-        self.step = 0
+    def __init__(self, checkpoint_every: int) -> None:
+        self.step, self.every = 0, checkpoint_every
+
+    @property
+    def number(self) -> int:
+        """The checkpoint number of the save at this step: saves come every `every` steps and
+        at the last one, so checkpoint_<i> holds step min(every·(i+1), steps)."""
+        return (self.step - 1) // self.every
 
 
 def batch_indices(n: int, seed: int, step: int, batch: int, rank: int, world: int) -> torch.Tensor:
@@ -85,62 +89,37 @@ def noise_scheduler(cfg: Config) -> DDPMScheduler:
     )
 
 
-def save_checkpoint(accelerator: Accelerator, ema: EMAModel, state: TrainState) -> None:
-    """accelerate save_state under checkpoints/checkpoint_<i> (oldest removed past the limit),
-    then the EMA weights (safetensors) and STATE (JSON, last). No Python object is registered
-    with accelerate: it would pickle it, and unpickle it in full on resume."""
-    path = Path(accelerator.save_state())
-    if accelerator.is_main_process:
-        shadow = {f"{i}": p.detach().cpu().contiguous() for i, p in enumerate(ema.shadow_params)}
-        tmp = tmp_path_for(path / EMA)
-        save_file(shadow, str(tmp))
-        tmp.replace(path / EMA)
-        scalars = {k: v for k, v in ema.state_dict().items() if k != "shadow_params"}
-        atomic_write_json(path / STATE, {"step": state.step, "ema": scalars})
-    accelerator.wait_for_everyone()
+def save_checkpoint(
+    accelerator: Accelerator, ckpt: Checkpointer, ema: EMAModel, state: TrainState
+) -> None:
+    """checkpoint_<i> after step `state.step` (i counts the saves): accelerate's save_state, the
+    EMA weights (safetensors) and STATE (JSON, last), then older ones pruned (the Checkpointer's
+    protocol). No Python object is registered with accelerate: it would pickle it, and unpickle
+    it in full on resume."""
+    shadow = {f"{i}": p for i, p in enumerate(ema.shadow_params)}
+    scalars = {k: v for k, v in ema.state_dict().items() if k != "shadow_params"}
+    ckpt.save(
+        state.number,
+        lambda folder: accelerator.save_state(str(folder)),
+        {"step": state.step, "ema": scalars},
+        {EMA: shadow},
+    )
 
 
-def load_checkpoint(accelerator: Accelerator, ckpt: Path, ema: EMAModel, state: TrainState) -> None:
+def load_checkpoint(
+    accelerator: Accelerator, ckpt: Checkpointer, path: Path, ema: EMAModel, state: TrainState
+) -> None:
     """Inverse of save_checkpoint; the folder is checked first (nothing in it is unpickled)."""
-    check_checkpoint(ckpt, STATE, ours=(EMA,))
-    accelerator.load_state(str(ckpt), load_kwargs=LOAD_KWARGS)
-    saved = read_json(ckpt / STATE)
-    shadow = load_safetensors(ckpt / EMA)
+    saved, tensors = ckpt.load(
+        path, lambda p: accelerator.load_state(str(p), load_kwargs=LOAD_KWARGS)
+    )
+    shadow = tensors[EMA]
     if sorted(shadow, key=int) != [str(i) for i in range(len(ema.shadow_params))]:
-        raise ShardError(f"{ckpt / EMA}: EMA weights of another model; start over (resume=)")
+        raise ShardError(f"{path / EMA}: EMA weights of another model; start over (resume=)")
     ema.load_state_dict(
         {**saved["ema"], "shadow_params": [shadow[str(i)] for i in range(len(shadow))]}
     )
     state.step = int(saved["step"])
-
-
-def complete_checkpoints(folder: Path) -> dict[int, Path]:
-    ckpts = (folder / CHECKPOINTS).glob("checkpoint_*")
-    return {int(p.name[11:]): p for p in ckpts if p.name[11:].isdigit() and (p / STATE).is_file()}
-
-
-def latest_checkpoint(folder: Path) -> Path | None:
-    complete = complete_checkpoints(folder)
-    return complete[max(complete)] if complete else None
-
-
-def resume_from(cfg: Config, folder: Path) -> Path | None:
-    """The checkpoint to resume from: the latest complete one (if any), none, or a folder."""
-    if cfg.resume == "":  # start over: old checkpoints would clash with the new names
-        shutil.rmtree(folder / CHECKPOINTS, ignore_errors=True)
-        return None
-    if cfg.resume == "latest":
-        ckpt = latest_checkpoint(folder)
-        # newer folders are incomplete (killed while saving): the next save reuses their names
-        newest = int(ckpt.name[11:]) if ckpt is not None else -1
-        for path in (folder / CHECKPOINTS).glob("checkpoint_*"):
-            if path.name[11:].isdigit() and int(path.name[11:]) > newest:
-                shutil.rmtree(path, ignore_errors=True)
-        return ckpt
-    path = Path(cfg.resume)
-    if not path.is_dir() or not path.name[11:].isdigit() or path.name[:11] != "checkpoint_":
-        raise ShardError(f"resume={cfg.resume}: not a checkpoint_<n> folder (or use resume=latest)")
-    return check_checkpoint(path, STATE, ours=(EMA,))
 
 
 def train(
@@ -151,11 +130,13 @@ def train(
     accelerator = Accelerator(
         cpu=cfg.device == "cpu" or not torch.cuda.is_available(),  # else torchrun ranks unseen
         mixed_precision=cfg.mixed_precision,
-        project_config=ProjectConfiguration(
-            project_dir=str(folder),
-            automatic_checkpoint_naming=True,
-            total_limit=cfg.checkpoints_total_limit,
-        ),
+    )
+    ckpt = Checkpointer(
+        folder / CHECKPOINTS,
+        keep=cfg.checkpoints_total_limit,
+        files=(EMA,),
+        is_main=accelerator.is_main_process,
+        barrier=accelerator.wait_for_everyone,
     )
     with torch.random.fork_rng(devices=[]):  # the random init, seeded, global RNG left alone
         torch.manual_seed(derive_seed(cfg.seed, "fit-init"))
@@ -166,16 +147,15 @@ def train(
     lr_sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
     model, opt, lr_sched = accelerator.prepare(unet, opt, lr_sched)
     ema = EMAModel(unet.parameters(), decay=cfg.ema_decay)
-    state = TrainState()
+    state = TrainState(cfg.checkpoint_every)
 
-    # 2. Resume
-    ckpt = resume_from(cfg, folder)
-    if ckpt is not None:
-        load_checkpoint(accelerator, ckpt, ema, state)
+    # 2. Resume: the newest complete checkpoint (or the one named); later ones are replayed.
+    path = ckpt.choose(cfg.resume)
+    if path is not None:
+        load_checkpoint(accelerator, ckpt, path, ema, state)
         ema.to(accelerator.device)
-        # the next automatic checkpoint name continues after the one we loaded
-        accelerator.project_configuration.iteration = int(ckpt.name.rpartition("_")[2]) + 1
-        log.info("fit-generator: resumed from %s at step %d", ckpt, state.step)
+        log.info("fit-generator: resumed from %s at step %d", path, state.step)
+    ckpt.tidy(first_free=state.number + 1 if state.step else 0)
 
     # 3. Training loop: the data live on the device, uint8 -> [-1, 1] per batch
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
@@ -227,7 +207,7 @@ def train(
             log.info("fit-generator: step %d/%d loss %.4f", state.step, cfg.steps, mean)
             loss_sum, loss_n = torch.zeros((), device=device), 0
         if state.step % cfg.checkpoint_every == 0 or state.step == cfg.steps:
-            save_checkpoint(accelerator, ema, state)
+            save_checkpoint(accelerator, ckpt, ema, state)
     bar.close()
     accelerator.wait_for_everyone()
 
@@ -305,7 +285,7 @@ def run(cfg: Config) -> Path:
         code_version=code_version(),
         info=info,
     )
-    write_manifest(folder, manifest)
-    shutil.rmtree(folder / CHECKPOINTS, ignore_errors=True)
+    shutil.rmtree(folder / CHECKPOINTS, ignore_errors=True)  # before the manifest: once it
+    write_manifest(folder, manifest)  # exists, nothing in the folder changes
     log.info("fit-generator: wrote %s (sample grid: %s)", folder, folder / "sample_grid.png")
     return folder

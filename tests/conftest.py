@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import contextlib
 import errno
 import io
 import os
@@ -144,3 +145,90 @@ def snapshot(root: Path) -> dict[str, tuple[int, bytes]]:
         for p in sorted(root.rglob("*"))
         if p.is_file()
     }
+
+
+# ---------------------------------------------------------------- kill and rerun
+
+
+def kill_when(cmd: list[str], ready, *, cwd=None, env=None, timeout: float = 300.0) -> None:
+    """Run `cmd` in its own session and SIGKILL its whole process group (torchrun ranks
+    included) the moment `ready()` holds: what an OOM kill or a lost machine leaves behind.
+    Fails when the command exits before `ready()` held (the kill would have come too late)."""
+    import signal
+    import subprocess
+    import time
+
+    env = env or (subprocess_env() | {"OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + timeout
+    try:
+        while not ready():
+            assert proc.poll() is None, f"exited (code {proc.returncode}) before the kill point"
+            assert time.monotonic() < deadline, f"no kill point within {timeout:.0f} s"
+            time.sleep(0.005)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # it had exited: the assertion says so
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+class Killed(BaseException):
+    """A kill simulated inside the process. A BaseException, so that no `except Exception` of
+    the code under test catches it; nothing after the kill point runs but `finally` blocks."""
+
+
+class KillPoints:
+    """Every file-system change under `root` (a file opened for writing, a rename, a removal,
+    a new folder) made while `armed` is one kill point; with `kill_at = n` the n-th one (from 0)
+    raises Killed instead of happening (or OSError(ENOSPC) with `full_disk`). `changes` lists the points passed. Writes that bypass
+    Python's file API (safetensors, torch.save's zip writer) land between two points."""
+
+    def __init__(self, monkeypatch, root: Path) -> None:
+        self.root = str(Path(root).resolve())
+        self.armed = False
+        self.kill_at: int | None = None
+        self.full_disk = False  # raise OSError(ENOSPC) at kill_at instead of Killed
+        self.changes: list[str] = []
+        real_open = builtins.open
+
+        def point(what: str, path, dir_fd=None) -> None:
+            if not self.armed or isinstance(path, int):
+                return
+            path = os.fspath(path)
+            if dir_fd is not None:
+                path = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), path)
+            if not os.path.abspath(path).startswith(self.root):
+                return
+            if len(self.changes) == self.kill_at:
+                if self.full_disk:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+                raise Killed(f"killed before {what} {path}")
+            self.changes.append(f"{what} {os.path.relpath(path, self.root)}")
+
+        def open_(file, mode="r", *args, **kwargs):
+            if any(c in mode for c in "wax+"):
+                point("write", file)
+            return real_open(file, mode, *args, **kwargs)
+
+        def wrap(name: str):
+            real = getattr(os, name)
+
+            def changed(path, *args, dir_fd=None, **kwargs):
+                point(name, path, dir_fd)
+                if dir_fd is not None:
+                    kwargs["dir_fd"] = dir_fd
+                return real(path, *args, **kwargs)
+
+            return changed
+
+        monkeypatch.setattr(builtins, "open", open_)
+        monkeypatch.setattr(io, "open", open_)
+        for name in ("replace", "rename", "unlink", "remove", "rmdir", "mkdir"):
+            monkeypatch.setattr(os, name, wrap(name))

@@ -38,9 +38,13 @@ def write_split(folder: Path, images: np.ndarray, labels: np.ndarray, names: lis
 
 
 def finish_run(folder: Path, loss: str = "ce") -> None:
-    """Mark a hand-made run folder finished the way train does: metrics.json with a finished
-    section, written after the weights (stages.evaluate.run_is_complete reads it)."""
+    """Finish a hand-made run folder the way the training loop does: metrics.json, then the run
+    manifest last (stages.evaluate.run_is_complete reads the manifest)."""
+    from shards.runs import finish_run as write_run_manifest
+
     atomic_write_json(folder / "metrics.json", {"train": {"loss": loss, "finished": True}})
+    meta = json.loads((folder / "model.json").read_text())
+    write_run_manifest(folder, meta["class_names"], {})
 
 
 def save_run(folder: Path, model: torch.nn.Module, names: list[str]) -> None:
@@ -280,7 +284,7 @@ def test_same_inputs_give_the_same_bytes_anywhere(tmp_path):
 def test_an_unfinished_run_is_not_evaluated(tmp_path, capsys):
     root = constructed_root(tmp_path)
     run = root / "train" / "over"
-    atomic_write_json(run / "metrics.json", {"train": {"finished": False}})  # killed mid-training
+    (run / "manifest.json").unlink()  # killed before its manifest: not complete
     base = ["evaluate", "--preset", "digits", "--set", f"out={root.parent}", f"name={root.name}"]
     assert main([*base, "run=over"]) == 1
     err = capsys.readouterr().err

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import kill_when, snapshot, subprocess_env
 from safetensors.torch import load_file
 from torch import nn
 
@@ -16,7 +19,7 @@ from models.finetuning import GateTracker, arch_with_head, build_model
 from models.heads import MaskedBottleneckHead
 from models.training import collect_logits
 from pipeline.cli import main, run_stage
-from shards.manifest import ShardError
+from shards.manifest import ShardError, manifest_digest, read_manifest
 from shards.reader import load_split
 from shards.runs import load_weights, save_weights
 
@@ -86,10 +89,17 @@ def test_maccal_leaves_the_backbone_bitwise_unchanged(root, maccal):
     }
 
 
-def test_maccal_rerun_is_a_no_op_and_another_config_is_refused(root, maccal):
-    stamp = (maccal / "model.safetensors").stat().st_mtime_ns
+def test_maccal_is_a_complete_run_that_a_rerun_only_reads(root, maccal):
+    manifest = read_manifest(maccal)
+    assert manifest.kind == "run" and manifest.upstream == {
+        "real/train": manifest_digest(root / "real" / "train"),
+        "real/val": manifest_digest(root / "real" / "val"),
+        "init": manifest_digest(root / "train" / SRC),
+    }
+    assert {"q_trace.json", "q_trace.png", "curves.png"} <= set(manifest.info["files"])
+    before = snapshot(maccal)
     assert finetune(root, "method=maccal", "maccal_epochs=3") == maccal
-    assert (maccal / "model.safetensors").stat().st_mtime_ns == stamp
+    assert snapshot(maccal) == before
     with pytest.raises(ShardError, match="different config"):
         finetune(root, "method=maccal", "maccal_epochs=4")
 
@@ -158,6 +168,75 @@ def test_gate_tracker_shares_and_flip_rate():
     second = tracker.end_epoch()  # seen in both: 0 (same), 1 (flipped)
     assert second["flip_rate"] == pytest.approx(0.5)
     assert second["mode_share"] == pytest.approx({"+1": 1.0, "-1": 0.0, "0": 0.0})
+
+
+# ---------------------------------------------------------------- processes, kill + rerun
+
+
+def _cli(root: Path, *sets: str) -> list[str]:
+    cmd = ["-m", "pipeline", "finetune", "--preset", "digits", "--set", f"out={root.parent}"]
+    return [sys.executable, *cmd, f"run={SRC}", *sets]
+
+
+def _copy(root: Path, to: Path) -> Path:
+    """real/ and the trained run under another root: a finetune folder name per root."""
+    shutil.copytree(root / "real", to / "digits" / "real")
+    shutil.copytree(root / "train" / SRC, to / "digits" / "train" / SRC)
+    return to / "digits"
+
+
+def _history(folder: Path) -> list[dict]:
+    history = json.loads((folder / "metrics.json").read_text())["finetune"]["history"]
+    return [{k: v for k, v in h.items() if k not in ("seconds", "images_per_s")} for h in history]
+
+
+@pytest.mark.parametrize(
+    "sets", [("method=maccal", "maccal_epochs=4"), ("method=fedlas-ls", "fedlas_epochs=4")]
+)
+def test_killed_finetune_resumes_to_identical_weights(root, tmp_path, sets):
+    """SIGKILL once the second checkpoint is complete, rerun: the same bytes and history as an
+    uninterrupted run (MaC-Cal: masks, q and MaskedSGD's momentum; FeDLaS: the gate, the NCI
+    statistics and the previous epoch's ψ for the flip rate all come back)."""
+    whole, killed = _copy(root, tmp_path / "whole"), _copy(root, tmp_path / "killed")
+    env = subprocess_env() | {"OMP_NUM_THREADS": "1"}
+    subprocess.run(_cli(whole, *sets), env=env, check=True, capture_output=True, timeout=600)
+    out = killed / "finetune" / f"{SRC}-{sets[0].removeprefix('method=')}"
+    kill_when(_cli(killed, *sets), (out / "checkpoints" / "checkpoint_1").is_dir)
+    assert not (out / "manifest.json").exists(), "finished before it could be killed"
+    proc = subprocess.run(_cli(killed, *sets), env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "resumed from" in proc.stderr, proc.stderr[-2000:]
+    ref = whole / "finetune" / out.name
+    assert (out / "model.safetensors").read_bytes() == (ref / "model.safetensors").read_bytes()
+    assert _history(out) == _history(ref) and len(_history(out)) == 4
+
+
+def test_maccal_on_two_processes_equals_one(root, tmp_path):
+    """MaC-Cal's backbone is frozen in eval mode and its head has no BatchNorm, so nothing in
+    a step depends on the number of processes but the order of float sums: 2 ranks (torchrun,
+    gloo) end within float32 rounding of 1 rank, q trajectory included."""
+    one, two = _copy(root, tmp_path / "one"), _copy(root, tmp_path / "two")
+    sets = ("method=maccal", "maccal_epochs=3")
+    env = subprocess_env() | {"OMP_NUM_THREADS": "1"}
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    for where, launch in ((one, []), (two, torchrun)):
+        cmd = _cli(where, *sets)
+        proc = subprocess.run(
+            [cmd[0], *launch, *cmd[1:]], env=env, capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    a, b = (
+        load_file(str(d / "finetune" / f"{SRC}-maccal" / "model.safetensors")) for d in (one, two)
+    )
+    assert a.keys() == b.keys()
+    for k in a:
+        if a[k].is_floating_point():
+            torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
+        else:  # the masks: the same Bernoulli draws from the same q
+            assert torch.equal(a[k], b[k]), k
+    ha, hb = (_history(d / "finetune" / f"{SRC}-maccal") for d in (one, two))
+    for x, y in zip(ha, hb):
+        assert y["q"] == pytest.approx(x["q"], abs=1e-6) and y["kept"] == x["kept"]
+        assert y["train_acc"] == pytest.approx(x["train_acc"], abs=1e-9)
 
 
 # ---------------------------------------------------------------- rebuilding and bad input

@@ -111,3 +111,53 @@ def test_batches_are_epoch_permutations():
     assert not torch.equal(
         fit.batch_indices(n, 1, 0, batch, 0, 1), fit.batch_indices(n, 0, 0, batch, 0, 1)
     )
+
+
+# limit=1 reproduces the issue-12 failure on the code before the Checkpointer: accelerate's
+# save_state pruned the only complete checkpoint before writing the new one, and a kill while it
+# deleted files (5 of its 13 kill points) left a folder with its marker but without its model:
+# "No such file or directory: .../checkpoint_1/pytorch_model.bin" on resume.
+@pytest.mark.parametrize("limit", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_kill_at_every_point_of_a_checkpoint_save_resumes(runs, monkeypatch, limit):
+    """Kill fit-generator before each file-system change of its third checkpoint save (one that
+    prunes an older checkpoint), rerun it: every rerun ends with the uninterrupted weights."""
+    from conftest import Killed, KillPoints
+
+    quick = ["steps=4", "batch_size=8", "checkpoint_every=1", "samples_per_class=1"]
+    quick += ["sample_steps=1", f"checkpoints_total_limit={limit}"]
+    shutil.copytree(runs / "digits" / "real", runs / "ref" / "real")
+    ref = run_stage("fit-generator", "digits", [f"out={runs}", "name=ref", *quick])
+    points = KillPoints(monkeypatch, runs)
+    saves = []
+    save = fit.save_checkpoint
+
+    def third_save_armed(*args):
+        saves.append(1)
+        points.armed = len(saves) == 3
+        try:
+            save(*args)
+        finally:
+            points.armed = False
+
+    monkeypatch.setattr(fit, "save_checkpoint", third_save_armed)
+    shutil.copytree(runs / "digits" / "real", runs / "count" / "real")
+    run_stage("fit-generator", "digits", [f"out={runs}", "name=count", *quick])
+    changes = list(points.changes)
+    assert any("rmtree" in c or "rmdir" in c for c in changes), changes  # it prunes
+    failures = {}
+    for k, change in enumerate(changes):
+        saves.clear()
+        points.changes, points.kill_at = [], k
+        name = f"kill{k}"
+        shutil.copytree(runs / "digits" / "real", runs / name / "real")
+        with pytest.raises(Killed):
+            run_stage("fit-generator", "digits", [f"out={runs}", f"name={name}", *quick])
+        points.kill_at = None
+        try:
+            out = run_stage("fit-generator", "digits", [f"out={runs}", f"name={name}", *quick])
+        except Exception as e:  # collected: the assertion names every failure
+            failures[change] = f"{type(e).__name__}: {str(e)[:160]}"
+            continue
+        if (out / fit.WEIGHTS).read_bytes() != (ref / fit.WEIGHTS).read_bytes():
+            failures[change] = "other weights"
+    assert not failures, f"{len(failures)} of {len(changes)} kill points: {failures}"

@@ -75,6 +75,7 @@ def test_study_config_is_checked():
 
 def _run_and_evaluation(root, stage, run, criterion, digest=None):
     """A finished run folder and a complete evaluation of it, as the stages leave them."""
+    from shards.runs import finish_run
     from stages.evaluate import run_digest
 
     folder = root / stage / run
@@ -82,6 +83,7 @@ def _run_and_evaluation(root, stage, run, criterion, digest=None):
     for name in ("model.safetensors", "model.json"):
         (folder / name).write_text(f"{run} {name}")
     (folder / "metrics.json").write_text(json.dumps({stage: {"finished": True}}))
+    finish_run(folder, ("a", "b"), {})  # the run manifest, last: the run is complete
     upstream = {f"{stage}/{run}": digest or run_digest(folder)}
     with evals.building(evals.eval_dir(root, stage, run)) as tmp:
         (tmp / evals.METRICS).write_text(json.dumps({"evaluation": {"ts_criterion": criterion}}))
@@ -120,7 +122,11 @@ def test_plan_orders_tasks_by_what_they_need_and_skips_evaluated_runs(tmp_path):
         "chain": False, "ce-s0": True, "ls-s0": False, "csm-ratio-s0": False,
         "ce-s0-maccal": False,
     }  # fmt: skip
-    (tmp_path / "train" / "ce-s0" / "model.safetensors").write_text("retrained")
+    from shards.runs import finish_run
+
+    retrained = tmp_path / "train" / "ce-s0"  # new weights, so a new run manifest
+    (retrained / "model.safetensors").write_text("retrained")
+    finish_run(retrained, ("a", "b"), {})
     assert not next(t for t in plan(cfg, "digits", [], tmp_path) if t.name == "ce-s0").done
 
 

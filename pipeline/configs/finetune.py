@@ -14,7 +14,7 @@ from typing import Any
 
 from models.heads import FEDLAS_DEFAULTS
 from pipeline.config import ConfigError, StageConfig, check_choice, check_range
-from pipeline.configs.train import LOSS_FIELDS, PRECISIONS, fedlas_fields
+from pipeline.configs.train import LOSS_FIELDS, NOT_RECORDED, PRECISIONS, fedlas_fields
 
 METHODS = ("maccal", "fedlas-ls", "fedlas-mbls")
 # method -> {FeDLaSCriterion parameter: config field}; the same field names as the train stage
@@ -62,6 +62,8 @@ class Config(StageConfig):
     # machinery
     precision: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
     eval_batch_size: int = 512
+    checkpoint_limit: int = 2  # complete checkpoints kept (one after every epoch)
+    resume: str = "auto"  # auto | latest | "" (start over) | <checkpoint folder>
 
     def __post_init__(self):
         if not self.run:
@@ -73,6 +75,7 @@ class Config(StageConfig):
         for name in ("batch_size", "maccal_epochs", "maccal_r", "fedlas_epochs"):
             check_range(name, getattr(self, name), 1)
         check_range("eval_batch_size", self.eval_batch_size, 1)
+        check_range("checkpoint_limit", self.checkpoint_limit, 1)
         for name in ("maccal_lr", "fedlas_lr", "momentum", "weight_decay", "clip_norm"):
             check_range(name, getattr(self, name), 0.0)
         for name in ("crop_pad", "cpu_threads", "maccal_tau0", "maccal_lam"):
@@ -95,6 +98,10 @@ class Config(StageConfig):
     @property
     def epochs(self) -> int:
         return self.maccal_epochs if self.method == "maccal" else self.fedlas_epochs
+
+    def record(self) -> dict[str, Any]:
+        """What config.json holds (everything but how to continue)."""
+        return {k: v for k, v in self.to_dict().items() if k not in NOT_RECORDED}
 
     def method_params(self) -> dict[str, Any]:
         """RetentionSchedule kwargs (maccal) or FeDLaSCriterion kwargs (fedlas-*)."""

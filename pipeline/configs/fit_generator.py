@@ -25,11 +25,11 @@ class Config(StageConfig):
     beta_schedule: str = "linear"  # DDPM betas 1e-4..0.02
     hflip: bool = False  # random horizontal flips (never for digits: a flipped 3 is no digit)
     mixed_precision: str = "no"  # accelerate autocast: no | bf16 | fp16 (GPU)
-    checkpoint_every: int = 100  # accelerate save_state every N steps (and at the end)
-    checkpoints_total_limit: int = 2
-    resume: str = (
-        "latest"  # latest | "" (start over) | a checkpoint folder; not part of config.json
-    )
+    checkpoint_every: int = 100  # a checkpoint every N steps (and at the end)
+    checkpoints_total_limit: int = 2  # complete checkpoints kept
+    # auto (newest complete, if any) | latest (must exist) | "" (start over) | a checkpoint
+    # folder; not part of config.json
+    resume: str = "auto"
     samples_per_class: int = 8  # columns of sample_grid.png (one row per class)
     sample_steps: int = 25  # DDIM steps for sample_grid.png
     log_every: int = 50  # log the mean loss every N steps

@@ -14,7 +14,7 @@ from typing import Any
 
 from models.classifiers import CLASSIFIERS, TIMM_PREFIX
 from models.heads import FEDLAS_DEFAULTS
-from models.training import MIXED_LOSSES
+from models.objectives import MIXED_LOSSES
 from pipeline.config import ConfigError, StageConfig, check_choice, check_range
 
 # loss -> {objective parameter: config field}
@@ -85,8 +85,8 @@ class Config(StageConfig):
     train_limit: int = 0  # use only the first N training images (smoke tests); 0 = all
     # machinery
     precision: str = "auto"
-    checkpoint_limit: int = 2  # accelerate checkpoints kept (>= 2: one survives a killed save)
-    resume: str = "auto"  # auto | latest | <checkpoint folder>
+    checkpoint_limit: int = 2  # complete checkpoints kept (a save never touches the older ones)
+    resume: str = "auto"  # auto | latest | "" (start over) | <checkpoint folder>
     eval_batch_size: int = 512
 
     def __post_init__(self):
@@ -103,7 +103,7 @@ class Config(StageConfig):
         check_choice("precision", self.precision, PRECISIONS)
         for name in ("epochs", "batch_size", "eval_batch_size"):
             check_range(name, getattr(self, name), 1)
-        check_range("checkpoint_limit", self.checkpoint_limit, 2)
+        check_range("checkpoint_limit", self.checkpoint_limit, 1)
         check_range("lr", self.lr, 0.0)
         check_range("crop_pad", self.crop_pad, 0)
         check_range("clip_norm", self.clip_norm, 0.0)

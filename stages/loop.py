@@ -1,0 +1,351 @@
+"""The one training loop of `train` and `finetune` (not a stage: both stages call it).
+
+    accelerator = make_accelerator(cfg.precision)
+    result = fit(run_dir, recipe, TrainingModule(model, objective), optimizer, data, accelerator)
+    write_run(run_dir, result.weights, meta, metrics, plots, upstream, class_names)
+
+What is trained is the stages' business (a fresh classifier and a loss; a trained run and FeDLaS;
+a frozen backbone and MaC-Cal's head: models/objectives.py); this module does the rest, the
+same way for all: accelerate (DDP under torchrun / accelerate launch, bf16 on GPU), the rank
+guard (the main process writes), checkpoints and resume (shards/checkpoints.py), progress (tqdm
+with rates), validation and the kept weights.
+
+Process independence: every step indexes a *global* batch, augments it, samples its CSM
+members and applies the objective's `prepare` (mixup) as a whole, and each process then keeps
+rows rank::world; its loss is weighted by its share of the batch, so DDP's gradient average is
+the global batch mean. Every draw comes from a generator derived from (recipe.key, epoch,
+purpose), so a resumed run replays the uninterrupted one bit for bit on CPU. What still depends
+on the number of processes: BatchNorm normalises with each process's batch statistics
+(SyncBatchNorm runs on GPUs only) and sums are taken in another order (docs/train.md).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
+from torch import Tensor
+
+from models.calibration import ece, nll, topk_accuracy
+from models.objectives import TrainingModule
+from models.training import (
+    SeriesIndex,
+    collect_logits,
+    csm_targets,
+    epoch_batches,
+    normalize,
+    random_crop_flip,
+    sample_csm_members,
+)
+from pipeline.runtime import code_version, log, make_generator, progress
+from shards.checkpoints import LOAD_KWARGS, Checkpointer
+from shards.datasets import RealSplit
+from shards.io import atomic_write_json
+from shards.manifest import ShardError
+from shards.runs import finish_run, write_weights
+
+BEST = "best.safetensors"  # in a checkpoint: the best weights so far (keep="best")
+OBJECTIVE = "objective.safetensors"  # in a checkpoint: the objective's tensor state
+PAIRED = ("x_syn", "t_syn")  # batch entries with two rows per real image (CSM)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How to train, in the loop's terms; each stage fills it from its config."""
+
+    key: tuple[Any, ...]  # every draw derives from (*key, "epoch", e, purpose)
+    epochs: int
+    batch_size: int  # global, split over processes
+    lr: Callable[[int], float]  # lr of epoch e
+    clip_norm: float = 0.0  # over objective.clip_parameters(model); 0 = off
+    crop_pad: int = 0
+    flip: bool = False
+    keep: str = "best"  # best: highest val acc (first wins ties); last: the last epoch's
+    eval_batch_size: int = 512
+    checkpoint_limit: int = 2
+    resume: str = "auto"  # shards.checkpoints.RESUME_HELP
+
+
+@dataclass
+class Mixed:
+    """The series table on the device, with the targets CSM trains on (METHODS §3)."""
+
+    images: Tensor  # uint8 [S, K, H, W, 3]
+    classes: Tensor  # [S, 2] (k-way: [S, k])
+    soft: Tensor  # t_a [S, K] (k-way: t over the tuple [S, K, k])
+    index: SeriesIndex
+    interior: Tensor | None = None  # k-way: positions mixing >= 2 classes
+
+
+@dataclass
+class Data:
+    """What a step and validation read, on the device; mean/std: the run's normalisation."""
+
+    train: RealSplit
+    val: RealSplit
+    mean: list[float] | Tensor  # `fit` makes them tensors on the device (no copy per step)
+    std: list[float] | Tensor
+    image_size: int
+    mixed: Mixed | None = None
+
+
+@dataclass
+class LoopState:
+    """What a checkpoint adds to accelerate's state: where we are and what we have seen."""
+
+    next_epoch: int = 0
+    best_epoch: int = -1
+    best_val_acc: float = -1.0
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Result:
+    state: LoopState
+    weights: dict[str, Tensor]  # the kept weights (the main process's are the ones written)
+
+
+def make_accelerator(precision: str) -> Accelerator:
+    """DDP under a launcher; bf16 autocast on GPU for precision=auto (bf16 forces it)."""
+    bf16 = precision == "bf16" or (precision == "auto" and torch.cuda.is_available())
+    # cpu=True without CUDA, so that torchrun ranks on a CPU machine use gloo
+    return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="bf16" if bf16 else "no")
+
+
+def check_resume(run_dir: Path, resume: str) -> None:
+    """A `resume=` that names no usable checkpoint fails now, in one line, before any work."""
+    Checkpointer(run_dir / "checkpoints", keep=1).choose(resume)
+
+
+# ---------------------------------------------------------------- one step's inputs
+
+
+def make_batch(
+    recipe: Recipe,
+    data: Data,
+    idx: Tensor,
+    augment: torch.Generator,
+    extra: torch.Generator,
+    objective: Any,
+    rank: int,
+    world: int,
+) -> dict[str, Any]:
+    """This process's rows of the global batch `idx`, augmented, CSM-sampled and prepared as a
+    whole first (see the module docstring)."""
+    train, mixed = data.train, data.mixed
+    cl = idx.device.type == "cuda"  # channels_last on GPU
+    mean, std = data.mean, data.std
+
+    def norm(images: Tensor) -> Tensor:
+        return normalize(images, mean, std, data.image_size, channels_last=cl)
+
+    y = train.labels[idx]
+    images = random_crop_flip(train.images[idx], augment, recipe.crop_pad, recipe.flip)
+    batch: dict[str, Any] = {"idx": idx, "x": norm(images), "y": y}
+    if mixed is not None:  # METHODS §3: per real image, its series' best member + an interior one
+        series, pos = sample_csm_members(
+            y, mixed.index, mixed.soft, extra, check=False, interior=mixed.interior
+        )
+        syn = mixed.images[series, pos].flatten(0, 1)
+        batch["x_syn"] = norm(random_crop_flip(syn, augment, recipe.crop_pad, recipe.flip))
+        batch["t_syn"] = csm_targets(
+            mixed.classes[series].flatten(0, 1),
+            mixed.soft[series, pos].flatten(0, 1),
+            mixed.index.num_classes,
+        )
+    batch = objective.prepare(batch, extra)
+    if world == 1:
+        return batch
+    mine = torch.arange(rank, len(y), world, device=idx.device)
+    pairs = torch.stack([2 * mine, 2 * mine + 1], dim=1).flatten()
+    per_sample = {k: v for k, v in batch.items() if isinstance(v, Tensor) and v.ndim > 0}
+    return batch | {k: v[pairs] if k in PAIRED else v[mine] for k, v in per_sample.items()}
+
+
+# ---------------------------------------------------------------- one epoch
+
+
+def train_epoch(
+    recipe: Recipe,
+    epoch: int,
+    accelerator: Accelerator,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: Data,
+    bar: Any,
+) -> dict[str, Any]:
+    """One epoch; no host-device sync inside the loop (totals stay on the device)."""
+    dev, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
+    key = (*recipe.key, "epoch", epoch)
+    order = make_generator(*key, "order")
+    augment = make_generator(*key, "augment", device=dev)
+    extra = make_generator(*key, "objective", device=dev)
+    inner = accelerator.unwrap_model(module)
+    net, objective = inner.model, inner.objective
+    lr = recipe.lr(epoch)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    module.train()
+    objective.start_epoch(epoch, net, lambda purpose: make_generator(*key, purpose))
+    clip = list(objective.clip_parameters(net)) if recipe.clip_norm > 0 else []
+    sums = torch.zeros(2, dtype=torch.float64, device=dev)  # loss sum, correct
+    count = 0
+    batches = epoch_batches(len(data.train), recipe.batch_size, order, 2 * world)
+    for idx in (b.to(dev) for b in batches):
+        batch = make_batch(recipe, data, idx, augment, extra, objective, rank, world)
+        optimizer.zero_grad(set_to_none=True)
+        loss, logits = module(**batch)
+        n = batch["y"].numel()
+        # DDP averages the processes' gradients: weight each by its share of the global batch
+        accelerator.backward(loss if world == 1 else loss * (n * world / len(idx)))
+        if clip:
+            accelerator.clip_grad_norm_(clip, recipe.clip_norm)
+        optimizer.step()
+        logits = logits.detach()
+        objective.observe(batch, logits)
+        correct = (logits.argmax(dim=1) == batch["y"]).sum()
+        sums += torch.stack([loss.detach().double() * n, correct.double()])
+        count += n
+        bar.update(len(idx))
+    totals = torch.cat([sums, sums.new_tensor([count])])
+    loss_sum, correct, count = accelerator.reduce(totals, reduction="sum").tolist()
+    stats = {"lr": lr, "loss": loss_sum / count, "train_acc": 100.0 * correct / count}
+    return stats | objective.end_epoch(epoch, net, lambda t: accelerator.reduce(t, "sum"))
+
+
+def validate(model: torch.nn.Module, data: Data, batch_size: int) -> dict[str, float]:
+    """fp32 eval-mode metrics on real/val (accuracy and ECE in %)."""
+    logits = collect_logits(
+        model,
+        data.val.images,
+        data.mean,
+        data.std,
+        batch_size=batch_size,
+        image_size=data.image_size,
+    )
+    labels = data.val.labels.cpu()
+    return {
+        "val_acc": 100.0 * topk_accuracy(logits, labels),
+        "val_ece": 100.0 * ece(logits, labels),
+        "val_nll": nll(logits, labels),
+    }
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def fit(
+    run_dir: Path,
+    recipe: Recipe,
+    module: TrainingModule,
+    optimizer: torch.optim.Optimizer,
+    data: Data,
+    accelerator: Accelerator,
+    name: str,
+    on_epoch: Callable[[LoopState], None] = lambda state: None,
+    describe: Callable[[dict[str, Any]], str] = lambda stats: "",
+) -> Result:
+    """Train `module` for recipe.epochs, resuming from run_dir/checkpoints; a checkpoint after
+    every epoch. `on_epoch` (main process) sees the state after each checkpoint, `describe`
+    adds to the epoch's log line."""
+    main, dev = accelerator.is_main_process, accelerator.device
+    data = replace(
+        data,
+        mean=torch.as_tensor(data.mean, dtype=torch.float32, device=dev),
+        std=torch.as_tensor(data.std, dtype=torch.float32, device=dev),
+    )
+    ckpt = Checkpointer(
+        run_dir / "checkpoints",
+        keep=recipe.checkpoint_limit,
+        files=(BEST, OBJECTIVE),
+        is_main=main,
+        barrier=accelerator.wait_for_everyone,
+    )
+    module, optimizer = accelerator.prepare(module, optimizer)
+    inner = accelerator.unwrap_model(module)
+    net, objective = inner.model, inner.objective
+
+    # 1. Resume: the newest complete checkpoint (or the one named); later ones are replayed.
+    state, best = LoopState(), None
+    checkpoint = ckpt.choose(recipe.resume)
+    if checkpoint is not None:
+        saved, tensors = ckpt.load(
+            checkpoint, lambda p: accelerator.load_state(str(p), load_kwargs=LOAD_KWARGS)
+        )
+        if "loop" not in saved:
+            raise ShardError(
+                f"{checkpoint} was written by an older semix; start over (resume=) or remove it"
+            )
+        state = LoopState(**saved["loop"])
+        objective.load_extra_state(saved["objective"] | tensors.get(OBJECTIVE, {}))
+        best = tensors.get(BEST)
+        log.info("%s: resumed from %s (epoch %d done)", name, checkpoint, state.next_epoch)
+    ckpt.tidy(first_free=state.next_epoch)
+
+    # 2. Epochs: train, validate (main), keep the weights, checkpoint.
+    remaining = (recipe.epochs - state.next_epoch) * len(data.train)
+    with progress(range(remaining), total=remaining, desc=name, unit="img", enabled=main) as bar:
+        for epoch in range(state.next_epoch, recipe.epochs):
+            t0 = time.perf_counter()
+            stats = train_epoch(recipe, epoch, accelerator, module, optimizer, data, bar)
+            seconds = time.perf_counter() - t0
+            scores = [validate(net, data, recipe.eval_batch_size) if main else None]
+            stats |= broadcast_object_list(scores, from_process=0)[0]
+            stats |= {
+                "epoch": epoch,
+                "seconds": round(seconds, 3),
+                "images_per_s": round(len(data.train) / seconds, 1),
+            }
+            if recipe.keep == "best" and stats["val_acc"] > state.best_val_acc:
+                state.best_val_acc, state.best_epoch = stats["val_acc"], epoch
+                best = {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}
+            state.history.append(stats)
+            state.next_epoch = epoch + 1
+            extra = objective.extra_state()
+            files = {OBJECTIVE: {k: v for k, v in extra.items() if isinstance(v, Tensor)}}
+            files = {k: v for k, v in ({BEST: best} | files).items() if v}
+            json_state = {k: v for k, v in extra.items() if not isinstance(v, Tensor)}
+            ckpt.save(
+                epoch,
+                lambda folder: accelerator.save_state(str(folder)),
+                {"loop": asdict(state), "objective": json_state},
+                files,
+            )
+            if main:
+                on_epoch(state)
+            log.info(
+                "epoch %d/%d: loss %.4f, train acc %.1f %%, val acc %.2f %%, val ECE %.2f %%, "
+                "lr %.3g, %.0f img/s%s",
+                epoch + 1,
+                recipe.epochs,
+                *(stats[k] for k in ("loss", "train_acc", "val_acc", "val_ece", "lr")),
+                stats["images_per_s"],
+                ", " + describe(stats) if describe(stats) else "",
+            )
+    if recipe.keep == "last" or best is None:
+        best = {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}
+    return Result(state, best)
+
+
+def write_run(
+    run_dir: Path,
+    weights: dict[str, Tensor],
+    meta: dict[str, Any],
+    metrics: dict[str, Any],
+    plots: list[Callable[[Path], Any]],
+    upstream: dict[str, str],
+) -> None:
+    """The run's outputs (main process): weights + model.json, metrics.json, the plots, and the
+    manifest last, so a run folder with a manifest has every file."""
+    write_weights(run_dir, weights, meta)
+    atomic_write_json(run_dir / "metrics.json", metrics)
+    for plot in plots:
+        plot(run_dir)
+    info = {k: meta[k] for k in ("run", "loss") if k in meta}
+    finish_run(run_dir, meta["class_names"], upstream, code_version(), info)
