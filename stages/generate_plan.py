@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from models.generators import MixSpec, SeriesSpec
-from models.simplex import class_tuples, lattice_weights
+from models.simplex import ClassTuples, class_tuples, lattice_weights
 from pipeline.configs.generate import Config
 from pipeline.runtime import derive_seed, make_generator
 
@@ -30,11 +30,14 @@ class GenerationError(ValueError):
 class Plan:
     """Which series exist, with which classes, noise and shard (a pure function of the config).
 
-    ``pairs`` are the class tuples in walk order (pairs for k = 2); ``alphas`` the positions of a
+    ``pairs`` are the class tuples in walk order (pairs for k = 2), numbered rather than listed
+    (models.simplex.ClassTuples: 1,000 classes cost nothing); ``alphas`` the positions of a
     series: α of class a for k = 2, the weight vector w (length k) of the lattice point for k ≥ 3.
+    Everything else is arithmetic on the series id: series s is pass s // P over tuple s mod P,
+    in shard s // series_per_shard.
     """
 
-    pairs: tuple[tuple[int, ...], ...]
+    pairs: ClassTuples
     alphas: tuple[float, ...] | tuple[tuple[float, ...], ...]
     num_series: int
     series_per_shard: int
@@ -42,7 +45,7 @@ class Plan:
 
     @property
     def k(self) -> int:
-        return len(self.pairs[0])
+        return self.pairs.k
 
     @property
     def num_shards(self) -> int:
@@ -72,9 +75,9 @@ def make_plan(cfg: Config, num_classes: int) -> Plan:
             f"{num_classes} classes (0 = all)"
         )
     pairs = every
-    if cfg.subset:  # a seeded subset, kept in walk order
+    if cfg.subset:  # a seeded subset, kept in walk order (the draw costs 8 bytes per tuple)
         pick = torch.randperm(len(every), generator=make_generator(cfg.seed, "pairs"))
-        pairs = [every[i] for i in sorted(pick[: cfg.subset].tolist())]
+        pairs = ClassTuples(num_classes, k, ranks=sorted(pick[: cfg.subset].tolist()))
     n = cfg.budget_per_tuple * len(pairs)
     if cfg.limit:
         n = min(n, cfg.limit)
@@ -84,4 +87,4 @@ def make_plan(cfg: Config, num_classes: int) -> Plan:
     per_shard = cfg.series_per_shard or max(
         1, min(math.ceil(n / cfg.min_shards), MAX_SHARD_IMAGES // len(alphas))
     )
-    return Plan(tuple(pairs), alphas, n, per_shard, cfg.seed)
+    return Plan(pairs, alphas, n, per_shard, cfg.seed)

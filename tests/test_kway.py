@@ -353,6 +353,22 @@ def test_kway_sampler_picks_the_best_member_for_y_and_a_mixed_one():
     assert torch.equal(t.nonzero()[:, 1].unique(), torch.arange(5))
 
 
+def test_series_index_lists_the_series_of_each_class():
+    """Row c of SeriesIndex: every series containing class c, ascending, once (a class twice in
+    a series counts once; ids outside the classes belong to no row), against the definition."""
+    from models.training import SeriesIndex
+
+    g = torch.Generator().manual_seed(0)
+    for num_classes, n_series, k in ((5, 40, 2), (9, 60, 3), (4, 3, 2), (7, 0, 2)):
+        classes = torch.randint(-1, num_classes + 1, (n_series, k), generator=g)
+        index = SeriesIndex(classes, num_classes)
+        for c in range(num_classes):
+            rows = [s for s in range(n_series) if c in classes[s].tolist()]
+            assert index.counts[c] == len(rows)
+            assert index.table[c, : len(rows)].tolist() == rows
+        assert index.missing() == [c for c in range(num_classes) if index.counts[c] == 0]
+
+
 def _write_k3_mixed(folder: Path, real_train: Path) -> Path:
     """A small k = 3 mixed/ folder: pixel blends of real images of (c, c+1, c+2 mod 10)."""
     import numpy as np

@@ -80,4 +80,5 @@ PRESETS = {
     "cifar100": dict(_CLIP, sharpening=SHARPENING["cifar100"]),
     "tiny-imagenet": dict(_CLIP, sharpening=SHARPENING["tiny-imagenet"]),
     "imagefolder": dict(_CLIP, sharpening=SHARPENING["imagefolder"]),
+    "imagenet": dict(_CLIP, sharpening=SHARPENING["imagenet"]),
 }
