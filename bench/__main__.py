@@ -2,6 +2,7 @@
 
     python -m bench                 # every bench/bench_*.py
     python -m bench shards train    # only these
+    python -m bench plan            # plan, manifest, series index at 10 / 100 / 1,000 classes
 
 Each module defines `run() -> dict` with `title`, `rows` (list of dicts, one table row
 each), optional `notes` (list of str). Timings are measured here, never asserted in tests.

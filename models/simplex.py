@@ -17,7 +17,10 @@ t = softmax((s/2)·λ̂) over the k classes, which for k = 2 is σ(s(λ̂_a − 
 from __future__ import annotations
 
 import math
-from itertools import combinations
+from array import array
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
+from itertools import combinations, pairwise
 
 import torch
 import torch.nn.functional as F
@@ -68,9 +71,140 @@ def lattice_edges(points: tuple[tuple[int, ...], ...]) -> list[tuple[int, int, i
     return edges
 
 
-def class_tuples(num_classes: int, k: int) -> list[tuple[int, ...]]:
+# ---------------------------------------------------------------------------------------------
+# class tuples: the k-subsets of the classes, numbered but never listed
+
+
+def class_tuples(num_classes: int, k: int) -> ClassTuples:
     """Every k-subset c_1 < ... < c_k in lexicographic order (for k = 2: the pairs a < b)."""
-    return list(combinations(range(num_classes), k))
+    return ClassTuples(num_classes, k)
+
+
+class ClassTuples(Sequence):
+    """The k-subsets c_1 < ... < c_k of range(num_classes) in lexicographic order (k = 2: the
+    pairs a < b), or only those numbered by the increasing `ranks`, without listing them.
+
+    Item r is computed from r (`unrank_tuple`), so the 499,500 pairs of 1,000 classes, or their
+    166,167,000 triples, take a few bytes until one is used, and a seeded subset takes 8 bytes a
+    tuple. Equal to any sequence holding the same tuples in the same order.
+    """
+
+    def __init__(self, num_classes: int, k: int, ranks: Sequence[int] | None = None) -> None:
+        if num_classes < 0 or k < 1:
+            raise ValueError(f"need num_classes >= 0 and k >= 1, got {num_classes}, {k}")
+        self.num_classes, self.k = num_classes, k
+        self.total = math.comb(num_classes, k)
+        self.ranks = None if ranks is None else array("q", ranks)
+        if self.ranks is not None and not _increasing_within(self.ranks, self.total):
+            raise ValueError(f"ranks must increase and lie in [0, {self.total})")
+
+    def __len__(self) -> int:
+        return self.total if self.ranks is None else len(self.ranks)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(*i.indices(len(self))))
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"class tuple {i} of {n}")
+        i %= n
+        return unrank_tuple(i if self.ranks is None else self.ranks[i], self.num_classes, self.k)
+
+    def __iter__(self) -> Iterator[tuple[int, ...]]:
+        if self.ranks is None:
+            return combinations(range(self.num_classes), self.k)
+        return (unrank_tuple(r, self.num_classes, self.k) for r in self.ranks)
+
+    def index(self, value, start: int = 0, stop: int | None = None) -> int:
+        """Position of a tuple, computed (no search through the sequence)."""
+        t = tuple(value)
+        if len(t) == self.k and _increasing_within(t, self.num_classes):
+            r = rank_tuple(t, self.num_classes)
+            i = r if self.ranks is None else bisect_left(self.ranks, r)
+            if start <= i < (len(self) if stop is None else stop) and self[i] == t:
+                return i
+        raise ValueError(f"{value!r} is not among these class tuples")
+
+    def __contains__(self, value) -> bool:
+        try:
+            self.index(value)
+        except (ValueError, TypeError):
+            return False
+        return True
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, str | bytes):
+            return NotImplemented
+        if isinstance(other, ClassTuples) and (self.num_classes, self.k, self.ranks) == (
+            other.num_classes,
+            other.k,
+            other.ranks,
+        ):
+            return True
+        return len(self) == len(other) and all(a == tuple(b) for a, b in zip(self, other))
+
+    __hash__ = None  # equal to tuples it cannot share a hash with
+
+    def __repr__(self) -> str:
+        which = "all" if self.ranks is None else f"{len(self)} of"
+        return f"ClassTuples({which} {self.total} {self.k}-subsets of {self.num_classes} classes)"
+
+
+def _increasing_within(values: Sequence[int], n: int) -> bool:
+    """0 <= values[0] < values[1] < ... < n (True when empty)."""
+    ends_ok = not len(values) or (values[0] >= 0 and values[-1] < n)
+    return ends_ok and all(x < y for x, y in pairwise(values))
+
+
+def unrank_tuple(r: int, n: int, k: int) -> tuple[int, ...]:
+    """The r-th k-subset c_1 < ... < c_k of range(n) in lexicographic order.
+
+    Among the subsets whose elements are all >= lo, those with first element >= c number
+    C(n − c, j) (j = elements still to pick), so c is the largest value with C(n − c, j) >=
+    C(n − lo, j) − r: a binary search per element, O(k log n) binomials. k = 2 solves the
+    quadratic instead (`_unrank_pair`).
+    """
+    if not 0 <= r < math.comb(n, k):
+        raise IndexError(f"rank {r} outside [0, C({n}, {k}))")
+    if k == 2:
+        return _unrank_pair(r, n)
+    out, lo = [], 0
+    for j in range(k, 0, -1):
+        total = math.comb(n - lo, j)
+        target = total - r
+        a, b = lo, n - j
+        while a < b:
+            mid = (a + b + 1) // 2
+            if math.comb(n - mid, j) >= target:
+                a = mid
+            else:
+                b = mid - 1
+        r -= total - math.comb(n - a, j)
+        out.append(a)
+        lo = a + 1
+    return tuple(out)
+
+
+def _unrank_pair(r: int, n: int) -> tuple[int, int]:
+    """Pair r = (a, b): the S(a) = a(2n − a − 1)/2 pairs before a's satisfy S(a) <= r < S(a + 1),
+    so a is the smaller root of S(a) = r, rounded down (isqrt is exact; one fix-up step)."""
+    d = 2 * n - 1
+    a = (d - math.isqrt(d * d - 8 * r)) // 2
+    while a > 0 and a * (d - a) // 2 > r:
+        a -= 1
+    while (a + 1) * (d - a - 1) // 2 <= r:
+        a += 1
+    return a, a + 1 + r - a * (d - a) // 2
+
+
+def rank_tuple(t: Sequence[int], n: int) -> int:
+    """Inverse of `unrank_tuple`: the position of c_1 < ... < c_k among the k-subsets of range(n)."""
+    r, lo = 0, 0
+    for i, c in enumerate(t):
+        j = len(t) - i
+        r += math.comb(n - lo, j) - math.comb(n - c, j)
+        lo = c + 1
+    return r
 
 
 def barycentric(f: Tensor, p: Tensor) -> Tensor:

@@ -162,18 +162,25 @@ class SeriesIndex:
     """Which complete series contain class c: a padded table [C, M] of series ids + counts [C].
 
     Built once from the series' class pairs [S, 2] (k-way series: tuples [S, k]); sampling a
-    series per real label is then a gather, on the device the pairs live on.
+    series per real label is then a gather, on the device the pairs live on. Row c lists the
+    series containing c in ascending order; built by one sort of the (class, series) keys, not a
+    pass per class (1,000 classes x 499,500 pairs: bench/RESULTS.md, "Plan, manifest ...").
     """
 
     def __init__(self, classes: Tensor, num_classes: int) -> None:
         if classes.ndim != 2 or classes.shape[1] < 2:
             raise ValueError(f"series classes must be [S, k >= 2], got {tuple(classes.shape)}")
-        members = [torch.nonzero((classes == c).any(dim=1)).flatten() for c in range(num_classes)]
-        self.counts = torch.tensor([len(m) for m in members], device=classes.device)
-        width = max(1, int(self.counts.max()) if len(members) else 1)
-        self.table = torch.zeros(num_classes, width, dtype=torch.long, device=classes.device)
-        for c, m in enumerate(members):
-            self.table[c, : len(m)] = m
+        n_series, dev = classes.shape[0], classes.device
+        series = torch.arange(n_series, device=dev).repeat_interleave(classes.shape[1])
+        c = classes.flatten().long()
+        keep = (c >= 0) & (c < num_classes)  # ids outside the classes belong to no row
+        key = torch.unique(c[keep] * n_series + series[keep])  # sorted: by class, then series
+        c, s = key // max(n_series, 1), key % max(n_series, 1)
+        self.counts = torch.bincount(c, minlength=num_classes)
+        start = torch.cumsum(self.counts, 0) - self.counts  # where each class's row begins in key
+        width = max(1, int(self.counts.max()) if num_classes else 1)
+        self.table = torch.zeros(num_classes, width, dtype=torch.long, device=dev)
+        self.table[c, torch.arange(len(key), device=dev) - start[c]] = s
         self.classes = classes
         self.num_classes = num_classes
 

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-PRESET_NAMES = ("digits", "fashion-mnist", "cifar10", "cifar100", "tiny-imagenet", "imagefolder")
+PRESET_NAMES = (
+    "digits", "fashion-mnist", "cifar10", "cifar100", "tiny-imagenet", "imagefolder", "imagenet",
+)  # fmt: skip
 
 
 class ConfigError(ValueError):

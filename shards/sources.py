@@ -6,7 +6,8 @@ derives val (and test, where missing) from train deterministically, then writes 
 
 Supported: scikit-learn's bundled digits (offline), Fashion-MNIST (IDX files: a folder, Debian's
 `dataset-fashion-mnist` package, or Hugging Face `datasets`), CIFAR-10/100 python archives or
-Hugging Face `datasets`, the Tiny-ImageNet folder layout, and any ImageFolder.
+Hugging Face `datasets`; image files in class folders (any ImageFolder, Tiny-ImageNet, ImageNet-1k)
+are in shards/image_folders.py.
 """
 
 from __future__ import annotations
@@ -21,11 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
 
 from shards.manifest import ShardError
-
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff")
 
 
 @dataclass(frozen=True)
@@ -285,89 +283,4 @@ def hf_source(variant: str, dataset_id: str) -> Source:
     splits = {"train": split(train, "train")}
     if "test" in dd:
         splits["test"] = split(dd["test"], "test")
-    return Source(class_names=names, splits=splits)
-
-
-# ---------------------------------------------------------------- image folders
-
-
-def _read_image(path: Path) -> np.ndarray:
-    try:
-        with Image.open(path) as im:
-            return np.asarray(im.convert("RGB"), dtype=np.uint8)
-    except (UnidentifiedImageError, OSError) as e:
-        raise ShardError(f"cannot read image {path}: {e}") from e
-
-
-def _files_split(files: Sequence[Path], labels: Sequence[int]) -> SplitSource:
-    files = list(files)
-    return SplitSource(
-        labels=np.asarray(labels, dtype=np.int64),
-        get=lambda i: _read_image(files[i]),
-        describe=lambda i: str(files[i]),
-    )
-
-
-def _class_folder_split(root: Path, class_names: Sequence[str]) -> SplitSource:
-    files, labels = [], []
-    for k, name in enumerate(class_names):
-        folder = root / name
-        if not folder.is_dir():
-            raise ShardError(f"{root} has no folder for class {name!r}")
-        found = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
-        if not found:
-            raise ShardError(f"{folder} holds no images ({', '.join(IMAGE_SUFFIXES)})")
-        files += found
-        labels += [k] * len(found)
-    return _files_split(files, labels)
-
-
-def imagefolder_source(path: str, class_names: Sequence[str] = ()) -> Source:
-    """root/<class>/*.png, or root/{train,test}/<class>/*.png. Class order: the classes file
-    when given, else sorted folder names."""
-    root = Path(path)
-    if not path or not root.is_dir():
-        raise ShardError(f"image folder {path!r} not found; pass data_dir=/path/to/folder")
-    base = root / "train" if (root / "train").is_dir() else root
-    names = tuple(class_names) or tuple(sorted(p.name for p in base.iterdir() if p.is_dir()))
-    if not names:
-        raise ShardError(f"{base} has no class folders")
-    splits = {"train": _class_folder_split(base, names)}
-    if base != root and (root / "test").is_dir():
-        splits["test"] = _class_folder_split(root / "test", names)
-    return Source(class_names=names, splits=splits)
-
-
-def tiny_imagenet_source(path: str) -> Source:
-    """tiny-imagenet-200/: wnids.txt, words.txt, train/<wnid>/images/*.JPEG,
-    val/images/*.JPEG + val/val_annotations.txt. The labelled val set serves as test."""
-    root = Path(path)
-    if not path or not (root / "wnids.txt").is_file():
-        raise ShardError(
-            f"Tiny-ImageNet not found at {path!r}; download tiny-imagenet-200.zip "
-            "(http://cs231n.stanford.edu/tiny-imagenet-200.zip), unzip it and pass data_dir=/path/to/tiny-imagenet-200"
-        )
-    wnids = [w.strip() for w in (root / "wnids.txt").read_text().splitlines() if w.strip()]
-    words = {}
-    if (root / "words.txt").is_file():
-        for line in (root / "words.txt").read_text().splitlines():
-            wnid, _, text = line.partition("\t")
-            words[wnid] = text.split(",")[0].strip()
-    names = tuple(words.get(w, w) for w in wnids)
-    index = {w: k for k, w in enumerate(wnids)}
-    train_files, train_labels = [], []
-    for w in wnids:
-        found = sorted((root / "train" / w / "images").glob("*"))
-        train_files += [p for p in found if p.suffix.lower() in IMAGE_SUFFIXES]
-        train_labels += [index[w]] * (len(train_files) - len(train_labels))
-    splits = {"train": _files_split(train_files, train_labels)}
-    ann = root / "val" / "val_annotations.txt"
-    if ann.is_file():
-        files, labels = [], []
-        for line in ann.read_text().splitlines():
-            parts = line.split("\t")
-            if len(parts) >= 2 and parts[1] in index:
-                files.append(root / "val" / "images" / parts[0])
-                labels.append(index[parts[1]])
-        splits["test"] = _files_split(files, labels)
     return Source(class_names=names, splits=splits)

@@ -19,6 +19,7 @@ from PIL import Image
 from pipeline.config import read_class_names
 from pipeline.configs.prepare import Config
 from pipeline.runtime import code_version, log, make_generator, progress
+from shards.image_folders import imagefolder_source, imagenet_source, tiny_imagenet_source
 from shards.manifest import ShardError
 from shards.sources import (
     Source,
@@ -27,8 +28,6 @@ from shards.sources import (
     digits_source,
     fashion_mnist_source,
     hf_source,
-    imagefolder_source,
-    tiny_imagenet_source,
 )
 from shards.writer import ShardFolder, completed, write_config
 
@@ -54,6 +53,7 @@ SOURCES = {
     "cifar10": _cifar("cifar10"),
     "cifar100": _cifar("cifar100"),
     "tiny-imagenet": lambda cfg: tiny_imagenet_source(cfg.data_dir),
+    "imagenet": lambda cfg: imagenet_source(cfg.data_dir),
     "imagefolder": lambda cfg: imagefolder_source(
         cfg.data_dir, read_class_names(cfg.classes_file) if cfg.classes_file else ()
     ),
@@ -96,10 +96,30 @@ def plan_splits(source: Source, cfg: Config) -> dict[str, tuple[SplitSource, np.
     return {"train": (train, train_idx[keep]), "val": (train, train_idx[held]), "test": test}
 
 
+def _squash(image: np.ndarray, size: int) -> np.ndarray:
+    """Both sides to `size` (bicubic): the aspect ratio is not kept."""
+    return np.asarray(Image.fromarray(image).resize((size, size), Image.Resampling.BICUBIC))
+
+
+def _center_crop(image: np.ndarray, size: int) -> np.ndarray:
+    """The shorter side to `size` (bicubic, PIL's antialiasing), then the central size x size:
+    the aspect ratio is kept (ImageNet's photos are mostly 4:3)."""
+    im = Image.fromarray(image)
+    scale = size / min(im.size)
+    w, h = max(size, round(im.width * scale)), max(size, round(im.height * scale))
+    im = im.resize((w, h), Image.Resampling.BICUBIC)
+    left, top = (w - size) // 2, (h - size) // 2
+    return np.asarray(im.crop((left, top, left + size, top + size)))
+
+
+RESIZERS = {"squash": _squash, "center-crop": _center_crop}
+
+
 def _samples(
-    split: str, src: SplitSource, indices: np.ndarray, size: int, resize: bool, bar
+    split: str, src: SplitSource, indices: np.ndarray, size: int, resize: str, bar
 ) -> Iterator[dict]:
-    """Sample dicts for the writer; every image comes out size x size RGB or we stop, naming it."""
+    """Sample dicts for the writer; every image comes out size x size RGB or we stop, naming it.
+    `resize` names a RESIZERS entry, "" = refuse images of another size."""
     for i in indices:
         image = src.get(int(i))
         if image.ndim != 3 or image.shape[2] != 3:
@@ -112,9 +132,7 @@ def _samples(
                     f"{src.describe(int(i))} is {image.shape[1]}x{image.shape[0]}, others {size}x{size}: "
                     "set image_size=N to resize everything"
                 )
-            image = np.asarray(
-                Image.fromarray(image).resize((size, size), Image.Resampling.BICUBIC)
-            )
+            image = RESIZERS[resize](image, size)
         bar.update(1)
         # key = split + index into the source split: stable, unique, no dots
         yield {"__key__": f"{split}_{int(i):07d}", "png": image, "cls": int(src.labels[i])}
@@ -158,7 +176,8 @@ def run(cfg: Config) -> Path:
                 if folder.done(k) is not None:
                     bar.update(len(chunk))
                     continue
-                folder.write(k, _samples(name, src, chunk, size, cfg.image_size > 0, bar))
+                resize = cfg.resize if cfg.image_size > 0 else ""
+                folder.write(k, _samples(name, src, chunk, size, resize, bar))
             # 3. Manifest last: the split is complete only now.
             folder.finish(
                 len(chunks),

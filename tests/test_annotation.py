@@ -147,7 +147,31 @@ def test_annotate_projection_equals_formula_and_ratio_returns_alpha():
     lam_r, t_r = annotate("ratio", None, alphas, a, b, None, s=4.0)
     torch.testing.assert_close(lam_r, alphas)
     torch.testing.assert_close(t_r, alphas)
-    assert set(ANNOTATORS) == {"projection", "similarity", "ratio"}
+
+
+@pytest.mark.parametrize("method", sorted(ANNOTATORS))
+def test_every_annotator_keeps_its_needs_features_promise_in_both_paths(method):
+    """`needs_features` tells the stage whether it may skip the encoder: a method that says False
+    must run without features or prototypes, one that says True must refuse to; the 2-way and the
+    k-way path (models.simplex.annotate_simplex) accept the same methods, and for k = 2 the
+    k-way path gives the 2-way targets."""
+    from models.simplex import annotate_simplex
+
+    feats, alphas, a, b, protos = _pair_setup()
+    weights = torch.stack([alphas, 1 - alphas], dim=1)
+    classes = torch.stack([a, b], dim=1)
+    if ANNOTATORS[method].needs_features:
+        with pytest.raises(ValueError, match="needs features"):
+            annotate(method, None, alphas, a, b, None, s=4.0)
+        with pytest.raises(ValueError, match="needs features"):
+            annotate_simplex(method, None, weights, classes, None, 4.0)
+    else:
+        annotate(method, None, alphas, a, b, None, s=4.0)
+        annotate_simplex(method, None, weights, classes, None, 4.0)
+    _, t = annotate(method, feats, alphas, a, b, protos, s=4.0)
+    _, t_k = annotate_simplex(method, feats, weights, classes, protos, 4.0)
+    torch.testing.assert_close(t_k[:, 0], t.float(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(t_k.sum(dim=1), torch.ones(len(t)), atol=1e-6, rtol=0)
 
 
 def test_annotate_similarity_is_normalised_cosine_share():
@@ -179,9 +203,18 @@ def test_annotate_rejects_bad_input():
         annotate("projection", feats, alphas, a, b + 5, protos, 4.0)
 
 
-def test_sharpening_defaults():
-    assert SHARPENING["cifar10"] == 4.0 and SHARPENING["cifar100"] == 2.3
-    assert SHARPENING["tiny-imagenet"] == 4.0 and default_sharpening("digits") > 0
+def test_sharpening_reaches_the_annotate_config_of_every_preset():
+    """The annotate stage of each preset uses that preset's s unless --set; METHODS §2 fixes
+    s = 2.3 for CIFAR-100 and 4.0 for CIFAR-10 and Tiny-ImageNet."""
+    from pipeline.cli import resolve_stage_config
+    from pipeline.config import PRESET_NAMES
+
+    for preset in PRESET_NAMES:
+        cfg = resolve_stage_config("annotate", preset)
+        assert cfg.sharpening == default_sharpening(preset) == SHARPENING[preset] > 0, preset
+        assert resolve_stage_config("annotate", preset, ["sharpening=1.5"]).sharpening == 1.5
+    paper = {"cifar10": 4.0, "cifar100": 2.3, "tiny-imagenet": 4.0}
+    assert {p: resolve_stage_config("annotate", p).sharpening for p in paper} == paper
     with pytest.raises(ValueError, match="cifar100"):
         default_sharpening("mnist")
 

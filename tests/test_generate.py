@@ -123,6 +123,44 @@ def test_plan_walks_pairs_cycles_and_seeds():
         make_plan(resolve_stage_config("generate", "digits", ["pairs=7"]), 4)
 
 
+def test_plans_number_their_class_tuples():
+    """The plan computes each tuple from its position (models.simplex.ClassTuples) instead of
+    listing them: the very tuples, order and seeded subsets of the listed walk, at ImageNet size
+    too (bench/RESULTS.md has its time and memory)."""
+    from itertools import combinations
+
+    from models.simplex import ClassTuples, rank_tuple
+    from pipeline.runtime import make_generator
+
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((1000, 2), (60, 3), (12, 5)):
+        every = list(combinations(range(n), k))
+        tuples = ClassTuples(n, k)
+        assert len(tuples) == len(every) and tuples[-1] == every[-1]
+        for r in [0, *torch.randint(0, len(every), (500,), generator=g).tolist()]:
+            assert tuples[r] == every[r] and tuples.index(every[r]) == r
+        assert list(tuples) == every and every[1] in tuples and (0,) * k not in tuples
+    plan = make_plan(resolve_stage_config("generate", "imagenet"), 1000)
+    assert len(plan.pairs) == plan.num_series == 499_500 and plan.num_shards == 3_996
+    spec = plan.spec(499_499)
+    assert (spec.class_a, spec.class_b) == (998, 999) and spec.seed == derive_seed(
+        0, "series", 499_499
+    )
+    # a seeded subset draws what the listed walk drew
+    sub = make_plan(resolve_stage_config("generate", "imagenet", ["pairs=500", "seed=3"]), 1000)
+    pick = torch.randperm(499_500, generator=make_generator(3, "pairs"))[:500].tolist()
+    every = list(combinations(range(1000), 2))
+    assert list(sub.pairs) == [every[i] for i in sorted(pick)] and sub.num_series == 500
+    # k = 3 over 1,000 classes: 166,167,000 triples, in lexicographic order, never listed
+    k3 = make_plan(
+        resolve_stage_config("generate", "imagenet", ["mix_classes=3", "lattice=2"]), 1000
+    )
+    assert len(k3.pairs) == 166_167_000 and k3.pairs[-1] == (997, 998, 999)
+    for r in torch.randint(0, 166_167_000 - 1, (500,), generator=g).tolist():
+        a, b = k3.pairs[r], k3.pairs[r + 1]
+        assert a < b and rank_tuple(a, 1000) == r and 0 <= a[0] < a[1] < a[2] < 1000
+
+
 def test_series_folder(src, reference):
     gen_folder = src / "digits" / "generator"
     manifest = read_manifest(reference)

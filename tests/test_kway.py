@@ -353,6 +353,22 @@ def test_kway_sampler_picks_the_best_member_for_y_and_a_mixed_one():
     assert torch.equal(t.nonzero()[:, 1].unique(), torch.arange(5))
 
 
+def test_series_index_lists_the_series_of_each_class():
+    """Row c of SeriesIndex: every series containing class c, ascending, once (a class twice in
+    a series counts once; ids outside the classes belong to no row), against the definition."""
+    from models.training import SeriesIndex
+
+    g = torch.Generator().manual_seed(0)
+    for num_classes, n_series, k in ((5, 40, 2), (9, 60, 3), (4, 3, 2), (7, 0, 2)):
+        classes = torch.randint(-1, num_classes + 1, (n_series, k), generator=g)
+        index = SeriesIndex(classes, num_classes)
+        for c in range(num_classes):
+            rows = [s for s in range(n_series) if c in classes[s].tolist()]
+            assert index.counts[c] == len(rows)
+            assert index.table[c, : len(rows)].tolist() == rows
+        assert index.missing() == [c for c in range(num_classes) if index.counts[c] == 0]
+
+
 def _write_k3_mixed(folder: Path, real_train: Path) -> Path:
     """A small k = 3 mixed/ folder: pixel blends of real images of (c, c+1, c+2 mod 10)."""
     import numpy as np
@@ -384,12 +400,15 @@ def _write_k3_mixed(folder: Path, real_train: Path) -> Path:
     return folder
 
 
-@pytest.mark.parametrize(
-    "sets", [[], ["csm_targets=ratio"], ["csm_mixed_loss=ce", "csm_sharpening=2.3"]]
-)
-def test_csm_trains_on_k3_series(digits_root, tmp_path, sets):
+def test_csm_trains_on_k3_series(digits_root, tmp_path):
+    """train reads a k = 3 mixed/ folder as written (tuples, λ̂, soft) and what it learns depends
+    on the k-way targets: the stored soft labels, the generation weights (csm_targets=ratio) and
+    λ̂ re-sharpened with s = 2.3 under a soft cross-entropy give three different models."""
     import json
 
+    from safetensors.torch import load_file
+
+    from models.simplex import lattice_weights
     from shards.datasets import check_mixed_sample, load_series_table
     from shards.reader import iter_folder
 
@@ -398,12 +417,24 @@ def test_csm_trains_on_k3_series(digits_root, tmp_path, sets):
     _write_k3_mixed(root / "mixed", root / "real" / "train")
     table = load_series_table(root / "mixed", [str(c) for c in range(10)])
     assert table.mix_classes == 3 and table.soft.shape == (10, 6, 3) and table.members == 6
-    for sample in iter_folder(root / "mixed"):
+    written = sorted(iter_folder(root / "mixed"), key=lambda s: (s["meta"]["series"], s["meta"]["position"]))  # fmt: skip
+    for sample in written:
         check_mixed_sample(sample)  # publish's field check accepts k-way samples
-    run = run_stage("train", "digits", [f"out={tmp_path}", "run=k3", "loss=csm", "epochs=1",
-                                        "train_limit=128", "batch_size=64", *sets])  # fmt: skip
-    history = json.loads((run / "metrics.json").read_text())["train"]["history"]
-    assert len(history) == 1 and torch.isfinite(torch.tensor(history[0]["loss"]))
+    meta = [s["meta"] for s in written]
+    assert table.classes.tolist() == [m["classes"] for m in meta[::6]]
+    soft = torch.tensor([m["soft"] for m in meta], dtype=torch.float64)
+    assert torch.allclose(table.soft.flatten(0, 1).double(), soft, atol=1e-6)
+    lattice = torch.tensor(lattice_weights(3, 2), dtype=torch.float64)
+    assert torch.allclose(table.alpha.double(), lattice.expand(10, 6, 3))
+    weights = {}
+    for name, sets in {"soft": [], "ratio": ["csm_targets=ratio"], "ce": ["csm_mixed_loss=ce", "csm_sharpening=2.3"]}.items():  # fmt: skip
+        run = run_stage("train", "digits", [f"out={tmp_path}", f"run=k3-{name}", "loss=csm", "epochs=1",
+                                            "train_limit=128", "batch_size=64", *sets])  # fmt: skip
+        history = json.loads((run / "metrics.json").read_text())["train"]["history"]
+        assert len(history) == 1 and torch.isfinite(torch.tensor(history[0]["loss"]))
+        weights[name] = load_file(str(run / "model.safetensors"))
+    for x, y in (("soft", "ratio"), ("soft", "ce"), ("ratio", "ce")):
+        assert any(not torch.equal(weights[x][k], weights[y][k]) for k in weights[x]), (x, y)
 
 
 # ---------------------------------------------------------------- k = 3: processes, kill + rerun

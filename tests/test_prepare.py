@@ -279,3 +279,88 @@ def test_hf_datasets_from_local_folder(tmp_path):
     test = load_split(real / "test")
     assert test.class_names == ("cat", "dog") and test.labels.tolist() == [0, 1, 0, 1]
     assert len(load_split(real / "train")) + len(load_split(real / "val")) == 10
+
+
+# ---------------------------------------------------------------- ImageNet-1k preset
+
+
+WNIDS = ["n01440764", "n02012849", "n03126707"]  # tench and ImageNet's two "crane"s
+
+
+def _imagenet(root, names_file: bool = True, val: bool = True):
+    """A tiny ILSVRC-2012 folder: train/<wnid>/ 4 JPEGs each, val/<wnid>/ 2 each, all 48x32
+    (w x h, ImageNet is mostly landscape): red 4-px bands left and right, a class grey between."""
+    for split, n in (("train", 4), ("val", 2)) if val else (("train", 4),):
+        for k, w in enumerate(WNIDS):
+            (root / split / w).mkdir(parents=True)
+            for i in range(n):
+                image = np.full((32, 48, 3), 60 + 60 * k + i, dtype=np.uint8)
+                image[:, :4] = image[:, -4:] = (255, 0, 0)
+                Image.fromarray(image).save(root / split / w / f"{w}_{i}.JPEG", quality=95)
+    if names_file:
+        (root / "LOC_synset_mapping.txt").write_text(
+            "n01440764 tench, Tinca tinca\nn02012849 crane\nn03126707 crane\n"
+        )
+    return root
+
+
+def test_imagenet_preset_prepares_class_folders(tmp_path):
+    root = _imagenet(tmp_path / "imagenet")
+    sets = [f"out={tmp_path}", f"data_dir={root}", "image_size=16", "val_fraction=0.25"]
+    real = run_stage("prepare", "imagenet", sets)
+    train, val, test = (load_split(real / s, verify=True) for s in ("train", "val", "test"))
+    # classes: sorted wnids (ImageNet-1k's index order), names from the mapping, repeats told apart
+    assert test.class_names == ("tench", "crane (n02012849)", "crane (n03126707)")
+    assert len(train) == 9 and len(val) == 3 and len(test) == 6  # val/ serves as test
+    assert sorted(test.labels.tolist()) == [0, 0, 1, 1, 2, 2]
+    assert np.bincount(val.labels.numpy()).tolist() == [1, 1, 1]
+    # center-crop: the shorter side to 16 (48x32 -> 24x16), then the central 16 columns, so the
+    # red side bands (2 px each after scaling) are cut away; squash would keep them
+    images = test.images.numpy().astype(int)
+    assert images.shape == (6, 16, 16, 3)
+    assert np.abs(images[..., 0] - images[..., 1]).max() <= 12  # grey: no red left
+    config = __import__("json").loads((real / "config.json").read_text())
+    assert config["resize"] == "center-crop" and config["image_size"] == 16
+    squashed = run_stage("prepare", "imagenet", [*sets, "name=squashed", "resize=squash"])
+    edge = load_split(squashed / "test").images.numpy().astype(int)[:, :, 0]
+    assert (edge[..., 0] - edge[..., 1] > 100).all()  # the red band survives a squash
+    # the names file is optional: without it the wnids are the names
+    bare = _imagenet(tmp_path / "bare", names_file=False, val=False)
+    real = run_stage("prepare", "imagenet", [f"out={tmp_path}", "name=bare", f"data_dir={bare}",
+                                             "image_size=16", "test_fraction=0.25"])  # fmt: skip
+    assert load_split(real / "train").class_names == tuple(WNIDS)
+    assert len(load_split(real / "test")) == 3  # no val/: test carved out of train
+
+
+def test_imagenet_without_data_is_one_line(tmp_path, capsys):
+    code = main(["prepare", "--preset", "imagenet", "--set", f"out={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1, err
+    assert "ImageNet not found" in err and "train/<wnid>/*.JPEG" in err and "data_dir=" in err
+    flat = _imagenet(tmp_path / "flat", val=False)
+    (flat / "val").mkdir()
+    Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8)).save(flat / "val" / "x.JPEG")
+    code = main(["prepare", "--preset", "imagenet", "--set", f"out={tmp_path}", f"data_dir={flat}"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "val/<wnid>/" in err, err
+    assert not list(tmp_path.rglob("manifest.json"))
+
+
+def test_imagenet_preset_resolves_for_every_stage():
+    """Config level (no data, no weights): every stage takes the preset; what it sets."""
+    from pipeline.cli import STAGES, resolve_stage_config
+
+    configs = {
+        stage: resolve_stage_config(stage, "imagenet", ["run=r"] if stage == "finetune" else [])
+        for stage in STAGES
+    }
+    assert all(c.preset == "imagenet" and c.root.name == "imagenet" for c in configs.values())
+    prepare, generate = configs["prepare"], configs["generate"]
+    assert (prepare.source, prepare.image_size, prepare.resize) == ("imagenet", 256, "center-crop")
+    assert (generate.backend, generate.model) == ("dit", "facebook/DiT-XL-2-256")
+    assert generate.dit_class_ids == tuple(range(1000)) and generate.guidance == 1.0
+    assert configs["annotate"].encoder == "openclip"
+    assert configs["train"].model == "timm:resnet50"
+    # the dataset resolution is the user's: prepare's image_size, which generate follows (0)
+    assert resolve_stage_config("prepare", "imagenet", ["image_size=64"]).image_size == 64
+    assert generate.image_size == 0

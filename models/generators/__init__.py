@@ -13,10 +13,8 @@ from .base import (
     SAMPLERS,
     Generator,
     MixableEmbedding,
-    MixSpec,
     ModelNotFoundError,
     NonFiniteImageError,
-    SeriesSpec,
     make_scheduler,
 )
 from .dit import DiTGenerator
@@ -24,6 +22,7 @@ from .edm import EDM_CHECKPOINTS, EDM_SAMPLERS, EDMGenerator, load_edm
 from .edm_net import EDMNetwork
 from .edm_pickle import UnsafePickleError, convert_edm_pickle, read_edm_pickle
 from .sd import SDGenerator
+from .spec import MixSpec, SeriesSpec
 from .unet import (
     UNET_PRESETS,
     UNetGenerator,
@@ -35,15 +34,13 @@ from .unet import (
 )
 
 GENERATORS: dict[str, type[Generator]] = {
-    "unet": UNetGenerator,
-    "sd": SDGenerator,
-    "dit": DiTGenerator,
-    "edm": EDMGenerator,
+    cls.backend: cls for cls in (UNetGenerator, SDGenerator, DiTGenerator, EDMGenerator)
 }
 
 
 def load_generator(backend: str, **kwargs: Any) -> Generator:
-    """Build backend ``backend`` with its keyword arguments (``model=...`` etc.)."""
+    """Build backend ``backend`` with its keyword arguments (``model=...`` etc.); with
+    ``lazy=True`` no weights are read until ``load()`` or the first ``generate_series``."""
     if backend not in GENERATORS:
         raise ValueError(
             f"unknown generator backend {backend!r}; choose one of {sorted(GENERATORS)}"

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,45 +28,7 @@ from diffusers import DDIMScheduler, DPMSolverMultistepScheduler
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from torch import nn
 
-
-@dataclass(frozen=True)
-class SeriesSpec:
-    """One series: shared noise (from ``seed``) for every α; α is the weight of ``class_a``."""
-
-    series_id: int
-    class_a: int
-    class_b: int
-    alphas: tuple[float, ...]
-    seed: int
-
-    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(classes int64 [K, 2], weights float32 [K, 2]) with w = (α, 1 − α), 1 − α in float32."""
-        alpha = torch.tensor(self.alphas, dtype=torch.float32)
-        classes = torch.tensor([self.class_a, self.class_b]).expand(len(alpha), 2)
-        return classes, torch.stack([alpha, 1 - alpha], dim=1)
-
-
-@dataclass(frozen=True)
-class MixSpec:
-    """One k-way series: shared noise (from ``seed``) for every weight vector of ``weights``;
-    ``weights[j][i]`` is the weight of ``classes[i]`` at position j (rows sum to 1)."""
-
-    series_id: int
-    classes: tuple[int, ...]
-    weights: tuple[tuple[float, ...], ...]
-    seed: int
-
-    @property
-    def alphas(self) -> tuple[tuple[float, ...], ...]:  # the positions, as SeriesSpec names them
-        return self.weights
-
-    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(classes int64 [K, k], weights float32 [K, k])."""
-        weights = torch.tensor(self.weights, dtype=torch.float32).reshape(len(self.weights), -1)
-        return torch.tensor(self.classes).expand(len(weights), len(self.classes)), weights
-
-
-Spec = SeriesSpec | MixSpec
+from .spec import MixSpec, Spec
 
 
 class NonFiniteImageError(RuntimeError):
@@ -217,10 +178,15 @@ def mix_weights(classes: torch.Tensor, weights: torch.Tensor, n: int) -> torch.T
 class Generator(ABC):
     """Base of the backends: shared noise, chunking, post-processing and identity metadata.
 
-    Subclasses set the attributes below and implement ``noise_shape``, ``condition`` and ``sample``.
+    Subclasses set the attributes below and implement ``_load`` (read the network),
+    ``noise_shape``, ``condition`` and ``sample``. A backend built with ``lazy=True`` reads no
+    weights until ``load()`` or its first ``generate_series``: ``metadata()`` (the generator's
+    identity) needs only the constructor's arguments, so a stage can record what made its images
+    without loading a model it may not need (a resumed run with nothing left to do).
     """
 
-    model_id: str  # hub id or local folder
+    backend: str  # its name in the registry (models.generators.GENERATORS)
+    model: str | Path  # hub id, local folder or file
     revision: str | None
     sampler: str
     steps: int
@@ -232,6 +198,8 @@ class Generator(ABC):
     def __init__(
         self,
         *,
+        model: str | Path,
+        revision: str | None,
         sampler: str,
         steps: int,
         device: str | torch.device,
@@ -248,14 +216,27 @@ class Generator(ABC):
             raise ValueError(
                 f"steps, batch_size, row_multiple must be >= 1, got {steps}, {batch_size}, {row_multiple}"
             )
+        self.model, self.revision = model, revision
         self.sampler = sampler
         self.steps = int(steps)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype)
         self.batch_size = int(batch_size)
         self.row_multiple = int(row_multiple)
+        self._loaded = False
+
+    def load(self) -> Generator:
+        """Read the network (once); a model that is missing or broken fails here, in one line."""
+        if not self._loaded:
+            self._load()
+            self._loaded = True
+        return self
 
     # -- backend hooks ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def _load(self) -> None:
+        """Read the weights onto the device and set what depends on them."""
 
     @property
     @abstractmethod
@@ -274,15 +255,24 @@ class Generator(ABC):
 
     # -- shared machinery ------------------------------------------------------------------------
 
+    @property
+    def model_id(self) -> str:
+        """The model as outputs name it: a hub id as given, a local folder or file by its last
+        component (outputs hold no absolute paths; the revision pins local weights)."""
+        path = Path(self.model)
+        return path.name if path.exists() else str(self.model)
+
     def metadata(self) -> dict[str, Any]:
-        """Identity of the generator, to store with every image."""
+        """Identity of the generator, to store with every image it makes: what was sampled, how
+        and in which precision; known before the weights are read (``lazy=True``). The output
+        resolution is not in it: a series folder records it once for all its images."""
         return {
+            "backend": self.backend,
             "model_id": self.model_id,
             "revision": self.revision,
             "sampler": self.sampler,
             "steps": self.steps,
             "guidance": self.guidance,
-            "image_size": self.image_size,
             "dtype": str(self.dtype).removeprefix("torch."),
         }
 
@@ -361,7 +351,8 @@ class Generator(ABC):
         called with the number of images finished after each chunk (e.g. ``tqdm.update``).
         Raises ``NonFiniteImageError`` naming the series with NaN/Inf pixels.
         """
-        # 1. Check inputs
+        # 1. Load the network if it is not yet, check inputs
+        self.load()
         classes, weights = self._check_specs(specs)
         n_alphas = classes.shape[1]
         batch_size = batch_size or self.batch_size

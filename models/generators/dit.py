@@ -32,6 +32,8 @@ from .base import (
 class DiTGenerator(Generator):
     """CSM series from a DiT; ``class_ids[i]`` is the DiT (ImageNet) id of our class i."""
 
+    backend = "dit"
+
     def __init__(
         self,
         model: str | Path,
@@ -47,8 +49,11 @@ class DiTGenerator(Generator):
         batch_size: int = 32,
         row_multiple: int = 8,
         torch_compile: bool = False,
+        lazy: bool = False,
     ) -> None:
         super().__init__(
+            model=model,
+            revision=revision,
             sampler=sampler,
             steps=steps,
             device=device,
@@ -56,29 +61,35 @@ class DiTGenerator(Generator):
             batch_size=batch_size,
             row_multiple=row_multiple,
         )
+        self.class_ids = torch.tensor(list(class_ids), device=self.device)
+        self.num_classes = len(class_ids)
+        self.guidance, self.image_size = float(guidance), int(image_size)
+        self.torch_compile = torch_compile
+        if not lazy:
+            self.load()
+
+    def _load(self) -> None:
         pipe = load_pretrained(
-            DiTPipeline.from_pretrained, model, revision=revision, torch_dtype=self.dtype
+            DiTPipeline.from_pretrained, self.model, revision=self.revision, torch_dtype=self.dtype
         )
         self.transformer = pipe.transformer.to(self.device).eval()
         self.vae = pipe.vae.to(self.device).eval()
-        self.scheduler = make_scheduler(sampler, pipe.scheduler.config)
+        self.scheduler = make_scheduler(self.sampler, pipe.scheduler.config)
         self._tables = [
             self._mixable_table(i, blk) for i, blk in enumerate(self.transformer.transformer_blocks)
         ]
         # table rows: the DiT classes, plus the null class if it was trained with label dropout
         n_ids = self._tables[0].num_embeddings
         self.null_id = self.transformer.transformer_blocks[0].norm1.emb.class_embedder.num_classes
-        if any(not 0 <= c < self.null_id for c in class_ids):
-            raise ValueError(f"class_ids must lie in [0, {self.null_id}), got {list(class_ids)}")
-        if guidance > 1 and self.null_id >= n_ids:
+        ids = self.class_ids.tolist()
+        if any(not 0 <= c < self.null_id for c in ids):
+            raise ValueError(f"class_ids must lie in [0, {self.null_id}), got {ids}")
+        if self.guidance > 1 and self.null_id >= n_ids:
             raise ValueError(
-                f"{model}: guidance {guidance} needs a null class, this DiT has none; use 1.0"
+                f"{self.model}: guidance {self.guidance} needs a null class, this DiT has none; "
+                "use 1.0"
             )
-        self.class_ids = torch.tensor(list(class_ids), device=self.device)
-        self.model_id, self.revision = str(model), revision
-        self.num_classes = len(class_ids)
-        self.guidance, self.image_size = float(guidance), int(image_size)
-        self._forward = torch.compile(self.transformer) if torch_compile else self.transformer
+        self._forward = torch.compile(self.transformer) if self.torch_compile else self.transformer
 
     @staticmethod
     def _mixable_table(i: int, block: torch.nn.Module) -> MixableEmbedding:

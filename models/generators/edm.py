@@ -72,6 +72,7 @@ def karras_sigmas(steps: int, sigma_min: float, sigma_max: float, rho: float) ->
 class EDMGenerator(Generator):
     """CSM series from a class-conditional EDM network; no guidance (as CSM: 1.0)."""
 
+    backend = "edm"
     samplers = EDM_SAMPLERS
 
     def __init__(
@@ -80,6 +81,7 @@ class EDMGenerator(Generator):
         *,
         num_classes: int | None = None,
         image_size: int | None = None,
+        revision: str | None = None,
         sampler: str = "heun",
         steps: int = 18,
         sigma_min: float = 0.002,
@@ -90,8 +92,11 @@ class EDMGenerator(Generator):
         batch_size: int = 64,
         row_multiple: int = 8,
         torch_compile: bool = False,
+        lazy: bool = False,
     ) -> None:
         super().__init__(
+            model=model,
+            revision=revision,
             sampler=sampler,
             steps=steps,
             device=device,
@@ -99,22 +104,32 @@ class EDMGenerator(Generator):
             batch_size=batch_size,
             row_multiple=row_multiple,
         )
-        net = load_edm(model, self.dtype)
+        self.guidance = 1.0
+        self.dataset_classes, self.dataset_size = num_classes, image_size  # checked on load
+        self.sigma_min, self.sigma_max, self.rho = sigma_min, sigma_max, rho
+        self.torch_compile = torch_compile
+        if not lazy:
+            self.load()
+
+    def _load(self) -> None:
+        net = load_edm(self.model, self.dtype)
         cfg = net.config
         if not cfg.label_dim:
-            raise ValueError(f"{model}: an unconditional EDM network cannot mix classes")
-        if num_classes is not None and cfg.label_dim != num_classes:
+            raise ValueError(f"{self.model}: an unconditional EDM network cannot mix classes")
+        if self.dataset_classes is not None and cfg.label_dim != self.dataset_classes:
             raise ValueError(
-                f"{model}: the EDM network knows {cfg.label_dim} classes, the dataset has {num_classes}"
+                f"{self.model}: the EDM network knows {cfg.label_dim} classes, the dataset has "
+                f"{self.dataset_classes}"
             )
         self.net = net.to(self.device).eval()
-        self.model_id, self.revision, self.guidance = str(model), None, 1.0
         self.num_classes = int(cfg.label_dim)
-        self.image_size = int(image_size or cfg.img_resolution)
+        self.image_size = int(self.dataset_size or cfg.img_resolution)
         # clip the schedule to the σ range the network was trained on (as EDM's sampler does)
         low, high = net.sigma_range
-        self.sigmas = karras_sigmas(self.steps, max(sigma_min, low), min(sigma_max, high), rho)
-        self._forward = torch.compile(self.net) if torch_compile else self.net
+        self.sigmas = karras_sigmas(
+            self.steps, max(self.sigma_min, low), min(self.sigma_max, high), self.rho
+        )
+        self._forward = torch.compile(self.net) if self.torch_compile else self.net
 
     @property
     def noise_shape(self) -> tuple[int, ...]:

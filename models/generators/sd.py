@@ -21,6 +21,8 @@ from .base import Generator, load_pretrained, make_scheduler
 class SDGenerator(Generator):
     """CSM series from a Stable Diffusion pipeline; ``class_names[i]`` is the name of class i."""
 
+    backend = "sd"
+
     def __init__(
         self,
         model: str | Path,
@@ -39,8 +41,11 @@ class SDGenerator(Generator):
         batch_size: int = 16,
         row_multiple: int = 8,
         torch_compile: bool = False,
+        lazy: bool = False,
     ) -> None:
         super().__init__(
+            model=model,
+            revision=revision,
             sampler=sampler,
             steps=steps,
             device=device,
@@ -50,27 +55,32 @@ class SDGenerator(Generator):
         )
         if "{name}" not in prompt_template:
             raise ValueError(f"prompt_template must contain '{{name}}', got {prompt_template!r}")
-        pipe = load_pretrained(
-            StableDiffusionPipeline.from_pretrained,
-            model,
-            revision=revision,
-            torch_dtype=self.dtype,
-            safety_checker=None,
-            requires_safety_checker=False,
-        )
-        pipe.scheduler = make_scheduler(sampler, pipe.scheduler.config)
-        pipe.set_progress_bar_config(disable=True)
-        self.pipe = pipe.to(self.device)  # diffusers attention uses SDPA by default
-        if torch_compile:
-            self.pipe.unet = torch.compile(self.pipe.unet)
-        self.model_id, self.revision = str(model), revision
         self.class_names = list(class_names)
         self.num_classes = len(self.class_names)
         self.prompt_template, self.negative_prompt = prompt_template, negative_prompt
         self.guidance, self.image_size = float(guidance), int(image_size)
-        self.native_size = int(native_size or pipe.unet.config.sample_size * pipe.vae_scale_factor)
+        self.native_size, self.torch_compile = native_size, torch_compile
         self._embeds: dict[int, torch.Tensor] = {}  # class index -> E(class) [T, D], float32
         self._uncond: torch.Tensor | None = None
+        if not lazy:
+            self.load()
+
+    def _load(self) -> None:
+        pipe = load_pretrained(
+            StableDiffusionPipeline.from_pretrained,
+            self.model,
+            revision=self.revision,
+            torch_dtype=self.dtype,
+            safety_checker=None,
+            requires_safety_checker=False,
+        )
+        pipe.scheduler = make_scheduler(self.sampler, pipe.scheduler.config)
+        pipe.set_progress_bar_config(disable=True)
+        self.pipe = pipe.to(self.device)  # diffusers attention uses SDPA by default
+        if self.torch_compile:
+            self.pipe.unet = torch.compile(self.pipe.unet)
+        size = self.native_size or pipe.unet.config.sample_size * pipe.vae_scale_factor
+        self.native_size = int(size)
 
     def metadata(self) -> dict:
         return super().metadata() | {

@@ -103,12 +103,19 @@ def load_unet(
 
 
 class UNetGenerator(Generator):
-    """CSM series from a class-conditional pixel UNet; no guidance (as CSM: 1.0)."""
+    """CSM series from a class-conditional pixel UNet; no guidance (as CSM: 1.0).
+
+    ``revision`` names the weights (fit-generator's manifest records their sha256; the generate
+    stage passes it) and goes into ``metadata()``.
+    """
+
+    backend = "unet"
 
     def __init__(
         self,
         model: str | Path,
         *,
+        revision: str | None = None,
         sampler: str = "ddim",
         steps: int = 25,
         device: str | torch.device = "cpu",
@@ -116,8 +123,11 @@ class UNetGenerator(Generator):
         batch_size: int = 64,
         row_multiple: int = 8,
         torch_compile: bool = False,
+        lazy: bool = False,
     ) -> None:
         super().__init__(
+            model=model,
+            revision=revision,
             sampler=sampler,
             steps=steps,
             device=device,
@@ -125,17 +135,30 @@ class UNetGenerator(Generator):
             batch_size=batch_size,
             row_multiple=row_multiple,
         )
-        unet, config = load_unet(model, self.dtype)
+        self.guidance, self.torch_compile = 1.0, torch_compile
+        if not lazy:
+            self.load()
+
+    @property
+    def model_id(self) -> str:
+        """folder/ as <its parent>/<its name>: fit-generator always writes runs/<classes>/generator,
+        so the parent is what tells two of them apart."""
+        path = Path(self.model)
+        return f"{path.parent.name}/{path.name}"
+
+    def _load(self) -> None:
+        unet, config = load_unet(self.model, self.dtype)
         if unet.class_embedding is None or unet.config.class_embed_type is not None:
-            raise ValueError(f"{model}: the UNet has no class-embedding table (num_class_embeds)")
+            raise ValueError(
+                f"{self.model}: the UNet has no class-embedding table (num_class_embeds)"
+            )
         make_mixable(unet, "class_embedding")
-        self.model_id, self.revision, self.guidance = str(model), None, 1.0
         self.num_classes = int(unet.config.num_class_embeds)
         size = unet.config.sample_size
         self.image_size = int(size if isinstance(size, int) else size[0])
-        self.scheduler = make_scheduler(sampler, config)
+        self.scheduler = make_scheduler(self.sampler, config)
         self.unet = unet.to(self.device).eval()  # SDPA attention by default
-        self._forward = torch.compile(self.unet) if torch_compile else self.unet
+        self._forward = torch.compile(self.unet) if self.torch_compile else self.unet
 
     @property
     def noise_shape(self) -> tuple[int, ...]:

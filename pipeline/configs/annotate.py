@@ -5,11 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.annotation import ANNOTATORS, SHARPENING
+from models.encoders import ENCODERS
 from pipeline.config import ConfigError, StageConfig, check_choice, check_range
 
-# `classifier`: pooled features of a semix classifier trained in runs/<classes>/train/<encoder_run>/
-ENCODER_KINDS = ("classifier", "openclip", "hf-clip")
-TEXT_ENCODERS = ("openclip", "hf-clip")  # the ones with a text tower (prototypes=text)
+# encoder= -> its kind in the one encoder registry, models.encoders.ENCODERS. `classifier` is the
+# `module` kind over the pooled features of a semix classifier trained in
+# runs/<classes>/train/<encoder_run>/ (the stage reads that run).
+ENCODER_KINDS = {"classifier": "module", "openclip": "openclip", "hf-clip": "hf-clip"}
+# the ones with a text tower (prototypes=text)
+TEXT_ENCODERS = tuple(name for name, kind in ENCODER_KINDS.items() if ENCODERS[kind].has_text)
 PROTOTYPE_SOURCES = ("real", "text")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -36,7 +40,7 @@ class Config(StageConfig):
     fidelity_run: str = ""
 
     def __post_init__(self):
-        check_choice("encoder", self.encoder, ENCODER_KINDS)
+        check_choice("encoder", self.encoder, tuple(ENCODER_KINDS))
         check_choice("method", self.method, tuple(ANNOTATORS))
         check_choice("prototypes", self.prototypes, PROTOTYPE_SOURCES)
         check_choice("precision", self.precision, PRECISIONS)
@@ -76,4 +80,5 @@ PRESETS = {
     "cifar100": dict(_CLIP, sharpening=SHARPENING["cifar100"]),
     "tiny-imagenet": dict(_CLIP, sharpening=SHARPENING["tiny-imagenet"]),
     "imagefolder": dict(_CLIP, sharpening=SHARPENING["imagefolder"]),
+    "imagenet": dict(_CLIP, sharpening=SHARPENING["imagenet"]),
 }

@@ -119,6 +119,7 @@ K_WAY_DEFAULTS = {"mix_classes": 2, "lattice": 0, "tuples": 0, "series_per_tuple
 # Pretrained text-to-image model of the photo presets; a local save_pretrained folder works too
 # (model=/path). Generated at 512x512 and resized to the dataset's resolution (METHODS §1).
 SD15 = "stable-diffusion-v1-5/stable-diffusion-v1-5"
+DIT_XL_256 = "facebook/DiT-XL-2-256"  # the imagenet preset's class-conditional generator
 _SD = dict(backend="sd", model=SD15, steps=25, guidance=7.5, batch_size=16)
 
 
@@ -140,4 +141,17 @@ PRESETS = {
     "cifar100": dict(_SD, series_per_pair=4, when=_edm(25)),
     "tiny-imagenet": dict(_SD, series_per_pair=2, when=_edm(25)),
     "imagefolder": dict(_SD, series_per_pair=4),
+    # ImageNet-1k: DiT-XL/2 is class-conditional on these very 1,000 classes (our class i, the
+    # i-th sorted wnid, is its label i), 256 px, stored at real/'s resolution. CSM's budget of
+    # ~3x the real training set: 1 series per pair = 499,500 series, 3,996,000 images. No
+    # guidance, as CSM (DiT's usual 1.5-4 is `--set guidance=...`); DDIM 50 steps.
+    "imagenet": dict(
+        backend="dit",
+        model=DIT_XL_256,
+        dit_class_ids=tuple(range(1000)),
+        steps=50,
+        guidance=1.0,
+        series_per_pair=1,
+        batch_size=64,
+    ),
 }

@@ -181,4 +181,9 @@ PRESETS = {
         model="resnet50", mbls_margin=10.0, mbls_lam=0.05, **fedlas_fields("tiny-imagenet")
     ),
     "imagefolder": dict(model="resnet50"),
+    # ImageNet-1k: the ImageNet ResNet-50 (timm's, 7x7 stem for 224-256 px) and its standard
+    # recipe (90 epochs, lr ÷10 at 30 and 60, wd 1e-4, batch 256)
+    "imagenet": dict(
+        model="timm:resnet50", epochs=90, milestones=(30, 60), weight_decay=1e-4, batch_size=256
+    ),
 }

@@ -1,0 +1,142 @@
+"""annotate, part 1: the annotation space, an image encoder and the class prototypes (METHODS §2).
+
+The encoder comes from the one registry of encoder kinds (models.encoders.ENCODERS, named in the
+config through ENCODER_KINDS); this module only turns config fields into its arguments. The
+prototypes are computed once by rank 0 and saved in mixed/ with a key of everything they depend
+on, so a rerun with the same encoder and real/train reuses them instead of encoding real/ again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from models.annotation import PrototypeAccumulator
+from models.annotation import text_prototypes as encode_text_prototypes
+from models.classifiers import classifier_from_config
+from models.encoders import ImageEncoder
+from models.encoders import build_encoder as build_encoder_kind
+from pipeline.configs.annotate import ENCODER_KINDS, Config
+from pipeline.runtime import log, progress
+from shards.io import atomic_write_json, read_json, sha256_file, tmp_path_for
+from shards.manifest import ShardError, manifest_digest, read_manifest
+from shards.reader import iter_folder
+from shards.runs import WEIGHTS, load_model
+
+PROTOTYPES = "prototypes.safetensors"
+PROTOTYPES_META = "prototypes.json"
+
+
+# ---------------------------------------------------------------- the encoder
+
+
+def _classifier_args(cfg: Config) -> dict[str, Any]:
+    """The `module` kind over runs/<classes>/train/<encoder_run>/: its pooled pre-classifier
+    features at its own input size and normalisation, named by run, architecture and weights."""
+    folder = cfg.root / "train" / cfg.encoder_run
+    try:
+        model, meta = load_model(folder, classifier_from_config)
+    except ShardError as e:
+        raise ShardError(f"encoder_run={cfg.encoder_run}: {e}") from e
+    identity = {
+        "run": cfg.encoder_run,
+        "arch": meta["arch"],
+        "weights_sha256": sha256_file(folder / WEIGHTS),
+    }
+    norm = meta["normalize"]
+    return dict(
+        module=model,
+        image_size=int(meta["image_size"]),
+        mean=norm["mean"],
+        std=norm["std"],
+        identity=identity,
+    )
+
+
+def _openclip_args(cfg: Config) -> dict[str, Any]:
+    cache = cfg.encoder_cache or None
+    return dict(model_name=cfg.encoder_model, pretrained=cfg.encoder_pretrained, cache_dir=cache)
+
+
+def _hf_clip_args(cfg: Config) -> dict[str, Any]:
+    return dict(model_id_or_folder=cfg.encoder_model)
+
+
+# encoder= -> the constructor arguments of its kind, from the config
+ENCODER_ARGS: dict[str, Callable[[Config], dict[str, Any]]] = {
+    "classifier": _classifier_args,
+    "openclip": _openclip_args,
+    "hf-clip": _hf_clip_args,
+}
+
+
+def build_encoder(cfg: Config, device: torch.device) -> ImageEncoder:
+    kind = ENCODER_KINDS[cfg.encoder]
+    common = dict(device=device, batch_size=cfg.batch_size, precision=cfg.precision)
+    return build_encoder_kind(kind, **ENCODER_ARGS[cfg.encoder](cfg), **common)
+
+
+# ---------------------------------------------------------------- the prototypes
+
+
+def prototype_key(cfg: Config, encoder: ImageEncoder, class_names, real: Path | None) -> dict:
+    """Everything the prototypes depend on: equal key -> the saved ones are reused."""
+    return {
+        "encoder": encoder.identity,
+        "source": cfg.prototypes,
+        "class_names": list(class_names),
+        "real": manifest_digest(real) if real is not None else None,
+        "templates": list(cfg.text_templates) if cfg.prototypes == "text" else None,
+    }
+
+
+def compute_prototypes(cfg: Config, encoder: ImageEncoder, class_names, real: Path | None):
+    """[C, d]: class means of the real/train features (METHODS §2), or zero-shot text features."""
+    if cfg.prototypes == "text":
+        return encode_text_prototypes(encoder, class_names, cfg.text_templates), []
+    acc = PrototypeAccumulator(len(class_names))
+    n = read_manifest(real).num_samples
+    with progress(range(n), total=n, desc="prototypes", unit="img") as bar:
+        images, labels = [], []
+        for sample in iter_folder(real):
+            images.append(sample["image"])
+            labels.append(sample["cls"])
+            if len(images) == cfg.batch_size:
+                acc.update(encoder.encode(torch.from_numpy(np.stack(images))), torch.tensor(labels))
+                bar.update(len(images))
+                images, labels = [], []
+        if images:
+            acc.update(encoder.encode(torch.from_numpy(np.stack(images))), torch.tensor(labels))
+            bar.update(len(images))
+    return acc.prototypes(), acc.counts.tolist()
+
+
+def ensure_prototypes(cfg: Config, encoder, class_names, real, mixed: Path) -> None:
+    """Rank 0: reuse mixed/prototypes.* if their key matches, else compute and save them."""
+    key = prototype_key(cfg, encoder, class_names, real)
+    meta_path = mixed / PROTOTYPES_META
+    saved = read_json(meta_path).get("key") if meta_path.is_file() else None
+    if (mixed / PROTOTYPES).is_file() and saved == json.loads(json.dumps(key)):
+        log.info("annotate: reusing %s", mixed / PROTOTYPES)
+        return
+    protos, counts = compute_prototypes(cfg, encoder, class_names, real)
+    tmp = tmp_path_for(mixed / PROTOTYPES)
+    save_file({"prototypes": protos.contiguous()}, str(tmp))
+    os.replace(tmp, mixed / PROTOTYPES)
+    atomic_write_json(meta_path, {"key": key, "counts": counts, "shape": list(protos.shape)})
+
+
+def load_prototypes(mixed: Path, num_classes: int) -> torch.Tensor:
+    protos = load_file(str(mixed / PROTOTYPES))["prototypes"]
+    if protos.ndim != 2 or protos.shape[0] != num_classes:
+        raise ShardError(
+            f"{mixed / PROTOTYPES}: shape {tuple(protos.shape)}, need [{num_classes}, d]"
+        )
+    return protos

@@ -1,0 +1,162 @@
+"""annotate, part 3: what the annotation looks like: annotation.json, annotation.png (λ̂ vs α,
+k-way: λ̂_i vs w_i and ternary.png), the generator's fidelity, and the closing log lines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from models.annotation import annotation_stats, fidelity_stats
+from models.classifiers import classifier_from_config
+from models.simplex import lattice_points, simplex_stats
+from models.training import collect_logits
+from pipeline.configs.annotate import Config
+from pipeline.plots import scatter, ternary
+from pipeline.runtime import log, make_generator
+from shards.datasets import load_real
+from shards.io import atomic_write_json
+from shards.manifest import ShardError
+from shards.reader import iter_folder
+from shards.runs import load_model
+
+PLOT_POINTS = 5000
+
+
+def generator_fidelity(cfg: Config, series: Path, class_names, device) -> dict[str, Any] | None:
+    """Does the generator draw each class as that class? A real-only classifier (`fidelity_run`)
+    on the pure-class images of every series (α = 1: class a, α = 0: class b), next to the same
+    classifier on real/test (models.annotation.fidelity_stats)."""
+    if not cfg.fidelity_run:
+        return None
+    folder = cfg.root / "train" / cfg.fidelity_run
+    try:
+        model, meta = load_model(folder, classifier_from_config)  # on the CPU, then moved
+    except ShardError as e:
+        raise ShardError(f"fidelity_run={cfg.fidelity_run}: {e}") from e
+    model = model.to(device)
+    images, expected = [], []
+    for s in iter_folder(series):
+        fields = s["meta"]
+        if "weights" in fields:  # k-way: the lattice vertices
+            if 1.0 in fields["weights"]:
+                images.append(s["image"])
+                expected.append(fields["classes"][fields["weights"].index(1.0)])
+            continue
+        alpha, (a, b) = fields["alpha"], fields["classes"][:2]
+        if alpha in (0.0, 1.0):
+            images.append(s["image"])
+            expected.append(a if alpha == 1.0 else b)
+    if not images:
+        return None
+
+    def predict(x: torch.Tensor) -> torch.Tensor:
+        norm = meta["normalize"]
+        logits = collect_logits(
+            model, x, norm["mean"], norm["std"], batch_size=cfg.batch_size, device=device,
+            image_size=int(meta["image_size"]),
+        )  # fmt: skip
+        return logits.argmax(dim=1)
+
+    test = load_real(cfg.root / "real" / "test")
+    test_acc = 100.0 * float((predict(test.images) == test.labels).double().mean())
+    return fidelity_stats(
+        predict(torch.from_numpy(np.stack(images))), torch.tensor(expected), class_names, test_acc
+    )
+
+
+def report(cfg: Config, fields: list[dict], mixed: Path, fidelity: dict | None = None) -> dict:
+    """annotation.json (models.annotation.annotation_stats + generator fidelity) and
+    annotation.png (λ̂ vs α); k-way: report_kway."""
+    if "weights" in fields[0]:
+        return report_kway(cfg, fields, mixed, fidelity)
+    lam = torch.tensor([f["lambda_hat"] for f in fields], dtype=torch.float64)
+    alpha = torch.tensor([f["alpha"] for f in fields], dtype=torch.float64)
+    series = torch.tensor([f["series"] for f in fields])
+    pairs = torch.tensor([f["classes"] for f in fields])
+    stats = {"method": cfg.method, "sharpening": cfg.sharpening}
+    stats.update(annotation_stats(lam, alpha, series, pairs))
+    stats["generator_fidelity"] = fidelity
+    atomic_write_json(mixed / "annotation.json", stats)
+    # at most PLOT_POINTS points (seeded choice): the picture is the same, the plot stays fast
+    keep = torch.randperm(len(fields), generator=make_generator(cfg.seed, "annotation-plot"))
+    keep = keep[:PLOT_POINTS].sort().values
+    rho = stats["spearman_lambda_alpha"]
+    scatter(
+        alpha[keep],
+        lam[keep],
+        mixed / "annotation.png",
+        xlabel="α (generation weight of class a)",
+        ylabel="λ̂ (re-annotated weight of a)",
+        title=f"{cfg.method}: Spearman ρ = {rho:.3f}" if rho is not None else cfg.method,
+        diagonal=True,
+        jitter=0.01,
+        seed=cfg.seed,
+    )
+    return stats
+
+
+def report_kway(cfg: Config, fields: list[dict], mixed: Path, fidelity: dict | None) -> dict:
+    """annotation.json (models.simplex.simplex_stats + generator fidelity), annotation.png
+    (λ̂_i vs w_i over every class) and, for k = 3, ternary.png (λ̂ in the simplex triangle)."""
+    lam = torch.tensor([f["lambda_hat"] for f in fields], dtype=torch.float64)
+    w = torch.tensor([f["weights"] for f in fields], dtype=torch.float64)
+    k = w.shape[1]
+    m = round(1 / w[w > 0].min().item())
+    points = lattice_points(k, m)
+    series = torch.tensor([f["series"] for f in fields])
+    positions = torch.tensor([f["position"] for f in fields])
+    stats = {"method": cfg.method, "sharpening": cfg.sharpening}
+    stats.update(simplex_stats(lam, w, series, positions, points))
+    stats["generator_fidelity"] = fidelity
+    atomic_write_json(mixed / "annotation.json", stats)
+    keep = torch.randperm(len(fields), generator=make_generator(cfg.seed, "annotation-plot"))
+    keep = keep[:PLOT_POINTS].sort().values
+    rho = stats["spearman_lambda_weight"]
+    title = (
+        f"{cfg.method}, k = {k}: Spearman ρ(w, λ̂) = {rho:.3f}" if rho is not None else cfg.method
+    )
+    scatter(
+        w[keep].flatten(), lam[keep].flatten(), mixed / "annotation.png",
+        xlabel="w_i (generation weight of class i)", ylabel="λ̂_i (re-annotated weight of i)",
+        title=title, diagonal=True, jitter=0.01, seed=cfg.seed,
+    )  # fmt: skip
+    if k == 3:
+        ternary(w[keep], lam[keep], mixed / "ternary.png", title=title,
+                corners=("class 1 (first of the tuple)", "class 2", "class 3"))  # fmt: skip
+    return stats
+
+
+def _fmt(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.3f}"
+
+
+def log_summary(cfg: Config, stats: dict, fidelity: dict | None, mixed: Path) -> None:
+    """The closing lines: how well λ̂ follows the generation weights, and the generator's fidelity."""
+    kway = "mix_classes" in stats
+    log.info(
+        "annotate: %d images, Spearman(%s) = %s, %s = %s -> %s",
+        stats["n_images"],
+        f"w, λ̂ over {stats['mix_classes']} classes" if kway else "λ̂, α",
+        _fmt(stats["spearman_lambda_weight" if kway else "spearman_lambda_alpha"]),
+        "share of series following w on every lattice edge" if kway else "monotone series share",
+        _fmt(stats["edge_monotone_share" if kway else "monotone_share"]),
+        mixed,
+    )
+    if kway and (mixed / "ternary.png").is_file():
+        log.info("annotate: ternary plot (w vs λ̂) -> %s", mixed / "ternary.png")
+    for name, end in stats.get("endpoints", {}).items():
+        log.info(
+            "annotate: λ̂ at %s: mean %.3f, 5-95 %% [%.3f, %.3f], min %.3f, max %.3f",
+            name.replace("_", " = "), end["mean"], end["q05"], end["q95"], end["min"], end["max"],
+        )  # fmt: skip
+    if fidelity is not None:
+        worst = min(fidelity["per_class"].items(), key=lambda kv: kv[1]["accuracy"])
+        log.info(
+            "annotate: generator fidelity %.1f %% of %d endpoint images classified as their class "
+            "by %s (its real test accuracy: %.1f %%); worst class %s %.1f %%",
+            fidelity["accuracy"], fidelity["n_images"], cfg.fidelity_run,
+            fidelity["real_test_accuracy"], worst[0], worst[1]["accuracy"],
+        )  # fmt: skip

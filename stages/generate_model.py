@@ -1,0 +1,249 @@
+"""generate, part 2: the inputs and the generator (METHODS §1).
+
+Inputs are checked on every rank before anything is written. The backend is built from the config
+without reading its weights (``lazy``): its ``metadata()`` is the identity recorded with every
+image, known before the stage decides whether it has work left. Its weights are read on first use;
+series whose images come out non-finite or blank are redone in float32 or the stage fails naming
+them, so such images are never written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.generators import (
+    EDM_CHECKPOINTS,
+    Generator,
+    ModelNotFoundError,
+    NonFiniteImageError,
+    SeriesSpec,
+    load_generator,
+)
+from pipeline.configs.generate import Config
+from pipeline.runtime import log
+from shards.io import sha256_file
+from shards.manifest import Manifest, ShardError, manifest_digest, read_manifest
+from stages.generate_plan import GenerationError
+
+UNET_WEIGHTS = Path("unet") / "diffusion_pytorch_model.safetensors"  # save_unet's layout
+
+
+# ---------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class Inputs:
+    real: Path
+    class_names: tuple[str, ...]
+    image_size: int
+    generator: Path | None  # unet backend: the fit-generator folder
+    generator_info: dict[str, Any]
+
+
+def check_inputs(cfg: Config) -> Inputs:
+    """Refuse bad input early, on every rank alike, before anything is written."""
+    real = cfg.root / "real" / "train"
+    real_m = read_manifest(real)
+    size = cfg.image_size or int(real_m.info.get("image_size", 0))
+    if size < 1:
+        raise ShardError(f"{real}: the manifest names no image_size; set image_size=N")
+    if cfg.backend == "edm" and not edm_model(cfg).exists():
+        where = EDM_CHECKPOINTS.get(cfg.preset, "the EDM checkpoint of your dataset")
+        raise GenerationError(
+            f"EDM network {edm_model(cfg)} not found: download {where} and set model=<the .pkl>, "
+            "or convert it once with `python -m pipeline convert-edm --set source=<the .pkl> "
+            f"dest={edm_model(cfg)}`"
+        )
+    if cfg.backend != "unet":
+        return Inputs(real, real_m.class_names, size, None, {})
+    folder = Path(cfg.model) if cfg.model else cfg.root / "generator"
+    hint = f"run `python -m pipeline fit-generator --preset {cfg.preset}` first (or set model=<folder>)"
+    if not (folder / "manifest.json").is_file():
+        raise GenerationError(f"no trained generator in {folder} (no manifest.json): {hint}")
+    gen_m = read_manifest(folder)
+    if gen_m.kind != "generator":
+        raise GenerationError(f"{folder} holds a '{gen_m.kind}' folder, not a generator: {hint}")
+    if gen_m.class_names != real_m.class_names:
+        raise GenerationError(
+            f"{folder} was trained on other classes ({', '.join(gen_m.class_names[:5])}, ...) "
+            f"than {real} ({', '.join(real_m.class_names[:5])}, ...)"
+        )
+    check_generator_weights(folder, gen_m)
+    if int(gen_m.info.get("image_size", size)) != size:
+        raise GenerationError(
+            f"{folder} makes {gen_m.info['image_size']}px images, {real} holds {size}px; "
+            "set image_size= or retrain"
+        )
+    return Inputs(real, real_m.class_names, size, folder, gen_m.info)
+
+
+def check_generator_weights(folder: Path, manifest: Manifest) -> None:
+    """The unet weights must be the very file fit-generator recorded (size and sha256): a
+    missing, truncated or swapped file is refused in one line before diffusers reads it."""
+    path = folder / UNET_WEIGHTS
+    expected = manifest.info.get("weights_sha256")
+    if not path.is_file():
+        raise GenerationError(f"{path} is missing: {folder} is damaged; rerun fit-generator")
+    if expected and sha256_file(path) != expected:
+        raise GenerationError(
+            f"{path}: sha256 differs from its manifest (truncated or replaced); rerun fit-generator"
+        )
+
+
+def upstream_digests(inputs: Inputs) -> dict[str, str]:
+    """What series/ is built from: its manifest's `upstream`."""
+    upstream = {"real": manifest_digest(inputs.real)}
+    if inputs.generator is not None:
+        upstream["generator"] = manifest_digest(inputs.generator)
+    return upstream
+
+
+def edm_model(cfg: Config) -> Path:
+    """The edm backend's network: model=<folder or .pkl>, by default runs/<classes>/edm."""
+    return Path(cfg.model) if cfg.model else cfg.root / "edm"
+
+
+def resolve_dtype(cfg: Config, device: torch.device) -> str:
+    return cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+
+
+# ---------------------------------------------------------------- the generator
+
+
+def _unet_kwargs(cfg: Config, inputs: Inputs) -> dict[str, Any]:
+    # the weights' sha256 (fit-generator's manifest, checked in check_inputs) is their revision
+    return {"model": inputs.generator, "revision": inputs.generator_info.get("weights_sha256")}
+
+
+def _sd_kwargs(cfg: Config, inputs: Inputs) -> dict[str, Any]:
+    return {
+        "model": cfg.model,
+        "class_names": inputs.class_names,
+        "image_size": inputs.image_size,
+        "revision": cfg.revision or None,
+        "prompt_template": cfg.prompt_template,
+        "negative_prompt": cfg.negative_prompt,
+        "guidance": cfg.guidance,
+        "native_size": cfg.native_size or None,
+    }
+
+
+def _dit_kwargs(cfg: Config, inputs: Inputs) -> dict[str, Any]:
+    if len(cfg.dit_class_ids) != len(inputs.class_names):
+        raise GenerationError(
+            f"dit_class_ids lists {len(cfg.dit_class_ids)} ImageNet ids for "
+            f"{len(inputs.class_names)} classes: give one per class, in class order"
+        )
+    return {
+        "model": cfg.model,
+        "class_ids": cfg.dit_class_ids,
+        "guidance": cfg.guidance,
+        "image_size": inputs.image_size,
+        "revision": cfg.revision or None,
+    }
+
+
+def _edm_kwargs(cfg: Config, inputs: Inputs) -> dict[str, Any]:
+    return {
+        "model": edm_model(cfg),
+        "revision": cfg.revision or None,
+        "num_classes": len(inputs.class_names),
+        "image_size": inputs.image_size,
+    }
+
+
+BACKEND_KWARGS: dict[str, Callable[[Config, Inputs], dict[str, Any]]] = {
+    "unet": _unet_kwargs,
+    "sd": _sd_kwargs,
+    "dit": _dit_kwargs,
+    "edm": _edm_kwargs,
+}
+
+
+def generator_kwargs(cfg: Config, inputs: Inputs, device: torch.device) -> dict[str, Any]:
+    """The backend's constructor arguments (all but dtype)."""
+    return BACKEND_KWARGS[cfg.backend](cfg, inputs) | dict(
+        sampler=cfg.sampler,
+        steps=cfg.steps,
+        device=device,
+        batch_size=cfg.batch_size,
+        torch_compile=cfg.torch_compile,
+    )
+
+
+class Generators:
+    """The backend in the run's dtype and its float32 twin for series that overflow in bf16/fp16.
+
+    Both are built without their weights: ``metadata()`` reads none, ``get`` loads a dtype on
+    first use (a resumed run with nothing left loads nothing).
+    """
+
+    def __init__(self, backend: str, kwargs: dict[str, Any], dtype: str):
+        self.backend, self.kwargs, self.dtype = backend, kwargs, dtype
+        self._built: dict[str, Generator] = {}
+        self._loaded: dict[str, Generator] = {}
+
+    def _build(self, dtype: str) -> Generator:
+        if dtype not in self._built:
+            self._built[dtype] = load_generator(self.backend, dtype=dtype, lazy=True, **self.kwargs)
+        return self._built[dtype]
+
+    def metadata(self) -> dict[str, Any]:
+        """The identity of the run-dtype generator (``Generator.metadata()``), no weights read."""
+        return self._build(self.dtype).metadata()
+
+    def get(self, dtype: str) -> Generator:
+        if dtype not in self._loaded:
+            try:
+                self._loaded[dtype] = self._build(dtype).load()
+            except ModelNotFoundError as e:  # an OSError: make it the CLI's one-line error
+                raise GenerationError(str(e)) from e
+        return self._loaded[dtype]
+
+
+def blank_series(images: torch.Tensor, specs: Sequence[SeriesSpec]) -> set[int]:
+    """Ids of series with a constant image (all pixels equal): a failed sample, never data."""
+    flat = images.flatten(2)
+    blank = (flat.amax(dim=2) == flat.amin(dim=2)).any(dim=1)
+    return {specs[i].series_id for i in torch.nonzero(blank).flatten().tolist()}
+
+
+def _bad_series(gen: Generator, specs: Sequence[SeriesSpec], bar) -> tuple[torch.Tensor, set, set]:
+    """(images, non-finite series ids, blank series ids)."""
+    try:
+        images, nonfinite = gen.generate_series(specs, progress=bar), set()
+    except NonFiniteImageError as e:
+        images, nonfinite = e.images, set(e.series_ids)
+    return images, nonfinite, blank_series(images, specs) - nonfinite
+
+
+def sample_series(gens: Generators, specs: Sequence[SeriesSpec], bar=None) -> torch.Tensor:
+    """uint8 [n, K, H, W, 3]; series with non-finite or blank images are redone in float32
+    (when the run is not float32 already) or raise GenerationError naming them."""
+    images, nonfinite, blank = _bad_series(gens.get(gens.dtype), specs, bar)
+    if (nonfinite or blank) and gens.dtype != "float32":
+        redo = [s for s in specs if s.series_id in nonfinite | blank]
+        log.warning(
+            "generate: series %s gave non-finite/blank images in %s; redoing them in float32",
+            sorted(nonfinite | blank),
+            gens.dtype,
+        )
+        again, nonfinite, blank = _bad_series(gens.get("float32"), redo, None)
+        row = {s.series_id: i for i, s in enumerate(specs)}
+        for j, s in enumerate(redo):
+            images[row[s.series_id]] = again[j]
+    if nonfinite or blank:
+        what = (f"non-finite pixels in series {sorted(nonfinite)}" if nonfinite else "") + (
+            f"{'; ' if nonfinite else ''}blank (constant) images in series {sorted(blank)}"
+            if blank
+            else ""
+        )
+        raise GenerationError(
+            f"{what} (float32); nothing was written for them: check the generator weights"
+        )
+    return images
