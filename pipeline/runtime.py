@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -206,8 +207,9 @@ def peers_alive() -> Iterator[None]:
         yield
     except RuntimeError as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        first = re.sub(r"^\[[^\]]*\]\s*", "", first)  # gloo's "[.../pair.cc:561] " prefix
         raise LaunchError(
-            f"another process of this launch stopped; its log names the cause ({first[:160]})"
+            f"another process of this launch stopped; its log names the cause ({first[:100]})"
         ) from e
 
 
