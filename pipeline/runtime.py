@@ -198,14 +198,24 @@ class Processes:
             )
 
 
+def is_peer_failure(error: BaseException) -> bool:
+    """A collective failed because another rank left: c10d and NCCL raise torch.distributed's
+    DistError, gloo a plain RuntimeError naming the closed connection."""
+    dist_error = getattr(torch.distributed, "DistError", RuntimeError)
+    return isinstance(error, dist_error) or "Connection closed by peer" in str(error)
+
+
 @contextlib.contextmanager
-def peers_alive() -> Iterator[None]:
-    """A collective that fails because another rank died (gloo: "Connection closed by peer",
-    NCCL: DistBackendError, both RuntimeErrors) is no bug here: say so in one line, the cause is
-    in that rank's log (torchrun prints it as the "root cause" on its node)."""
+def peers_alive(only_peer_failures: bool = False) -> Iterator[None]:
+    """A collective that fails because another rank died is no bug here: say so in one line,
+    the cause is in that rank's log (torchrun prints it as the "root cause" on its node).
+    Around semix's own collectives any RuntimeError is that; around a whole stage only what
+    `is_peer_failure` recognises (`only_peer_failures`)."""
     try:
         yield
     except RuntimeError as e:
+        if only_peer_failures and not is_peer_failure(e):
+            raise
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         first = re.sub(r"^\[[^\]]*\]\s*", "", first)  # gloo's "[.../pair.cc:561] " prefix
         raise LaunchError(
@@ -270,7 +280,8 @@ def run_launched(
         out = run() if procs.is_main else None
         procs.barrier()
         return Path(procs.all_gather_bytes(str(out or "").encode())[0].decode())
-    out = run()
+    with peers_alive(only_peer_failures=True):  # the stage's own barriers and DDP
+        out = run()
     procs.barrier()
     return out
 

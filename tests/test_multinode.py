@@ -279,6 +279,28 @@ def test_prepare_on_two_nodes_writes_once_as_one_process(digits_root, tmp_path):
     assert tree(runs / "digits" / "real") == tree(digits_root / "real")
 
 
+@pytest.mark.slow
+def test_whole_chain_on_two_nodes(digits_root, tmp_path):
+    """`make generate`'s chain (prepare -> encoder -> fit-generator -> generate -> annotate) as
+    one launch on two nodes, shrunk to seconds per step: prepare writes once (both nodes used
+    to write the same shards and trip over each other's temp files) and no node starts a step
+    before the previous one's manifest is written."""
+    runs = tmp_path / "shared" / "runs"
+    dirs = node_dirs(tmp_path)
+    small = ["train.epochs=1", "train.train_limit=256", "fit-generator.steps=10"]
+    small += ["fit-generator.batch_size=16", "fit-generator.checkpoint_every=5"]
+    small += ["fit-generator.samples_per_class=1", "fit-generator.sample_steps=2"]
+    small += ["generate.limit=8", "generate.alphas=4", "generate.steps=4", "annotate.batch_size=16"]
+    nodes = launch(torchrun_nodes(free_port(), dirs), ["chain", "--set", f"out={runs}", *small], dirs)  # fmt: skip
+    assert_ok(nodes, world=0)
+    root = runs / "digits"
+    assert tree(root / "real") == tree(digits_root / "real")
+    for folder in ("real/train", "generator", "series", "mixed"):
+        assert (root / folder / "manifest.json").is_file(), folder
+    assert read_manifest(root / "mixed").num_samples == 8 * 4
+    assert sum(n.err.count("2 process(es)") for n in nodes) == 3  # train, generate, annotate
+
+
 # ---------------------------------------------------------------- annotate
 
 
