@@ -61,6 +61,10 @@ class LaunchError(ValueError):
     folder that is not shared, a launcher that gave no ranks): one line, exit 1."""
 
 
+def dist_timeout_s() -> float:
+    return float(os.environ.get("SEMIX_DIST_TIMEOUT", DIST_TIMEOUT_S))
+
+
 def launch_world() -> int:
     """Processes this launch asked for, from the launcher's environment (1 for a plain run)."""
     for var in WORLD_VARS:
@@ -99,8 +103,8 @@ class Processes:
         if cpu is None:
             cpu = not torch.cuda.is_available()
         # the timeout only counts for the first PartialState of the process (it starts the group)
-        timeout = float(os.environ.get("SEMIX_DIST_TIMEOUT", DIST_TIMEOUT_S))
-        self.state = PartialState(cpu=cpu, timeout=datetime.timedelta(seconds=timeout))
+        timeout = datetime.timedelta(seconds=dist_timeout_s())
+        self.state = PartialState(cpu=cpu, timeout=timeout)
 
     @property
     def rank(self) -> int:
@@ -201,7 +205,7 @@ class Processes:
 def is_peer_failure(error: BaseException) -> bool:
     """A collective failed because another rank left: c10d and NCCL raise torch.distributed's
     DistError, gloo a plain RuntimeError naming the closed connection."""
-    dist_error = getattr(torch.distributed, "DistError", RuntimeError)
+    dist_error = getattr(torch.distributed, "DistError", ())  # () matches nothing
     return isinstance(error, dist_error) or "Connection closed by peer" in str(error)
 
 
@@ -219,7 +223,8 @@ def peers_alive(only_peer_failures: bool = False) -> Iterator[None]:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         first = re.sub(r"^\[[^\]]*\]\s*", "", first)  # gloo's "[.../pair.cc:561] " prefix
         raise LaunchError(
-            f"another process of this launch stopped; its log names the cause ({first[:100]})"
+            "another process of this launch stopped, or kept this one waiting longer than "
+            f"SEMIX_DIST_TIMEOUT = {dist_timeout_s():g} s; its log names the cause ({first[:100]})"
         ) from e
 
 
