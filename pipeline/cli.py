@@ -22,7 +22,14 @@ from collections.abc import Sequence
 from safetensors import SafetensorError
 
 from pipeline.config import PRESET_NAMES, ConfigError, resolve
-from pipeline.runtime import cpu_threads, setup_logging
+from pipeline.runtime import (
+    check_launcher,
+    code_version,
+    cpu_threads,
+    launch_world,
+    run_launched,
+    setup_logging,
+)
 from shards.reader import hash_on_read
 
 # stage name on the command line -> module under pipeline/configs/ and stages/
@@ -40,6 +47,8 @@ STAGES = {
 }
 # whole chains, run stage after stage in one process (pipeline/chain.py)
 COMMANDS = ("chain", "demo", "study")
+# stages with one writer and no rank split: under a launcher they run on global rank 0 only
+MAIN_ONLY = ("prepare", "publish", "pull", "convert-edm")
 
 EXIT_CONFIG = 2  # bad command line or config: nothing was written
 EXIT_DATA = 1  # the stage refused its input or failed cleanly
@@ -95,8 +104,21 @@ def run_stage(stage: str, preset: str, sets: Sequence[str] = ()):
     cfg_mod, run_mod = stage_modules(stage)
     config = resolve(cfg_mod.Config, cfg_mod.PRESETS, preset, sets)
     check_out(config)
+    check_launcher()
     with cpu_threads(config.cpu_threads), hash_on_read(config.verify_sha256):
-        return run_mod.run(config)
+        if launch_world() == 1:
+            return run_mod.run(config)
+        # torchrun / accelerate launch, any number of nodes: the ranks must agree on everything
+        # but where the root is mounted (`out`, checked by a file instead), code included
+        fields = {k: v for k, v in config.to_dict().items() if k != "out"}
+        fields["code_version"] = code_version()
+        return run_launched(
+            lambda: run_mod.run(config),
+            fields,
+            config.root,
+            device=getattr(config, "device", ""),
+            main_only=stage in MAIN_ONLY,
+        )
 
 
 def _describe_fields(stage: str) -> str:
@@ -146,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.stage in COMMANDS:
             from pipeline import chain
 
-            setup_logging(is_main=True)
+            setup_logging(is_main=os.environ.get("RANK", "0") == "0")
             getattr(chain, args.stage)(args.preset, sets)
             return 0
         if args.fields:

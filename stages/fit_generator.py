@@ -35,7 +35,7 @@ from diffusers.training_utils import EMAModel
 from models.generators import UNET_PRESETS, SeriesSpec, load_generator, save_unet, unet_from_preset
 from pipeline.configs.fit_generator import Config
 from pipeline.plots import image_grid
-from pipeline.runtime import code_version, derive_seed, log, make_generator, progress
+from pipeline.runtime import Processes, code_version, derive_seed, log, make_generator, progress
 from shards.checkpoints import LOAD_KWARGS, MARKER, Checkpointer
 from shards.io import sha256_file
 from shards.manifest import MANIFEST, Manifest, ShardError, manifest_digest, write_manifest
@@ -247,7 +247,11 @@ def run(cfg: Config) -> Path:
             f"{cfg.unet!r} UNet makes {size}x{size}: pick another unet or prepare at image_size={size}"
         )
     config = {k: v for k, v in cfg.to_dict().items() if k != "resume"}
-    write_config(folder, config)
+    # one writer (the other ranks only compare): ranks writing config.json at once share its
+    # temp file, and one's rename fails once another's has moved it
+    procs = Processes(cpu=cfg.device == "cpu" or not torch.cuda.is_available())
+    if procs.is_main or (folder / "config.json").is_file():
+        write_config(folder, config)
     if (folder / MANIFEST).is_file():
         log.info("fit-generator: %s is complete already", folder)
         return folder
