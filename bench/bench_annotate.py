@@ -32,8 +32,8 @@ import torch
 
 from models.classifiers import build_classifier
 from models.encoders import ImageEncoder, ModuleFeatureEncoder, OpenCLIPEncoder
-from pipeline.cli import run_stage
-from pipeline.runtime import setup_logging
+from pipeline.core.runtime import setup_logging
+from pipeline.registry import run_stage
 from shards.manifest import manifest_digest
 from shards.reader import decode_png, load_split
 from shards.runs import save_weights

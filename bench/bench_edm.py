@@ -21,7 +21,7 @@ import torch
 
 from bench.bench_generate import _real
 from models.generators import EDMNetwork
-from pipeline.cli import run_stage
+from pipeline.registry import run_stage
 
 SERIES, K, FULL_IMAGES = 64, 8, 158_400
 BATCH_SIZES = (256, 512)

@@ -24,12 +24,12 @@ from diffusers import DDPMScheduler
 
 from models.generators import load_unet, save_unet, unet_from_preset
 from models.generators.base import class_weights, make_mixable, make_scheduler
-from pipeline.cli import run_stage
-from pipeline.configs.generate import Config as GenerateConfig
-from pipeline.runtime import cpu_threads, derive_seed
-from shards.io import sha256_file
+from pipeline.core.io import sha256_file
+from pipeline.core.runtime import cpu_threads, derive_seed
+from pipeline.registry import run_stage
 from shards.manifest import Manifest, manifest_digest, write_manifest
 from shards.writer import ShardFolder
+from stages.configs.generate import Config as GenerateConfig
 
 CPU_SERIES, K, STEPS, BATCH = 48, 8, 25, 64
 GPU_SERIES = 16  # x K = 128 images at 512x512

@@ -80,7 +80,7 @@ def _manifest(plan, classes: int, tmp: Path) -> Any:
     ident = {"backend": "dit", "model_id": "facebook/DiT-XL-2-256", "revision": None,
              "sampler": "ddim", "steps": 50, "guidance": 1.0, "dtype": "bfloat16",
              "class_ids": list(range(classes)), "license": ""}  # fmt: skip
-    from pipeline.cli import resolve_stage_config
+    from pipeline.registry import resolve_stage_config
 
     cfg = resolve_stage_config("generate", "digits", ["series_per_pair=1"])
     manifest = folder.finish(
@@ -96,7 +96,7 @@ def _manifest(plan, classes: int, tmp: Path) -> Any:
 
 def _fake_shards(plan, tmp: Path) -> None:
     """Empty shard files with completion records (finish only checks that they are there)."""
-    from shards.io import atomic_write_json
+    from pipeline.core.io import atomic_write_json
     from shards.writer import DONE_DIR, shard_name
 
     (tmp / "series" / DONE_DIR).mkdir(parents=True)
@@ -117,7 +117,7 @@ def child(classes: int, k: int) -> dict[str, Any]:
     import torch
 
     from models.training import SeriesIndex
-    from pipeline.cli import resolve_stage_config
+    from pipeline.registry import resolve_stage_config
     from stages.generate import make_plan
 
     sets = ["series_per_pair=1"] + (["mix_classes=3", "lattice=2"] if k == 3 else [])

@@ -18,7 +18,7 @@ import torch
 from models.classifiers import build_classifier
 from models.objectives import TrainingModule, build_objective
 from models.training import channel_stats, multistep_lr, normalize
-from pipeline.cli import resolve_stage_config, run_stage
+from pipeline.registry import resolve_stage_config, run_stage
 from shards.datasets import RealSplit, load_real
 from stages.loop import Data, Recipe, train_epoch
 

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from bench.bench_shards import best_of
-from pipeline.cli import run_stage
+from pipeline.registry import run_stage
 from shards.datasets import load_real
 from shards.manifest import read_manifest
 

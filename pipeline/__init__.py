@@ -1,3 +1,6 @@
-"""semix pipeline spine: CLI, configs and presets, runtime. No ML math lives here."""
+"""semix, the app on top: the CLI, chains (make generate), demo, study and the stage
+registry. The bottom layer it stands on is pipeline.core."""
 
-__version__ = "0.1.0"
+from pipeline.core import __version__
+
+__all__ = ["__version__"]

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipeline.cli import STAGES, check_out, resolve_stage_config, run_stage, stage_modules
-from pipeline.config import ConfigError, parse_sets
-from pipeline.runtime import log
+from pipeline.core.config import ConfigError, parse_sets
+from pipeline.core.runtime import log
+from pipeline.registry import STAGES, check_out, resolve_stage_config, run_stage, stage_modules
 
 # preset -> [(stage, extra --set values)]. The digits chain trains a quick real-only
 # classifier first: its features are the annotation space (CLIP means nothing on 8x8 digits).
@@ -88,20 +88,3 @@ def chain(preset: str, sets: Sequence[str]) -> None:
         log.info("chain %s: step %d/%d: %s", preset, i, len(steps), stage)
         out = run_stage(stage, preset, [*extra, *split_sets(sets, stage)])
     print(f"semix: dataset ready in {out}")
-
-
-def demo(preset: str, sets: Sequence[str]) -> None:
-    from pipeline.demo import run_demo
-
-    run_demo(preset, sets)
-
-
-def study(preset: str, sets: Sequence[str]) -> None:
-    from pipeline.study import run_study
-
-    report = run_study(preset, sets)
-    print(f"semix study: report in {report}")
-    text = report.read_text()
-    start = text.find("## The goal")
-    if start >= 0:
-        print(text[start:].split("\n## ", 1)[0])

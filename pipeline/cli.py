@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
-import importlib
 import os
 import sys
 import traceback
@@ -21,34 +20,12 @@ from collections.abc import Sequence
 
 from safetensors import SafetensorError
 
-from pipeline.config import PRESET_NAMES, ConfigError, resolve
-from pipeline.runtime import (
-    check_launcher,
-    code_version,
-    cpu_threads,
-    launch_world,
-    run_launched,
-    setup_logging,
-)
-from shards.reader import hash_on_read
+from pipeline.core.config import PRESET_NAMES, ConfigError
+from pipeline.core.runtime import setup_logging
+from pipeline.registry import STAGES, resolve_stage_config, run_stage, stage_modules
 
-# stage name on the command line -> module under pipeline/configs/ and stages/
-STAGES = {
-    "prepare": "prepare",
-    "fit-generator": "fit_generator",
-    "generate": "generate",
-    "annotate": "annotate",
-    "train": "train",
-    "evaluate": "evaluate",
-    "finetune": "finetune",
-    "publish": "publish",
-    "pull": "pull",
-    "convert-edm": "convert_edm",
-}
 # whole chains, run stage after stage in one process (pipeline/chain.py)
 COMMANDS = ("chain", "demo", "study")
-# stages with one writer and no rank split: under a launcher they run on global rank 0 only
-MAIN_ONLY = ("prepare", "publish", "pull", "convert-edm")
 
 EXIT_CONFIG = 2  # bad command line or config: nothing was written
 EXIT_DATA = 1  # the stage refused its input or failed cleanly
@@ -71,54 +48,20 @@ OS_HINTS = {
 }
 
 
-def stage_modules(stage: str):
-    """(config module, stage module) for a stage name."""
-    if stage not in STAGES:
-        raise ConfigError(f"unknown stage {stage!r}; choose one of: {', '.join(STAGES)}")
-    mod = STAGES[stage]
-    try:
-        cfg_mod = importlib.import_module(f"pipeline.configs.{mod}")
-        run_mod = importlib.import_module(f"stages.{mod}")
-    except ModuleNotFoundError as e:
-        if e.name in (f"pipeline.configs.{mod}", f"stages.{mod}"):
-            raise ConfigError(f"stage {stage!r} is not available in this version of semix") from e
-        raise
-    return cfg_mod, run_mod
+def run_command(command: str, preset: str, sets: Sequence[str]) -> None:
+    """chain / demo / study: whole runs of several stages (imported here, on demand)."""
+    if command == "chain":
+        from pipeline.chain import chain
 
+        chain(preset, sets)
+    elif command == "demo":
+        from pipeline.demo import run_demo
 
-def resolve_stage_config(stage: str, preset: str, sets: Sequence[str] = ()):
-    cfg_mod, _ = stage_modules(stage)
-    return resolve(cfg_mod.Config, cfg_mod.PRESETS, preset, sets)
+        run_demo(preset, sets)
+    else:
+        from pipeline.study import main as study
 
-
-def check_out(config) -> None:
-    """The run root must be a folder (or creatable as one): refuse out= naming a file up front."""
-    for path in (config.root, *config.root.parents):
-        if path.exists():
-            if not path.is_dir():
-                raise ConfigError(f"out={config.out}: {path} is a file, not a folder; set out=")
-            return
-
-
-def run_stage(stage: str, preset: str, sets: Sequence[str] = ()):
-    cfg_mod, run_mod = stage_modules(stage)
-    config = resolve(cfg_mod.Config, cfg_mod.PRESETS, preset, sets)
-    check_out(config)
-    check_launcher()
-    with cpu_threads(config.cpu_threads), hash_on_read(config.verify_sha256):
-        if launch_world() == 1:
-            return run_mod.run(config)
-        # torchrun / accelerate launch, any number of nodes: the ranks must agree on everything
-        # but where the root is mounted (`out`, checked by a file instead), code included
-        fields = {k: v for k, v in config.to_dict().items() if k != "out"}
-        fields["code_version"] = code_version()
-        return run_launched(
-            lambda: run_mod.run(config),
-            fields,
-            config.root,
-            device=getattr(config, "device", ""),
-            main_only=stage in MAIN_ONLY,
-        )
+        study(preset, sets)
 
 
 def _describe_fields(stage: str) -> str:

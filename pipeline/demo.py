@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipeline.chain import chain, split_sets
-from pipeline.cli import run_stage
-from pipeline.runtime import log
+from pipeline.core.runtime import log
+from pipeline.registry import run_stage
 
 SEEDS = (0, 1, 2)
 FROM_SCRATCH = ("ce", "csm", "fedlas-ls", "fedlas-mbls")  # train losses

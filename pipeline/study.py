@@ -20,9 +20,7 @@ to study/logs/<run>.log.
 from __future__ import annotations
 
 import functools
-import math
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -34,14 +32,15 @@ from typing import Any
 
 import numpy as np
 
-from models.simplex import num_lattice_points
 from models.study_stats import Predictions, bootstrap_difference, summarize
 from pipeline.chain import split_sets
-from pipeline.config import ConfigError, parse_sets
-from pipeline.runtime import derive_seed, log, progress
+from pipeline.core.config import ConfigError, parse_sets
+from pipeline.core.io import atomic_write_json
+from pipeline.core.runtime import derive_seed, log, progress
+from pipeline.registry import resolve_stage_config
+from pipeline.study_kway import kway_comparison, kway_root, prepare_kway
 from pipeline.study_report import figures, write_report
 from shards import evals
-from shards.io import atomic_write_json
 from shards.manifest import ShardError, read_manifest
 
 
@@ -135,62 +134,6 @@ class Task:
             + (list(extra) if i == last else [])
             for i, (stage, sets) in enumerate(self.steps)
         ]
-
-
-# ---------------------------------------------------------------- k-way mixed sets
-
-KWAY_LATTICE = 4  # m of the study's k-way sets: 15 images per 3-class series
-KWAY_UPSTREAM = ("real", "generator", "train/encoder")  # what a k-way chain shares with csm's
-
-
-def kway_root(root: Path, k: int) -> Path:
-    """runs/<classes>-k<k>/: the k-way chain's own root (generate and annotate always write
-    <root>/series and <root>/mixed, and the 2-way ones are csm's)."""
-    return root.with_name(f"{root.name}-k{k}")
-
-
-def link_complete(src: Path, dst: Path) -> None:
-    """Share a complete upstream folder with another root: hard links (a copy across
-    devices), built beside `dst` and renamed into place. Safe because semix never rewrites a
-    file in place (temp + rename), and the downstream stages check its digests as usual."""
-    if dst.exists() or not src.is_dir():
-        return
-
-    def link(a: str, b: str) -> None:
-        try:
-            os.link(a, b)
-        except OSError:
-            shutil.copy2(a, b)
-
-    tmp = dst.with_name(f".{dst.name}.linking")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(src, tmp, copy_function=link)
-    os.replace(tmp, dst)
-
-
-def prepare_kway(root: Path, k: int) -> list[str]:
-    """Before the k-way chain: share csm's real/, generator/ and encoder run (no second
-    prepare or fit), and size the k-way set to csm's number of generated images: lattice m =
-    KWAY_LATTICE, `tuples` x `series_per_tuple` series, `tuples` the largest divisor of the
-    series count that is at most C(n, k) so every tuple gets the same number of series."""
-    for rel in KWAY_UPSTREAM:
-        link_complete(root / rel, kway_root(root, k) / rel)
-    mixed = read_manifest(root / "mixed")
-    per_series = num_lattice_points(k, KWAY_LATTICE)
-    series = max(1, round(mixed.num_samples / per_series))
-    limit = min(series, math.comb(len(mixed.class_names), k))
-    tuples = max(d for d in range(1, limit + 1) if series % d == 0)
-    log.info(
-        "study: k=%d set of %d series x %d images (csm: %d images), %d tuples",
-        *(k, series, per_series, mixed.num_samples, tuples),
-    )
-    return [
-        f"generate.mix_classes={k}",
-        f"generate.lattice={KWAY_LATTICE}",
-        f"generate.tuples={tuples}",
-        f"generate.series_per_tuple={series // tuples}",
-    ]
 
 
 def _evaluated(folder: Path, criterion: str) -> bool:
@@ -337,26 +280,7 @@ def collect(cfg: StudyConfig, root: Path) -> list[dict[str, Any]]:
     return records
 
 
-def kway_comparison(
-    cfg: StudyConfig, root: Path, preds: dict, rng: np.random.Generator
-) -> dict[str, Any] | None:
-    """csm<k> against 2-way csm: the bootstrap of the ECE difference, and the number of
-    generated images each was given (they should match)."""
-    ks = sorted({METHODS[m].mix_classes for m in cfg.methods} - {2})
-    if not ks:
-        return None
-    folders = [root / "mixed", *(kway_root(root, k) / "mixed" for k in ks)]
-    methods = ["csm", *(m for m in cfg.methods if METHODS[m].mix_classes > 2)]
-    result: dict[str, Any] = {
-        "images": {f"{f.parent.name}/mixed": read_manifest(f).num_samples for f in folders}
-    }
-    for when, p in preds.items():
-        result[when] = bootstrap_difference({m: p[m] for m in methods}, "csm", cfg.bootstrap, rng)
-    return result
-
-
 def run_study(preset: str, sets: Sequence[str]) -> Path:
-    from pipeline.cli import resolve_stage_config
 
     # 0. Study fields (`study.key=value`), the run root, and the plan. Every run's config is
     #    resolved up front (the chain validates its own), so a misspelt field fails now, not an
@@ -392,7 +316,8 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
             )
     rng = np.random.default_rng(derive_seed(0, "study-bootstrap"))
     boot = {when: bootstrap_difference(p, "ce", cfg.bootstrap, rng) for when, p in preds.items()}
-    kway = kway_comparison(cfg, root, preds, rng)
+    k_methods = {m: METHODS[m].mix_classes for m in cfg.methods if METHODS[m].mix_classes > 2}
+    kway = kway_comparison(root, k_methods, preds, cfg.bootstrap, rng)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(
         out / "study.json",
@@ -410,3 +335,13 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
     figures(cfg, root, out, preds["before_ts"], summary)
     report = write_report(cfg, root, out, records, summary, boot, kway)
     return report
+
+
+def main(preset: str, sets: Sequence[str]) -> None:
+    """`python -m pipeline study`: run it, then print where the report is and its goal."""
+    report = run_study(preset, sets)
+    print(f"semix study: report in {report}")
+    text = report.read_text()
+    start = text.find("## The goal")
+    if start >= 0:
+        print(text[start:].split("\n## ", 1)[0])

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from models.study_stats import Predictions, softmax
-from pipeline.plots import error_bars, reliability_diagram
-from shards.io import atomic_write_bytes
+from pipeline.core.io import atomic_write_bytes
+from pipeline.core.plots import error_bars, reliability_diagram
 
 if TYPE_CHECKING:
     from pipeline.study import StudyConfig

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from shards.io import canonical_json, read_json
+from pipeline.core.io import canonical_json, read_json
 from shards.manifest import ShardError
 from shards.runs import load_safetensors
 

@@ -25,7 +25,7 @@ import numpy as np
 import webdataset as wds
 from PIL import Image
 
-from shards.io import atomic_write_json, canonical_json, read_json, sha256_file, tmp_path_for
+from pipeline.core.io import atomic_write_json, canonical_json, read_json, sha256_file, tmp_path_for
 from shards.manifest import (
     MANIFEST,
     Manifest,

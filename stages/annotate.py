@@ -25,9 +25,8 @@ from pathlib import Path
 import torch
 
 from models.annotation import ANNOTATORS
-from pipeline.configs.annotate import Config
-from pipeline.runtime import Processes, code_version, log, progress
-from shards.io import atomic_write_bytes, atomic_write_json, read_json, sha256_file
+from pipeline.core.io import atomic_write_bytes, atomic_write_json, read_json, sha256_file
+from pipeline.core.runtime import Processes, code_version, log, progress
 from shards.manifest import (
     MANIFEST,
     Manifest,
@@ -41,6 +40,7 @@ from shards.writer import DONE_DIR, ShardFolder, completed, write_config
 from stages.annotate_encoder import PROTOTYPES, build_encoder, ensure_prototypes, load_prototypes
 from stages.annotate_report import generator_fidelity, log_summary, report
 from stages.annotate_shards import annotate_shards
+from stages.configs.annotate import Config
 
 INPUTS = "inputs.json"  # in .done/: what the completed shards were computed from
 

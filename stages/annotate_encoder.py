@@ -23,12 +23,12 @@ from models.annotation import text_prototypes as encode_text_prototypes
 from models.classifiers import classifier_from_config
 from models.encoders import ImageEncoder
 from models.encoders import build_encoder as build_encoder_kind
-from pipeline.configs.annotate import ENCODER_KINDS, Config
-from pipeline.runtime import log, progress
-from shards.io import atomic_write_json, read_json, sha256_file, tmp_path_for
+from pipeline.core.io import atomic_write_json, read_json, sha256_file, tmp_path_for
+from pipeline.core.runtime import log, progress
 from shards.manifest import ShardError, manifest_digest, read_manifest
 from shards.reader import iter_folder
 from shards.runs import WEIGHTS, load_model
+from stages.configs.annotate import ENCODER_KINDS, Config
 
 PROTOTYPES = "prototypes.safetensors"
 PROTOTYPES_META = "prototypes.json"

@@ -13,14 +13,14 @@ from models.annotation import annotation_stats, fidelity_stats
 from models.classifiers import classifier_from_config
 from models.simplex import lattice_points, simplex_stats
 from models.training import collect_logits
-from pipeline.configs.annotate import Config
-from pipeline.plots import scatter, ternary
-from pipeline.runtime import log, make_generator
+from pipeline.core.io import atomic_write_json
+from pipeline.core.plots import scatter, ternary
+from pipeline.core.runtime import log, make_generator
 from shards.datasets import load_real
-from shards.io import atomic_write_json
 from shards.manifest import ShardError
 from shards.reader import iter_folder
 from shards.runs import load_model
+from stages.configs.annotate import Config
 
 PLOT_POINTS = 5000
 

@@ -14,10 +14,10 @@ import torch
 
 from models.annotation import annotate
 from models.simplex import annotate_simplex
-from pipeline.configs.annotate import Config
 from shards.manifest import ShardError, ShardRecord
 from shards.reader import decode_sample, read_raw_shard
 from shards.writer import ShardFolder
+from stages.configs.annotate import Config
 
 
 def load_series_shard(path: Path, rec: ShardRecord) -> tuple[list[dict], list[dict], np.ndarray]:

@@ -14,9 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from models.generators import EDMNetwork, convert_edm_pickle
-from pipeline.config import ConfigError
-from pipeline.configs.convert_edm import Config
-from pipeline.runtime import log
+from pipeline.core.config import ConfigError
+from pipeline.core.runtime import log
+from stages.configs.convert_edm import Config
 
 
 def run(cfg: Config) -> Path:

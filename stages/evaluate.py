@@ -41,18 +41,18 @@ from models.calibration import (
 )
 from models.finetuning import build_model
 from models.training import collect_logits
-from pipeline.configs.evaluate import Config
-from pipeline.plots import reliability_diagram
-from pipeline.runtime import Processes, code_version, log
-from shards import evals
-from shards.datasets import check_same_classes, load_real
-from shards.io import (
+from pipeline.core.io import (
     atomic_write_bytes,
     atomic_write_json,
 )
+from pipeline.core.plots import reliability_diagram
+from pipeline.core.runtime import Processes, code_version, log
+from shards import evals
+from shards.datasets import check_same_classes, load_real
 from shards.manifest import MANIFEST, ShardError, manifest_digest
 from shards.runs import META
 from shards.runs import load_model as load_run_model
+from stages.configs.evaluate import Config
 from stages.evaluate_report import ENSEMBLE, write_report
 
 RUN_STAGES = ("train", "finetune")

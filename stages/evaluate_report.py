@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.runtime import log
+from pipeline.core.io import atomic_write_bytes
+from pipeline.core.runtime import log
 from shards import evals
-from shards.io import atomic_write_bytes
 from shards.manifest import ShardError
 
 ENSEMBLE = "ensemble"

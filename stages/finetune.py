@@ -35,14 +35,14 @@ from models.finetuning import arch_with_head, build_model, require_separable_hea
 from models.heads import GATE_MODES, MaskedSGD, RetentionSchedule
 from models.objectives import Objective, TrainingModule, build_objective, maccal
 from models.training import collect_logits
-from pipeline.configs.finetune import Config
-from pipeline.plots import lines
-from pipeline.runtime import code_version, log, make_generator
+from pipeline.core.io import atomic_write_json
+from pipeline.core.plots import lines
+from pipeline.core.runtime import code_version, log, make_generator
 from shards.datasets import check_same_classes, load_real
-from shards.io import atomic_write_json
 from shards.manifest import manifest_digest
 from shards.runs import Run, read_run, run_complete
 from shards.writer import write_config
+from stages.configs.finetune import Config
 from stages.loop import (
     Data,
     LoopState,

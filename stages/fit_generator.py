@@ -33,14 +33,21 @@ from diffusers import DDPMScheduler, UNet2DModel
 from diffusers.training_utils import EMAModel
 
 from models.generators import UNET_PRESETS, SeriesSpec, load_generator, save_unet, unet_from_preset
-from pipeline.configs.fit_generator import Config
-from pipeline.plots import image_grid
-from pipeline.runtime import Processes, code_version, derive_seed, log, make_generator, progress
+from pipeline.core.io import sha256_file
+from pipeline.core.plots import image_grid
+from pipeline.core.runtime import (
+    Processes,
+    code_version,
+    derive_seed,
+    log,
+    make_generator,
+    progress,
+)
 from shards.checkpoints import LOAD_KWARGS, MARKER, Checkpointer
-from shards.io import sha256_file
 from shards.manifest import MANIFEST, Manifest, ShardError, manifest_digest, write_manifest
 from shards.reader import load_split
 from shards.writer import write_config
+from stages.configs.fit_generator import Config
 
 WEIGHTS = Path("unet") / "diffusion_pytorch_model.safetensors"
 CHECKPOINTS = "checkpoints"

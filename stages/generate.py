@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from pipeline.configs.generate import Config
-from pipeline.runtime import Processes, code_version, log, progress
+from pipeline.core.runtime import Processes, code_version, log, progress
 from shards.manifest import Manifest
 from shards.writer import ShardFolder, completed, write_config
+from stages.configs.generate import Config
 from stages.generate_model import (
     Generators,
     check_inputs,

@@ -24,10 +24,10 @@ from models.generators import (
     SeriesSpec,
     load_generator,
 )
-from pipeline.configs.generate import Config
-from pipeline.runtime import log
-from shards.io import sha256_file
+from pipeline.core.io import sha256_file
+from pipeline.core.runtime import log
 from shards.manifest import Manifest, ShardError, manifest_digest, read_manifest
+from stages.configs.generate import Config
 from stages.generate_plan import GenerationError
 
 UNET_WEIGHTS = Path("unet") / "diffusion_pytorch_model.safetensors"  # save_unet's layout

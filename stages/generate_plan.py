@@ -16,8 +16,8 @@ import torch
 
 from models.generators import MixSpec, SeriesSpec
 from models.simplex import ClassTuples, class_tuples, lattice_weights
-from pipeline.configs.generate import Config
-from pipeline.runtime import derive_seed, make_generator
+from pipeline.core.runtime import derive_seed, make_generator
+from stages.configs.generate import Config
 
 MAX_SHARD_IMAGES = 1000  # auto shard size: small enough to resume and to spread over GPUs
 

@@ -15,10 +15,10 @@ import numpy as np
 import torch
 
 from models.generators import SeriesSpec
-from pipeline.configs.generate import Config
-from pipeline.plots import image_grid
+from pipeline.core.plots import image_grid
 from shards.reader import iter_shard
 from shards.writer import ShardFolder
+from stages.configs.generate import Config
 from stages.generate_plan import Plan
 
 

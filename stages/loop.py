@@ -43,10 +43,10 @@ from models.training import (
     random_crop_flip,
     sample_csm_members,
 )
-from pipeline.runtime import code_version, log, make_generator, progress
+from pipeline.core.io import atomic_write_json
+from pipeline.core.runtime import code_version, log, make_generator, progress
 from shards.checkpoints import LOAD_KWARGS, Checkpointer
 from shards.datasets import RealSplit
-from shards.io import atomic_write_json
 from shards.manifest import ShardError
 from shards.runs import finish_run, write_weights
 

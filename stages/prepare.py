@@ -16,9 +16,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from pipeline.config import read_class_names
-from pipeline.configs.prepare import Config
-from pipeline.runtime import code_version, log, make_generator, progress
+from pipeline.core.config import read_class_names
+from pipeline.core.runtime import code_version, log, make_generator, progress
 from shards.image_folders import imagefolder_source, imagenet_source, tiny_imagenet_source
 from shards.manifest import ShardError
 from shards.sources import (
@@ -30,6 +29,7 @@ from shards.sources import (
     hf_source,
 )
 from shards.writer import ShardFolder, completed, write_config
+from stages.configs.prepare import Config
 
 
 def _cifar(variant: str):

@@ -13,15 +13,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.config import ConfigError
-from pipeline.configs.publish import Config
-from pipeline.runtime import code_version, log
+from pipeline.core.config import ConfigError
+from pipeline.core.io import read_json
+from pipeline.core.runtime import code_version, log
 from shards import hub
 from shards.card import build_card, license_for
 from shards.datasets import check_mixed_sample
-from shards.io import read_json
 from shards.manifest import ShardError, manifest_digest, verify_shards
 from shards.reader import iter_folder
+from stages.configs.publish import Config
 
 CARD_BANNER = f"--- {hub.CARD} (the dataset card, uploaded from memory) ---"
 

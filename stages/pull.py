@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.config import ConfigError
-from pipeline.configs.pull import Config
-from pipeline.runtime import log
+from pipeline.core.config import ConfigError
+from pipeline.core.runtime import log
 from shards import hub
+from stages.configs.pull import Config
 
 
 def run(cfg: Config) -> Path:

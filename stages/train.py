@@ -27,14 +27,14 @@ from models.classifiers import build_classifier
 from models.objectives import TrainingModule, build_objective
 from models.simplex import softmax_targets
 from models.training import SeriesIndex, channel_stats, interior_positions, multistep_lr
-from pipeline.configs.train import Config
-from pipeline.plots import lines
-from pipeline.runtime import code_version, derive_seed, log, make_generator
+from pipeline.core.io import atomic_write_json
+from pipeline.core.plots import lines
+from pipeline.core.runtime import code_version, derive_seed, log, make_generator
 from shards.datasets import RealSplit, check_same_classes, load_real, load_series_table
-from shards.io import atomic_write_json
 from shards.manifest import ShardError, manifest_digest, read_manifest
 from shards.runs import run_complete
 from shards.writer import write_config
+from stages.configs.train import Config
 from stages.loop import (
     Data,
     LoopState,

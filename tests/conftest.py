@@ -33,7 +33,7 @@ def digits_root(tmp_path_factory) -> Path:
 
     Read-only for tests: copy it (shutil.copytree) before writing next to it.
     """
-    from pipeline.cli import run_stage
+    from pipeline.registry import run_stage
 
     out = tmp_path_factory.mktemp("runs")
     run_stage("prepare", "digits", [f"out={out}"])
@@ -45,7 +45,7 @@ def one_thread():
     """One torch thread for a module (opt in with `pytestmark = pytest.mark.usefixtures(...)`):
     on a shared 2-core machine OpenMP's second thread makes tiny CPU kernels much slower, and
     CPU bytes can depend on the thread count."""
-    from pipeline.runtime import cpu_threads
+    from pipeline.core.runtime import cpu_threads
 
     with cpu_threads(1):
         yield

@@ -20,8 +20,9 @@ from conftest import snapshot
 from test_train import write_mixed
 
 import shards.writer
-from pipeline.cli import main, run_stage
-from shards.io import sha256_file
+from pipeline.cli import main
+from pipeline.core.io import sha256_file
+from pipeline.registry import run_stage
 from shards.manifest import read_manifest
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -188,8 +189,8 @@ def _fake_generator(root: Path) -> Path:
     import torch
 
     from models.generators import save_unet, unet_from_preset
-    from pipeline.configs.fit_generator import Config
     from shards.manifest import Manifest, manifest_digest, write_manifest
+    from stages.configs.fit_generator import Config
     from stages.fit_generator import WEIGHTS, noise_scheduler
 
     folder = root / "generator"

@@ -6,8 +6,9 @@ import pytest
 import torch
 from conftest import subprocess_env
 
-from pipeline.cli import main, resolve_stage_config
-from pipeline.runtime import derive_seed, make_generator
+from pipeline.cli import main
+from pipeline.core.runtime import derive_seed, make_generator
+from pipeline.registry import resolve_stage_config
 
 
 def test_preset_and_sets_resolve_in_order():
@@ -69,7 +70,7 @@ def test_derived_seeds_are_the_same_in_another_process_and_key_sensitive(tmp_pat
     """Stable across processes: another interpreter with another str-hash seed (which would
     change anything built on hash()) derives the same seeds."""
     code = (
-        "import json, sys; from pipeline.runtime import derive_seed; "
+        "import json, sys; from pipeline.core.runtime import derive_seed; "
         "print(json.dumps([derive_seed(*k) for k in json.loads(sys.argv[1])]))"
     )
     env = subprocess_env() | {"PYTHONHASHSEED": "12345"}

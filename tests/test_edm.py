@@ -30,8 +30,9 @@ from models.generators import (
 )
 from models.generators.edm import karras_sigmas
 from models.generators.edm_pickle import load_edm_pickle
-from pipeline.cli import main, resolve_stage_config, run_stage
-from pipeline.config import ConfigError
+from pipeline.cli import main
+from pipeline.core.config import ConfigError
+from pipeline.registry import resolve_stage_config, run_stage
 from shards.reader import iter_shard
 from shards.writer import ShardFolder
 

@@ -16,8 +16,9 @@ from conftest import snapshot
 from torchmetrics.classification import MulticlassCalibrationError
 
 from models.classifiers import build_classifier
-from pipeline.cli import main, run_stage
-from shards.io import atomic_write_json
+from pipeline.cli import main
+from pipeline.core.io import atomic_write_json
+from pipeline.registry import run_stage
 from shards.manifest import read_manifest
 from shards.runs import save_weights
 from shards.writer import ShardFolder

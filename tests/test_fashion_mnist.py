@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import shards.sources as sources
-from pipeline.cli import main, run_stage
+from pipeline.cli import main
+from pipeline.registry import run_stage
 from shards.manifest import ShardError
 from shards.reader import load_split
 from shards.sources import DEBIAN_FASHION_MNIST, FASHION_MNIST_CLASSES, idx_source, read_idx

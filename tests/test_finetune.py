@@ -18,7 +18,8 @@ from models.classifiers import CLASSIFIERS, Classifier, build_classifier
 from models.finetuning import GateTracker, arch_with_head, build_model
 from models.heads import MaskedBottleneckHead
 from models.training import collect_logits
-from pipeline.cli import main, run_stage
+from pipeline.cli import main
+from pipeline.registry import run_stage
 from shards.manifest import ShardError, manifest_digest, read_manifest
 from shards.reader import load_split
 from shards.runs import load_weights, save_weights

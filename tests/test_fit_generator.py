@@ -16,8 +16,9 @@ from safetensors.torch import load_file
 
 import stages.fit_generator as fit
 from models.generators import SeriesSpec, load_generator
-from pipeline.cli import main, run_stage
-from shards.io import sha256_file
+from pipeline.cli import main
+from pipeline.core.io import sha256_file
+from pipeline.registry import run_stage
 from shards.manifest import manifest_digest, read_manifest
 
 QUICK = ["steps=4", "batch_size=16", "checkpoint_every=2", "samples_per_class=2", "sample_steps=2"]

@@ -34,9 +34,10 @@ from PIL import Image
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
 from models.generators import NonFiniteImageError, SeriesSpec, build_unet, load_generator, save_unet
-from pipeline.cli import main, resolve_stage_config, run_stage
-from pipeline.runtime import cpu_threads, derive_seed
-from shards.io import sha256_file
+from pipeline.cli import main
+from pipeline.core.io import sha256_file
+from pipeline.core.runtime import cpu_threads, derive_seed
+from pipeline.registry import resolve_stage_config, run_stage
 from shards.manifest import Manifest, manifest_digest, read_manifest, write_manifest
 from shards.reader import load_split
 from stages.generate import GenerationError, Generators, make_plan, sample_series
@@ -130,7 +131,7 @@ def test_plans_number_their_class_tuples():
     from itertools import combinations
 
     from models.simplex import ClassTuples, rank_tuple
-    from pipeline.runtime import make_generator
+    from pipeline.core.runtime import make_generator
 
     g = torch.Generator().manual_seed(0)
     for n, k in ((1000, 2), (60, 3), (12, 5)):

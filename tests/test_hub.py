@@ -23,9 +23,9 @@ from PIL import Image
 from safetensors.numpy import save_file
 
 from pipeline.cli import main
-from pipeline.runtime import code_version
+from pipeline.core.io import atomic_write_json
+from pipeline.core.runtime import code_version
 from shards import card
-from shards.io import atomic_write_json
 from shards.manifest import MANIFEST
 from shards.reader import load_split
 from shards.writer import ShardFolder, write_config

@@ -19,9 +19,9 @@ from test_generate import _save_dit, _save_sd
 
 from models.classifiers import build_classifier
 from models.generators import SeriesSpec, build_unet, load_generator, save_unet
-from pipeline.cli import run_stage
-from pipeline.runtime import cpu_threads
-from shards.io import sha256_file
+from pipeline.core.io import sha256_file
+from pipeline.core.runtime import cpu_threads
+from pipeline.registry import run_stage
 from shards.manifest import Manifest, manifest_digest, read_manifest, write_manifest
 from shards.reader import load_split
 from shards.runs import save_weights
@@ -181,7 +181,7 @@ K3 = ["mix_classes=3", "lattice=2", "steps=2", "limit=6", "series_per_shard=1"] 
 
 
 def test_k3_plan_walks_tuples_and_lattice():
-    from pipeline.cli import resolve_stage_config
+    from pipeline.registry import resolve_stage_config
     from stages.generate import make_plan
 
     cfg = resolve_stage_config("generate", "digits", ["mix_classes=3", "lattice=2", "series_per_tuple=2"])  # fmt: skip
@@ -209,8 +209,8 @@ def test_k3_plan_walks_tuples_and_lattice():
     ],
 )
 def test_contradictory_kway_settings_are_one_line_errors(sets, message):
-    from pipeline.cli import resolve_stage_config
-    from pipeline.config import ConfigError
+    from pipeline.core.config import ConfigError
+    from pipeline.registry import resolve_stage_config
 
     with pytest.raises(ConfigError, match=message):
         resolve_stage_config("generate", "digits", sets)

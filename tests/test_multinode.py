@@ -30,9 +30,10 @@ from conftest import subprocess_env
 from diffusers import DDPMScheduler
 
 from models.generators import build_unet, save_unet
-from pipeline.cli import main, run_stage
-from pipeline.runtime import LaunchError, check_launcher, cpu_threads, disagreement
-from shards.io import sha256_file
+from pipeline.cli import main
+from pipeline.core.io import sha256_file
+from pipeline.core.runtime import LaunchError, check_launcher, cpu_threads, disagreement
+from pipeline.registry import run_stage
 from shards.manifest import Manifest, manifest_digest, read_manifest, write_manifest
 
 # 24 series of K = 4 in 12 shards (6 per rank); 8 rows per shard = one padded model call

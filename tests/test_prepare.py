@@ -12,7 +12,8 @@ import pytest
 from conftest import subprocess_env
 from PIL import Image
 
-from pipeline.cli import main, run_stage
+from pipeline.cli import main
+from pipeline.registry import run_stage
 from shards.manifest import ShardError, read_manifest
 from shards.reader import load_split
 
@@ -348,7 +349,7 @@ def test_imagenet_without_data_is_one_line(tmp_path, capsys):
 
 def test_imagenet_preset_resolves_for_every_stage():
     """Config level (no data, no weights): every stage takes the preset; what it sets."""
-    from pipeline.cli import STAGES, resolve_stage_config
+    from pipeline.registry import STAGES, resolve_stage_config
 
     configs = {
         stage: resolve_stage_config(stage, "imagenet", ["run=r"] if stage == "finetune" else [])

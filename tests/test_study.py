@@ -10,7 +10,7 @@ import torch
 
 from models.calibration import ece
 from models.study_stats import Predictions, bootstrap_difference
-from pipeline.config import ConfigError
+from pipeline.core.config import ConfigError
 from pipeline.study import StudyConfig, plan, run_name, run_study
 from shards import evals
 
@@ -188,7 +188,7 @@ def test_kway_set_gets_the_image_budget_of_csm(tmp_path, images, classes, tuples
     image count / 15, every tuple the same number of series, at most C(n, 3) tuples."""
     from math import comb
 
-    from pipeline.study import KWAY_LATTICE, prepare_kway
+    from pipeline.study_kway import KWAY_LATTICE, prepare_kway
 
     root = tmp_path / "digits"
     _mixed_manifest(root / "mixed", images, classes)
@@ -200,7 +200,7 @@ def test_kway_set_gets_the_image_budget_of_csm(tmp_path, images, classes, tuples
 
 
 def test_kway_chain_shares_complete_upstream_folders_by_link(tmp_path):
-    from pipeline.study import kway_root, prepare_kway
+    from pipeline.study_kway import kway_root, prepare_kway
 
     root = tmp_path / "digits"
     _mixed_manifest(root / "mixed", 2160)

@@ -19,16 +19,17 @@ from models.calibration import ece, nll, topk_accuracy
 from models.classifiers import classifier_from_config
 from models.objectives import build_objective
 from models.training import collect_logits
-from pipeline.cli import main, resolve_stage_config, run_stage
-from pipeline.configs.train import LOSS_FIELDS
-from pipeline.runtime import make_generator
+from pipeline.cli import main
+from pipeline.core.io import sha256_file
+from pipeline.core.runtime import make_generator
+from pipeline.registry import resolve_stage_config, run_stage
 from shards.datasets import load_series_table
-from shards.io import sha256_file
 from shards.manifest import manifest_digest, read_manifest
 from shards.reader import load_split
 from shards.runs import load_model
 from shards.writer import ShardFolder
 from stages import train as train_stage
+from stages.configs.train import LOSS_FIELDS
 from stages.loop import Data, Recipe, make_batch
 
 K = 4  # members per series in the test mixed/ folder

@@ -21,7 +21,7 @@ from models.training import (
     random_crop_flip,
     sample_csm_members,
 )
-from pipeline.configs.train import LOSS_FIELDS
+from stages.configs.train import LOSS_FIELDS
 
 
 def gen(seed: int = 0) -> torch.Generator:

@@ -155,9 +155,20 @@ class ImageEncoder:
         return torch.cat(out).cpu()  # one device->host copy, after all batches are queued
 
     def encode_text(self, prompts: Sequence[str]) -> Tensor:
-        from models.encoders import ENCODERS  # the registry sits on top of the encoders
-
         raise ValueError(
             f"encoder '{self.identity.get('kind')}' has no text tower; text prototypes need "
-            f"one of: {sorted(k for k, c in ENCODERS.items() if c.has_text)}"
+            f"one of: {text_kinds()}"
         )
+
+
+def text_kinds() -> list[str]:
+    """The encoder kinds with a text tower, from the subclasses themselves (the registry in
+    models.encoders is built from the same classes; asking it from here would be an import
+    cycle)."""
+    found, todo = set(), [ImageEncoder]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        if getattr(cls, "kind", "") and getattr(cls, "has_text", False):
+            found.add(cls.kind)
+    return sorted(found)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.config import StageConfig
+from pipeline.core.config import StageConfig
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.calibration import TS_CRITERIA
-from pipeline.config import ConfigError, StageConfig, check_choice, check_range
+from pipeline.core.config import ConfigError, StageConfig, check_choice, check_range
 
 STAGE_DIRS = ("", "train", "finetune")  # "": look in train/ first, then finetune/
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.config import StageConfig
-from pipeline.configs.publish import check_repo
+from pipeline.core.config import StageConfig
+from stages.configs.publish import check_repo
 
 
 @dataclass(frozen=True)

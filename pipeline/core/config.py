@@ -1,6 +1,6 @@
 """Typed stage configs, named presets and `--set key=value` overrides.
 
-Each stage has one frozen dataclass in `pipeline/configs/<stage>.py` deriving from
+Each stage has one frozen dataclass in `stages/configs/<stage>.py` deriving from
 `StageConfig`, plus a `PRESETS` dict mapping a preset name to the field values that
 differ from the dataclass defaults. Resolution order: dataclass defaults < preset <
 `--set`. A preset may hold `when={"field=value": {...}}`: values that apply only when the field

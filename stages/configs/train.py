@@ -15,7 +15,7 @@ from typing import Any
 from models.classifiers import CLASSIFIERS, TIMM_PREFIX
 from models.heads import FEDLAS_DEFAULTS
 from models.objectives import MIXED_LOSSES
-from pipeline.config import ConfigError, StageConfig, check_choice, check_range
+from pipeline.core.config import ConfigError, StageConfig, check_choice, check_range
 
 # loss -> {objective parameter: config field}
 LOSS_FIELDS: dict[str, dict[str, str]] = {

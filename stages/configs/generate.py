@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from models.generators import EDM_SAMPLERS, GENERATORS, SAMPLERS
-from pipeline.config import ConfigError, StageConfig, check_choice, check_range
+from pipeline.core.config import ConfigError, StageConfig, check_choice, check_range
 
 DTYPES = ("", "float32", "bfloat16", "float16")  # "" = float32 on the CPU, bfloat16 on a GPU
 

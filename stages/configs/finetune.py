@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from models.heads import FEDLAS_DEFAULTS
-from pipeline.config import ConfigError, StageConfig, check_choice, check_range
-from pipeline.configs.train import LOSS_FIELDS, NOT_RECORDED, PRECISIONS, fedlas_fields
+from pipeline.core.config import ConfigError, StageConfig, check_choice, check_range
+from stages.configs.train import LOSS_FIELDS, NOT_RECORDED, PRECISIONS, fedlas_fields
 
 METHODS = ("maccal", "fedlas-ls", "fedlas-mbls")
 # method -> {FeDLaSCriterion parameter: config field}; the same field names as the train stage

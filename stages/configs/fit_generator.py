@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.generators import UNET_PRESETS
-from pipeline.config import StageConfig, check_choice, check_range
+from pipeline.core.config import StageConfig, check_choice, check_range
 
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 MIXED_PRECISION = ("no", "bf16", "fp16")
