@@ -150,6 +150,12 @@ def snapshot(root: Path) -> dict[str, tuple[int, bytes]]:
 # ---------------------------------------------------------------- kill and rerun
 
 
+def shards_done(folder: Path, at_least: int):
+    """A kill_when condition: `folder` has at least this many complete shards (.done records)."""
+    done = Path(folder) / ".done"
+    return lambda: done.is_dir() and len(list(done.glob("*.json"))) >= at_least
+
+
 def kill_when(cmd: list[str], ready, *, cwd=None, env=None, timeout: float = 300.0) -> None:
     """Run `cmd` in its own session and SIGKILL its whole process group (torchrun ranks
     included) the moment `ready()` holds: what an OOM kill or a lost machine leaves behind.

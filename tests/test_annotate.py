@@ -9,18 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import snapshot, subprocess_env, tiny_openclip
+from conftest import kill_when, shards_done, snapshot, subprocess_env, tiny_openclip
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file
 
@@ -377,15 +374,9 @@ def test_two_processes_write_the_same_bytes(reference, source_root, tmp_path):
 def test_kill_and_rerun_is_byte_identical(reference, source_root, tmp_path):
     cwd = _workdir(source_root, tmp_path)
     env = _env()
-    proc = subprocess.Popen(
-        _cmd(sys.executable), cwd=cwd, env=env, stderr=subprocess.DEVNULL, start_new_session=True
+    kill_when(
+        _cmd(sys.executable), shards_done(cwd / "runs" / "digits" / "mixed", 3), cwd=cwd, env=env
     )
-    done = cwd / "runs" / "digits" / "mixed" / ".done"
-    deadline = time.time() + 120
-    while time.time() < deadline and len(list(done.glob("mixed-*.json"))) < 3:
-        time.sleep(0.002)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
     mixed = cwd / "runs" / "digits" / "mixed"
     assert not (mixed / "manifest.json").exists(), "the kill came too late to test resume"
     subprocess.run(_cmd(sys.executable), cwd=cwd, env=env, check=True, capture_output=True)

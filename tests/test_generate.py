@@ -9,18 +9,15 @@ it), so every run compared here uses one thread per process, as torchrun sets by
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import string
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import snapshot, subprocess_env, tiny_vae
+from conftest import kill_when, shards_done, snapshot, subprocess_env, tiny_vae
 from diffusers import (
     DDIMScheduler,
     DDPMScheduler,
@@ -238,13 +235,8 @@ def test_two_processes_byte_identical(src, reference, tmp_path):
 def test_kill_and_rerun_is_byte_identical(src, reference, tmp_path):
     _runs(src, tmp_path / "runs")
     env = subprocess_env() | {"OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(_generate_cmd(), cwd=tmp_path, env=env, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
-    done = tmp_path / "runs" / "digits" / "series" / ".done"
-    deadline = time.time() + 120
-    while time.time() < deadline and (not done.is_dir() or len(list(done.iterdir())) < 3):
-        time.sleep(0.005)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    series = tmp_path / "runs" / "digits" / "series"
+    kill_when(_generate_cmd(), shards_done(series, 3), cwd=tmp_path, env=env)
     series = tmp_path / "runs" / "digits" / "series"
     assert not (series / "manifest.json").exists(), "the kill came too late to test resume"
     subprocess.run(_generate_cmd(), cwd=tmp_path, env=env, check=True, capture_output=True)

@@ -448,8 +448,8 @@ def _subprocess(stage: str, cwd: Path, *launcher: str, sets=K3, popen: bool = Fa
 
     cmd = [sys.executable, *launcher, "-m", "pipeline", stage, "--set", "out=runs", *sets]
     env = subprocess_env() | {"OMP_NUM_THREADS": "1"}
-    if popen:
-        return subprocess.Popen(cmd, cwd=cwd, env=env, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    if popen:  # for conftest.kill_when
+        return cmd
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc
@@ -475,18 +475,11 @@ def test_k3_two_processes_byte_identical(kway_src, k3_reference, tmp_path):
 
 
 def test_k3_kill_and_rerun_is_byte_identical(kway_src, k3_reference, tmp_path):
-    import os
-    import signal
-    import time
+    from conftest import kill_when, shards_done
 
     _copy(kway_src, tmp_path / "runs")
-    proc = _subprocess("generate", tmp_path, popen=True)
-    done = tmp_path / "runs" / "digits" / "series" / ".done"
-    deadline = time.time() + 300
-    while time.time() < deadline and (not done.is_dir() or len(list(done.iterdir())) < 2):
-        time.sleep(0.005)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    cmd = _subprocess("generate", tmp_path, popen=True)  # the command, run by the harness
+    kill_when(cmd, shards_done(tmp_path / "runs" / "digits" / "series", 2), cwd=tmp_path)
     series = tmp_path / "runs" / "digits" / "series"
     assert not (series / "manifest.json").exists(), "the kill came too late to test resume"
     _subprocess("generate", tmp_path)

@@ -1,15 +1,12 @@
-import os
 import pickle
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
-import time
 
 import numpy as np
 import pytest
-from conftest import subprocess_env
+from conftest import kill_when, shards_done, subprocess_env
 from PIL import Image
 
 from pipeline.cli import main
@@ -200,19 +197,8 @@ def test_kill_and_rerun_is_byte_identical(tmp_path):
     env = subprocess_env()
     subprocess.run(_prepare_cmd(), cwd=tmp_path / "a", env=env, check=True, capture_output=True)
     # Start the same run, SIGKILL it once a few shards are complete.
-    proc = subprocess.Popen(
-        _prepare_cmd(),
-        cwd=tmp_path / "b",
-        env=env,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    done = tmp_path / "b" / "runs" / "digits" / "real" / "train" / ".done"
-    deadline = time.time() + 120
-    while time.time() < deadline and (not done.is_dir() or len(list(done.iterdir())) < 5):
-        time.sleep(0.005)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    train_b = tmp_path / "b" / "runs" / "digits" / "real" / "train"
+    kill_when(_prepare_cmd(), shards_done(train_b, 5), cwd=tmp_path / "b", env=env)
     real_b = tmp_path / "b" / "runs" / "digits" / "real"
     assert not (real_b / "test" / "manifest.json").exists(), "the kill came too late to test resume"
     with pytest.raises(ShardError, match="incomplete|does not exist"):
