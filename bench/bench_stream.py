@@ -1,0 +1,252 @@
+"""Streaming data path vs in-memory path: step rate and memory peak, same data, model and draws.
+
+One synthetic CIFAR-size set (real/train + a CSM mixed/ folder, 32x32, shards as prepare and
+annotate write them) is trained on for a few steps by a minimal loop built from the train
+stage's pieces (`epoch_batches`, `sample_csm_members`, `random_crop_flip`, `normalize`,
+`csm_targets`, the CSM objective), once per data path, each in a fresh process so that its
+peak RSS (VmHWM; DataLoader workers: RUSAGE_CHILDREN) is its own. Goal: streamed/in-memory
+step rate >= 0.9. tests/test_stream.py runs the same loop to prove both paths train alike.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from models.classifiers import build_classifier
+from models.training import (
+    SeriesIndex,
+    TrainingModule,
+    build_objective,
+    channel_stats,
+    csm_targets,
+    epoch_batches,
+    normalize,
+    random_crop_flip,
+    sample_csm_members,
+)
+from pipeline.runtime import derive_seed, make_generator
+from shards.datasets import RealSplit, SeriesTable, load_real, load_series_table
+from shards.prefetch import StepPlan, pixel_batches
+from shards.store import open_real, open_series_table
+from shards.writer import ShardFolder, encode_png
+
+CLASSES = 10
+
+
+# ---------------------------------------------------------------- data
+
+
+def smooth_images(n: int, size: int, seed: int) -> np.ndarray:
+    """uint8 [n, size, size, 3]: upsampled noise, which compresses like photos."""
+    g = torch.Generator().manual_seed(seed)
+    low = torch.randint(0, 256, (n, 3, 8, 8), generator=g).float()
+    up = torch.nn.functional.interpolate(low, size=(size, size), mode="bilinear")
+    return up.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+
+
+def write_dataset(
+    root: Path, n_real: int, n_series: int, members: int, size: int, per_shard: int
+) -> Path:
+    """root/real/train and root/mixed: `n_real` images, `n_series` 2-way series of `members`
+    (pairs (c, c+1 mod 10)), at most `per_shard` samples a shard. At most 1024 distinct
+    images, their PNG bytes reused: what is decoded per step is the same, the writing fast."""
+    distinct = [encode_png(im) for im in smooth_images(min(1024, n_real), size, 0)]
+    names = [f"c{c}" for c in range(CLASSES)]
+
+    def write(folder: ShardFolder, samples: list[dict], kind: str, info: dict) -> None:
+        chunks = [samples[i : i + per_shard] for i in range(0, len(samples), per_shard)]
+        for k, chunk in enumerate(chunks):
+            folder.write(k, chunk)
+        folder.finish(len(chunks), kind=kind, class_names=names, info=info)
+
+    real = [
+        {"__key__": f"train_{i:07d}", "png": distinct[i % len(distinct)], "cls": i % CLASSES}
+        for i in range(n_real)
+    ]
+    write(ShardFolder(root / "real" / "train", "train"), real, "real", {"image_size": size})
+    alphas = [k / (members - 1) for k in range(members)]
+    mixed = []
+    for sid in range(n_series):
+        a, b = sorted((sid % CLASSES, (sid + 1) % CLASSES))
+        for k, alpha in enumerate(alphas):
+            lam = alpha + 0.05 * np.sin(sid + k)
+            t_a = float(1 / (1 + np.exp(-4.0 * (lam - 0.5))))
+            meta = {"series": sid, "position": k, "classes": [a, b], "names": [names[a], names[b]],
+                    "alpha": alpha, "seed": sid, "lambda_hat": lam, "soft": [t_a, 1 - t_a]}  # fmt: skip
+            png = distinct[(sid * members + k) % len(distinct)]
+            mixed.append({"__key__": f"s{sid:07d}_{k:02d}", "png": png, "cls": a, "json": meta})
+    info = {"alphas": alphas, "image_size": size}
+    write(ShardFolder(root / "mixed", "mixed"), mixed, "mixed", info)
+    return root
+
+
+def open_data(root: Path, path: str, csm: bool) -> tuple[RealSplit, SeriesTable | None]:
+    """real/train (+ mixed/ for CSM) through the in-memory or the streaming path."""
+    if path == "memory":
+        train = load_real(root / "real" / "train")
+        table = load_series_table(root / "mixed", train.class_names) if csm else None
+    else:
+        train = open_real(root / "real" / "train")
+        table = open_series_table(root / "mixed", train.class_names) if csm else None
+    return train, table
+
+
+# ---------------------------------------------------------------- the minimal loop
+
+
+def plan_epoch(
+    seed: int, epoch: int, labels: torch.Tensor, batch_size: int, table: SeriesTable | None
+) -> list[StepPlan]:
+    """The epoch's steps, drawn as the train stage draws them: the order from
+    (seed, epoch, "order"), CSM members from (seed, epoch, "objective"), step after step."""
+    order = make_generator(seed, "train", "epoch", epoch, "order")
+    extra = make_generator(seed, "train", "epoch", epoch, "objective")
+    index = SeriesIndex(table.classes, CLASSES) if table is not None else None
+    plans = []
+    for idx in epoch_batches(len(labels), batch_size, order, 2):
+        if table is None:
+            plans.append(StepPlan(idx))
+            continue
+        series, pos = sample_csm_members(labels[idx], index, table.soft, extra, check=False)
+        plans.append(StepPlan(idx, series, pos))
+    return plans
+
+
+def build_module(model: str, csm: bool, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(seed, "train", "init"))
+        net = build_classifier(model, CLASSES, 3)
+    module = TrainingModule(net, build_objective("csm" if csm else "ce", CLASSES))
+    return module, torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+
+
+def train_steps(
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train: RealSplit,
+    table: SeriesTable | None,
+    *,
+    seed: int = 0,
+    epoch: int = 0,
+    batch_size: int = 32,
+    steps: int | None = None,
+    workers: int = 2,
+    stats: tuple[list[float], list[float]] | None = None,
+) -> list[float]:
+    """`steps` steps (all of the epoch if None) of the train stage's step on either data path
+    (make_batch with one process); returns the losses."""
+    mean, std = stats or channel_stats(train.images, 3)
+    plans = plan_epoch(seed, epoch, train.labels, batch_size, table)[:steps]
+    augment = make_generator(seed, "train", "epoch", epoch, "augment")
+    series = table.images if table is not None else None
+    losses = []
+    module.train()
+    for plan, px in zip(plans, pixel_batches(plans, train.images, series, workers=workers)):
+        batch: dict[str, Any] = {
+            "x": normalize(random_crop_flip(px.real, augment, 4, True), mean, std),
+            "y": train.labels[plan.idx],
+        }
+        if px.syn is not None:
+            batch["x_syn"] = normalize(random_crop_flip(px.syn, augment, 4, True), mean, std)
+            batch["t_syn"] = csm_targets(
+                table.classes[plan.series].flatten(0, 1),
+                table.soft[plan.series, plan.pos].flatten(0, 1),
+                CLASSES,
+            )
+        optimizer.zero_grad(set_to_none=True)
+        loss, _ = module(**batch)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+# ---------------------------------------------------------------- one measured process
+
+
+def peak_rss() -> dict[str, float]:
+    """MB: this process' peak resident set (VmHWM), and the largest reaped child's (workers)."""
+    status = Path("/proc/self/status").read_text()
+    hwm = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM"))
+    child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # kB on Linux
+    return {"main_mb": hwm / 1024, "worker_mb": child / 1024}
+
+
+def child(root: str, path: str, loss: str, model: str, steps: int, batch: int, workers: int):
+    """Entry point of one measured process: prints a JSON line."""
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    train, table = open_data(Path(root), path, loss == "csm")
+    stats = channel_stats(train.images[:4096], 3)  # a fixed subset: same stats, cheap
+    open_s = time.perf_counter() - t0
+    module, optimizer = build_module(model, loss == "csm", 0)
+    kwargs = dict(batch_size=batch, workers=workers, stats=stats)
+    train_steps(module, optimizer, train, table, steps=2, epoch=99, **kwargs)  # warm-up
+    t0 = time.perf_counter()
+    losses = train_steps(module, optimizer, train, table, steps=steps, **kwargs)
+    seconds = time.perf_counter() - t0
+    out = {"open_s": open_s, "img_s": steps * batch / seconds, "losses": losses, **peak_rss()}
+    print(json.dumps(out), flush=True)
+
+
+def measure(root: Path, path: str, loss: str, model: str, steps: int, batch: int, workers: int):
+    cmd = [sys.executable, "-m", "bench.bench_stream", str(root), path, loss, model]
+    cmd += [str(steps), str(batch), str(workers)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run() -> dict:
+    n_real, n_series, members, size, steps, batch = 50_000, 1_000, 11, 32, 12, 32
+    tmp = Path(tempfile.mkdtemp(prefix="semix-bench-stream-"))
+    rows, notes = [], []
+    try:
+        write_dataset(tmp, n_real, n_series, members, size, per_shard=2_000)
+        decoded = (n_real + n_series * members) * size * size * 3 / 2**20
+        for loss in ("ce", "csm"):
+            best: dict[str, dict] = {}
+            for _ in range(2):  # interleaved, best of 2: the machine is shared
+                for path, workers in (("memory", 0), ("stream", 1), ("stream", 0)):
+                    key = f"{path}, {workers} workers" if path == "stream" else path
+                    r = measure(tmp, path, loss, "resnet18", steps, batch, workers)
+                    if key not in best or r["img_s"] > best[key]["img_s"]:
+                        best[key] = r
+            ref = best["memory"]
+            for key, r in best.items():
+                rows.append({
+                    "loss": loss, "data path": key, "img/s": f"{r['img_s']:.1f}",
+                    "ratio vs memory": f"{r['img_s'] / ref['img_s']:.2f}",
+                    "open/load (s)": f"{r['open_s']:.1f}",
+                    "peak RSS main (MB)": f"{r['main_mb']:.0f}",
+                    "peak RSS worker (MB)": f"{r['worker_mb']:.0f}" if "0 w" not in key else "",
+                    "same losses": "yes" if r["losses"] == ref["losses"] else "NO",
+                })  # fmt: skip
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    notes += [
+        f"Data: {n_real:,} real + {n_series:,} series x {members} mixed images, {size}x{size} "
+        f"RGB PNG in 2,000-sample shards ({decoded:.0f} MiB decoded); ResNet-18 (CIFAR stem), "
+        f"batch {batch} real (+ {2 * batch} synthetic for csm), SGD, one torch thread.",
+        f"Each row: a fresh process (open or load the data, 2 warm-up steps, {steps} timed "
+        "steps), best of 2 interleaved runs; peak RSS = VmHWM of the training process and the "
+        "largest DataLoader worker's maxrss. `same losses`: bit-identical to the memory row.",
+    ]
+    return {"title": "Streaming data path vs in-memory", "rows": rows, "notes": notes}
+
+
+if __name__ == "__main__":
+    root, path, loss, model, steps, batch, workers = sys.argv[1:8]
+    child(root, path, loss, model, int(steps), int(batch), int(workers))
