@@ -121,7 +121,7 @@ def choose_data_path(
     device: str | torch.device = "cpu",
     local_processes: int | None = None,
 ) -> DataPathChoice:
-    """"memory" or "stream" for reading `folders` (every folder the stage would hold in
+    """The path, "memory" or "stream", for reading `folders` (every folder the stage would hold in
     memory). `auto` streams when their decoded size exceeds the budget (`budget_gb` > 0, else
     `default_budget`). Reads only manifests (and a PNG header where a manifest has no size)."""
     if choice not in DATA_PATHS:
