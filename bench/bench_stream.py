@@ -10,12 +10,13 @@ step rate >= 0.9. tests/test_stream.py runs the same loop to prove both paths tr
 
 from __future__ import annotations
 
+import contextlib
 import json
-import resource
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -56,12 +57,18 @@ def smooth_images(n: int, size: int, seed: int) -> np.ndarray:
 
 
 def write_dataset(
-    root: Path, n_real: int, n_series: int, members: int, size: int, per_shard: int
+    root: Path,
+    n_real: int,
+    n_series: int,
+    members: int,
+    size: int,
+    per_shard: int,
+    distinct: int = 1024,
 ) -> Path:
     """root/real/train and root/mixed: `n_real` images, `n_series` 2-way series of `members`
-    (pairs (c, c+1 mod 10)), at most `per_shard` samples a shard. At most 1024 distinct
-    images, their PNG bytes reused: what is decoded per step is the same, the writing fast."""
-    distinct = [encode_png(im) for im in smooth_images(min(1024, n_real), size, 0)]
+    (pairs (c, c+1 mod 10)), at most `per_shard` samples a shard. At most `distinct` distinct
+    images, their PNG bytes reused: what a step decodes is the same, the writing faster."""
+    pngs = [encode_png(im) for im in smooth_images(min(distinct, n_real), size, 0)]
     names = [f"c{c}" for c in range(CLASSES)]
 
     def write(folder: ShardFolder, samples: list[dict], kind: str, info: dict) -> None:
@@ -71,7 +78,7 @@ def write_dataset(
         folder.finish(len(chunks), kind=kind, class_names=names, info=info)
 
     real = [
-        {"__key__": f"train_{i:07d}", "png": distinct[i % len(distinct)], "cls": i % CLASSES}
+        {"__key__": f"train_{i:07d}", "png": pngs[i % len(pngs)], "cls": i % CLASSES}
         for i in range(n_real)
     ]
     write(ShardFolder(root / "real" / "train", "train"), real, "real", {"image_size": size})
@@ -84,7 +91,7 @@ def write_dataset(
             t_a = float(1 / (1 + np.exp(-4.0 * (lam - 0.5))))
             meta = {"series": sid, "position": k, "classes": [a, b], "names": [names[a], names[b]],
                     "alpha": alpha, "seed": sid, "lambda_hat": lam, "soft": [t_a, 1 - t_a]}  # fmt: skip
-            png = distinct[(sid * members + k) % len(distinct)]
+            png = pngs[(sid * members + k) % len(pngs)]
             mixed.append({"__key__": f"s{sid:07d}_{k:02d}", "png": png, "cls": a, "json": meta})
     info = {"alphas": alphas, "image_size": size}
     write(ShardFolder(root / "mixed", "mixed"), mixed, "mixed", info)
@@ -126,7 +133,12 @@ def plan_epoch(
 def build_module(model: str, csm: bool, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(seed, "train", "init"))
-        net = build_classifier(model, CLASSES, 3)
+        if model == "pool-linear":  # a model whose memory does not grow with the image size
+            net = torch.nn.Sequential(
+                torch.nn.AdaptiveAvgPool2d(4), torch.nn.Flatten(), torch.nn.Linear(48, CLASSES)
+            )
+        else:
+            net = build_classifier(model, CLASSES, 3)
     module = TrainingModule(net, build_objective("csm" if csm else "ce", CLASSES))
     return module, torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
 
@@ -175,34 +187,77 @@ def train_steps(
 # ---------------------------------------------------------------- one measured process
 
 
-def peak_rss() -> dict[str, float]:
-    """MB: this process' peak resident set (VmHWM), and the largest reaped child's (workers)."""
-    status = Path("/proc/self/status").read_text()
-    hwm = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM"))
-    child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # kB on Linux
-    return {"main_mb": hwm / 1024, "worker_mb": child / 1024}
+class MemoryWatch:
+    """Peak memory of this process and its DataLoader workers, in MB.
+
+    `main_mb`: the kernel's high-water mark of this process (VmHWM; it includes the ~0.5 GB
+    that `import torch` makes resident). `tree_mb`: the largest sum, sampled every `every`
+    seconds, of this process' RSS and its children's USS (the pages only that worker holds):
+    what the job adds to the machine, with the pages forked workers share with the parent
+    counted once (a worker's own maxrss would count them again).
+    """
+
+    def __init__(self, every: float = 0.05):
+        import psutil  # accelerate's dependency
+
+        self.proc, self.every, self.tree_mb = psutil.Process(), every, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            total = self.proc.memory_info().rss
+            for p in self.proc.children(recursive=True):
+                with contextlib.suppress(psutil.Error):  # a worker that just exited
+                    total += p.memory_full_info().uss
+            self.tree_mb = max(self.tree_mb, total / 2**20)
+            self._stop.wait(self.every)
+
+    def __enter__(self) -> MemoryWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def main_mb(self) -> float:
+        status = Path("/proc/self/status").read_text()
+        return (
+            next(int(ln.split()[1]) for ln in status.splitlines() if ln.startswith("VmHWM")) / 1024
+        )
 
 
-def child(root: str, path: str, loss: str, model: str, steps: int, batch: int, workers: int):
-    """Entry point of one measured process: prints a JSON line."""
+def child(args: dict) -> dict:
+    """One measured process: open the data, warm up, time `steps` steps; returns the numbers."""
     torch.set_num_threads(1)
-    t0 = time.perf_counter()
-    train, table = open_data(Path(root), path, loss == "csm")
-    stats = channel_stats(train.images[:4096], 3)  # a fixed subset: same stats, cheap
-    open_s = time.perf_counter() - t0
-    module, optimizer = build_module(model, loss == "csm", 0)
-    kwargs = dict(batch_size=batch, workers=workers, stats=stats)
-    train_steps(module, optimizer, train, table, steps=2, epoch=99, **kwargs)  # warm-up
-    t0 = time.perf_counter()
-    losses = train_steps(module, optimizer, train, table, steps=steps, **kwargs)
-    seconds = time.perf_counter() - t0
-    out = {"open_s": open_s, "img_s": steps * batch / seconds, "losses": losses, **peak_rss()}
-    print(json.dumps(out), flush=True)
+    with MemoryWatch(args.get("every", 0.05)) as watch:
+        t0 = time.perf_counter()
+        train, table = open_data(Path(args["root"]), args["path"], args["loss"] == "csm")
+        # normalisation from a fixed subset (or given): the same on both paths, and small
+        stats = args.get("stats") or channel_stats(train.images[:2048], 3)
+        open_s = time.perf_counter() - t0
+        module, optimizer = build_module(args["model"], args["loss"] == "csm", 0)
+        kw = dict(batch_size=args["batch"], workers=args["workers"], stats=stats)
+        train_steps(module, optimizer, train, table, steps=2, epoch=99, **kw)  # warm-up
+        t0 = time.perf_counter()
+        losses = train_steps(module, optimizer, train, table, steps=args["steps"], **kw)
+        seconds = time.perf_counter() - t0
+    return {
+        "open_s": open_s,
+        "img_s": args["steps"] * args["batch"] / seconds,
+        "losses": losses,
+        "main_mb": watch.main_mb,
+        "tree_mb": watch.tree_mb,
+    }
 
 
-def measure(root: Path, path: str, loss: str, model: str, steps: int, batch: int, workers: int):
-    cmd = [sys.executable, "-m", "bench.bench_stream", str(root), path, loss, model]
-    cmd += [str(steps), str(batch), str(workers)]
+def measure(**args: Any) -> dict:
+    """`child(args)` in a fresh Python process (its memory peak is its own)."""
+    cmd = [sys.executable, "-m", "bench.bench_stream", json.dumps(args, default=str)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
@@ -221,7 +276,8 @@ def run() -> dict:
             for _ in range(2):  # interleaved, best of 2: the machine is shared
                 for path, workers in (("memory", 0), ("stream", 1), ("stream", 0)):
                     key = f"{path}, {workers} workers" if path == "stream" else path
-                    r = measure(tmp, path, loss, "resnet18", steps, batch, workers)
+                    r = measure(root=tmp, path=path, loss=loss, model="resnet18", steps=steps,
+                                batch=batch, workers=workers, every=0.2)  # fmt: skip
                     if key not in best or r["img_s"] > best[key]["img_s"]:
                         best[key] = r
             ref = best["memory"]
@@ -230,8 +286,8 @@ def run() -> dict:
                     "loss": loss, "data path": key, "img/s": f"{r['img_s']:.1f}",
                     "ratio vs memory": f"{r['img_s'] / ref['img_s']:.2f}",
                     "open/load (s)": f"{r['open_s']:.1f}",
-                    "peak RSS main (MB)": f"{r['main_mb']:.0f}",
-                    "peak RSS worker (MB)": f"{r['worker_mb']:.0f}" if "0 w" not in key else "",
+                    "peak RSS (MB)": f"{r['main_mb']:.0f}",
+                    "peak PSS with workers (MB)": f"{r['tree_mb']:.0f}",
                     "same losses": "yes" if r["losses"] == ref["losses"] else "NO",
                 })  # fmt: skip
     finally:
@@ -248,5 +304,4 @@ def run() -> dict:
 
 
 if __name__ == "__main__":
-    root, path, loss, model, steps, batch, workers = sys.argv[1:8]
-    child(root, path, loss, model, int(steps), int(batch), int(workers))
+    print(json.dumps(child(json.loads(sys.argv[1]))), flush=True)

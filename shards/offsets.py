@@ -121,10 +121,14 @@ def shard_members(folder: Path, rec: ShardRecord) -> list[Member]:
     return members if members is not None else scan_members(Path(folder) / rec.name)
 
 
-def read_member(fd: int, path: Path, name: str, offset: int, size: int, kind: str = "") -> bytes:
-    """Payload of member `name` at `offset`, read together with its header block, which must
-    name the same member, with the same size and a valid checksum (one pread)."""
-    data = os.pread(fd, BLOCK + size, offset - BLOCK)
+def read_member(
+    fd: int, path: Path, name: str, offset: int, size: int, kind: str = "", limit: int = -1
+) -> bytes:
+    """Payload of member `name` at `offset` (its first `limit` bytes if limit >= 0), read
+    together with its header block, which must name the same member, with the same size and
+    a valid checksum (one pread)."""
+    want = size if limit < 0 else min(size, limit)
+    data = os.pread(fd, BLOCK + want, offset - BLOCK)
     header = data[:BLOCK]
     try:
         try:
@@ -134,7 +138,7 @@ def read_member(fd: int, path: Path, name: str, offset: int, size: int, kind: st
             parsed = info.name, info.size
     except (ShardError, tarfile.TarError):
         parsed = None
-    if len(data) != BLOCK + size or parsed != (name, size):
+    if len(data) != BLOCK + want or parsed != (name, size):
         raise ShardError(
             f"{path}: member {name!r} is not at byte {offset} (the shard changed since it was "
             f"opened, or its offset index is wrong); {rerun_hint(kind)}"
