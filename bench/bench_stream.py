@@ -38,7 +38,7 @@ from models.training import (
 )
 from pipeline.runtime import derive_seed, make_generator
 from shards.datasets import RealSplit, SeriesTable, load_real, load_series_table
-from shards.prefetch import StepPlan, pixel_batches
+from shards.prefetch import PixelSource, StepPlan
 from shards.store import open_real, open_series_table
 from shards.writer import ShardFolder, encode_png
 
@@ -148,23 +148,22 @@ def train_steps(
     optimizer: torch.optim.Optimizer,
     train: RealSplit,
     table: SeriesTable | None,
+    source: PixelSource,
+    stats: tuple[list[float], list[float]],
     *,
     seed: int = 0,
     epoch: int = 0,
     batch_size: int = 32,
     steps: int | None = None,
-    workers: int = 2,
-    stats: tuple[list[float], list[float]] | None = None,
 ) -> list[float]:
-    """`steps` steps (all of the epoch if None) of the train stage's step on either data path
-    (make_batch with one process); returns the losses."""
-    mean, std = stats or channel_stats(train.images, 3)
+    """`steps` steps (all of the epoch if None) of the train stage's step (make_batch with one
+    process) on the pixels of `source` (either data path); returns the losses."""
+    mean, std = stats
     plans = plan_epoch(seed, epoch, train.labels, batch_size, table)[:steps]
     augment = make_generator(seed, "train", "epoch", epoch, "augment")
-    series = table.images if table is not None else None
     losses = []
     module.train()
-    for plan, px in zip(plans, pixel_batches(plans, train.images, series, workers=workers)):
+    for plan, px in zip(plans, source.batches(plans)):
         batch: dict[str, Any] = {
             "x": normalize(random_crop_flip(px.real, augment, 4, True), mean, std),
             "y": train.labels[plan.idx],
@@ -235,21 +234,26 @@ def child(args: dict) -> dict:
     """One measured process: open the data, warm up, time `steps` steps; returns the numbers."""
     torch.set_num_threads(1)
     with MemoryWatch(args.get("every", 0.05)) as watch:
+        base_mb = watch.proc.memory_info().rss / 2**20  # imports done, nothing opened
         t0 = time.perf_counter()
         train, table = open_data(Path(args["root"]), args["path"], args["loss"] == "csm")
         # normalisation from a fixed subset (or given): the same on both paths, and small
         stats = args.get("stats") or channel_stats(train.images[:2048], 3)
+        series = table.images if table is not None else None
+        source = PixelSource(train.images, series, workers=args["workers"])  # before the model
         open_s = time.perf_counter() - t0
         module, optimizer = build_module(args["model"], args["loss"] == "csm", 0)
-        kw = dict(batch_size=args["batch"], workers=args["workers"], stats=stats)
-        train_steps(module, optimizer, train, table, steps=2, epoch=99, **kw)  # warm-up
+        data = (module, optimizer, train, table, source, stats)
+        train_steps(*data, steps=2, epoch=99, batch_size=args["batch"])  # warm-up
         t0 = time.perf_counter()
-        losses = train_steps(module, optimizer, train, table, steps=args["steps"], **kw)
+        losses = train_steps(*data, steps=args["steps"], batch_size=args["batch"])
         seconds = time.perf_counter() - t0
+        source.close()
     return {
         "open_s": open_s,
         "img_s": args["steps"] * args["batch"] / seconds,
         "losses": losses,
+        "base_mb": base_mb,
         "main_mb": watch.main_mb,
         "tree_mb": watch.tree_mb,
     }

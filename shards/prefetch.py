@@ -4,11 +4,12 @@ The training loop decides *what* a step reads on the main process, with the seed
 always made (`StepPlan`: the epoch's shuffled batch of real/train samples, and for CSM each
 image's two series members from `sample_csm_members`). This module only fetches the pixels:
 
-    for plan, px in zip(plans, pixel_batches(plans, train.images, mixed.images, rank, world)):
+    source = PixelSource(train.images, mixed.images, rank, world)    # once, before the model
+    for plan, px in zip(plans, source.batches(plans)):                # each epoch
         images = random_crop_flip(px.real, augment, ...)       # as before: train.images[idx]
         syn = random_crop_flip(px.syn, augment, ...)           # mixed.images[series, pos]...
 
-With uint8 tensors (the in-memory path) `pixel_batches` indexes them, exactly today's
+With uint8 tensors (the in-memory path) `PixelSource` indexes them, exactly today's
 expressions. With an `ImageStore` / `SeriesImages` (the streaming path, `shards.store`) a torch
 DataLoader decodes each planned step in worker processes, `prefetch` steps per worker ahead,
 in plan order. A rank decodes only its rows (real images rank::world and their series
@@ -59,26 +60,64 @@ def rank_rows(batch: int, rank: int, world: int) -> tuple[np.ndarray, np.ndarray
     return mine, np.stack([2 * mine, 2 * mine + 1], axis=1).reshape(-1)
 
 
-def pixel_batches(
-    plans: Sequence[StepPlan],
-    real: torch.Tensor | ImageStore,
-    series: torch.Tensor | SeriesImages | None = None,
-    rank: int = 0,
-    world: int = 1,
-    *,
-    workers: int = 2,
-    prefetch: int = 2,
-    device: str | torch.device | None = None,
-) -> Iterator[Pixels]:
-    """The pixels of each plan, in order (see the module docstring)."""
-    if isinstance(real, torch.Tensor):  # in memory: today's indexing, on the tensors' device
-        for plan in plans:
-            syn = None
-            if plan.series is not None:
-                syn = series[plan.series, plan.pos].flatten(0, 1)  # type: ignore[index]
-            yield Pixels(real[plan.idx], syn)
-        return
-    yield from _streamed(plans, real, series, rank, world, workers, prefetch, device)
+class PixelSource:
+    """The pixels of planned steps from one data path (see the module docstring).
+
+    Build it right after opening the data, before the model: DataLoader workers are forked
+    here, once, and kept for every epoch (`persistent_workers`), so they copy a small process
+    and the parent's later writes (weights, activations) do not leave private copies behind
+    in each worker.
+    """
+
+    def __init__(
+        self,
+        real: torch.Tensor | ImageStore,
+        series: torch.Tensor | SeriesImages | None = None,
+        rank: int = 0,
+        world: int = 1,
+        *,
+        workers: int = 2,
+        prefetch: int = 2,
+        device: str | torch.device | None = None,
+    ):
+        self.real, self.series, self.rank, self.world = real, series, rank, world
+        self.device = torch.device(device or "cpu")
+        self.in_memory = isinstance(real, torch.Tensor)
+        if not self.in_memory:
+            series_store = series.store if isinstance(series, SeriesImages) else None
+            pin = self.device.type == "cuda"
+            self._workers = _Workers(real, series_store, workers, prefetch, pin)
+
+    def batches(self, plans: Sequence[StepPlan]) -> Iterator[Pixels]:
+        """The pixels of each plan, in order."""
+        if self.in_memory:  # today's indexing, on the tensors' device
+            for plan in plans:
+                syn = None
+                if plan.series is not None:
+                    syn = self.series[plan.series, plan.pos].flatten(0, 1)  # type: ignore[index]
+                yield Pixels(self.real[plan.idx], syn)  # type: ignore[index]
+            return
+        requests = _requests(plans, self.series, self.rank, self.world)
+        for plan, (mine_real, mine_syn) in zip(plans, self._workers.run(requests)):
+            b = len(plan.idx)
+            px = Pixels(mine_real, mine_syn)
+            if self.world > 1:  # the global batch with this rank's rows filled
+                mine, rows = rank_rows(b, self.rank, self.world)
+                px = Pixels(mine_real.new_zeros((b, *mine_real.shape[1:])))
+                px.real[torch.from_numpy(mine)] = mine_real
+                if mine_syn is not None:
+                    px.syn = mine_syn.new_zeros((2 * b, *mine_syn.shape[1:]))
+                    px.syn[torch.from_numpy(rows)] = mine_syn
+            cuda = self.device.type == "cuda"
+            yield Pixels(
+                px.real.to(self.device, non_blocking=cuda),
+                px.syn.to(self.device, non_blocking=cuda) if px.syn is not None else None,
+            )
+
+    def close(self) -> None:
+        """Let the workers go (they also go when the source is garbage-collected)."""
+        if not self.in_memory:
+            self._workers.close()
 
 
 class _Fetch(Dataset):
@@ -104,70 +143,79 @@ def _as_is(sample: Any) -> Any:
     return sample
 
 
+class _Requests:
+    """The sampler: this pass's requests, replaced before each pass."""
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+class _Workers:
+    """DataLoader workers decoding requests in order, `prefetch` per worker ahead; forked at
+    construction and kept across passes (workers = 0: decoded in this process, no prefetch)."""
+
+    def __init__(
+        self, store: ImageStore, series: ImageStore | None, workers: int, prefetch: int, pin: bool
+    ):
+        self.requests = _Requests()
+        self.loader: DataLoader | None = DataLoader(
+            _Fetch(store, series),
+            batch_size=None,
+            sampler=self.requests,
+            num_workers=workers,
+            prefetch_factor=prefetch if workers else None,
+            persistent_workers=workers > 0,
+            collate_fn=_as_is,
+            pin_memory=pin,
+        )
+        if workers:
+            iter(self.loader)  # start the workers now, with nothing to do yet
+
+    def run(self, requests: list[Any]) -> Iterator[Any]:
+        if self.loader is None:
+            raise RuntimeError("the pixel source is closed")
+        self.requests.items = requests
+        for fetched in self.loader:
+            if isinstance(fetched, str):
+                raise ShardError(fetched)
+            yield fetched
+
+    def close(self) -> None:
+        self.loader = None  # the persistent iterator goes with it and shuts its workers down
+
+
 def _requests(
-    plans: Sequence[StepPlan], series: SeriesImages | None, rank: int, world: int
+    plans: Sequence[StepPlan], series: Any, rank: int, world: int
 ) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    """Per plan, the sample numbers this rank decodes: its real rows, their series members."""
     out = []
     for plan in plans:
         mine, _ = rank_rows(len(plan.idx), rank, world)
         idx = plan.idx.cpu().numpy()[mine]
         members = None
-        if plan.series is not None and series is not None:
+        if plan.series is not None and isinstance(series, SeriesImages):
             s, p = plan.series.cpu()[mine], plan.pos.cpu()[mine]  # type: ignore[union-attr]
             members = series.members[s, p].reshape(-1).numpy()  # rows 2i, 2i+1 per real image
         out.append((idx, members))
     return out
 
 
-def _streamed(
-    plans: Sequence[StepPlan],
-    real: ImageStore,
-    series: SeriesImages | None,
-    rank: int,
-    world: int,
-    workers: int,
-    prefetch: int,
-    device: str | torch.device | None,
-) -> Iterator[Pixels]:
-    device = torch.device(device or "cpu")
-    loader = DataLoader(
-        _Fetch(real, series.store if series is not None else None),
-        batch_size=None,
-        sampler=_requests(plans, series, rank, world),
-        num_workers=workers,
-        prefetch_factor=prefetch if workers else None,
-        collate_fn=_as_is,
-        pin_memory=device.type == "cuda",
-    )
-    for plan, fetched in zip(plans, loader):
-        if isinstance(fetched, str):
-            raise ShardError(fetched)
-        mine_real, mine_syn = fetched
-        b = len(plan.idx)
-        if world == 1:
-            px = Pixels(mine_real, mine_syn)
-        else:  # the global batch with this rank's rows filled
-            mine, rows = rank_rows(b, rank, world)
-            px = Pixels(mine_real.new_zeros((b, *mine_real.shape[1:])))
-            px.real[torch.from_numpy(mine)] = mine_real
-            if mine_syn is not None:
-                px.syn = mine_syn.new_zeros((2 * b, *mine_syn.shape[1:]))
-                px.syn[torch.from_numpy(rows)] = mine_syn
-        non_blocking = device.type == "cuda"
-        yield Pixels(
-            px.real.to(device, non_blocking=non_blocking),
-            px.syn.to(device, non_blocking=non_blocking) if px.syn is not None else None,
-        )
-
-
 class SequentialImages:
     """An ImageStore read as consecutive slices [i·chunk, (i+1)·chunk), decoded ahead by
     DataLoader workers: for code that walks images in order, unchanged (`channel_stats`
     with chunk 4096, `collect_logits` with chunk = its batch size). Any other index is read
-    directly; a slice starting at 0 starts a new pass."""
+    directly; a slice starting at 0 starts a new pass. Workers start here, kept for every
+    pass (build it before the models)."""
 
     def __init__(self, store: ImageStore, chunk: int, workers: int = 2, prefetch: int = 2):
-        self.store, self.chunk, self.workers, self.prefetch = store, chunk, workers, prefetch
+        self.store, self.chunk = store, chunk
+        self._workers = _Workers(store, None, workers, prefetch, pin=False)
         self._next: int | None = None
         self._it: Iterator[Any] | None = None
 
@@ -180,21 +228,6 @@ class SequentialImages:
     def __len__(self) -> int:
         return len(self.store)
 
-    def _pass(self) -> Iterator[Any]:
-        n = len(self.store)
-        starts = range(0, n, self.chunk)
-        requests = [(np.arange(s, min(s + self.chunk, n)), None) for s in starts]
-        return iter(
-            DataLoader(
-                _Fetch(self.store, None),
-                batch_size=None,
-                sampler=requests,
-                num_workers=self.workers,
-                prefetch_factor=self.prefetch if self.workers else None,
-                collate_fn=_as_is,
-            )
-        )
-
     def __getitem__(self, index: Any) -> torch.Tensor:
         n = len(self.store)
         if not isinstance(index, slice) or index.step not in (None, 1):
@@ -203,13 +236,16 @@ class SequentialImages:
         if stop != min(start + self.chunk, n):
             return self.store[index]
         if start == 0:
-            self._it, self._next = self._pass(), 0
+            starts = range(0, n, self.chunk)
+            requests = [(np.arange(s, min(s + self.chunk, n)), None) for s in starts]
+            self._it, self._next = self._workers.run(requests), 0
         if start != self._next or self._it is None:
             return self.store[index]
-        fetched = next(self._it)
-        if isinstance(fetched, str):
-            raise ShardError(fetched)
+        real, _ = next(self._it)
         self._next = stop
-        if stop == n:  # pass complete: let the workers go
+        if stop == n:  # pass complete: the workers are idle until the next one
             self._it = self._next = None
-        return fetched[0]
+        return real
+
+    def close(self) -> None:
+        self._workers.close()
