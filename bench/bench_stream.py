@@ -378,6 +378,9 @@ def run() -> dict:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     notes += [
+        "The machine is a 2-core box shared with other jobs (other developers' test runs and a "
+        "long experiment; load average 4 to 12 while this ran): absolute img/s vary from run to "
+        "run, the ratios come from one process alternating both paths (each pair of rows).",
         f"Memory (256 px rows, each a fresh process): {n_big:,} real images {big}x{big} "
         f"({n_big * big * big * 3 / 2**20:,.0f} MiB decoded), a model whose memory does not "
         "grow with the image size (average-pool to 4x4 + linear), batch 32, 8 timed steps: "
