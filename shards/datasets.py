@@ -14,14 +14,15 @@ would silently mean different things.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from shards.manifest import ShardError, read_manifest
+from shards.manifest import Manifest, ShardError, read_manifest
 from shards.reader import iter_folder, load_split
 
 
@@ -47,13 +48,19 @@ def load_real(
     """A prepared real split (real/train, real/val, real/test) into memory on `device`; every
     shard checked against the manifest first (`verify`: sha256 too; None = the default)."""
     split = load_split(Path(folder), verify)
-    names = split.class_names
-    labels = split.labels
+    check_real(folder, split.labels, tuple(split.images.shape), split.class_names)
+    return RealSplit(split.images.to(device), split.labels.to(device), tuple(split.class_names))
+
+
+def check_real(
+    folder: Path, labels: torch.Tensor, shape: tuple[int, ...], names: Sequence[str]
+) -> None:
+    """Labels in 0..C-1 and square images [N, H, H, 3]: what every real split must hold (also
+    checked by the streaming path, `shards.store.open_real`)."""
     if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= len(names)):
         raise ShardError(f"{folder}: labels outside 0..{len(names) - 1} ({len(names)} classes)")
-    if split.images.shape[1] != split.images.shape[2]:
-        raise ShardError(f"{folder}: images must be square, got {tuple(split.images.shape[1:3])}")
-    return RealSplit(split.images.to(device), labels.to(device), tuple(names))
+    if shape[1] != shape[2]:
+        raise ShardError(f"{folder}: images must be square, got {tuple(shape[1:3])}")
 
 
 def check_same_classes(what: str, names: Sequence[str], reference: Sequence[str], ref: str) -> None:
@@ -68,7 +75,7 @@ def check_same_classes(what: str, names: Sequence[str], reference: Sequence[str]
 class SeriesTable:
     """Complete series of a mixed/ folder, member k at index k (position order)."""
 
-    images: torch.Tensor  # uint8 [S, K, H, W, 3]
+    images: torch.Tensor  # uint8 [S, K, H, W, 3] (streaming path: shards.store.SeriesImages)
     classes: torch.Tensor  # int64 [S, k]: (a, b) for k = 2
     lambda_hat: torch.Tensor  # float32 [S, K]: re-annotated weight of class a (k ≥ 3: [S, K, k])
     soft: torch.Tensor  # float32 [S, K]: stored target t_a, t_b = 1 - t_a (k ≥ 3: [S, K, k])
@@ -105,8 +112,21 @@ def load_series_table(
     manifest = read_manifest(folder)
     if class_names is not None:
         check_same_classes(f"mixed folder {folder}", manifest.class_names, class_names, "real/")
+    return series_table(folder, manifest, iter_folder(folder, verify), device, image_size)
+
+
+def series_table(
+    folder: Path,
+    manifest: Manifest,
+    samples: Iterable[dict[str, Any]],
+    device: str | torch.device = "cpu",
+    image_size: int | None = None,
+) -> SeriesTable:
+    """The SeriesTable of decoded mixed samples. A sample's "image" is its pixels, or (the
+    streaming path, `shards.store.open_series_table`) its number in the folder: `images` is
+    then int64 [S, K], the numbers of each series' members, and the caller checks the size."""
     by_series: dict[int, dict[int, tuple]] = {}
-    for s in iter_folder(folder, verify):
+    for s in samples:
         meta = s.get("meta", {})
         try:
             sid, pos = int(meta["series"]), int(meta["position"])
@@ -147,7 +167,8 @@ def load_series_table(
         raise ShardError(f"{folder}: no complete series of {k} members")
     rows = [[by_series[sid][p] for p in range(k)] for sid in complete]
     images = np.stack([np.stack([r[0] for r in row]) for row in rows])
-    if image_size is not None and images.shape[2:4] != (image_size, image_size):
+    pixels = images.ndim == 5  # else sample numbers [S, K]
+    if pixels and image_size is not None and images.shape[2:4] != (image_size, image_size):
         raise ShardError(
             f"{folder}: mixed images are {images.shape[3]}x{images.shape[2]}, real images "
             f"{image_size}x{image_size}; regenerate at the dataset resolution"

@@ -60,7 +60,8 @@ def hash_on_read(enabled: bool) -> Iterator[None]:
         _hash_on_read = previous
 
 
-def _hashing(verify: bool | None) -> bool:
+def hashing(verify: bool | None) -> bool:
+    """Whether a reader asked with `verify` hashes: the caller's choice, else the default."""
     return _hash_on_read if verify is None else verify
 
 
@@ -110,10 +111,10 @@ def decode_sample(raw: dict[str, Any]) -> dict[str, Any]:
     return sample
 
 
-_BLOCK = 512
+BLOCK = 512  # tar block: headers are one block, payloads padded to whole blocks
 
 
-class _NotPlainUstar(Exception):
+class NotPlainUstar(Exception):
     """A member the fast path does not handle (pax/GNU headers, links, ...): use tarfile."""
 
 
@@ -121,29 +122,42 @@ def _octal(field: bytes) -> int:
     return int(field.split(b"\0", 1)[0].strip() or b"0", 8)
 
 
+def ustar_header(header: bytes, path: Path, off: int) -> tuple[str, int] | None:
+    """(member name, payload size) of the plain-ustar header block at byte `off` of `path`;
+    None at the end-of-archive marker. A bad checksum is a ShardError; a header the fast
+    readers do not handle (pax/GNU, links, a name prefix) raises NotPlainUstar."""
+    if header.count(0) == BLOCK:
+        return None
+    if _octal(header[148:156]) != sum(header[:148]) + 8 * 32 + sum(header[156:]):
+        raise ShardError(f"{path} is damaged (bad tar header checksum at byte {off})")
+    if header[156:157] not in (b"0", b"\0") or header[345:346] != b"\0":
+        raise NotPlainUstar
+    return header[:100].split(b"\0", 1)[0].decode("utf-8"), _octal(header[124:136])
+
+
+def padded(size: int) -> int:
+    """Bytes a payload of `size` takes in a tar (whole blocks)."""
+    return -(-size // BLOCK) * BLOCK
+
+
 def _fast_members(data: bytes, path: Path) -> Iterator[tuple[str, bytes]]:
     """(name, payload) of a plain ustar archive, parsed straight from the bytes.
 
     Our shards are plain ustar (short names, regular files only), and for small images the
     stdlib's tarfile spends more time on headers than PIL spends decoding: this path reads
-    them ~7x faster. Anything unusual raises _NotPlainUstar and the caller falls back.
+    them ~7x faster. Anything unusual raises NotPlainUstar and the caller falls back.
     """
     off = 0
-    while off + _BLOCK <= len(data):
-        header = data[off : off + _BLOCK]
-        if header.count(0) == _BLOCK:
+    while off + BLOCK <= len(data):
+        parsed = ustar_header(data[off : off + BLOCK], path, off)
+        if parsed is None:
             return  # end-of-archive marker
-        if _octal(header[148:156]) != sum(header[:148]) + 8 * 32 + sum(header[156:]):
-            raise ShardError(f"{path} is damaged (bad tar header checksum at byte {off})")
-        if header[156:157] not in (b"0", b"\0") or header[345:346] != b"\0":
-            raise _NotPlainUstar
-        name = header[:100].split(b"\0", 1)[0].decode("utf-8")
-        size = _octal(header[124:136])
-        start = off + _BLOCK
+        name, size = parsed
+        start = off + BLOCK
         if start + size > len(data):
             raise ShardError(f"{path} is truncated inside {name!r}; rerun the stage that wrote it")
         yield name, data[start : start + size]
-        off = start + -(-size // _BLOCK) * _BLOCK
+        off = start + padded(size)
     raise ShardError(
         f"{path} is truncated (no end-of-archive marker); rerun the stage that wrote it"
     )
@@ -175,7 +189,7 @@ def read_shard_bytes(
         raise ShardError(f"cannot read shard {path}: {e.strerror or e}; {rerun_hint(kind)}") from e
     if rec is not None:
         check_size(Path(path), len(data), rec, kind)
-        if _hashing(verify):
+        if hashing(verify):
             check_digest(Path(path), sha256_bytes(data), rec, kind)
     return data
 
@@ -192,7 +206,7 @@ def read_raw_shard(
     data = read_shard_bytes(path, rec, kind=kind, verify=verify)
     try:
         members = list(_fast_members(data, path))
-    except _NotPlainUstar:
+    except NotPlainUstar:
         members = list(_tarfile_members(data, path))
     samples: list[dict[str, Any]] = []
     for name, payload in members:
@@ -295,7 +309,7 @@ def stream(
     records = {str(folder / rec.name): rec for rec in manifest.shards}
     # hashing fixed now: spawned worker processes do not inherit this process' default
     read = functools.partial(
-        _read_shards, records=records, kind=manifest.kind, verify=_hashing(verify)
+        _read_shards, records=records, kind=manifest.kind, verify=hashing(verify)
     )
     stages: list[Any] = [
         wds.SimpleShardList(list(records), seed=seed if shuffle_shards else None),

@@ -3,6 +3,7 @@
 Layout of a shard folder (ARCHITECTURE §2)::
 
     NAME-000000.tar  NAME-000001.tar  ...   WebDataset tar shards
+    .index/NAME-000000.json ...              member byte offsets per shard (shards.offsets)
     .done/NAME-000000.json ...               completion record per shard (written after the shard)
     manifest.json                            written last by `finish`
 
@@ -34,6 +35,7 @@ from shards.manifest import (
     read_manifest,
     write_manifest,
 )
+from shards.offsets import scan_members, write_index
 
 DONE_DIR = ".done"
 # Sample fields we write; the reader refuses anything else (in particular pickles).
@@ -126,12 +128,14 @@ class ShardFolder:
         return rec
 
     def write(self, index: int, samples: Iterable[Mapping[str, Any]]) -> ShardRecord:
-        """Write shard `index`, then (only then) its completion record."""
+        """Write shard `index`, then its offset index (random access, `shards.offsets`), then
+        (only then) its completion record."""
         path = self.path(index)
         count = write_tar(path, samples)
         rec = ShardRecord(
             name=path.name, count=count, sha256=sha256_file(path), bytes=path.stat().st_size
         )
+        write_index(self.folder, rec, scan_members(path))
         atomic_write_json(self._record_path(index), rec.__dict__)
         return rec
 

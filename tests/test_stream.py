@@ -1,0 +1,331 @@
+"""The streaming data path: offset index, ImageStore pixels, prefetched batches, the chooser,
+integrity, training equivalence with the in-memory path, and its memory peak."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bench.bench_stream import build_module, measure, train_steps, write_dataset
+from models.training import channel_stats, collect_logits
+from pipeline.core.io import sha256_file
+from shards.datapath import choose_data_path, decoded_bytes, image_size_of
+from shards.datasets import load_real, load_series_table
+from shards.manifest import ShardError, read_manifest
+from shards.offsets import INDEX_DIR, index_path, read_index, scan_members
+from shards.prefetch import PixelSource, SequentialImages, StepPlan
+from shards.reader import load_split
+from shards.store import ImageStore, open_real, open_series_table
+from shards.writer import ShardFolder
+
+K = 4  # members per test series
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def write_mixed(folder: Path, real_train: Path, shards: int = 3, image_size: bool = True) -> Path:
+    """A mixed/ folder of pixel blends of digits over `shards` shards: pairs (c, c+1 mod 10)
+    and (c, c+3 mod 10), plus one incomplete series (dropped by both paths)."""
+    split = load_split(real_train)
+    names = list(split.class_names)
+    first = {c: split.images[split.labels == c][:2].numpy().astype(float) for c in range(10)}
+    pairs = [(c, (c + 1) % 10) for c in range(10)] + [(c, (c + 3) % 10) for c in range(10)]
+    samples = []
+    for sid, (a, b) in enumerate([*pairs, (0, 5)]):
+        a, b = min(a, b), max(a, b)
+        for k in range(K):
+            if sid == len(pairs) and k == 2:
+                continue  # the incomplete series
+            alpha = k / (K - 1)
+            lam = alpha + 0.05 * np.sin(sid + k)
+            t_a = float(1 / (1 + np.exp(-4.0 * (lam - 0.5))))
+            image = alpha * first[a][0] + (1 - alpha) * first[b][1]
+            meta = dict(series=sid, position=k, classes=[a, b], names=[names[a], names[b]],
+                        alpha=alpha, seed=sid, lambda_hat=lam, soft=[t_a, 1 - t_a])  # fmt: skip
+            samples.append({"__key__": f"s{sid:07d}_{k:02d}", "png": image.round().astype(np.uint8),
+                            "cls": a if t_a >= 0.5 else b, "json": meta})  # fmt: skip
+    folder_w = ShardFolder(folder, "mixed")
+    cuts = np.array_split(np.arange(len(samples)), shards)
+    for i, cut in enumerate(cuts):
+        folder_w.write(i, [samples[j] for j in cut])
+    info = {"alphas": [k / (K - 1) for k in range(K)]} | ({"image_size": 16} if image_size else {})
+    folder_w.finish(shards, kind="mixed", class_names=names, info=info)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def root(digits_root, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("stream") / "digits"
+    shutil.copytree(digits_root / "real", out / "real")
+    write_mixed(out / "mixed", out / "real" / "train")
+    return out
+
+
+def index_sets(n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        torch.randperm(n, generator=g)[:97],  # across every shard, any order
+        torch.randint(0, n, (50,), generator=g),  # repeats
+        torch.tensor([n - 1, 0, n - 1]),
+        torch.arange(n),
+        torch.randint(0, n, (3, 4), generator=g),  # any index shape
+    ]
+
+
+# ---------------------------------------------------------------- offsets and pixels
+
+
+def test_writer_records_every_member_offset(root):
+    folder = root / "real" / "train"
+    manifest = read_manifest(folder)
+    assert len(manifest.shards) > 3
+    for rec in manifest.shards:
+        members = read_index(folder, rec)
+        assert members == scan_members(folder / rec.name)  # the recorded index is the tar's
+        with tarfile.open(folder / rec.name) as tar:  # an independent reader agrees
+            expected = [(m.name, m.offset_data, m.size) for m in tar.getmembers()]
+            assert members == expected
+            data = (folder / rec.name).read_bytes()
+            name, offset, size = members[-1]
+            assert data[offset : offset + size] == tar.extractfile(name).read()
+
+
+def test_store_returns_load_split_pixels(root):
+    folder = root / "real" / "train"
+    split, store = load_split(folder), ImageStore.open(folder)
+    assert store.shape == tuple(split.images.shape) and len(store) == len(split)
+    for idx in index_sets(len(split)):
+        assert torch.equal(store[idx], split.images[idx])
+    assert torch.equal(store[5:300:7], split.images[5:300:7])
+    assert torch.equal(store[-1], split.images[-1]) and torch.equal(store[[3]], split.images[[3]])
+    assert torch.equal(store.head(40)[:], split.images[:40])
+    real = open_real(folder)
+    memory = load_real(folder)
+    assert torch.equal(real.labels, memory.labels) and real.class_names == memory.class_names
+    assert real.image_size == memory.image_size == 16
+
+
+def test_series_table_streamed_equals_in_memory(root):
+    names = [str(c) for c in range(10)]
+    memory = load_series_table(root / "mixed", names)
+    streamed = open_series_table(root / "mixed", names, image_size=16)
+    assert len(read_manifest(root / "mixed").shards) == 3
+    assert streamed.dropped == memory.dropped == 1 and len(streamed) == len(memory) == 20
+    for field in ("classes", "lambda_hat", "soft", "alpha", "series_ids"):
+        assert torch.equal(getattr(streamed, field), getattr(memory, field)), field
+    assert streamed.images.shape == tuple(memory.images.shape)
+    g = torch.Generator().manual_seed(1)
+    series, pos = (
+        torch.randint(0, 20, (30, 2), generator=g),
+        torch.randint(0, K, (30, 2), generator=g),
+    )
+    assert torch.equal(streamed.images[series, pos], memory.images[series, pos])
+    assert torch.equal(streamed.images[3], memory.images[3])
+    with pytest.raises(ShardError, match="mixed images are 16x16, real images 32x32"):
+        open_series_table(root / "mixed", names, image_size=32)
+
+
+def test_folder_without_index_is_scanned(root, tmp_path):
+    """Folders written before the index (or pulled from the Hub) work; nothing is written."""
+    old = tmp_path / "train"
+    shutil.copytree(root / "real" / "train", old)
+    shutil.rmtree(old / INDEX_DIR)
+    before = sorted(p.name for p in old.iterdir())
+    idx = index_sets(1295)[0]
+    assert torch.equal(ImageStore.open(old)[idx], load_split(old).images[idx])
+    assert sorted(p.name for p in old.iterdir()) == before  # a complete folder stays untouched
+
+
+def test_index_for_other_bytes_is_ignored_and_a_wrong_offset_fails_loudly(root, tmp_path):
+    folder = tmp_path / "train"
+    shutil.copytree(root / "real" / "train", folder)
+    rec = read_manifest(folder).shards[0]
+    doc = json.loads(index_path(folder, rec.name).read_text())
+    stale = dict(doc, sha256="0" * 64)  # an index of other bytes: scanned instead
+    index_path(folder, rec.name).write_text(json.dumps(stale))
+    assert read_index(folder, rec) is None
+    assert torch.equal(ImageStore.open(folder)[:20], load_split(folder).images[:20])
+    wrong = dict(doc, members=[[n, o, s] for n, o, s in doc["members"]])
+    wrong["members"][1][1] = doc["members"][3][1]  # sample 0's png pointed at sample 1's
+    index_path(folder, rec.name).write_text(json.dumps(wrong))
+    with pytest.raises(ShardError) as err:
+        ImageStore.open(folder)[0]
+    assert "is not at byte" in str(err.value) and "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------- integrity
+
+
+def corrupt(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_corrupted_shard_is_refused_with_one_line(root, tmp_path):
+    folder = tmp_path / "train"
+    shutil.copytree(root / "real" / "train", folder)
+    rec = read_manifest(folder).shards[2]
+    _, offset, size = next(m for m in read_index(folder, rec) if m[0].endswith(".png"))
+    corrupt(folder / rec.name, offset + size // 2)  # inside a PNG payload: same size
+    with pytest.raises(ShardError) as err:
+        open_real(folder)
+    msg = str(err.value)
+    assert "\n" not in msg and rec.name in msg and "sha256 mismatch" in msg
+    # hashing off (trusted storage): opens; the damaged image fails when a step reads it,
+    # also from a DataLoader worker, as one line naming the shard
+    store = ImageStore.open(folder, verify=False)
+    bad = int(sum(r.count for r in read_manifest(folder).shards[:2]))
+    plans = [StepPlan(torch.tensor([0, 1])), StepPlan(torch.tensor([5, bad]))]
+    with pytest.raises(ShardError) as err:
+        list(PixelSource(store, workers=1).batches(plans))
+    msg = str(err.value)
+    assert "\n" not in msg and rec.name in msg and "does not decode" in msg
+    # a truncated shard is refused even without hashing
+    (folder / rec.name).write_bytes((folder / rec.name).read_bytes()[:-512])
+    with pytest.raises(ShardError, match="size .* != .* in the manifest"):
+        ImageStore.open(folder, verify=False)
+
+
+def test_pickled_member_is_refused(tmp_path):
+    """A shard whose manifest vouches for a pickle member (a consistently forged folder)."""
+    folder = ShardFolder(tmp_path / "p", "p")
+    folder.write(0, [{"__key__": "a", "png": np.zeros((4, 4, 3), np.uint8), "cls": 0}])
+    folder.finish(1, kind="real", class_names=["x"])
+    tar_path = tmp_path / "p" / "p-000000.tar"
+    with tarfile.open(tar_path, "a") as tar:
+        info = tarfile.TarInfo("a.pyd")
+        info.size = 3
+        tar.addfile(info, fileobj=io.BytesIO(b"\x80\x04."))
+    manifest = json.loads((tmp_path / "p" / "manifest.json").read_text())
+    manifest["shards"][0] |= {"sha256": sha256_file(tar_path), "bytes": tar_path.stat().st_size}
+    (tmp_path / "p" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ShardError, match="has a member of type 'pyd'.*never decodes other"):
+        ImageStore.open(tmp_path / "p")
+
+
+# ---------------------------------------------------------------- the chooser
+
+
+def test_budget_below_the_estimate_chooses_stream(root):
+    folders = [root / "real" / "train", root / "mixed"]
+    decoded = decoded_bytes(folders[0]) + decoded_bytes(folders[1])
+    assert decoded == (1295 + 83) * 16 * 16 * 3
+    assert choose_data_path("auto", folders, budget_gb=decoded / 2 / 1e9).path == "stream"
+    assert choose_data_path("auto", folders, budget_gb=decoded * 2 / 1e9).path == "memory"
+    assert choose_data_path("auto", folders).path == "memory"  # this machine: a few MB fit
+    assert choose_data_path("stream", folders).path == "stream"
+    assert choose_data_path("memory", folders, budget_gb=1e-9).path == "memory"  # forced
+    choice = choose_data_path("auto", folders, budget_gb=1e-6)
+    assert "stream" in choice.describe() and "> budget" in choice.describe()
+    with pytest.raises(ValueError, match="data_path must be one of auto, memory, stream"):
+        choose_data_path("disk", folders)
+
+
+def test_image_size_from_the_png_header_when_the_manifest_has_none(root, tmp_path):
+    write_mixed(tmp_path / "mixed", root / "real" / "train", shards=2, image_size=False)
+    assert "image_size" not in read_manifest(tmp_path / "mixed").info
+    assert image_size_of(tmp_path / "mixed") == (16, 16)
+
+
+# ---------------------------------------------------------------- batches and training
+
+
+def test_prefetched_rank_rows_equal_the_in_memory_rows(root):
+    train = load_real(root / "real" / "train")
+    table = load_series_table(root / "mixed")
+    s_train = open_real(root / "real" / "train")
+    s_table = open_series_table(root / "mixed")
+    g = torch.Generator().manual_seed(2)
+    plans = [
+        StepPlan(idx, torch.randint(0, 20, (len(idx), 2), generator=g), torch.randint(0, K, (len(idx), 2), generator=g))
+        for idx in torch.randperm(len(train), generator=g)[:90].split(30)
+    ]  # fmt: skip
+    memory = list(PixelSource(train.images, table.images).batches(plans))
+    for world in (1, 2, 3):
+        for rank in range(world):
+            source = PixelSource(s_train.images, s_table.images, rank, world, workers=2)
+            for m, s in zip(memory, source.batches(plans), strict=True):
+                rows = torch.arange(30)[rank::world]
+                syn_rows = torch.stack([2 * rows, 2 * rows + 1], 1).flatten()
+                assert torch.equal(s.real[rows], m.real[rows])
+                assert torch.equal(s.syn[syn_rows], m.syn[syn_rows])
+                if world > 1:  # the other ranks' rows are not decoded here
+                    others = torch.ones(30, dtype=torch.bool)
+                    others[rows] = False
+                    assert int(s.real[others].max()) == 0
+
+
+@pytest.mark.parametrize("loss", ["ce", "csm"])
+def test_same_seed_same_losses_and_weights_on_both_paths(root, loss):
+    csm = loss == "csm"
+    memory = (
+        load_real(root / "real" / "train"),
+        load_series_table(root / "mixed") if csm else None,
+    )
+    streamed = (
+        open_real(root / "real" / "train"),
+        open_series_table(root / "mixed") if csm else None,
+    )
+    results = []
+    for (train, table), workers in [(memory, 0), (streamed, 0), (streamed, 2)]:
+        stats = channel_stats(train.images, 3)  # the stage's normalisation, from each path
+        source = PixelSource(train.images, table.images if csm else None, workers=workers)
+        module, optimizer = build_module("digits-cnn", csm, seed=3)
+        losses = []
+        for epoch in range(2):  # the same workers serve both epochs
+            losses += train_steps(
+                module, optimizer, train, table, source, stats, seed=3, epoch=epoch,
+                batch_size=64, steps=3,
+            )  # fmt: skip
+        results.append((losses, module.state_dict()))
+    (ref_losses, ref_state), *others = results
+    assert len(ref_losses) == 6 and len(set(ref_losses)) == 6
+    for losses, state in others:
+        assert losses == ref_losses
+        assert all(torch.equal(state[k], ref_state[k]) for k in ref_state)
+
+
+def test_statistics_and_logits_read_through_the_store(root):
+    """channel_stats and collect_logits, unchanged, on a store (evaluate's real/test)."""
+    folder = root / "real" / "test"
+    memory, streamed = load_real(folder), open_real(folder)
+    assert channel_stats(streamed.images, 3, chunk=100) == channel_stats(
+        memory.images, 3, chunk=100
+    )
+    model, _ = build_module("digits-cnn", False, seed=0)
+    mean, std = channel_stats(memory.images, 3)
+    expected = collect_logits(model.model, memory.images, mean, std, batch_size=64)
+    ahead = SequentialImages(streamed.images, chunk=64, workers=2)
+    assert torch.equal(collect_logits(model.model, ahead, mean, std, batch_size=64), expected)
+    assert torch.equal(collect_logits(model.model, ahead, mean, std, batch_size=64), expected)
+    assert torch.equal(
+        collect_logits(model.model, streamed.images, mean, std, batch_size=50), expected
+    )
+
+
+# ---------------------------------------------------------------- memory
+
+
+@pytest.mark.slow
+def test_streaming_trains_with_peak_memory_well_below_the_decoded_set(tmp_path):
+    """12,800 images of 256x256 (2.5 GB decoded) and a 0.6 GB budget: auto chooses stream,
+    and a training process with 2 DataLoader workers peaks far below the decoded size."""
+    write_dataset(tmp_path, 12_800, 10, 3, 256, per_shard=1_000, distinct=64)
+    folder = tmp_path / "real" / "train"
+    decoded = decoded_bytes(folder)
+    assert decoded == 12_800 * 256 * 256 * 3
+    assert choose_data_path("auto", [folder], budget_gb=0.6).path == "stream"
+    r = measure(root=str(tmp_path), path="stream", loss="ce", model="pool-linear", steps=8,
+                batch=32, workers=2, stats=[[0.5] * 3, [0.25] * 3])  # fmt: skip
+    decoded_mb = decoded / 2**20
+    print(f"decoded {decoded_mb:.0f} MB, RSS after imports {r['base_mb']:.0f} MB, peak RSS "
+          f"{r['main_mb']:.0f} MB, with workers {r['tree_mb']:.0f} MB")  # fmt: skip
+    assert len(r["losses"]) == 8 and all(np.isfinite(r["losses"]))
+    assert r["main_mb"] < decoded_mb / 2 and r["tree_mb"] < decoded_mb / 2
