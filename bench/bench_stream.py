@@ -25,10 +25,9 @@ import numpy as np
 import torch
 
 from models.classifiers import build_classifier
+from models.objectives import TrainingModule, build_objective
 from models.training import (
     SeriesIndex,
-    TrainingModule,
-    build_objective,
     channel_stats,
     csm_targets,
     epoch_batches,
