@@ -150,6 +150,26 @@ def snapshot(root: Path) -> dict[str, tuple[int, bytes]]:
 # ---------------------------------------------------------------- kill and rerun
 
 
+def save_generator(root: Path, unet) -> None:
+    """root/generator/ in fit-generator's format from a (tiny, random) UNet: diffusers folder +
+    a generator manifest pinning its weights' sha256 and root/real/train. Draws nothing."""
+    from diffusers import DDPMScheduler
+
+    from models.generators.unet import save_unet
+    from pipeline.core.io import sha256_file
+    from shards.manifest import Manifest, manifest_digest, read_manifest, write_manifest
+
+    save_unet(root / "generator", unet, DDPMScheduler(timestep_spacing="trailing"))
+    names = read_manifest(root / "real" / "train").class_names
+    sha = sha256_file(root / "generator" / "unet" / "diffusion_pytorch_model.safetensors")
+    info = {"backend": "unet", "image_size": 16, "class_names": list(names), "weights_sha256": sha}
+    upstream = {"real": manifest_digest(root / "real" / "train")}
+    manifest = Manifest(
+        kind="generator", class_names=names, shards=(), upstream=upstream, info=info
+    )
+    write_manifest(root / "generator", manifest)
+
+
 def shards_done(folder: Path, at_least: int):
     """A kill_when condition: `folder` has at least this many complete shards (.done records)."""
     done = Path(folder) / ".done"

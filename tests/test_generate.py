@@ -17,10 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import kill_when, shards_done, snapshot, subprocess_env, tiny_vae
+from conftest import kill_when, save_generator, shards_done, snapshot, subprocess_env, tiny_vae
 from diffusers import (
     DDIMScheduler,
-    DDPMScheduler,
     DiTPipeline,
     DiTTransformer2DModel,
     StableDiffusionPipeline,
@@ -30,12 +29,12 @@ from diffusers import (
 from PIL import Image
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
-from models.generators import NonFiniteImageError, SeriesSpec, build_unet, load_generator, save_unet
+from models.generators import NonFiniteImageError, SeriesSpec, build_unet, load_generator
 from pipeline.cli import main
 from pipeline.core.io import sha256_file
 from pipeline.core.runtime import cpu_threads, derive_seed
 from pipeline.registry import resolve_stage_config, run_stage
-from shards.manifest import Manifest, manifest_digest, read_manifest, write_manifest
+from shards.manifest import manifest_digest, read_manifest
 from shards.reader import load_split
 from stages.generate import GenerationError, Generators, make_plan, sample_series
 
@@ -67,16 +66,7 @@ def src(digits_root, tmp_path_factory) -> Path:
     shutil.copytree(digits_root / "real", root / "real")
     torch.manual_seed(0)  # random init of the tiny model only
     unet = build_unet(16, num_classes=10, channels=(16, 32), attention=(False, True))
-    sched = DDPMScheduler(timestep_spacing="trailing")
-    save_unet(root / "generator", unet, sched)
-    names = read_manifest(root / "real" / "train").class_names
-    sha = sha256_file(root / "generator" / "unet" / "diffusion_pytorch_model.safetensors")
-    info = {"backend": "unet", "image_size": 16, "class_names": list(names), "weights_sha256": sha}
-    upstream = {"real": manifest_digest(root / "real" / "train")}
-    manifest = Manifest(
-        kind="generator", class_names=names, shards=(), upstream=upstream, info=info
-    )
-    write_manifest(root / "generator", manifest)
+    save_generator(root, unet)
     return out
 
 

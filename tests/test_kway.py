@@ -18,11 +18,10 @@ from test_edm import tiny_edm
 from test_generate import _save_dit, _save_sd
 
 from models.classifiers import build_classifier
-from models.generators import SeriesSpec, build_unet, load_generator, save_unet
-from pipeline.core.io import sha256_file
+from models.generators import SeriesSpec, build_unet, load_generator
 from pipeline.core.runtime import cpu_threads
 from pipeline.registry import run_stage
-from shards.manifest import Manifest, manifest_digest, read_manifest, write_manifest
+from shards.manifest import read_manifest, write_manifest
 from shards.reader import load_split
 from shards.runs import save_weights
 
@@ -59,20 +58,12 @@ def kway_src(digits_root, tmp_path_factory) -> Path:
         torch.manual_seed(0)
         unet = build_unet(16, num_classes=10, channels=(16, 32), attention=(False, True))
         encoder = build_classifier("digits-cnn", 10)
-    from diffusers import DDPMScheduler
+    from conftest import save_generator
 
-    save_unet(root / "generator", unet, DDPMScheduler(timestep_spacing="trailing"))
-    names = read_manifest(root / "real" / "train").class_names
-    sha = sha256_file(root / "generator" / "unet" / "diffusion_pytorch_model.safetensors")
-    info = {"backend": "unet", "image_size": 16, "class_names": list(names), "weights_sha256": sha}
-    upstream = {"real": manifest_digest(root / "real" / "train")}
-    write_manifest(
-        root / "generator",
-        Manifest(kind="generator", class_names=names, shards=(), upstream=upstream, info=info),
-    )
+    save_generator(root, unet)
     meta = {
         "arch": encoder.arch_config(),
-        "class_names": list(names),
+        "class_names": list(read_manifest(root / "real" / "train").class_names),
         "image_size": 16,
         "normalize": {"mean": [0.5, 0.5, 0.5], "std": [0.25, 0.25, 0.25]},
     }

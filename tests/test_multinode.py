@@ -26,15 +26,13 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import subprocess_env
-from diffusers import DDPMScheduler
+from conftest import save_generator, subprocess_env
 
-from models.generators import build_unet, save_unet
+from models.generators import build_unet
 from pipeline.cli import main
-from pipeline.core.io import sha256_file
 from pipeline.core.runtime import LaunchError, check_launcher, cpu_threads, disagreement
 from pipeline.registry import run_stage
-from shards.manifest import Manifest, manifest_digest, read_manifest, write_manifest
+from shards.manifest import read_manifest
 
 # 24 series of K = 4 in 12 shards (6 per rank); 8 rows per shard = one padded model call
 GENERATE = ["alphas=4", "steps=6", "limit=24", "series_per_shard=2"]
@@ -162,15 +160,7 @@ def src(digits_root, tmp_path_factory) -> Path:
     shutil.copytree(digits_root / "real", root / "real")
     torch.manual_seed(0)  # random init of the tiny model only
     unet = build_unet(16, num_classes=10, channels=(16, 32), attention=(False, True))
-    save_unet(root / "generator", unet, DDPMScheduler(timestep_spacing="trailing"))
-    names = read_manifest(root / "real" / "train").class_names
-    sha = sha256_file(root / "generator" / "unet" / "diffusion_pytorch_model.safetensors")
-    info = {"backend": "unet", "image_size": 16, "class_names": list(names), "weights_sha256": sha}
-    upstream = {"real": manifest_digest(root / "real" / "train")}
-    write_manifest(
-        root / "generator",
-        Manifest(kind="generator", class_names=names, shards=(), upstream=upstream, info=info),
-    )
+    save_generator(root, unet)
     return root
 
 
