@@ -198,19 +198,21 @@ def train_steps(
 
 
 class MemoryWatch:
-    """Peak memory of this process and its DataLoader workers, in MB.
+    """Peak memory of a process (this one by default) and its DataLoader workers, in MB.
 
     `main_mb`: the kernel's high-water mark of this process (VmHWM; it includes the ~0.5 GB
-    that `import torch` makes resident). `tree_mb`: the largest sum, sampled every `every`
-    seconds, of this process' RSS and its children's USS (the pages only that worker holds):
-    what the job adds to the machine, with the pages forked workers share with the parent
-    counted once (a worker's own maxrss would count them again).
+    that `import torch` makes resident); for another process (`pid`), the largest RSS
+    sampled. `tree_mb`: the largest sum, sampled every `every` seconds, of the process' RSS
+    and its children's USS (the pages only that worker holds): what the job adds to the
+    machine, with the pages forked workers share with the parent counted once (a worker's own
+    maxrss would count them again).
     """
 
-    def __init__(self, every: float = 0.05):
+    def __init__(self, every: float = 0.05, pid: int | None = None):
         import psutil  # accelerate's dependency
 
-        self.proc, self.every, self.tree_mb = psutil.Process(), every, 0.0
+        self.proc, self.every, self.pid = psutil.Process(pid), every, pid
+        self.tree_mb = self.rss_mb = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
@@ -218,11 +220,14 @@ class MemoryWatch:
         import psutil
 
         while not self._stop.is_set():
-            total = self.proc.memory_info().rss
-            for p in self.proc.children(recursive=True):
-                with contextlib.suppress(psutil.Error):  # a worker that just exited
-                    total += p.memory_full_info().uss
-            self.tree_mb = max(self.tree_mb, total / 2**20)
+            with contextlib.suppress(psutil.Error):  # the watched process just exited
+                rss = self.proc.memory_info().rss
+                total = rss
+                for p in self.proc.children(recursive=True):
+                    with contextlib.suppress(psutil.Error):  # a worker that just exited
+                        total += p.memory_full_info().uss
+                self.rss_mb = max(self.rss_mb, rss / 2**20)
+                self.tree_mb = max(self.tree_mb, total / 2**20)
             self._stop.wait(self.every)
 
     def __enter__(self) -> MemoryWatch:
@@ -235,6 +240,8 @@ class MemoryWatch:
 
     @property
     def main_mb(self) -> float:
+        if self.pid is not None:
+            return self.rss_mb
         status = Path("/proc/self/status").read_text()
         return (
             next(int(ln.split()[1]) for ln in status.splitlines() if ln.startswith("VmHWM")) / 1024

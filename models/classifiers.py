@@ -263,7 +263,10 @@ class TimmClassifier(Classifier):
                 f"cannot fetch pretrained weights for timm model {name!r} (offline?); "
                 "populate the Hugging Face cache first or use pretrained=False"
             ) from err
-        super().__init__(arch, num_classes, in_channels, feature_dim=int(backbone.num_features))
+        # what num_classes=0 returns: the pre-logits width, which differs from num_features
+        # where a head layer follows the pooling (MobileNetV3's conv_head: 288 -> 1024)
+        width = getattr(backbone, "head_hidden_size", None) or backbone.num_features
+        super().__init__(arch, num_classes, in_channels, feature_dim=int(width))
         self.backbone = backbone
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:

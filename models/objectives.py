@@ -43,6 +43,9 @@ class Objective(nn.Module):
     """
 
     needs_mixed = False
+    # `prepare` combines rows of the global batch (mixup's x[π]): a process needs every row's
+    # pixels, not only its own (the streaming path then decodes the whole batch on each rank)
+    mixes_rows = False
 
     def prepare(self, batch: dict[str, Any], generator: torch.Generator) -> dict[str, Any]:
         return batch
@@ -84,6 +87,8 @@ class CriterionObjective(Objective):
 
 class MixupObjective(Objective):
     """Mixup (METHODS §6): x̃ = λx + (1−λ)x[π] in `prepare`, λ·CE(y) + (1−λ)·CE(y[π])."""
+
+    mixes_rows = True
 
     def __init__(self, alpha: float = 1.0) -> None:
         super().__init__()

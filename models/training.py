@@ -97,10 +97,25 @@ def normalize(
     )
 
 
+STATS_CHUNK_VALUES = 1 << 24  # float64 values per channel_stats chunk: 128 MiB
+
+
+def stats_chunk(image_shape: Sequence[int], most: int = 4096) -> int:
+    """Images per channel_stats chunk: `most`, fewer when that many would exceed
+    STATS_CHUNK_VALUES (4096 CIFAR images fit; at 224 px they would be 4.9 GB of float64)."""
+    values = 1
+    for d in image_shape:
+        values *= int(d)
+    return max(1, min(most, STATS_CHUNK_VALUES // max(1, values)))
+
+
 def channel_stats(
-    images: Tensor, channels: int, chunk: int = 4096
+    images: Tensor, channels: int, chunk: int | None = None
 ) -> tuple[list[float], list[float]]:
-    """Per-channel mean and std of uint8 [N, H, W, 3] images in [0, 1] (grey when channels=1)."""
+    """Per-channel mean and std of uint8 [N, H, W, 3] images in [0, 1] (grey when channels=1),
+    summed in float64 over chunks of `chunk` images (None: `stats_chunk` of the image shape)."""
+    if chunk is None:
+        chunk = stats_chunk(tuple(images.shape[1:]))
     total = torch.zeros(channels, dtype=torch.float64)
     total_sq = torch.zeros(channels, dtype=torch.float64)
     count = 0

@@ -98,6 +98,11 @@ class Checkpointer:
     or removes, and `barrier` (accelerator.wait_for_everyone) keeps the others in step.
 
     `files`: semix's own safetensors files a checkpoint may hold besides the marker.
+    `share(value)`: every process gets the main process's `value` (a broadcast). With it, which
+    checkpoint to resume from is decided once, on the main process: on a shared filesystem
+    (NFS) another node's cached listing may not show the newest checkpoint yet, and ranks that
+    resumed from different epochs would train on as one run. Without it (one process), every
+    process decides for itself.
     """
 
     def __init__(
@@ -108,11 +113,12 @@ class Checkpointer:
         files: tuple[str, ...] = (),
         is_main: bool = True,
         barrier: Callable[[], None] = lambda: None,
+        share: Callable[[Any], Any] | None = None,
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep at least one checkpoint, got keep={keep}")
         self.folder, self.keep, self.files = Path(folder), keep, files
-        self.is_main, self.barrier = is_main, barrier
+        self.is_main, self.barrier, self.share = is_main, barrier, share
 
     # ------------------------------------------------------------ reading
 
@@ -126,7 +132,23 @@ class Checkpointer:
         return found
 
     def choose(self, resume: str) -> Path | None:
-        """The checkpoint `resume` asks for (RESUME_HELP); None = start from scratch."""
+        """The checkpoint `resume` asks for (RESUME_HELP); None = start from scratch. With
+        `share`, the main process's answer (or its one-line error) on every process."""
+        if self.share is None:
+            return self._choose(resume)
+        answer: tuple[str, str | None] | None = None
+        if self.is_main:
+            try:
+                chosen = self._choose(resume)
+                answer = ("path", None if chosen is None else str(chosen))
+            except ShardError as e:  # every process fails with it (none waits forever)
+                answer = ("error", str(e))
+        kind, value = self.share(answer)
+        if kind == "error":
+            raise ShardError(value)
+        return None if value is None else Path(value)
+
+    def _choose(self, resume: str) -> Path | None:
         if resume == "":
             return None
         complete = self.complete()

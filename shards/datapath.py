@@ -23,9 +23,11 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from pipeline.core.config import check_choice, check_range
 from shards.manifest import read_manifest
 from shards.offsets import read_member, shard_members
 
@@ -38,6 +40,16 @@ DEFAULT_STREAM_PREFETCH = 2
 # twice the decoded size while loading, whatever device the tensors end on
 HOST_PEAK_FACTOR = 2
 GB = 1e9
+# the fields that say how to read, never what is computed: not part of a folder's identity
+DATA_FIELDS = ("data_path", "memory_budget_gb", "stream_workers", "stream_prefetch")
+
+
+def check_data_fields(cfg: Any) -> None:
+    """Config validation of the DATA_FIELDS (train and evaluate): one line per bad value."""
+    check_choice("data_path", cfg.data_path, DATA_PATHS)
+    check_range("memory_budget_gb", cfg.memory_budget_gb, 0.0)
+    check_range("stream_workers", cfg.stream_workers, 0)
+    check_range("stream_prefetch", cfg.stream_prefetch, 1)
 
 
 def image_size_of(folder: Path) -> tuple[int, int]:

@@ -27,6 +27,7 @@ import webdataset as wds
 from PIL import Image
 
 from pipeline.core.io import atomic_write_json, canonical_json, read_json, sha256_file, tmp_path_for
+from shards.datapath import DATA_FIELDS
 from shards.manifest import (
     MANIFEST,
     Manifest,
@@ -172,8 +173,9 @@ class ShardFolder:
 
 # Config fields that say where an output lives or how it is read, not what it holds: left out
 # of the identity check, so that moving or renaming the runs root, or a relative vs absolute
-# out=, keeps an output resumable (ARCHITECTURE §2), and so is turning shard hashing off.
-NOT_IDENTITY = ("out", "name", "verify_sha256")
+# out=, keeps an output resumable (ARCHITECTURE §2), and so is turning shard hashing off or
+# switching between the in-memory and the streaming data path (same bytes either way).
+NOT_IDENTITY = ("out", "name", "verify_sha256", *DATA_FIELDS)
 
 
 def _identity(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -48,10 +48,11 @@ from pipeline.core.io import (
 from pipeline.core.plots import reliability_diagram
 from pipeline.core.runtime import Processes, code_version, log
 from shards import evals
-from shards.datasets import check_same_classes, load_real
+from shards.datasets import RealSplit, check_same_classes
 from shards.manifest import MANIFEST, ShardError, manifest_digest
 from shards.runs import META
 from shards.runs import load_model as load_run_model
+from stages import data as datapath
 from stages.configs.evaluate import Config
 from stages.evaluate_report import ENSEMBLE, write_report
 
@@ -149,10 +150,36 @@ def corruption_metrics(
 
 
 def measure(cfg: Config, folders: dict[str, Path]):
-    """({name: evaluation dict}, {name: test logits}, real/test) for every run and the ensemble."""
+    """({name: evaluation dict}, {name: test logits}, real/test) for every run and the ensemble.
+    Test, val and the OOD set are decoded into memory or streamed (`data_path`, stages/data.py);
+    each run's logits are one in-order pass over them either way."""
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     names = list(folders)
-    test, val = load_real(cfg.root / "real" / "test"), load_real(cfg.root / "real" / "val")
+    real = cfg.root / "real"
+    ood = [evals.ood_folder(cfg.ood)] if cfg.ood else []
+    path = datapath.choose_path(cfg, [real / "test", real / "val", *ood], torch.device("cpu"))
+
+    def split(folder: Path) -> RealSplit:  # workers start here, before the models are loaded
+        return datapath.sequential(datapath.open_split(folder, path, "cpu"), cfg.batch_size, cfg)
+
+    test, val = split(real / "test"), split(real / "val")
+    ood_split = split(ood[0]) if ood else None
+    log.info("evaluate: %s", path.describe())
+    try:
+        return _measure(cfg, folders, names, device, test, val, ood_split)
+    finally:
+        datapath.close(test, val, ood_split)
+
+
+def _measure(
+    cfg: Config,
+    folders: dict[str, Path],
+    names: list[str],
+    device: torch.device,
+    test: RealSplit,
+    val: RealSplit,
+    ood_split: RealSplit | None,
+):
     check_same_classes("real/val", val.class_names, test.class_names, "real/test")
     models = {n: load_model(folders[n], device, test.class_names) for n in names}
     ens_name = cfg.ensemble_name or "+".join(names)
@@ -209,7 +236,8 @@ def measure(cfg: Config, folders: dict[str, Path]):
     # 3. Optional OOD set and corruptions.
     if cfg.ood:
         folder = evals.ood_folder(cfg.ood)
-        ood_logits = logits_of(load_real(folder).images)
+        assert ood_split is not None  # opened by measure
+        ood_logits = logits_of(ood_split.images)
         for n, r in results.items():
             t = temps[n]
             r["ood"] = {

@@ -42,6 +42,7 @@ from pipeline.core.runtime import (
     log,
     make_generator,
     progress,
+    share_from_main,
 )
 from shards.checkpoints import LOAD_KWARGS, MARKER, Checkpointer
 from shards.manifest import MANIFEST, Manifest, ShardError, manifest_digest, write_manifest
@@ -144,6 +145,7 @@ def train(
         files=(EMA,),
         is_main=accelerator.is_main_process,
         barrier=accelerator.wait_for_everyone,
+        share=share_from_main(accelerator),
     )
     with torch.random.fork_rng(devices=[]):  # the random init, seeded, global RNG left alone
         torch.manual_seed(derive_seed(cfg.seed, "fit-init"))

@@ -44,11 +44,13 @@ from models.training import (
     sample_csm_members,
 )
 from pipeline.core.io import atomic_write_json
-from pipeline.core.runtime import code_version, log, make_generator, progress
+from pipeline.core.runtime import code_version, log, make_generator, progress, share_from_main
 from shards.checkpoints import LOAD_KWARGS, Checkpointer
 from shards.datasets import RealSplit
 from shards.manifest import ShardError
+from shards.prefetch import PixelSource, StepPlan
 from shards.runs import finish_run, write_weights
+from shards.store import SeriesImages
 
 BEST = "best.safetensors"  # in a checkpoint: the best weights so far (keep="best")
 OBJECTIVE = "objective.safetensors"  # in a checkpoint: the objective's tensor state
@@ -76,7 +78,7 @@ class Recipe:
 class Mixed:
     """The series table on the device, with the targets CSM trains on (METHODS §3)."""
 
-    images: Tensor  # uint8 [S, K, H, W, 3]
+    images: Tensor | SeriesImages  # uint8 [S, K, H, W, 3] (stream path: decoded when indexed)
     classes: Tensor  # [S, 2] (k-way: [S, k])
     soft: Tensor  # t_a [S, K] (k-way: t over the tuple [S, K, k])
     index: SeriesIndex
@@ -85,7 +87,11 @@ class Mixed:
 
 @dataclass
 class Data:
-    """What a step and validation read, on the device; mean/std: the run's normalisation."""
+    """What a step and validation read; mean/std: the run's normalisation.
+
+    Labels and series fields are on the device; pixels come from `pixels` (stages/data.py:
+    device tensors, or shards decoded ahead by DataLoader workers). Without one, `fit` indexes
+    train.images (and mixed.images) as device tensors."""
 
     train: RealSplit
     val: RealSplit
@@ -93,6 +99,7 @@ class Data:
     std: list[float] | Tensor
     image_size: int
     mixed: Mixed | None = None
+    pixels: PixelSource | None = None
 
 
 @dataclass
@@ -126,34 +133,54 @@ def check_resume(run_dir: Path, resume: str) -> None:
 # ---------------------------------------------------------------- one step's inputs
 
 
+def plan_steps(data: Data, batches: list[Tensor], extra: torch.Generator) -> list[StepPlan]:
+    """What each step of an epoch reads: its global batch of real/train samples and, for CSM,
+    each real image's two series members (METHODS §3: a random complete series containing
+    its label, that series' best member for the label + a random interior one). Planned for
+    the whole epoch first, so the streaming path can decode ahead; `extra` draws the members
+    of step 1, 2, ... in turn, then serves the objectives' `prepare` (no objective uses both,
+    so each draws what it drew when the two were interleaved step by step)."""
+    mixed = data.mixed
+    if mixed is None:
+        return [StepPlan(idx) for idx in batches]
+    plans = []
+    for idx in batches:
+        y = data.train.labels[idx]
+        series, pos = sample_csm_members(
+            y, mixed.index, mixed.soft, extra, check=False, interior=mixed.interior
+        )
+        plans.append(StepPlan(idx, series, pos))
+    return plans
+
+
 def make_batch(
     recipe: Recipe,
     data: Data,
-    idx: Tensor,
+    plan: StepPlan,
+    pixels: Any,
     augment: torch.Generator,
     extra: torch.Generator,
     objective: Any,
     rank: int,
     world: int,
 ) -> dict[str, Any]:
-    """This process's rows of the global batch `idx`, augmented, CSM-sampled and prepared as a
-    whole first (see the module docstring)."""
-    train, mixed = data.train, data.mixed
+    """This process's rows of the planned global batch, augmented and prepared as a whole first
+    (see the module docstring). `pixels` (shards.prefetch.Pixels): the plan's uint8 images,
+    real [B, ...] and for CSM syn [2B, ...]."""
+    idx, mixed = plan.idx, data.mixed
     cl = idx.device.type == "cuda"  # channels_last on GPU
     mean, std = data.mean, data.std
 
     def norm(images: Tensor) -> Tensor:
         return normalize(images, mean, std, data.image_size, channels_last=cl)
 
-    y = train.labels[idx]
-    images = random_crop_flip(train.images[idx], augment, recipe.crop_pad, recipe.flip)
+    y = data.train.labels[idx]
+    images = random_crop_flip(pixels.real, augment, recipe.crop_pad, recipe.flip)
     batch: dict[str, Any] = {"idx": idx, "x": norm(images), "y": y}
-    if mixed is not None:  # METHODS §3: per real image, its series' best member + an interior one
-        series, pos = sample_csm_members(
-            y, mixed.index, mixed.soft, extra, check=False, interior=mixed.interior
-        )
-        syn = mixed.images[series, pos].flatten(0, 1)
-        batch["x_syn"] = norm(random_crop_flip(syn, augment, recipe.crop_pad, recipe.flip))
+    if mixed is not None and plan.series is not None:
+        series, pos = plan.series, plan.pos
+        syn = random_crop_flip(pixels.syn, augment, recipe.crop_pad, recipe.flip)
+        batch["x_syn"] = norm(syn)
         batch["t_syn"] = csm_targets(
             mixed.classes[series].flatten(0, 1),
             mixed.soft[series, pos].flatten(0, 1),
@@ -197,8 +224,11 @@ def train_epoch(
     sums = torch.zeros(2, dtype=torch.float64, device=dev)  # loss sum, correct
     count = 0
     batches = epoch_batches(len(data.train), recipe.batch_size, order, 2 * world)
-    for idx in (b.to(dev) for b in batches):
-        batch = make_batch(recipe, data, idx, augment, extra, objective, rank, world)
+    plans = plan_steps(data, [b.to(dev) for b in batches], extra)
+    assert data.pixels is not None  # fit provides one
+    for plan, pixels in zip(plans, data.pixels.batches(plans), strict=True):
+        idx = plan.idx
+        batch = make_batch(recipe, data, plan, pixels, augment, extra, objective, rank, world)
         optimizer.zero_grad(set_to_none=True)
         loss, logits = module(**batch)
         n = batch["y"].numel()
@@ -255,10 +285,12 @@ def fit(
     every epoch. `on_epoch` (main process) sees the state after each checkpoint, `describe`
     adds to the epoch's log line."""
     main, dev = accelerator.is_main_process, accelerator.device
+    pixels = data.pixels or PixelSource(data.train.images, data.mixed and data.mixed.images)
     data = replace(
         data,
         mean=torch.as_tensor(data.mean, dtype=torch.float32, device=dev),
         std=torch.as_tensor(data.std, dtype=torch.float32, device=dev),
+        pixels=pixels,
     )
     ckpt = Checkpointer(
         run_dir / "checkpoints",
@@ -266,6 +298,7 @@ def fit(
         files=(BEST, OBJECTIVE),
         is_main=main,
         barrier=accelerator.wait_for_everyone,
+        share=share_from_main(accelerator),
     )
     module, optimizer = accelerator.prepare(module, optimizer)
     inner = accelerator.unwrap_model(module)

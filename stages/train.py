@@ -5,9 +5,10 @@
     torchrun --nproc_per_node 2 -m pipeline train ...       (CPU, gloo)
 
 A fresh classifier (init from (seed, "init")) and the objective of `loss=` go through the one
-training loop (stages/loop.py): SGD with a multistep lr, the datasets in device memory, a
-checkpoint after each epoch, resume from the newest complete one (bit for bit on CPU), the
-weights of the best validation epoch kept.
+training loop (stages/loop.py): SGD with a multistep lr, a checkpoint after each epoch, resume
+from the newest complete one (bit for bit on CPU), the weights of the best validation epoch
+kept. The images are decoded into device memory, or streamed from the shards when they would
+not fit (`data_path=`, stages/data.py): the same steps and the same weights either way.
 
 Run folder: config.json (first), checkpoints/checkpoint_<n>/ (after epoch n), metrics.json
 (per-epoch history, rewritten each epoch), then model.safetensors + model.json, curves.png and
@@ -26,14 +27,17 @@ from models.annotation import soft_targets
 from models.classifiers import build_classifier
 from models.objectives import TrainingModule, build_objective
 from models.simplex import softmax_targets
-from models.training import SeriesIndex, channel_stats, interior_positions, multistep_lr
+from models.training import SeriesIndex, interior_positions, multistep_lr
 from pipeline.core.io import atomic_write_json
 from pipeline.core.plots import lines
 from pipeline.core.runtime import code_version, derive_seed, log, make_generator
-from shards.datasets import RealSplit, check_same_classes, load_real, load_series_table
+from shards.datapath import DataPathChoice
+from shards.datasets import RealSplit, check_same_classes
 from shards.manifest import ShardError, manifest_digest, read_manifest
+from shards.prefetch import PixelSource
 from shards.runs import run_complete
 from shards.writer import write_config
+from stages import data as datapath
 from stages.configs.train import Config
 from stages.loop import (
     Data,
@@ -53,9 +57,9 @@ def mixed_folder(cfg: Config) -> Path:
     return Path(cfg.mixed) if cfg.mixed else cfg.root / "mixed"
 
 
-def load_mixed(cfg: Config, train: RealSplit, device: torch.device) -> Mixed:
+def load_mixed(cfg: Config, train: RealSplit, path: DataPathChoice, device: torch.device) -> Mixed:
     folder = mixed_folder(cfg)
-    table = load_series_table(folder, train.class_names, device, image_size=train.image_size)
+    table = datapath.open_series(folder, path, train.class_names, device, train.image_size)
     index = SeriesIndex(table.classes, len(train.class_names))
     if index.missing():
         names = [train.class_names[c] for c in index.missing()]
@@ -81,13 +85,21 @@ def load_mixed(cfg: Config, train: RealSplit, device: torch.device) -> Mixed:
     return Mixed(table.images, table.classes, soft.float(), index, interior)
 
 
-def load_data(cfg: Config, device: torch.device) -> tuple[RealSplit, RealSplit]:
+def data_folders(cfg: Config, needs_mixed: bool) -> list[Path]:
+    """Every folder whose images the run reads (what the memory path would hold decoded)."""
     real = cfg.root / "real"
-    train, val = load_real(real / "train", device), load_real(real / "val", device)
+    return [real / "train", real / "val", *([mixed_folder(cfg)] if needs_mixed else [])]
+
+
+def load_data(
+    cfg: Config, path: DataPathChoice, device: torch.device
+) -> tuple[RealSplit, RealSplit]:
+    real = cfg.root / "real"
+    train = datapath.open_split(real / "train", path, device)
+    val = datapath.open_split(real / "val", path, device)
     check_same_classes(f"{real / 'val'}", val.class_names, train.class_names, "real/train")
     if cfg.train_limit:
-        n = cfg.train_limit
-        train = RealSplit(train.images[:n], train.labels[:n], train.class_names)
+        train = datapath.head(train, cfg.train_limit)
     return train, val
 
 
@@ -119,14 +131,28 @@ def run(cfg: Config) -> Path:
         return run_dir
 
     check_resume(run_dir, cfg.resume)
-    # 2. Data into device memory (bad input fails here, before anything is written).
-    train, val = load_data(cfg, dev)
-    mixed = load_mixed(cfg, train, dev) if needs_mixed else None
+    # 2. Data, decoded into device memory or opened for streaming (bad input fails here, before
+    #    anything is written); DataLoader workers start now, before the model exists.
+    path = datapath.choose_path(cfg, data_folders(cfg, needs_mixed), dev, accelerator)
+    train, val = load_data(cfg, path, dev)
+    mixed = load_mixed(cfg, train, path, dev) if needs_mixed else None
     if main:
+        log.info("train %s: %s", cfg.run, path.describe())
         write_config(run_dir, cfg.record())
     accelerator.wait_for_everyone()
-    mean, std = channel_stats(train.images, cfg.in_channels)  # normalisation from real/train
-    data = Data(train, val, mean, std, train.image_size, mixed)
+    mean, std = datapath.statistics(train, cfg.in_channels, cfg)  # normalisation: real/train
+    val = datapath.sequential(val, cfg.eval_batch_size, cfg)
+    # a rank decodes its own rows, or all of them when the objective mixes rows (mixup)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    pixels = PixelSource(
+        train.images,
+        mixed.images if mixed else None,
+        *((0, 1) if probe.mixes_rows else (rank, world)),
+        workers=cfg.stream_workers,
+        prefetch=cfg.stream_prefetch,
+        device=dev,
+    )
+    data = Data(train, val, mean, std, train.image_size, mixed, pixels)
 
     # 3. Model (+ objective parameters) and optimizer; init from (seed, "init").
     with torch.random.fork_rng(devices=[]):
@@ -169,11 +195,13 @@ def run(cfg: Config) -> Path:
     )
 
     def progress_metrics(state: LoopState) -> None:
-        atomic_write_json(run_dir / "metrics.json", {"train": _section(cfg, state, False)})
+        atomic_write_json(run_dir / "metrics.json", {"train": _section(cfg, state, False, path)})
 
-    result = fit(
-        run_dir, recipe, module, optimizer, data, accelerator, f"train {cfg.run}", progress_metrics
-    )
+    try:
+        name = f"train {cfg.run}"
+        result = fit(run_dir, recipe, module, optimizer, data, accelerator, name, progress_metrics)
+    finally:
+        datapath.close(pixels, val)
 
     # 5. Outputs (main): the best epoch's weights with what a reader needs, metrics, curves,
     #    the manifest last.
@@ -198,7 +226,7 @@ def run(cfg: Config) -> Path:
         def plot(folder: Path) -> None:
             lines(curves, folder / "curves.png", xlabel="epoch", title=f"{cfg.run} ({cfg.loss})")
 
-        metrics = {"train": _section(cfg, state, True)}
+        metrics = {"train": _section(cfg, state, True, path)}
         write_run(run_dir, result.weights, meta, metrics, [plot], made_from)
         log.info(
             "train %s: best epoch %d, val acc %.2f %% -> %s",
@@ -208,7 +236,7 @@ def run(cfg: Config) -> Path:
     return run_dir
 
 
-def _section(cfg: Config, state: LoopState, finished: bool) -> dict[str, Any]:
+def _section(cfg: Config, state: LoopState, finished: bool, path: DataPathChoice) -> dict[str, Any]:
     return {
         "run": cfg.run,
         "loss": cfg.loss,
@@ -219,4 +247,9 @@ def _section(cfg: Config, state: LoopState, finished: bool) -> dict[str, Any]:
         "best_val_acc": state.best_val_acc,
         "history": state.history,
         "finished": finished,
+        "data_path": {
+            "path": path.path,
+            "decoded_bytes": path.decoded,
+            "budget_bytes": path.budget,
+        },
     }

@@ -109,6 +109,33 @@ def test_resume_policy(tmp_path):
     assert list(ckpt.folder.iterdir()) == []
 
 
+def test_the_main_process_chooses_the_checkpoint_for_every_rank(tmp_path):
+    """On a shared filesystem another node may list a stale folder (no checkpoint_3 yet):
+    with `share` (a broadcast) every rank resumes from the main process's choice, and the
+    main process's one-line error is every rank's error (none waits for an answer)."""
+    main_view, stale_view = tmp_path / "main", tmp_path / "stale"
+    for n in (2, 3):
+        _save(Checkpointer(main_view, keep=5, files=("ema.safetensors",)), n)
+    _save(Checkpointer(stale_view, keep=5, files=("ema.safetensors",)), 2)
+    sent = []
+
+    def broadcast(value):  # rank 0 sends, the other rank receives what it sent
+        if value is not None:
+            sent.append(value)
+        return sent[-1]
+
+    ranks = [Checkpointer(view, keep=5, is_main=main, share=broadcast)
+             for view, main in ((main_view, True), (stale_view, False))]  # fmt: skip
+    assert [r.choose("auto") for r in ranks] == [main_view / "checkpoint_3"] * 2
+    assert Checkpointer(stale_view, keep=5).choose("auto") == stale_view / "checkpoint_2"
+    assert [r.choose("") for r in ranks] == [None, None]
+    (main_view / "checkpoint_2").rename(tmp_path / "elsewhere")
+    (main_view / "checkpoint_3").rename(tmp_path / "elsewhere3")
+    for rank in ranks:
+        with pytest.raises(ShardError, match=f"resume=latest: {main_view / ''}"):
+            rank.choose("latest")
+
+
 def test_a_run_is_complete_only_with_its_manifest(tmp_path):
     state = {"w": torch.arange(4.0)}
     meta = {"arch": {"arch": "x"}, "class_names": ["a", "b"], "image_size": 8, "normalize": {}}

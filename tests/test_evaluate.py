@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -280,6 +281,32 @@ def test_same_inputs_give_the_same_bytes_anywhere(tmp_path):
     assert snapshot(a / "eval").keys() == snapshot(b / "eval").keys()
     assert eval_files(a / "eval" / "train" / "over") == eval_files(b / "eval" / "train" / "over")
     assert (a / "eval" / "report.md").read_bytes() == (b / "eval" / "report.md").read_bytes()
+
+
+def test_streamed_splits_give_the_same_evaluation_as_decoded_ones(tmp_path, caplog):
+    """Two runs + their ensemble + an OOD set, evaluated with test/val/OOD decoded into memory
+    and streamed from the shards (auto, chosen by a budget below their decoded size): the same
+    bytes in every eval folder and in the report."""
+    roots = {}
+    for path, sets in (("memory", ["data_path=memory"]),
+                       ("stream", ["memory_budget_gb=0.00001", "stream_workers=2"])):  # fmt: skip
+        root = constructed_root(tmp_path / path)
+        torch.manual_seed(1)
+        save_run(
+            root / "train" / "other", build_classifier("digits-cnn", 4, 3), ["c0", "c1", "c2", "c3"]
+        )
+        rng = np.random.default_rng(1)
+        ood = tmp_path / path / "ood" / "real" / "test"
+        write_split(ood, rng.integers(0, 40, (50, 16, 16, 3), dtype=np.uint8), np.zeros(50), ["x"])
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="semix"):
+            evaluate(root, "runs=over,other", "batch_size=64", f"ood={ood}", *sets)
+        chosen = [r.getMessage() for r in caplog.records if "data path" in r.getMessage()]
+        assert len(chosen) == 1 and chosen[0].startswith(f"evaluate: data path {path}:"), chosen
+        roots[path] = root
+    memory, stream = (snapshot(roots[p] / "eval") for p in ("memory", "stream"))
+    assert sorted(memory) == sorted(stream) and len(memory) == 3 * 4 + 1  # 3 folders + report
+    assert {k: v[1] for k, v in memory.items()} == {k: v[1] for k, v in stream.items()}
 
 
 def test_an_unfinished_run_is_not_evaluated(tmp_path, capsys):

@@ -356,13 +356,18 @@ def _history(run_dir: Path) -> list[dict]:
 @pytest.mark.slow
 def test_train_and_evaluate_on_two_nodes_match_two_processes_on_one_node(src, tmp_path):
     """DDP over two nodes = DDP over two processes of one node (same world, same slices, gloo
-    all-reduce of two summands): the weights come out bit for bit equal, hence every metric."""
+    all-reduce of two summands): the weights come out bit for bit equal, hence every metric.
+    The two nodes stream their images (each rank decodes its own rows in a DataLoader worker),
+    the one node decodes them into memory: the data path changes nothing either."""
     one = shared_root(tmp_path / "one", src, "real")
     two = shared_root(tmp_path / "two", src, "real")
     standalone = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]  # fmt: skip
     assert_ok(launch([standalone], ["train", "--set", f"out={one}", *TRAIN], node_dirs(tmp_path / "one", 1)))  # fmt: skip
     dirs = node_dirs(tmp_path / "two")
-    assert_ok(launch(torchrun_nodes(free_port(), dirs), ["train", "--set", f"out={two}", *TRAIN], dirs))  # fmt: skip
+    streamed = ["data_path=stream", "stream_workers=1"]
+    assert_ok(launch(torchrun_nodes(free_port(), dirs), ["train", "--set", f"out={two}", *TRAIN, *streamed], dirs))  # fmt: skip
+    paths = [json.loads((r / "digits" / "train" / "mn" / "metrics.json").read_text())["train"]["data_path"]["path"] for r in (one, two)]  # fmt: skip
+    assert paths == ["memory", "stream"]  # auto chose memory for the small set
     a, b = one / "digits" / "train" / "mn", two / "digits" / "train" / "mn"
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
     assert (a / "model.json").read_bytes() == (b / "model.json").read_bytes()

@@ -23,14 +23,16 @@ from pipeline.cli import main
 from pipeline.core.io import sha256_file
 from pipeline.core.runtime import make_generator
 from pipeline.registry import resolve_stage_config, run_stage
+from shards.datapath import DataPathChoice
 from shards.datasets import load_series_table
 from shards.manifest import manifest_digest, read_manifest
+from shards.prefetch import PixelSource
 from shards.reader import load_split
 from shards.runs import load_model
 from shards.writer import ShardFolder
 from stages import train as train_stage
 from stages.configs.train import LOSS_FIELDS
-from stages.loop import Data, Recipe, make_batch
+from stages.loop import Data, Recipe, make_batch, plan_steps
 
 K = 4  # members per series in the test mixed/ folder
 TINY = ["epochs=1", "train_limit=192", "batch_size=64"]
@@ -226,21 +228,30 @@ def _cli(root: Path, extra: list[str]) -> list[str]:
     return ["-m", "pipeline", "train", "--preset", "digits", "--set", f"out={root.parent}", *extra]
 
 
+@pytest.mark.parametrize("path", ["memory", "stream"])
 @pytest.mark.parametrize("loss", ["csm", "mixup"])
-def test_a_step_draws_the_same_samples_on_any_number_of_processes(root, loss):
+def test_a_step_draws_the_same_samples_on_any_number_of_processes(root, loss, path):
     """The global batch is augmented, CSM-sampled and mixed as a whole, then sliced rank::world:
-    the rows of 2 processes, interleaved, are the 1-process batch (9 rows: 5 + 4)."""
+    the rows of 2 processes, interleaved, are the 1-process batch (9 rows: 5 + 4), on either
+    data path (streamed, a rank decodes only its rows and their series members, or every row
+    when the objective mixes rows: mixup)."""
     cfg = resolve_stage_config("train", "digits", [f"out={root.parent}", f"loss={loss}"])
-    real, val = train_stage.load_data(cfg, torch.device("cpu"))
-    mixed = train_stage.load_mixed(cfg, real, torch.device("cpu")) if loss == "csm" else None
-    data = Data(real, val, torch.tensor([0.4]), torch.tensor([0.3]), 16, mixed)
+    cpu, choice = torch.device("cpu"), DataPathChoice(path, 0, 0)
+    real, val = train_stage.load_data(cfg, choice, cpu)
+    mixed = train_stage.load_mixed(cfg, real, choice, cpu) if loss == "csm" else None
     objective = build_objective(loss, 10, **cfg.loss_params())
     recipe = Recipe(key=(0,), epochs=1, batch_size=9, lr=lambda e: 0.1, crop_pad=2, flip=True)
     idx = torch.tensor([3, 141, 59, 26, 535, 89, 79, 323, 84])
 
     def step(rank: int, world: int) -> dict:
+        series = mixed.images if mixed else None
+        rows = (0, 1) if objective.mixes_rows else (rank, world)  # as the stage does
+        pixels = PixelSource(real.images, series, *rows, workers=0)
+        data = Data(real, val, torch.tensor([0.4]), torch.tensor([0.3]), 16, mixed, pixels)
         aug, extra = make_generator(0, "aug"), make_generator(0, "extra")
-        return make_batch(recipe, data, idx, aug, extra, objective, rank, world)
+        plans = plan_steps(data, [idx], extra)
+        return make_batch(recipe, data, plans[0], next(pixels.batches(plans)), aug, extra,
+                          objective, rank, world)  # fmt: skip
 
     one, ranks = step(0, 1), [step(0, 2), step(1, 2)]
     assert len(ranks[0]["y"]) == 5 and len(ranks[1]["y"]) == 4
@@ -253,6 +264,42 @@ def test_a_step_draws_the_same_samples_on_any_number_of_processes(root, loss):
             got = part[key].unflatten(0, (-1, 2)) if key in ("x_syn", "t_syn") else part[key]
             assert torch.equal(got, rows[rank::2]), key
     assert (loss == "csm") == ("x_syn" in one) and (loss == "mixup") == ("y_b" in one)
+
+
+def _history(run_dir: Path) -> list[dict]:
+    """The per-epoch history without the wall-clock fields."""
+    hist = json.loads((run_dir / "metrics.json").read_text())["train"]["history"]
+    return [{k: v for k, v in h.items() if k not in ("seconds", "images_per_s")} for h in hist]
+
+
+def test_streaming_path_trains_the_same_run_and_a_small_budget_chooses_it(root):
+    """Same seed, same config: a run decoded into memory and one whose memory budget is below
+    the decoded size (auto -> stream, 2 DataLoader workers) give the same weights, bit for bit,
+    and the same per-epoch metrics; the run records which path it took. The data fields are
+    not part of the run's identity: the finished run reruns under the other path as a no-op."""
+    common = ["loss=csm", "epochs=2", "train_limit=320", "batch_size=64", "seed=5"]
+    memory = train(root, "run=path-memory", "data_path=memory", *common)
+    streamed = train(root, "run=path-stream", "data_path=auto", "memory_budget_gb=0.0001",
+                     "stream_workers=2", *common)  # fmt: skip
+    paths = {
+        d.name: json.loads((d / "metrics.json").read_text())["train"]["data_path"]
+        for d in (memory, streamed)
+    }
+    assert paths["path-memory"]["path"] == "memory" and paths["path-memory"]["budget_bytes"] == 0
+    s = paths["path-stream"]
+    assert s["path"] == "stream" and s["decoded_bytes"] > s["budget_bytes"] == 100_000
+    decoded = sum(  # real/train + real/val + mixed/, from the manifests: N x 16 x 16 x 3
+        read_manifest(root / f).num_samples * 16 * 16 * 3
+        for f in ("real/train", "real/val", "mixed")
+    )
+    assert s["decoded_bytes"] == paths["path-memory"]["decoded_bytes"] == decoded
+    assert (memory / "model.safetensors").read_bytes() == (
+        streamed / "model.safetensors"
+    ).read_bytes()
+    assert _history(memory) == _history(streamed) and len(_history(memory)) == 2
+    before = snapshot(memory)
+    assert train(root, "run=path-memory", "data_path=stream", *common) == memory
+    assert snapshot(memory) == before
 
 
 # 1 vs 2 processes (same config and seed, CPU): measured |Δ val acc| 1.4 points and |Δ loss| 7 %

@@ -202,6 +202,17 @@ class Processes:
             )
 
 
+def share_from_main(state: Any) -> Callable[[Any], Any] | None:
+    """`value -> the main process's value`, on every process of `state` (an Accelerator or
+    PartialState): for decisions that must be made once, where the ranks could see different
+    things (free memory, a shared filesystem's cached listings). None for a single process."""
+    if state.num_processes == 1:
+        return None
+    from accelerate.utils import broadcast_object_list
+
+    return lambda value: broadcast_object_list([value], from_process=0)[0]
+
+
 def is_peer_failure(error: BaseException) -> bool:
     """A collective failed because another rank left: c10d and NCCL raise torch.distributed's
     DistError, gloo a plain RuntimeError naming the closed connection."""

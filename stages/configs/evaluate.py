@@ -1,7 +1,8 @@
 """Config of the `evaluate` stage: trained runs -> eval/<stage>/<run>/ and eval/report.md.
 
 Identity of an evaluation (a rerun with the same values skips it): the upstream digests and
-`ts_criterion`. `batch_size` and `device` say how it is computed, not what: they are not compared.
+`ts_criterion`. `batch_size`, `device` and the data path fields (stages/data.py) say how it is
+computed, not what: they are not compared.
 """
 
 from __future__ import annotations
@@ -10,6 +11,13 @@ from dataclasses import dataclass
 
 from models.calibration import TS_CRITERIA
 from pipeline.core.config import ConfigError, StageConfig, check_choice, check_range
+from shards.datapath import (
+    DEFAULT_DATA_PATH,
+    DEFAULT_MEMORY_BUDGET_GB,
+    DEFAULT_STREAM_PREFETCH,
+    DEFAULT_STREAM_WORKERS,
+    check_data_fields,
+)
 
 STAGE_DIRS = ("", "train", "finetune")  # "": look in train/ first, then finetune/
 
@@ -29,11 +37,17 @@ class Config(StageConfig):
     ts_criterion: str = "nll"
     batch_size: int = 512
     device: str = ""  # "" = cuda if available, else cpu
+    # how test/val (and the OOD set) are read: decoded into memory or streamed (stages/data.py)
+    data_path: str = DEFAULT_DATA_PATH  # auto | memory | stream
+    memory_budget_gb: float = DEFAULT_MEMORY_BUDGET_GB  # auto's budget; 0 = from free memory
+    stream_workers: int = DEFAULT_STREAM_WORKERS  # DataLoader workers (stream)
+    stream_prefetch: int = DEFAULT_STREAM_PREFETCH  # batches each worker decodes ahead
 
     def __post_init__(self):
         check_choice("stage_dir", self.stage_dir, STAGE_DIRS)
         check_choice("ts_criterion", self.ts_criterion, TS_CRITERIA)
         check_range("batch_size", self.batch_size, 1)
+        check_data_fields(self)
         for name in self.run_names():
             if not name or "/" in name or name.startswith("."):
                 raise ConfigError(f"run name {name!r} must be a plain folder name")

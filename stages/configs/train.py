@@ -16,6 +16,13 @@ from models.classifiers import CLASSIFIERS, TIMM_PREFIX
 from models.heads import FEDLAS_DEFAULTS
 from models.objectives import MIXED_LOSSES
 from pipeline.core.config import ConfigError, StageConfig, check_choice, check_range
+from shards.datapath import (
+    DEFAULT_DATA_PATH,
+    DEFAULT_MEMORY_BUDGET_GB,
+    DEFAULT_STREAM_PREFETCH,
+    DEFAULT_STREAM_WORKERS,
+    check_data_fields,
+)
 
 # loss -> {objective parameter: config field}
 LOSS_FIELDS: dict[str, dict[str, str]] = {
@@ -83,6 +90,11 @@ class Config(StageConfig):
     # data
     mixed: str = ""  # mixed folder for loss=csm; "" = runs/<classes>/mixed
     train_limit: int = 0  # use only the first N training images (smoke tests); 0 = all
+    # how the images are read (stages/data.py); not part of the run's identity
+    data_path: str = DEFAULT_DATA_PATH  # auto | memory | stream
+    memory_budget_gb: float = DEFAULT_MEMORY_BUDGET_GB  # auto's budget; 0 = from free memory
+    stream_workers: int = DEFAULT_STREAM_WORKERS  # DataLoader workers per process (stream)
+    stream_prefetch: int = DEFAULT_STREAM_PREFETCH  # steps each worker decodes ahead
     # machinery
     precision: str = "auto"
     checkpoint_limit: int = 2  # complete checkpoints kept (a save never touches the older ones)
@@ -110,6 +122,7 @@ class Config(StageConfig):
         check_range("csm_weight", self.csm_weight, 0.0)
         check_range("csm_sharpening", self.csm_sharpening, 0.0)
         check_range("train_limit", self.train_limit, 0)
+        check_data_fields(self)
         check_range("cpu_threads", self.cpu_threads, 0)
         if list(self.milestones) != sorted(self.milestones):
             raise ConfigError(f"milestones={list(self.milestones)} must be increasing")
