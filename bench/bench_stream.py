@@ -1,11 +1,11 @@
 """Streaming data path vs in-memory path: step rate and memory peak, same data, model and draws.
 
 One synthetic CIFAR-size set (real/train + a CSM mixed/ folder, 32x32, shards as prepare and
-annotate write them) is trained on for a few steps by a minimal loop built from the train
-stage's pieces (`epoch_batches`, `sample_csm_members`, `random_crop_flip`, `normalize`,
-`csm_targets`, the CSM objective), once per data path, each in a fresh process so that its
-peak RSS (VmHWM; DataLoader workers: RUSAGE_CHILDREN) is its own. Goal: streamed/in-memory
-step rate >= 0.9. tests/test_stream.py runs the same loop to prove both paths train alike.
+annotate write them) is trained on for a few steps of the train stage's own step
+(`stages.loop.plan_steps` + `make_batch`, the CSM objective, SGD), once per data path, each in
+a fresh process so that its peak RSS (VmHWM; DataLoader workers: their own pages) is its own.
+Goal: streamed/in-memory step rate >= 0.9. tests/test_stream.py runs the same steps to prove
+both paths train alike; tests/test_train.py does it through the whole stage.
 """
 
 from __future__ import annotations
@@ -29,17 +29,14 @@ from models.objectives import TrainingModule, build_objective
 from models.training import (
     SeriesIndex,
     channel_stats,
-    csm_targets,
     epoch_batches,
-    normalize,
-    random_crop_flip,
-    sample_csm_members,
 )
 from pipeline.core.runtime import derive_seed, make_generator
 from shards.datasets import RealSplit, SeriesTable, load_real, load_series_table
-from shards.prefetch import PixelSource, StepPlan
+from shards.prefetch import PixelSource
 from shards.store import open_real, open_series_table
 from shards.writer import ShardFolder, encode_png
+from stages.loop import Data, Mixed, Recipe, make_batch, plan_steps
 
 CLASSES = 10
 
@@ -111,29 +108,6 @@ def open_data(root: Path, path: str, csm: bool) -> tuple[RealSplit, SeriesTable 
 # ---------------------------------------------------------------- the minimal loop
 
 
-def plan_epoch(
-    seed: int,
-    epoch: int,
-    labels: torch.Tensor,
-    batch_size: int,
-    table: SeriesTable | None,
-    steps: int | None = None,
-) -> list[StepPlan]:
-    """The epoch's (first `steps`) steps, drawn as the train stage draws them: the order from
-    (seed, epoch, "order"), CSM members from (seed, epoch, "objective"), step after step."""
-    order = make_generator(seed, "train", "epoch", epoch, "order")
-    extra = make_generator(seed, "train", "epoch", epoch, "objective")
-    index = SeriesIndex(table.classes, CLASSES) if table is not None else None
-    plans = []
-    for idx in epoch_batches(len(labels), batch_size, order, 2)[:steps]:
-        if table is None:
-            plans.append(StepPlan(idx))
-            continue
-        series, pos = sample_csm_members(labels[idx], index, table.soft, extra, check=False)
-        plans.append(StepPlan(idx, series, pos))
-    return plans
-
-
 def build_module(model: str, csm: bool, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(seed, "train", "init"))
@@ -147,8 +121,23 @@ def build_module(model: str, csm: bool, seed: int) -> tuple[torch.nn.Module, tor
     return module, torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
 
 
+def stage_data(
+    train: RealSplit,
+    table: SeriesTable | None,
+    source: PixelSource,
+    stats: tuple[list[float], list[float]],
+) -> Data:
+    """The training loop's view of the data (stages/loop.py), pixels from `source`."""
+    mixed = None
+    if table is not None:
+        index = SeriesIndex(table.classes, CLASSES)
+        mixed = Mixed(table.images, table.classes, table.soft.float(), index)
+    mean, std = (torch.tensor(v) for v in stats)
+    return Data(train, train, mean, std, train.image_size, mixed, source)
+
+
 def train_steps(
-    module: torch.nn.Module,
+    module: TrainingModule,
     optimizer: torch.optim.Optimizer,
     train: RealSplit,
     table: SeriesTable | None,
@@ -161,12 +150,16 @@ def train_steps(
     steps: int | None = None,
     waits: list[float] | None = None,
 ) -> list[float]:
-    """`steps` steps (all of the epoch if None) of the train stage's step (make_batch with one
-    process) on the pixels of `source` (either data path); returns the losses. `waits` gets
-    the seconds each step waited for its pixels."""
-    mean, std = stats
-    plans = plan_epoch(seed, epoch, train.labels, batch_size, table, steps)
-    augment = make_generator(seed, "train", "epoch", epoch, "augment")
+    """`steps` steps (all of the epoch if None) of the train stage's own step (one process:
+    `plan_steps` and `make_batch` of stages/loop.py, with the generators `train_epoch` derives)
+    on the pixels of `source` (either data path); returns the losses. `waits` gets the seconds
+    each step waited for its pixels."""
+    data = stage_data(train, table, source, stats)
+    recipe = Recipe(key=(seed, "train"), epochs=1, batch_size=batch_size, lr=lambda e: 0.05,
+                    crop_pad=4, flip=True)  # fmt: skip
+    key = (*recipe.key, "epoch", epoch)
+    order, augment, extra = (make_generator(*key, p) for p in ("order", "augment", "objective"))
+    plans = plan_steps(data, epoch_batches(len(train), batch_size, order, 2)[:steps], extra)
     losses = []
     module.train()
     pixels = source.batches(plans)
@@ -175,17 +168,7 @@ def train_steps(
         px = next(pixels)
         if waits is not None:
             waits.append(time.perf_counter() - t0)
-        batch: dict[str, Any] = {
-            "x": normalize(random_crop_flip(px.real, augment, 4, True), mean, std),
-            "y": train.labels[plan.idx],
-        }
-        if px.syn is not None:
-            batch["x_syn"] = normalize(random_crop_flip(px.syn, augment, 4, True), mean, std)
-            batch["t_syn"] = csm_targets(
-                table.classes[plan.series].flatten(0, 1),
-                table.soft[plan.series, plan.pos].flatten(0, 1),
-                CLASSES,
-            )
+        batch = make_batch(recipe, data, plan, px, augment, extra, module.objective, 0, 1)
         optimizer.zero_grad(set_to_none=True)
         loss, _ = module(**batch)
         loss.backward()

@@ -38,10 +38,13 @@ from models.training import collect_logits
 from pipeline.core.io import atomic_write_json
 from pipeline.core.plots import lines
 from pipeline.core.runtime import code_version, log, make_generator
-from shards.datasets import check_same_classes, load_real
+from shards.datapath import DataPathChoice
+from shards.datasets import check_same_classes
 from shards.manifest import manifest_digest
+from shards.prefetch import PixelSource
 from shards.runs import Run, read_run, run_complete
 from shards.writer import write_config
+from stages import data as datapath
 from stages.configs.finetune import Config
 from stages.loop import (
     Data,
@@ -69,13 +72,20 @@ def load_source(cfg: Config) -> tuple[Run, Classifier]:
     return source, model
 
 
-def load_data(cfg: Config, meta: dict[str, Any], device: torch.device) -> Data:
-    real = cfg.root / "real"
-    train, val = load_real(real / "train", device), load_real(real / "val", device)
+def load_data(cfg: Config, meta: dict[str, Any], accelerator: Any) -> tuple[Data, DataPathChoice]:
+    """real/train and real/val through the data path (stages/data.py), with the run's own
+    normalisation; pixels for the steps come later (`pixel_source`, once the method is known)."""
+    real, dev = cfg.root / "real", accelerator.device
+    path = datapath.choose_path(cfg, [real / "train", real / "val"], dev, accelerator)
+    train = datapath.open_split(real / "train", path, dev)
+    val = datapath.open_split(real / "val", path, dev)
     check_same_classes(f"run {cfg.run!r}", meta["class_names"], train.class_names, "real/train")
     check_same_classes("real/val", val.class_names, train.class_names, "real/train")
+    if accelerator.is_main_process:
+        log.info("finetune %s: %s", cfg.output, path.describe())
+    val = datapath.sequential(val, cfg.eval_batch_size, cfg)
     norm = meta["normalize"]
-    return Data(train, val, norm["mean"], norm["std"], int(meta["image_size"]))
+    return Data(train, val, norm["mean"], norm["std"], int(meta["image_size"])), path
 
 
 # ---------------------------------------------------------------- 2. the methods
@@ -85,16 +95,20 @@ def maccal_method(cfg: Config, model: Classifier, data: Data) -> Method:
     """METHODS §4: frozen backbone, masked bottleneck head, adaptive retention q."""
     features = None
     if not cfg.augments:  # un-augmented features never change: compute them once
-        _, features = collect_logits(
-            model,
-            data.train.images,
-            data.mean,
-            data.std,
-            batch_size=cfg.eval_batch_size,
-            image_size=data.image_size,
-            features=True,
-        )
-        features = features.to(data.train.images.device)
+        train = datapath.sequential(data.train, cfg.eval_batch_size, cfg)
+        try:
+            _, features = collect_logits(
+                model,
+                train.images,
+                data.mean,
+                data.std,
+                batch_size=cfg.eval_batch_size,
+                image_size=data.image_size,
+                features=True,
+            )
+        finally:
+            datapath.close(train)
+        features = features.to(data.train.labels.device)
     schedule = RetentionSchedule(**cfg.method_params(), total_epochs=cfg.epochs)
     init = make_generator(cfg.seed, SECTION, cfg.method, "head-init")
     objective = maccal(model, cfg.maccal_r, schedule, init, features)
@@ -176,7 +190,7 @@ def run(cfg: Config) -> Path:
         return run_dir
     check_resume(run_dir, cfg.resume)
     meta = source.meta
-    data = load_data(cfg, meta, dev)
+    data, path = load_data(cfg, meta, accelerator)
     model.load_state_dict(source.state_dict())  # sha256 checked against the run's manifest
     model.to(dev)
     if main:
@@ -186,6 +200,15 @@ def run(cfg: Config) -> Path:
     # 2. The method: a fresh head or gate from (seed, method, purpose), its optimizer.
     objective, optimizer, lr, plots = METHODS[cfg.method](cfg, model, data)
     module = TrainingModule(model, objective).to(dev)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    data.pixels = PixelSource(
+        data.train.images,
+        None,
+        *((0, 1) if objective.mixes_rows else (rank, world)),
+        workers=cfg.stream_workers,
+        prefetch=cfg.stream_prefetch,
+        device=dev,
+    )
     loss = meta.get("loss", "")
     log.info(
         "finetune %s: %s on run %s (%s, loss %s), %d train / %d val images, %d process(es) on %s",
@@ -223,15 +246,23 @@ def run(cfg: Config) -> Path:
             "epochs": cfg.epochs,
             "history": state.history,
             "finished": finished,
+            "data_path": {
+                "path": path.path,
+                "decoded_bytes": path.decoded,
+                "budget_bytes": path.budget,
+            },
         }
 
     def progress_metrics(state: LoopState) -> None:
         atomic_write_json(run_dir / "metrics.json", {SECTION: section(state, False)})
 
     name = f"finetune {cfg.output}"
-    result = fit(
-        run_dir, recipe, module, optimizer, data, accelerator, name, progress_metrics, describe
-    )
+    try:
+        result = fit(
+            run_dir, recipe, module, optimizer, data, accelerator, name, progress_metrics, describe
+        )
+    finally:
+        datapath.close(data.pixels, data.val)
 
     # 4. Outputs (main): weights with what evaluate needs to rebuild them, metrics, plots,
     #    the manifest last.

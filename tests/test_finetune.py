@@ -127,6 +127,26 @@ def test_maccal_is_reproducible_and_its_inference_deterministic(root):
     shutil.rmtree(folder)
 
 
+@pytest.mark.parametrize(
+    "sets",
+    [("method=maccal", "maccal_epochs=2", "crop_pad=0", "flip=false"),  # features once
+     ("method=fedlas-ls", "fedlas_epochs=1")],  # the whole model on every batch
+)  # fmt: skip
+def test_streamed_finetuning_equals_decoded(root, sets):
+    """The same fine-tuning with real/train and real/val decoded into memory and streamed from
+    the shards (a budget below their decoded size): the same weights, bit for bit."""
+    weights, paths = [], []
+    for name, path in (("mem", ["data_path=memory"]), ("str", ["memory_budget_gb=0.00001"])):
+        if not (root / "train" / name).is_dir():  # src under another name: its own output
+            shutil.copytree(root / "train" / SRC, root / "train" / name)
+        folder = finetune(root, *sets, *path, f"run={name}")
+        weights.append((folder / "model.safetensors").read_bytes())
+        metrics = json.loads((folder / "metrics.json").read_text())["finetune"]
+        paths.append(metrics["data_path"]["path"])
+        shutil.rmtree(folder)
+    assert paths == ["memory", "stream"] and weights[0] == weights[1]
+
+
 def test_evaluate_reads_a_maccal_run(root, maccal):
     """evaluate rebuilds the bottleneck head from model.json (models.finetuning.build_model)."""
     ev = evaluate(root, f"{SRC}-maccal")

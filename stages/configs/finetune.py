@@ -14,6 +14,13 @@ from typing import Any
 
 from models.heads import FEDLAS_DEFAULTS
 from pipeline.core.config import ConfigError, StageConfig, check_choice, check_range
+from shards.datapath import (
+    DEFAULT_DATA_PATH,
+    DEFAULT_MEMORY_BUDGET_GB,
+    DEFAULT_STREAM_PREFETCH,
+    DEFAULT_STREAM_WORKERS,
+    check_data_fields,
+)
 from stages.configs.train import LOSS_FIELDS, NOT_RECORDED, PRECISIONS, fedlas_fields
 
 METHODS = ("maccal", "fedlas-ls", "fedlas-mbls")
@@ -59,6 +66,11 @@ class Config(StageConfig):
     fedlas_mbls_beta: float = FEDLAS_DEFAULTS[("mbls", "cifar10")]["beta"]
     fedlas_margin: float = FEDLAS_DEFAULTS[("mbls", "cifar10")]["margin"]
     fedlas_theta: float = FEDLAS_DEFAULTS[("ls", "cifar10")]["theta"]
+    # how real/train and real/val are read (stages/data.py); not part of the run's identity
+    data_path: str = DEFAULT_DATA_PATH  # auto | memory | stream
+    memory_budget_gb: float = DEFAULT_MEMORY_BUDGET_GB  # auto's budget; 0 = from free memory
+    stream_workers: int = DEFAULT_STREAM_WORKERS  # DataLoader workers per process (stream)
+    stream_prefetch: int = DEFAULT_STREAM_PREFETCH  # steps each worker decodes ahead
     # machinery
     precision: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
     eval_batch_size: int = 512
@@ -75,6 +87,7 @@ class Config(StageConfig):
         for name in ("batch_size", "maccal_epochs", "maccal_r", "fedlas_epochs"):
             check_range(name, getattr(self, name), 1)
         check_range("eval_batch_size", self.eval_batch_size, 1)
+        check_data_fields(self)
         check_range("checkpoint_limit", self.checkpoint_limit, 1)
         for name in ("maccal_lr", "fedlas_lr", "momentum", "weight_decay", "clip_norm"):
             check_range(name, getattr(self, name), 0.0)
