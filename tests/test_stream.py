@@ -320,8 +320,10 @@ def test_statistics_and_logits_read_through_the_store(root):
 def test_train_stage_streams_a_set_four_times_its_budget_at_a_fraction_of_its_size(tmp_path):
     """The train stage on 12,800 images of 256x256 (2.5 GB decoded; real/val 128 more) with
     a 0.6 GB budget: auto chooses the streaming path, and the training process with its 2
-    DataLoader workers peaks far below the decoded size (the memory path would hold all of
-    it, twice while loading). A one-epoch run of a small timm net, every image read."""
+    DataLoader workers peaks far below the decoded size (the memory path would hold
+    it all, twice while loading). A one-epoch run of a small timm net, every image read; the
+    RSS includes the net's activations (batches of 16 and 32 at 256 px), which do not
+    depend on the data path."""
     root = write_dataset(tmp_path / "big", 12_800, 10, 3, 256, per_shard=1_000, distinct=64)
     shutil.rmtree(root / "mixed")  # CE: real images only
     val = ShardFolder(root / "real" / "val", "val")
@@ -332,7 +334,7 @@ def test_train_stage_streams_a_set_four_times_its_budget_at_a_fraction_of_its_si
     assert decoded == (12_800 + 128) * 256 * 256 * 3
     cmd = [sys.executable, "-m", "pipeline", "train", "--preset", "imagefolder", "--set",
            f"out={tmp_path}", "name=big", "run=big", "model=timm:mobilenetv3_small_050",
-           "epochs=1", "batch_size=64", "crop_pad=0", "memory_budget_gb=0.6", "stream_workers=2",
+           "epochs=1", "batch_size=16", "eval_batch_size=32", "crop_pad=0", "memory_budget_gb=0.6", "stream_workers=2",
            "cpu_threads=1"]  # fmt: skip
     proc = subprocess.Popen(cmd, env=subprocess_env(), stderr=subprocess.PIPE, text=True)
     with MemoryWatch(pid=proc.pid) as watch:

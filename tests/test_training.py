@@ -66,6 +66,15 @@ def test_normalize_grey_and_rgb_and_resize():
     expect = images.double().div(255).reshape(-1, 3)
     assert mean == pytest.approx(expect.mean(0).tolist(), abs=1e-5)
     assert std == pytest.approx(expect.std(0, correction=0).tolist(), abs=1e-5)
+    grey = images.double().div(255).mean(-1).reshape(-1)
+    (g_mean,), (g_std,) = channel_stats(images, 1)
+    assert (g_mean, g_std) == pytest.approx(
+        (grey.mean().item(), grey.std(correction=0).item()), abs=1e-5
+    )
+    # exact integer sums: any chunking gives the same numbers
+    for chunk in (1, 2, 3):
+        assert channel_stats(images, 3, chunk) == (mean, std)
+        assert channel_stats(images, 1, chunk) == channel_stats(images, 1)
 
 
 def test_multistep_lr():
