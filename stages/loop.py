@@ -10,8 +10,10 @@ same way for all: accelerate (DDP under torchrun / accelerate launch, bf16 on GP
 guard (the main process writes), checkpoints and resume (shards/checkpoints.py), progress (tqdm
 with rates), validation and the kept weights.
 
-Process independence: every step indexes a *global* batch, augments it, samples its CSM
-members and applies the objective's `prepare` (mixup) as a whole, and each process then keeps
+Process independence: each epoch is planned first (`plan_steps`: the *global* batches and
+their CSM members), a `PixelSource` serves each planned step's pixels (device tensors, or
+shards decoded ahead by DataLoader workers: stages/data.py), every step augments and applies the
+objective's `prepare` (mixup) to the global batch as a whole, and each process then keeps
 rows rank::world; its loss is weighted by its share of the batch, so DDP's gradient average is
 the global batch mean. Every draw comes from a generator derived from (recipe.key, epoch,
 purpose), so a resumed run replays the uninterrupted one bit for bit on CPU. What still depends

@@ -320,10 +320,10 @@ def test_statistics_and_logits_read_through_the_store(root):
 def test_train_stage_streams_a_set_four_times_its_budget_at_a_fraction_of_its_size(tmp_path):
     """The train stage on 12,800 images of 256x256 (2.5 GB decoded; real/val 128 more) with
     a 0.6 GB budget: auto chooses the streaming path, and the training process with its 2
-    DataLoader workers peaks far below the decoded size (the memory path would hold
-    it all, twice while loading). A one-epoch run of a small timm net, every image read; the
-    RSS includes the net's activations (batches of 16 and 32 at 256 px), which do not
-    depend on the data path."""
+    DataLoader workers peaks far below the decoded size (the memory path would hold it all,
+    twice while loading). A one-epoch run of a small timm net, every image read. Most of the
+    peak is the net itself (torch, its activations at 256 px: measured here by training it
+    alone on random tensors); the data adds a few percent of the decoded size."""
     root = write_dataset(tmp_path / "big", 12_800, 10, 3, 256, per_shard=1_000, distinct=64)
     shutil.rmtree(root / "mixed")  # CE: real images only
     val = ShardFolder(root / "real" / "val", "val")
@@ -343,7 +343,38 @@ def test_train_stage_streams_a_set_four_times_its_budget_at_a_fraction_of_its_si
     metrics = json.loads((root / "train" / "big" / "metrics.json").read_text())["train"]
     assert metrics["data_path"]["path"] == "stream" and metrics["finished"]
     assert metrics["data_path"]["decoded_bytes"] == decoded > 4 * 0.6e9
+    # what the same net alone costs: its training and eval steps on random tensors
+    alone = subprocess.run([sys.executable, "-c", MODEL_ALONE], env=subprocess_env(),
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    alone_mb = float(alone.stdout.split()[-1])
     decoded_mb = decoded / 2**20
     print(f"decoded {decoded_mb:.0f} MB, peak RSS {watch.main_mb:.0f} MB, with workers "
-          f"{watch.tree_mb:.0f} MB")  # fmt: skip
-    assert watch.main_mb < decoded_mb / 2 and watch.tree_mb < decoded_mb / 2
+          f"{watch.tree_mb:.0f} MB; the net alone on random tensors {alone_mb:.0f} MB")  # fmt: skip
+    assert watch.main_mb < 0.6 * decoded_mb  # the net's own activations are most of it:
+    # what reading 12,928 images adds to the process and its workers, a small fraction of
+    # their decoded size (measured: ~80 MB each against 2,424 MB)
+    assert watch.main_mb - alone_mb < decoded_mb / 10
+    assert watch.tree_mb - alone_mb < decoded_mb / 10
+
+
+MODEL_ALONE = """
+import torch
+from models.classifiers import build_classifier
+import accelerate, timm  # what the stage imports
+torch.set_num_threads(1)
+net = build_classifier("timm:mobilenetv3_small_050", 10, 3)
+opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+g = torch.Generator().manual_seed(0)
+for _ in range(5):
+    x, y = torch.randn(16, 3, 256, 256, generator=g), torch.randint(0, 10, (16,), generator=g)
+    loss = torch.nn.functional.cross_entropy(net(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+net.eval()
+with torch.no_grad():
+    for _ in range(3):
+        net(torch.randn(32, 3, 256, 256, generator=g))
+status = open("/proc/self/status").read().splitlines()
+print(int(next(line for line in status if line.startswith("VmHWM")).split()[1]) / 1024)
+"""

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from models import training
 from models.classifiers import build_classifier
 from models.heads import FeDLaSCriterion
 from models.losses import LOSSES, build_loss, mixup_batch, mixup_loss
@@ -54,7 +55,7 @@ def test_random_crop_flip_shifts_pads_with_zeros_and_flips():
     assert torch.equal(random_crop_flip(images, gen(), pad=0, flip=False), images)
 
 
-def test_normalize_grey_and_rgb_and_resize():
+def test_normalize_grey_and_rgb_and_resize(monkeypatch):
     images = torch.randint(0, 256, (3, 8, 8, 3), dtype=torch.uint8)
     x = normalize(images, [0.5, 0.5, 0.5], [0.25, 0.25, 0.25])
     assert x.shape == (3, 3, 8, 8)
@@ -71,10 +72,13 @@ def test_normalize_grey_and_rgb_and_resize():
     assert (g_mean, g_std) == pytest.approx(
         (grey.mean().item(), grey.std(correction=0).item()), abs=1e-5
     )
-    # exact integer sums: any chunking gives the same numbers
+    # exact integer sums: any chunking (reads, and blocks of arithmetic) gives the same numbers
+    grey_stats = channel_stats(images, 1)
     for chunk in (1, 2, 3):
         assert channel_stats(images, 3, chunk) == (mean, std)
-        assert channel_stats(images, 1, chunk) == channel_stats(images, 1)
+        assert channel_stats(images, 1, chunk) == grey_stats
+    monkeypatch.setattr(training, "STATS_BLOCK_VALUES", 100)  # one image (192 values) a block
+    assert channel_stats(images, 3) == (mean, std) and channel_stats(images, 1) == grey_stats
 
 
 def test_multistep_lr():
