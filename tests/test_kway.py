@@ -292,11 +292,40 @@ def test_edge_monotone_share_and_spearman():
     assert stats["spearman_lambda_weight"] < 1.0
 
 
+# sha256 of the k = 3 report files, pinned on the code that built the report from a list of
+# per-image json dicts (before issue 15's compact columns): the columns must give the same bytes
+PINNED_K3_REPORT: dict[str, dict[str, str]] = {
+    "projection": {
+        "annotation.json": "f595bbeb32b7ca8b860cbe51238acdff14684c57796d821fd857a0ba3a133ca5",
+        "annotation.png": "139cc1dbb67ff60e255a3bf91c7f8a229812851a1cf2b5adced4d1eb6a0be0b6",
+        "ternary.png": "0a48f498763ad9dad4e49e11610b788622bad02321db1825021714f141072fab",
+        "manifest.json": "a9def7e747c9fb44621bb1f67756d750872dcee7a25f7b2f7597ab59448d283f",
+    },
+    "ratio": {
+        "annotation.json": "0ac4a0d1b76c1e99b6bfd83bf85f6f0f93d6950fbbdb856f083428365d3dcdc0",
+        "annotation.png": "b0f7706e9f192351ff40ed36e364299bc6dc745d59ea0a99fd0e9563d30a924a",
+        "ternary.png": "f32408c2f5b186812e609f15536fa117d060c8377900a0a1cbdf93a575198243",
+        "manifest.json": "b221fa02744f5069f99321f02de969f71882eb52f01314e7ceb819dd67208b28",
+    },
+    "similarity": {
+        "annotation.json": "fe8ef005a774b79751df60d76ffb4aa283809c8b264de55bf467e45f7d727165",
+        "annotation.png": "ddde50419e8fce09eacc9fe98d42a3b1032aca0dce199be928bdd6346264816d",
+        "ternary.png": "afdd5f706f963bdb270ac9151a6b9a28ab8304c4c24597f24b58192e858c03a6",
+        "manifest.json": "079782fe8e97b3b08f2f2a26632cbc86fddec2abd9d5987481bad9854cfee27f",
+    },
+}
+K3_REPORT = ("annotation.json", "annotation.png", "ternary.png", "manifest.json")
+
+
 @pytest.mark.parametrize("method", ["projection", "ratio", "similarity"])
-def test_k3_annotate_writes_k_way_labels_and_report(kway_src, k3_reference, tmp_path, method):
+def test_k3_annotate_writes_k_way_labels_and_report(
+    kway_src, k3_reference, tmp_path, method, pinned_version
+):
     runs = _copy(kway_src, tmp_path)
     shutil.copytree(k3_reference, runs / "digits" / "series")
     mixed = run_stage("annotate", "digits", [f"out={runs}", *ANN, f"method={method}"])
+    got = {name: _sha((mixed / name).read_bytes()) for name in K3_REPORT}
+    assert got == PINNED_K3_REPORT[method]
     split = load_split(mixed, verify=True)
     for meta, cls in zip(split.meta, split.labels.tolist()):
         assert len(meta["classes"]) == len(meta["weights"]) == 3
