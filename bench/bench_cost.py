@@ -14,13 +14,11 @@ and bytes measured here, GPU-hours from stated assumptions. No GPU and no weight
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import statistics
 import tempfile
 import time
-import tracemalloc
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -220,36 +218,24 @@ def shard_bytes(work: dict[str, Any], pngs: Sequence[bytes], tmp: Path) -> dict[
         png = sum(len(s["png"]) for s in samples)
         out[kind] = {"per_image": size / rec.count, "img_s": rec.count / took,
                      "mb_s": rec.bytes / took / 1e6, "png_share": png / rec.bytes}  # fmt: skip
-    return out | {"mixed_json": [s["json"] for s in mixed]}
+    return out
 
 
-def annotation_json(work: dict[str, Any], counts: Sequence[int] = (1000, 4000)) -> dict[str, float]:
-    """annotation.json bytes (canonical_json of annotation_stats, as annotate writes it) at two
-    numbers of pairs, extrapolated linearly to the preset's."""
-    from models.annotation import annotation_stats
+def annotation_json(work: dict[str, Any], pairs: int = 6000) -> float:
+    """annotation.json bytes (canonical_json of annotation_stats, as annotate writes it) for
+    `pairs` pairs: above models.annotation.PER_PAIR_CAP the per-pair table gives way to its
+    summary, so the size no longer grows with the number of pairs (the preset's 499,500 too)."""
+    from models.annotation import PER_PAIR_CAP, annotation_stats
     from pipeline.core.io import canonical_json
 
     plan, k = work["plan"], work["members"]
+    assert pairs > PER_PAIR_CAP, "measure where the preset's size behaves like the preset"
     g = torch.Generator().manual_seed(0)
-    sizes = []
-    for n in counts:
-        pairs = torch.tensor([plan.pairs[i] for i in range(n)]).repeat_interleave(k, dim=0)
-        alpha = torch.tensor(plan.alphas, dtype=torch.float64).repeat(n)
-        lam = (alpha + 0.1 * torch.randn(n * k, generator=g, dtype=torch.float64)).clamp(0, 1)
-        stats = annotation_stats(lam, alpha, torch.arange(n).repeat_interleave(k), pairs)
-        sizes.append(len(canonical_json(stats)))
-    per_pair = (sizes[1] - sizes[0]) / (counts[1] - counts[0])
-    return {"per_pair": per_pair, "bytes": sizes[0] + per_pair * (work["pairs"] - counts[0])}
-
-
-def json_heap_bytes(fields: Sequence[dict]) -> float:
-    """Python heap per mixed-sample json dict, as annotate's rank 0 holds them for its report."""
-    raw = [json.dumps(f) for f in fields]
-    tracemalloc.start()
-    kept = [json.loads(r) for r in raw]
-    used = tracemalloc.get_traced_memory()[0]
-    tracemalloc.stop()
-    return used / len(kept)
+    table = torch.tensor([plan.pairs[i] for i in range(pairs)]).repeat_interleave(k, dim=0)
+    alpha = torch.tensor(plan.alphas, dtype=torch.float64).repeat(pairs)
+    lam = (alpha + 0.1 * torch.randn(pairs * k, generator=g, dtype=torch.float64)).clamp(0, 1)
+    stats = annotation_stats(lam, alpha, torch.arange(pairs).repeat_interleave(k), table)
+    return float(len(canonical_json(stats)))
 
 
 def cpu_dit_forward() -> float:
@@ -344,7 +330,6 @@ def run() -> dict:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     ann = annotation_json(w)
-    heap = json_heap_bytes(shards.pop("mixed_json")) * n
     smooth = statistics.mean(len(encode_png(im)) for im in smooth_images(16, w["size"], 0))
     cpu_s, step = cpu_dit_forward(), f["denoiser"] / steps
     kb = [s / 1e3 for s in png["sizes"]]
@@ -359,7 +344,7 @@ def run() -> dict:
     gen = cfg["generate"]
     return {
         "title": "Expected cost of an ImageNet CSM set",
-        "rows": cost_rows(w, f, per_image, png, ann["bytes"]),
+        "rows": cost_rows(w, f, per_image, png, ann),
         "notes": [
             f"Work (imagenet presets, generate plan): {w['pairs']:,} pairs x "
             f"{w['series'] // w['pairs']} series x {w['members']} images = {n:,} images, "
@@ -386,9 +371,9 @@ def run() -> dict:
             f"{w['size']} px (bench stream, smooth images, 2 shared cores): {_stream_rows()}.",
             f"One shard of each at its real size, by the shard writer (tar, fsync, sha256, offset "
             f"index, record): {written}. series/ may go once mixed/ (the same PNGs) is complete.",
-            f"annotation.json: {ann['per_pair']:.0f} bytes per pair (fit at 1,000 and 4,000): "
-            f"{ann['bytes'] / 1e6:,.0f} MB; annotate's rank 0 holds every image's json for it: "
-            f"{heap / 1e9:.1f} GB of Python objects (tracemalloc over one shard, x images).",
+            f"annotation.json: {ann / 1e3:,.1f} KB at 6,000 pairs, the same at any number above "
+            "the per-pair table's cap (4,950 pairs; beyond it a summary); annotate's rank 0 keeps "
+            "40 bytes of columns an image for it (bench annotate_report).",
             f"CPU sanity: one DiT-XL/2 forward, batch 1, fp32, one thread: {cpu_s:.1f} s "
             f"({step / cpu_s / 1e9:.0f} GFLOP/s); the generation at that rate: "
             f"{n * f['denoiser'] / (step / cpu_s) / 3.156e7:,.0f} core-years.",

@@ -225,6 +225,10 @@ def annotate(
 # ---------------------------------------------------------------------------------------------
 # 3. Statistics for annotation.json.
 
+# The per-pair table (a row per pair and α) up to all pairs of 100 classes (CIFAR-100); beyond,
+# the spread of the per-pair means (ImageNet's 499,500 pairs: the table would be ~0.5 GB)
+PER_PAIR_CAP = 4950
+
 
 def rankdata(x: Tensor) -> Tensor:
     """1-based ranks, ties get the average of the ranks they span (as scipy.stats.rankdata)."""
@@ -242,8 +246,17 @@ def spearman(x: Tensor, y: Tensor) -> float | None:
 
 
 def _group_mean_std(values: Tensor, keys: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Group rows of `keys` [N, k]: -> (unique keys, counts, mean, population std) of values."""
-    uniq, inverse, counts = torch.unique(keys, dim=0, return_inverse=True, return_counts=True)
+    """Group rows of `keys` [N, k] (ids): -> (unique keys, ascending, counts, mean, population std).
+
+    A row becomes one int64 (mixed radix, same order): a 1-D unique is ~30x faster than
+    unique(dim=0) on ImageNet's 3,996,000 (pair, α) keys.
+    """
+    code = torch.zeros(len(keys), dtype=torch.int64)
+    for column in (keys - keys.min(dim=0).values).T:
+        code = code * (int(column.max()) + 1) + column
+    _, inverse, counts = torch.unique(code, return_inverse=True, return_counts=True)
+    uniq = keys.new_empty((len(counts), keys.shape[1]))
+    uniq[inverse] = keys  # every row of a group is its key
     sums = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inverse, values)
     mean = sums / counts
     dev2 = torch.zeros_like(sums).index_add_(0, inverse, (values - mean[inverse]).square())
@@ -267,13 +280,35 @@ def monotone_share(
     return (None if checked == 0 else 1.0 - len(broken) / checked), checked
 
 
+def per_pair_summary(alpha_idx: Tensor, mean: Tensor, alpha_values: Tensor) -> list[dict]:
+    """In place of the per-pair table when there are too many pairs: at each α, how the
+    per-pair mean λ̂ (`mean` [G], α index `alpha_idx` [G], a (pair, α) group each) is spread
+    over the pairs: min, 5 / 25 / 50 / 75 / 95 % quantiles, max."""
+    qs = torch.tensor([0.05, 0.25, 0.5, 0.75, 0.95], dtype=torch.float64)
+    rows = []
+    for k, value in enumerate(alpha_values.tolist()):
+        at = mean[alpha_idx == k]  # never empty: α values come from the images
+        q = torch.quantile(at, qs).tolist()
+        rows.append({
+            "alpha": float(value), "pairs": at.numel(), "min": float(at.min()), "q05": q[0],
+            "q25": q[1], "median": q[2], "q75": q[3], "q95": q[4], "max": float(at.max()),
+        })  # fmt: skip
+    return rows
+
+
 def annotation_stats(
-    lambda_hat: Tensor, alpha: Tensor, series_ids: Tensor, pairs: Tensor
+    lambda_hat: Tensor,
+    alpha: Tensor,
+    series_ids: Tensor,
+    pairs: Tensor,
+    per_pair_cap: int | None = PER_PAIR_CAP,
 ) -> dict[str, Any]:
     """JSON-able summary: Spearman(λ̂, α), monotone share, per-pair and per-α mean/std, counts.
 
     `pairs` [N, 2] holds (a, b) per image, α the generation weight of a. Stds are population
     (ddof = 0) so a single image gives 0. Floats are plain Python floats; undefined -> None.
+    More than `per_pair_cap` pairs (None: no cap): `per_pair_summary` and `per_pair_omitted`
+    replace the per-pair table, so the json stays small at any size.
     """
     lam = torch.as_tensor(lambda_hat).detach().cpu().double().reshape(-1)
     alpha = torch.as_tensor(alpha).detach().cpu().double().reshape(-1)
@@ -290,10 +325,18 @@ def annotation_stats(
     alpha_values, alpha_idx = torch.unique(alpha, return_inverse=True)
 
     keys, counts, mean, std = _group_mean_std(lam, torch.cat([pairs, alpha_idx[:, None]], 1))
-    per_pair: dict[str, list[dict[str, float | int]]] = {}
-    for (a, b, k), c, m, sd in zip(keys.tolist(), counts.tolist(), mean.tolist(), std.tolist()):
-        row = {"alpha": float(alpha_values[k]), "n": c, "mean": m, "std": sd}
-        per_pair.setdefault(f"{a}-{b}", []).append(row)
+    n_pairs = 1 + int((keys[1:, :2] != keys[:-1, :2]).any(dim=1).sum())  # keys: ascending
+    if per_pair_cap is None or n_pairs <= per_pair_cap:
+        table: dict[str, list[dict[str, float | int]]] = {}
+        for (a, b, k), c, m, sd in zip(keys.tolist(), counts.tolist(), mean.tolist(), std.tolist()):
+            row = {"alpha": float(alpha_values[k]), "n": c, "mean": m, "std": sd}
+            table.setdefault(f"{a}-{b}", []).append(row)
+        per_pair: dict[str, Any] = {"per_pair": table}
+    else:
+        per_pair = {
+            "per_pair_omitted": {"pairs": n_pairs, "cap": per_pair_cap},
+            "per_pair_summary": per_pair_summary(keys[:, 2], mean, alpha_values),
+        }
     keys, counts, mean, std = _group_mean_std(lam, alpha_idx[:, None])
     per_alpha = [
         {"alpha": float(alpha_values[k]), "n": c, "mean": m, "std": sd}
@@ -318,7 +361,7 @@ def annotation_stats(
     return {
         "n_images": n,
         "n_series": int(torch.unique(sid).numel()),
-        "n_pairs": len(per_pair),
+        "n_pairs": n_pairs,
         "n_alphas": int(alpha_values.numel()),
         "spearman_lambda_alpha": spearman(lam, alpha),
         "monotone_direction": "lambda_hat non-decreasing as alpha (weight of class a) increases",
@@ -334,7 +377,7 @@ def annotation_stats(
         },
         "endpoints": endpoints,
         "per_alpha": per_alpha,
-        "per_pair": per_pair,
+        **per_pair,
     }
 
 

@@ -297,19 +297,28 @@ def edge_monotone_share(
     Along an edge that moves weight from class j to class i (w_i − w_j rises), λ̂_i − λ̂_j must
     not fall (for k = 2 this is "λ̂_a non-decreasing in α"). Ties count as following.
     """
-    edges = lattice_edges(points)
-    by_series: dict[int, dict[int, Tensor]] = {}
-    for sid, pos, lam in zip(series.tolist(), positions.tolist(), lambda_hat.double()):
-        by_series.setdefault(sid, {})[pos] = lam
-    complete = [m for m in by_series.values() if len(m) == len(points)]
-    if not complete:
+    edges, n_points = lattice_edges(points), len(points)
+    sid, pos = torch.as_tensor(series).long(), torch.as_tensor(positions).long()
+    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= n_points):
+        raise ValueError(f"lattice positions must lie in [0, {n_points})")
+    # sorted (series, position) keys, not a dict per series: millions of images are a few
+    # sorts. A repeated (series, position) counts once (its last image); a series is complete
+    # when it holds every lattice point.
+    order = torch.argsort(sid * n_points + pos, stable=True)
+    key = (sid * n_points + pos)[order]
+    last = torch.ones_like(key, dtype=torch.bool)
+    last[:-1] = key[1:] != key[:-1]
+    key, rows = key[last], order[last]
+    _, counts = torch.unique_consecutive(key // n_points, return_counts=True)
+    complete = torch.repeat_interleave(counts == n_points, counts)
+    if not complete.any():
         return None, 0
-    lam = torch.stack([torch.stack([m[p] for p in range(len(points))]) for m in complete])
+    lam = lambda_hat.double()[rows[complete]].reshape(-1, n_points, lambda_hat.shape[1])
     p, q, i, j = torch.tensor(edges, dtype=torch.long).reshape(-1, 4).T
     before = lam[:, p, i] - lam[:, p, j]
     after = lam[:, q, i] - lam[:, q, j]
     follows = (after >= before).all(dim=1)
-    return float(follows.double().mean()), len(complete)
+    return float(follows.double().mean()), lam.shape[0]
 
 
 def simplex_stats(

@@ -38,7 +38,13 @@ from shards.manifest import (
 from shards.reader import read_raw_shard
 from shards.writer import DONE_DIR, ShardFolder, completed, write_config
 from stages.annotate_encoder import PROTOTYPES, build_encoder, ensure_prototypes, load_prototypes
-from stages.annotate_report import generator_fidelity, log_summary, report
+from stages.annotate_report import (
+    columns,
+    concat_columns,
+    generator_fidelity,
+    log_summary,
+    report,
+)
 from stages.annotate_shards import annotate_shards
 from stages.configs.annotate import Config
 
@@ -156,21 +162,22 @@ def run(cfg: Config) -> Path:
         range(total), total=total, desc="annotate", unit="img", enabled=procs.is_main
     ) as bar:
         bar.update(total - sum(rec.count for rec in todo.values()))
-        fields = annotate_shards(cfg, todo, series, folder, encoder, prototypes, bar)
+        cols = annotate_shards(cfg, todo, series, folder, encoder, prototypes, bar)
     procs.barrier()
     if not procs.is_main:
         return mixed
 
-    # 4. Report (rank 0): json of shards it did not annotate itself is read back from mixed/.
+    # 4. Report (rank 0): json of shards it did not annotate itself is read back from mixed/,
+    # each shard turned into columns at once (never a dict per image of the whole set).
     for i in range(n_shards):
-        if i not in fields:
+        if i not in cols:
             rec = folder.done(i)
             if rec is None:
                 raise ShardError(f"{folder.path(i)} is not complete after all ranks finished")
             check_shard(folder.path(i), rec)
-            fields[i] = [json.loads(r["json"]) for r in read_raw_shard(folder.path(i))]
+            cols[i] = columns([json.loads(r["json"]) for r in read_raw_shard(folder.path(i))])
     fidelity = generator_fidelity(cfg, series, class_names, device)
-    stats = report(cfg, [f for i in range(n_shards) for f in fields[i]], mixed, fidelity)
+    stats = report(cfg, concat_columns([cols[i] for i in range(n_shards)]), mixed, fidelity)
     if (series / "preview.png").is_file():
         atomic_write_bytes(mixed / "preview.png", (series / "preview.png").read_bytes())
 

@@ -1,10 +1,16 @@
 """annotate, part 3: what the annotation looks like: annotation.json, annotation.png (λ̂ vs α,
-k-way: λ̂_i vs w_i and ternary.png), the generator's fidelity, and the closing log lines."""
+k-way: λ̂_i vs w_i and ternary.png), the generator's fidelity, and the closing log lines.
+
+The report reads every image's fields, so rank 0 holds them as `Columns` (a few numpy arrays,
+40 bytes an image for pairs), converted shard by shard from the json: ImageNet's 3,996,000 images
+as per-image dicts would take gigabytes of Python objects.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -23,6 +29,41 @@ from shards.runs import load_model
 from stages.configs.annotate import Config
 
 PLOT_POINTS = 5000
+
+
+class Columns(NamedTuple):
+    """The mixed json fields the report needs, one row per image (shards in order)."""
+
+    lambda_hat: np.ndarray  # float64 [n] (2-way: λ̂ of class a) or [n, k]
+    mix: np.ndarray  # float64: α [n] (2-way: generation weight of class a) or weights w [n, k]
+    series: np.ndarray  # int64 [n]
+    position: np.ndarray  # int64 [n]
+    classes: np.ndarray  # int32 [n, 2] or [n, k]
+
+    @property
+    def kway(self) -> bool:
+        return self.mix.ndim == 2
+
+    @property
+    def n_images(self) -> int:
+        return len(self.series)
+
+
+def columns(fields: Sequence[dict]) -> Columns:
+    """One shard's mixed json (dicts) -> its columns; the dicts can go right after."""
+    mix = "weights" if "weights" in fields[0] else "alpha"
+    return Columns(
+        np.array([f["lambda_hat"] for f in fields], dtype=np.float64),
+        np.array([f[mix] for f in fields], dtype=np.float64),
+        np.array([f["series"] for f in fields], dtype=np.int64),
+        np.array([f["position"] for f in fields], dtype=np.int64),
+        np.array([f["classes"] for f in fields], dtype=np.int32),
+    )
+
+
+def concat_columns(parts: Sequence[Columns]) -> Columns:
+    """The columns of shards 0, 1, ... in order, as one."""
+    return Columns(*(np.concatenate(cols) for cols in zip(*parts)))
 
 
 def generator_fidelity(cfg: Config, series: Path, class_names, device) -> dict[str, Any] | None:
@@ -67,21 +108,20 @@ def generator_fidelity(cfg: Config, series: Path, class_names, device) -> dict[s
     )
 
 
-def report(cfg: Config, fields: list[dict], mixed: Path, fidelity: dict | None = None) -> dict:
+def report(cfg: Config, cols: Columns, mixed: Path, fidelity: dict | None = None) -> dict:
     """annotation.json (models.annotation.annotation_stats + generator fidelity) and
     annotation.png (λ̂ vs α); k-way: report_kway."""
-    if "weights" in fields[0]:
-        return report_kway(cfg, fields, mixed, fidelity)
-    lam = torch.tensor([f["lambda_hat"] for f in fields], dtype=torch.float64)
-    alpha = torch.tensor([f["alpha"] for f in fields], dtype=torch.float64)
-    series = torch.tensor([f["series"] for f in fields])
-    pairs = torch.tensor([f["classes"] for f in fields])
+    if cols.kway:
+        return report_kway(cfg, cols, mixed, fidelity)
+    lam, alpha = torch.from_numpy(cols.lambda_hat), torch.from_numpy(cols.mix)
     stats = {"method": cfg.method, "sharpening": cfg.sharpening}
-    stats.update(annotation_stats(lam, alpha, series, pairs))
+    stats.update(
+        annotation_stats(lam, alpha, torch.from_numpy(cols.series), torch.from_numpy(cols.classes))
+    )
     stats["generator_fidelity"] = fidelity
     atomic_write_json(mixed / "annotation.json", stats)
     # at most PLOT_POINTS points (seeded choice): the picture is the same, the plot stays fast
-    keep = torch.randperm(len(fields), generator=make_generator(cfg.seed, "annotation-plot"))
+    keep = torch.randperm(cols.n_images, generator=make_generator(cfg.seed, "annotation-plot"))
     keep = keep[:PLOT_POINTS].sort().values
     rho = stats["spearman_lambda_alpha"]
     scatter(
@@ -98,21 +138,19 @@ def report(cfg: Config, fields: list[dict], mixed: Path, fidelity: dict | None =
     return stats
 
 
-def report_kway(cfg: Config, fields: list[dict], mixed: Path, fidelity: dict | None) -> dict:
+def report_kway(cfg: Config, cols: Columns, mixed: Path, fidelity: dict | None) -> dict:
     """annotation.json (models.simplex.simplex_stats + generator fidelity), annotation.png
     (λ̂_i vs w_i over every class) and, for k = 3, ternary.png (λ̂ in the simplex triangle)."""
-    lam = torch.tensor([f["lambda_hat"] for f in fields], dtype=torch.float64)
-    w = torch.tensor([f["weights"] for f in fields], dtype=torch.float64)
+    lam, w = torch.from_numpy(cols.lambda_hat), torch.from_numpy(cols.mix)
     k = w.shape[1]
     m = round(1 / w[w > 0].min().item())
     points = lattice_points(k, m)
-    series = torch.tensor([f["series"] for f in fields])
-    positions = torch.tensor([f["position"] for f in fields])
+    series, positions = torch.from_numpy(cols.series), torch.from_numpy(cols.position)
     stats = {"method": cfg.method, "sharpening": cfg.sharpening}
     stats.update(simplex_stats(lam, w, series, positions, points))
     stats["generator_fidelity"] = fidelity
     atomic_write_json(mixed / "annotation.json", stats)
-    keep = torch.randperm(len(fields), generator=make_generator(cfg.seed, "annotation-plot"))
+    keep = torch.randperm(cols.n_images, generator=make_generator(cfg.seed, "annotation-plot"))
     keep = keep[:PLOT_POINTS].sort().values
     rho = stats["spearman_lambda_weight"]
     title = (

@@ -17,6 +17,7 @@ from models.simplex import annotate_simplex
 from shards.manifest import ShardError, ShardRecord
 from shards.reader import decode_sample, read_raw_shard
 from shards.writer import ShardFolder
+from stages.annotate_report import Columns, columns
 from stages.configs.annotate import Config
 
 
@@ -97,20 +98,22 @@ class SeriesShards(torch.utils.data.Dataset):
 
 
 def annotate_shards(cfg, shards, series: Path, folder: ShardFolder, encoder, prototypes, bar):
-    """Annotate series shards {index: record} in order -> {index: mixed json list}.
+    """Annotate series shards {index: record} in order -> {index: the report's columns of its
+    mixed json} (converted per shard: rank 0 never holds per-image dicts of all its shards).
 
     With `workers` > 0, worker processes read and decode the next shards while this process
     encodes and writes (processes, not threads: tar parsing is Python code that holds the GIL,
     which the encoder's torch ops need between kernels). Each shard is computed alone, so its
     bytes depend on neither workers, rank nor resume point.
     """
-    out: dict[int, list[dict]] = {}
+    out: dict[int, Columns] = {}
     # collate_fn=_as_is: the default would walk every nested list converting numpy -> torch
     loader = torch.utils.data.DataLoader(
         SeriesShards(series, shards), batch_size=None, num_workers=cfg.workers, collate_fn=_as_is
     )
     for i, raw, meta, images in loader:
-        out[i] = label(cfg, meta, images, encoder, prototypes)
-        folder.write(i, mixed_samples(raw, out[i]))
+        fields = label(cfg, meta, images, encoder, prototypes)
+        folder.write(i, mixed_samples(raw, fields))
+        out[i] = columns(fields)
         bar.update(len(raw))
     return out

@@ -292,11 +292,43 @@ def test_edge_monotone_share_and_spearman():
     assert stats["spearman_lambda_weight"] < 1.0
 
 
+# sha256 of the k = 3 report files, pinned on the code that built the report from a list of
+# per-image json dicts (before issue 15's compact columns): the columns must give the same bytes
+PINNED_K3_REPORT: dict[str, dict[str, str]] = {
+    "projection": {
+        "annotation.json": "f595bbeb32b7ca8b860cbe51238acdff14684c57796d821fd857a0ba3a133ca5",
+        "annotation.png": "139cc1dbb67ff60e255a3bf91c7f8a229812851a1cf2b5adced4d1eb6a0be0b6",
+        "ternary.png": "0a48f498763ad9dad4e49e11610b788622bad02321db1825021714f141072fab",
+        "manifest.json": "6b7b6ddfc90755e7c35d479e75d8a26206673a12d430cf4617a15b932a33ca5e",
+    },
+    "ratio": {
+        "annotation.json": "0ac4a0d1b76c1e99b6bfd83bf85f6f0f93d6950fbbdb856f083428365d3dcdc0",
+        "annotation.png": "b0f7706e9f192351ff40ed36e364299bc6dc745d59ea0a99fd0e9563d30a924a",
+        "ternary.png": "f32408c2f5b186812e609f15536fa117d060c8377900a0a1cbdf93a575198243",
+        "manifest.json": "e7b8bfecc223e82a53d27a79c04e11ef4e6dab360d8ff65e81ffdf7fefceb1f2",
+    },
+    "similarity": {
+        "annotation.json": "fe8ef005a774b79751df60d76ffb4aa283809c8b264de55bf467e45f7d727165",
+        "annotation.png": "ddde50419e8fce09eacc9fe98d42a3b1032aca0dce199be928bdd6346264816d",
+        "ternary.png": "afdd5f706f963bdb270ac9151a6b9a28ab8304c4c24597f24b58192e858c03a6",
+        "manifest.json": "fa47eaf22cf4caf1af8dccb8cd1876b4955ecc49f88106f4f4c2bdb674086486",
+    },
+}
+K3_REPORT = ("annotation.json", "annotation.png", "ternary.png", "manifest.json")
+
+
 @pytest.mark.parametrize("method", ["projection", "ratio", "similarity"])
-def test_k3_annotate_writes_k_way_labels_and_report(kway_src, k3_reference, tmp_path, method):
+def test_k3_annotate_writes_k_way_labels_and_report(
+    kway_src, k3_reference, tmp_path, method, pinned_version
+):
     runs = _copy(kway_src, tmp_path)
-    shutil.copytree(k3_reference, runs / "digits" / "series")
+    series = runs / "digits" / "series"
+    shutil.copytree(k3_reference, series)
+    # generate recorded the git commit, which mixed/'s manifest sees through the series digest
+    write_manifest(series, dataclasses.replace(read_manifest(series), code_version="0.1.0"))
     mixed = run_stage("annotate", "digits", [f"out={runs}", *ANN, f"method={method}"])
+    got = {name: _sha((mixed / name).read_bytes()) for name in K3_REPORT}
+    assert got == PINNED_K3_REPORT[method]
     split = load_split(mixed, verify=True)
     for meta, cls in zip(split.meta, split.labels.tolist()):
         assert len(meta["classes"]) == len(meta["weights"]) == 3
