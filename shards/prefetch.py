@@ -35,6 +35,9 @@ from torch.utils.data import DataLoader, Dataset
 from shards.manifest import ShardError
 from shards.store import ImageStore, SeriesImages
 
+# a worker that sends nothing for this long has died or hangs: stop with one line, not wait
+WORKER_TIMEOUT_S = 600
+
 
 @dataclass(frozen=True)
 class StepPlan:
@@ -123,17 +126,24 @@ class PixelSource:
 class _Fetch(Dataset):
     """Map-style dataset whose "index" is a request (real numbers, member numbers): worker
     processes decode them. A damaged shard comes back as its one-line message, which the
-    main process raises (a worker's exception would arrive wrapped in a traceback)."""
+    main process raises (a worker's exception would arrive wrapped in a traceback).
+
+    Pixels travel as numpy arrays, pickled through the workers' pipe, not as torch tensors:
+    torch moves tensors through shared memory, whose file descriptors go over an AF_UNIX
+    socket under TMPDIR. A TMPDIR path over 107 bytes (or a small /dev/shm, e.g. a
+    container's 64 MB) breaks that inside the queue's feeder thread, where the error is only
+    printed: the batch never arrives and the training process waits forever (seen with two
+    torchrun node agents, each with its own TMPDIR)."""
 
     def __init__(self, store: ImageStore, series_store: ImageStore | None):
         self.store, self.series_store = store, series_store
 
     def __getitem__(self, request: tuple[np.ndarray, np.ndarray | None]) -> Any:
         try:
-            real = torch.from_numpy(self.store.read(request[0]))
+            real = self.store.read(request[0])
             syn = None
             if request[1] is not None and self.series_store is not None:
-                syn = torch.from_numpy(self.series_store.read(request[1]))
+                syn = self.series_store.read(request[1])
             return real, syn
         except ShardError as e:
             return str(e)
@@ -163,7 +173,7 @@ class _Workers:
     def __init__(
         self, store: ImageStore, series: ImageStore | None, workers: int, prefetch: int, pin: bool
     ):
-        self.requests = _Requests()
+        self.requests, self.pin = _Requests(), pin
         self.loader: DataLoader | None = DataLoader(
             _Fetch(store, series),
             batch_size=None,
@@ -172,19 +182,35 @@ class _Workers:
             prefetch_factor=prefetch if workers else None,
             persistent_workers=workers > 0,
             collate_fn=_as_is,
-            pin_memory=pin,
+            timeout=WORKER_TIMEOUT_S if workers else 0,
         )
         if workers:
             iter(self.loader)  # start the workers now, with nothing to do yet
 
-    def run(self, requests: list[Any]) -> Iterator[Any]:
+    def run(self, requests: list[Any]) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(real, syn) uint8 tensors per request, in order (pinned when the source is for a GPU)."""
         if self.loader is None:
             raise RuntimeError("the pixel source is closed")
         self.requests.items = requests
-        for fetched in self.loader:
-            if isinstance(fetched, str):
-                raise ShardError(fetched)
-            yield fetched
+        try:
+            for fetched in self.loader:
+                if isinstance(fetched, str):
+                    raise ShardError(fetched)
+                yield tuple(self._tensor(a) for a in fetched)  # type: ignore[misc]
+        except RuntimeError as e:
+            if "timed out" not in str(e):
+                raise
+            raise ShardError(
+                f"no pixels from the DataLoader workers for {WORKER_TIMEOUT_S} s (a worker "
+                "died or hangs; its error, if any, is above); stream_workers=0 decodes in the "
+                "training process"
+            ) from e
+
+    def _tensor(self, array: np.ndarray | None) -> torch.Tensor | None:
+        if array is None:
+            return None
+        tensor = torch.from_numpy(array)
+        return tensor.pin_memory() if self.pin else tensor
 
     def close(self) -> None:
         self.loader = None  # the persistent iterator goes with it and shuts its workers down

@@ -295,6 +295,32 @@ def test_same_seed_same_losses_and_weights_on_both_paths(root, loss):
         assert all(torch.equal(state[k], ref_state[k]) for k in ref_state)
 
 
+def test_workers_deliver_under_a_tmpdir_too_long_for_a_unix_socket(root, tmp_path):
+    """Workers send numpy pixels through their pipe: torch's shared-memory tensors need an
+    AF_UNIX socket under TMPDIR (at most 107 bytes), and when that fails the batch is lost in
+    a feeder thread and the reader waits forever (as two torchrun nodes with their own long
+    TMPDIRs did). Here the reading process has a 150-byte TMPDIR."""
+    tmpdir = tmp_path / ("t" * (150 - len(str(tmp_path)) - 1))
+    tmpdir.mkdir()
+    code = f"""
+import torch
+from shards.store import open_real
+from shards.prefetch import PixelSource, SequentialImages, StepPlan
+train = open_real({str(root / "real" / "train")!r})
+plans = [StepPlan(torch.arange(i, i + 8)) for i in (0, 8, 16)]
+source = PixelSource(train.images, workers=1)
+got = [px.real for px in source.batches(plans)]
+assert all(torch.equal(g, train.images[p.idx]) for g, p in zip(got, plans))
+ahead = SequentialImages(train.images, 64, workers=1)
+assert torch.equal(ahead[0:64], train.images[0:64])
+print("delivered", len(got))
+"""
+    env = subprocess_env() | {"TMPDIR": str(tmpdir)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0 and "delivered 3" in done.stdout, done.stderr[-2000:]
+
+
 def test_statistics_and_logits_read_through_the_store(root):
     """channel_stats and collect_logits, unchanged, on a store (evaluate's real/test)."""
     folder = root / "real" / "test"
