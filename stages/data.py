@@ -32,7 +32,7 @@ from models.training import channel_stats, stats_chunk
 from pipeline.core.runtime import share_from_main
 from shards.datapath import DataPathChoice, choose_data_path
 from shards.datasets import RealSplit, SeriesTable, load_real, load_series_table
-from shards.prefetch import SequentialImages
+from shards.prefetch import PixelSource, SequentialImages
 from shards.store import ImageStore, open_real, open_series_table
 
 
@@ -103,6 +103,23 @@ def statistics(split: RealSplit, channels: int, cfg: DataFields) -> tuple[list[f
         return channel_stats(ahead.images, channels, chunk)
     finally:
         close(ahead)
+
+
+def pixel_source(
+    train: RealSplit, series: Any, mixes_rows: bool, accelerator: Any, cfg: DataFields
+) -> PixelSource:
+    """Where the training steps' pixels come from: this rank's rows of each planned step (or
+    every row when the objective mixes rows: mixup), indexed or decoded ahead by workers.
+    Workers start here: call before the model is built when possible."""
+    rank, world = accelerator.process_index, accelerator.num_processes
+    return PixelSource(
+        train.images,
+        series,
+        *((0, 1) if mixes_rows else (rank, world)),
+        workers=cfg.stream_workers,
+        prefetch=cfg.stream_prefetch,
+        device=accelerator.device,
+    )
 
 
 def close(*splits: Any) -> None:

@@ -41,7 +41,6 @@ from pipeline.core.runtime import code_version, log, make_generator
 from shards.datapath import DataPathChoice
 from shards.datasets import check_same_classes
 from shards.manifest import manifest_digest
-from shards.prefetch import PixelSource
 from shards.runs import Run, read_run, run_complete
 from shards.writer import write_config
 from stages import data as datapath
@@ -200,15 +199,7 @@ def run(cfg: Config) -> Path:
     # 2. The method: a fresh head or gate from (seed, method, purpose), its optimizer.
     objective, optimizer, lr, plots = METHODS[cfg.method](cfg, model, data)
     module = TrainingModule(model, objective).to(dev)
-    rank, world = accelerator.process_index, accelerator.num_processes
-    data.pixels = PixelSource(
-        data.train.images,
-        None,
-        *((0, 1) if objective.mixes_rows else (rank, world)),
-        workers=cfg.stream_workers,
-        prefetch=cfg.stream_prefetch,
-        device=dev,
-    )
+    data.pixels = datapath.pixel_source(data.train, None, objective.mixes_rows, accelerator, cfg)
     loss = meta.get("loss", "")
     log.info(
         "finetune %s: %s on run %s (%s, loss %s), %d train / %d val images, %d process(es) on %s",

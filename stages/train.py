@@ -34,7 +34,6 @@ from pipeline.core.runtime import code_version, derive_seed, log, make_generator
 from shards.datapath import DataPathChoice
 from shards.datasets import RealSplit, check_same_classes
 from shards.manifest import ShardError, manifest_digest, read_manifest
-from shards.prefetch import PixelSource
 from shards.runs import run_complete
 from shards.writer import write_config
 from stages import data as datapath
@@ -142,16 +141,8 @@ def run(cfg: Config) -> Path:
     accelerator.wait_for_everyone()
     mean, std = datapath.statistics(train, cfg.in_channels, cfg)  # normalisation: real/train
     val = datapath.sequential(val, cfg.eval_batch_size, cfg)
-    # a rank decodes its own rows, or all of them when the objective mixes rows (mixup)
-    rank, world = accelerator.process_index, accelerator.num_processes
-    pixels = PixelSource(
-        train.images,
-        mixed.images if mixed else None,
-        *((0, 1) if probe.mixes_rows else (rank, world)),
-        workers=cfg.stream_workers,
-        prefetch=cfg.stream_prefetch,
-        device=dev,
-    )
+    series = mixed.images if mixed else None
+    pixels = datapath.pixel_source(train, series, probe.mixes_rows, accelerator, cfg)
     data = Data(train, val, mean, std, train.image_size, mixed, pixels)
 
     # 3. Model (+ objective parameters) and optimizer; init from (seed, "init").
