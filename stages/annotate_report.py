@@ -16,17 +16,13 @@ import numpy as np
 import torch
 
 from models.annotation import annotation_stats, fidelity_stats
-from models.classifiers import classifier_from_config
 from models.simplex import lattice_points, simplex_stats
-from models.training import collect_logits
 from pipeline.core.io import atomic_write_json
 from pipeline.core.plots import scatter, ternary
 from pipeline.core.runtime import log, make_generator
-from shards.datasets import load_real
-from shards.manifest import ShardError
 from shards.reader import iter_folder
-from shards.runs import load_model
 from stages.configs.annotate import Config
+from stages.fidelity import cnn_judge
 
 PLOT_POINTS = 5000
 
@@ -72,12 +68,7 @@ def generator_fidelity(cfg: Config, series: Path, class_names, device) -> dict[s
     classifier on real/test (models.annotation.fidelity_stats)."""
     if not cfg.fidelity_run:
         return None
-    folder = cfg.root / "train" / cfg.fidelity_run
-    try:
-        model, meta = load_model(folder, classifier_from_config)  # on the CPU, then moved
-    except ShardError as e:
-        raise ShardError(f"fidelity_run={cfg.fidelity_run}: {e}") from e
-    model = model.to(device)
+    judge = cnn_judge(cfg.root, cfg.fidelity_run, device, cfg.batch_size, key="fidelity_run")
     images, expected = [], []
     for s in iter_folder(series):
         fields = s["meta"]
@@ -92,20 +83,8 @@ def generator_fidelity(cfg: Config, series: Path, class_names, device) -> dict[s
             expected.append(a if alpha == 1.0 else b)
     if not images:
         return None
-
-    def predict(x: torch.Tensor) -> torch.Tensor:
-        norm = meta["normalize"]
-        logits = collect_logits(
-            model, x, norm["mean"], norm["std"], batch_size=cfg.batch_size, device=device,
-            image_size=int(meta["image_size"]),
-        )  # fmt: skip
-        return logits.argmax(dim=1)
-
-    test = load_real(cfg.root / "real" / "test")
-    test_acc = 100.0 * float((predict(test.images) == test.labels).double().mean())
-    return fidelity_stats(
-        predict(torch.from_numpy(np.stack(images))), torch.tensor(expected), class_names, test_acc
-    )
+    predicted = judge.predict(torch.from_numpy(np.stack(images)))
+    return fidelity_stats(predicted, torch.tensor(expected), class_names, judge.real_test_accuracy)
 
 
 def report(cfg: Config, cols: Columns, mixed: Path, fidelity: dict | None = None) -> dict:

@@ -5,15 +5,25 @@
 
 Standard DDPM training (Ho et al. 2020): x_t = √ᾱ_t·x_0 + √(1−ᾱ_t)·ε, loss ‖ε − ε_θ(x_t, t, y)‖²,
 with diffusers' ``DDPMScheduler`` for the noise schedule, AdamW, an EMA of the weights (what is
-saved: the generate stage samples from it) and accelerate for devices, processes and checkpoints.
+saved: the generate stage samples from it) and accelerate for devices, processes, checkpoints
+and bf16 autocast (``mixed_precision=auto``: on CPUs with native bf16 too, 1.3x faster there).
+
+Classifier-free guidance: with ``label_dropout`` p > 0 the class table has a null row ∅ and a
+share p of the training labels is replaced by it, so one network learns ε(x_t, y) and ε(x_t, ∅).
+While it fits (every ``fidelity_every`` steps and at the end) the EMA weights draw pure-class
+images from a fixed noise for every w of ``guidance_grid``, judged by a real-only CNN
+(``judge_run``) and a linear probe (stages/fidelity.py): the curve goes to fidelity.json and
+fidelity.png, and the best w (by the CNN) becomes the generator's recorded guidance, which
+generate uses by default (``guidance=auto``).
 
 Every random draw of step s (batch indices, flips, t, ε, dropout) comes from generators seeded by
 (seed, s, rank), so a run resumed from a checkpoint (``resume=auto``, the default: the newest
 complete one) ends with the very same weights as an uninterrupted one. The training set is small (CIFAR size at most): it is held
 in device memory, batches are slices of per-epoch permutations.
 
-Folder: unet/ + scheduler/ (``save_unet``), config.json, sample_grid.png, manifest.json last
-(kind ``generator``, no shards). Checkpoints under checkpoints/checkpoint_<i>/ (the same
+Folder: unet/ + scheduler/ (``save_unet``), config.json, sample_grid.png, fidelity.json and
+fidelity.png, manifest.json last (kind ``generator``, no shards; its info records ``null_class``
+and the chosen ``guidance``). Checkpoints under checkpoints/checkpoint_<i>/ (the same
 Checkpointer as train and finetune, shards/checkpoints.py: written to a temporary folder, marker
 last, renamed, then older ones pruned): accelerate's save_state (safetensors model; optimizer,
 scheduler and RNG read back with weights_only) plus our ema.safetensors and semix_state.json
@@ -23,8 +33,10 @@ before the manifest is written (a kill in between costs a retraining, never a wr
 
 from __future__ import annotations
 
+import copy
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +44,14 @@ from accelerate import Accelerator, PartialState
 from diffusers import DDPMScheduler, UNet2DModel
 from diffusers.training_utils import EMAModel
 
-from models.generators import UNET_PRESETS, SeriesSpec, load_generator, save_unet, unet_from_preset
+from models.generators import (
+    UNET_PRESETS,
+    SeriesSpec,
+    UNetGenerator,
+    load_generator,
+    save_unet,
+    unet_from_preset,
+)
 from pipeline.core.io import sha256_file
 from pipeline.core.plots import image_grid
 from pipeline.core.runtime import (
@@ -40,6 +59,7 @@ from pipeline.core.runtime import (
     code_version,
     derive_seed,
     log,
+    make_accelerator,
     make_generator,
     progress,
     share_from_main,
@@ -49,6 +69,7 @@ from shards.manifest import MANIFEST, Manifest, ShardError, manifest_digest, wri
 from shards.reader import load_split
 from shards.writer import write_config
 from stages.configs.fit_generator import Config
+from stages.fidelity import FidelityCheck, make_judges
 
 WEIGHTS = Path("unet") / "diffusion_pytorch_model.safetensors"
 CHECKPOINTS = "checkpoints"
@@ -59,10 +80,12 @@ EMA = "ema.safetensors"  # the EMA weights of a checkpoint (its scalars live in 
 
 
 class TrainState:
-    """The step counter, saved with every checkpoint (in STATE, as JSON)."""
+    """The step counter and the fidelity curve so far, saved with every checkpoint (in STATE,
+    as JSON)."""
 
     def __init__(self, checkpoint_every: int) -> None:
         self.step, self.every = 0, checkpoint_every
+        self.fidelity: list[dict[str, Any]] = []  # [{"step": s, "guidance": {w: {judge: stats}}}]
 
     @property
     def number(self) -> int:
@@ -109,7 +132,7 @@ def save_checkpoint(
     ckpt.save(
         state.number,
         lambda folder: accelerator.save_state(str(folder)),
-        {"step": state.step, "ema": scalars},
+        {"step": state.step, "ema": scalars, "fidelity": state.fidelity},
         {EMA: shadow},
     )
 
@@ -128,17 +151,48 @@ def load_checkpoint(
         {**saved["ema"], "shadow_params": [shadow[str(i)] for i in range(len(shadow))]}
     )
     state.step = int(saved["step"])
+    state.fidelity = list(saved.get("fidelity", []))
+
+
+def resolve_precision(choice: str, cpu: bool) -> str:
+    """mixed_precision=auto: bf16 where the device computes it natively (a bf16 GPU; a CPU with
+    AVX512-BF16 or AMX), else fp32 ("no"). A GPU without bf16 gets fp32, never fp16 silently."""
+    if choice != "auto":
+        return choice
+    if not cpu:
+        return "bf16" if torch.cuda.is_bf16_supported() else "no"
+    native = (
+        getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+        or getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    )
+    return "bf16" if native else "no"
+
+
+def ema_generator(cfg: Config, model: torch.nn.Module, ema: EMAModel) -> UNetGenerator:
+    """The EMA weights of now, in float32 on the CPU, as a sampler (the training model is not
+    touched)."""
+    unet = copy.deepcopy(model).to("cpu").float()
+    ema.copy_to(unet.parameters())
+    return UNetGenerator.from_model(
+        unet.eval(), noise_scheduler(cfg).config, steps=cfg.sample_steps
+    )
 
 
 def train(
-    cfg: Config, folder: Path, images: torch.Tensor, labels: torch.Tensor, num_classes: int
-) -> UNet2DModel:
-    """DDPM training; returns the EMA weights (a UNet on the CPU) on every process."""
+    cfg: Config,
+    folder: Path,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    names: tuple[str, ...],
+    check: FidelityCheck | None,
+) -> tuple[UNet2DModel, list[dict[str, Any]]]:
+    """DDPM training; returns the EMA weights (a UNet on the CPU) on every process, and the
+    fidelity curve (the main process, which alone gets `check`)."""
     # 1. Accelerator, model, optimiser, schedules
-    accelerator = Accelerator(
-        cpu=cfg.device == "cpu" or not torch.cuda.is_available(),  # else torchrun ranks unseen
-        mixed_precision=cfg.mixed_precision,
-    )
+    cpu = cfg.device == "cpu" or not torch.cuda.is_available()  # else torchrun ranks unseen
+    precision = resolve_precision(cfg.mixed_precision, cpu)
+    accelerator = make_accelerator(cpu=cpu, mixed_precision=precision)
+    num_classes, null_class = len(names), cfg.label_dropout > 0
     ckpt = Checkpointer(
         folder / CHECKPOINTS,
         keep=cfg.checkpoints_total_limit,
@@ -149,7 +203,7 @@ def train(
     )
     with torch.random.fork_rng(devices=[]):  # the random init, seeded, global RNG left alone
         torch.manual_seed(derive_seed(cfg.seed, "fit-init"))
-        unet = unet_from_preset(cfg.unet, num_classes=num_classes)
+        unet = unet_from_preset(cfg.unet, num_classes, null_class=null_class)
     sched = noise_scheduler(cfg)
     opt = torch.optim.AdamW(unet.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     warmup = max(cfg.warmup_steps, 1)
@@ -191,6 +245,10 @@ def train(
             x0 = torch.where(flip[:, None, None, None], x0.flip(-1), x0)
         eps = torch.randn(x0.shape, generator=g).to(device)
         t = torch.randint(0, cfg.num_train_timesteps, (len(idx),), generator=g).to(device)
+        y = labels[idx]
+        if null_class:  # drawn after ε and t: without dropout every draw is as before
+            drop = (torch.rand(len(idx), generator=g) < cfg.label_dropout).to(device)
+            y = torch.where(drop, num_classes, y)  # row C of the table: the null condition ∅
         a_bar = alphas_cumprod[t][:, None, None, None]
         x_t = a_bar.sqrt() * x0 + (1 - a_bar).sqrt() * eps  # forward process q(x_t | x_0)
         with torch.random.fork_rng(
@@ -199,7 +257,7 @@ def train(
             if dropout:  # dropout cannot take a generator: seed the forked global RNG per step
                 torch.manual_seed(derive_seed(cfg.seed, "fit-dropout", step, rank))
             with accelerator.autocast():
-                pred = model(x_t, t, class_labels=labels[idx]).sample
+                pred = model(x_t, t, class_labels=y).sample
             loss = F.mse_loss(pred.float(), eps)
             accelerator.backward(loss)
         if cfg.grad_clip > 0:
@@ -215,6 +273,10 @@ def train(
             bar.set_postfix(loss=f"{mean:.4f}")
             log.info("fit-generator: step %d/%d loss %.4f", state.step, cfg.steps, mean)
             loss_sum, loss_n = torch.zeros((), device=device), 0
+        due = cfg.fidelity_every and state.step % cfg.fidelity_every == 0
+        if check is not None and (due or state.step == cfg.steps):
+            gen = ema_generator(cfg, accelerator.unwrap_model(model), ema)
+            state.fidelity.append(check(gen, state.step))
         if state.step % cfg.checkpoint_every == 0 or state.step == cfg.steps:
             save_checkpoint(accelerator, ckpt, ema, state)
     bar.close()
@@ -223,13 +285,18 @@ def train(
     # 4. The EMA weights into the model, on the CPU
     final = accelerator.unwrap_model(model)
     ema.copy_to(final.parameters())
-    return final.to("cpu").float().eval()
+    return final.to("cpu").float().eval(), state.fidelity
 
 
-def sample_grid(cfg: Config, folder: Path, class_names: tuple[str, ...], device) -> Path:
-    """sample_grid.png from the saved folder (the generate stage's loading path): one row per
-    class; column j shares one noise across classes, so rows differ only in the class."""
-    gen = load_generator("unet", model=folder, steps=cfg.sample_steps, device=device)
+def sample_grid(
+    cfg: Config, folder: Path, class_names: tuple[str, ...], device, guidance: float
+) -> Path:
+    """sample_grid.png from the saved folder (the generate stage's loading path) at the recorded
+    guidance: one row per class; column j shares one noise across classes, so rows differ only
+    in the class."""
+    gen = load_generator(
+        "unet", model=folder, steps=cfg.sample_steps, device=device, guidance=guidance
+    )
     n = cfg.samples_per_class
     seeds = [derive_seed(cfg.seed, "fit-grid", j) for j in range(n)]
     specs = [
@@ -265,20 +332,35 @@ def run(cfg: Config) -> Path:
         log.info("fit-generator: %s is complete already", folder)
         return folder
     names = split.class_names
+    images, labels = split.images, split.labels
+    if cfg.train_limit:  # the first N, as train's train_limit: a fair study fits on its 5k
+        images, labels = images[: cfg.train_limit], labels[: cfg.train_limit]
+    precision = resolve_precision(cfg.mixed_precision, procs.device.type == "cpu")
     log.info(
-        "fit-generator: %s UNet, %d classes, %d images, %d steps x %d -> %s",
-        cfg.unet, len(names), len(split), cfg.steps, cfg.batch_size, folder,
+        "fit-generator: %s UNet, %d classes, %d images, %d steps x %d, %s, %d threads, "
+        "label dropout %g -> %s",
+        cfg.unet, len(names), len(images), cfg.steps, cfg.batch_size,
+        "fp32" if precision == "no" else precision, torch.get_num_threads(), cfg.label_dropout,
+        folder,
     )  # fmt: skip
 
-    # 2. Train (every process), save the EMA weights and the sample grid (main process)
-    unet = train(cfg, folder, split.images, split.labels, len(names))
+    # 2. The judges of fidelity (main process), then train (every process)
+    check = None
+    if procs.is_main:
+        judges = make_judges(cfg.root, cfg.judge_run, procs.device)
+        check = FidelityCheck(judges, cfg.grid, names, cfg.seed, cfg.fidelity_per_class)
+    unet, curve = train(cfg, folder, images, labels, names, check)
     state = PartialState()
     if not state.is_main_process:
         return folder
-    save_unet(folder, unet, noise_scheduler(cfg))
-    sample_grid(cfg, folder, names, state.device)
 
-    # 3. Manifest last, then the training checkpoints go
+    # 3. Weights, the fidelity curve and the chosen guidance, the sample grid at that guidance
+    guidance, summary = check.choose(curve)
+    save_unet(folder, unet, noise_scheduler(cfg))
+    check.write(folder, curve, guidance)
+    sample_grid(cfg, folder, names, state.device, guidance)
+
+    # 4. Manifest last, then the training checkpoints go
     info = {
         "backend": "unet",
         "unet": cfg.unet,
@@ -286,7 +368,12 @@ def run(cfg: Config) -> Path:
         "num_classes": len(names),
         "class_names": list(names),
         "train_steps": cfg.steps,
-        "epochs": round(cfg.steps * cfg.batch_size * state.num_processes / len(split), 2),
+        "train_images": len(images),
+        "epochs": round(cfg.steps * cfg.batch_size * state.num_processes / len(images), 2),
+        "mixed_precision": precision,
+        "null_class": cfg.label_dropout > 0,
+        "guidance": guidance,
+        "fidelity": summary,
         "weights_sha256": sha256_file(folder / WEIGHTS),
         "parameters": sum(p.numel() for p in unet.parameters()),
     }
@@ -300,5 +387,8 @@ def run(cfg: Config) -> Path:
     )
     shutil.rmtree(folder / CHECKPOINTS, ignore_errors=True)  # before the manifest: once it
     write_manifest(folder, manifest)  # exists, nothing in the folder changes
-    log.info("fit-generator: wrote %s (sample grid: %s)", folder, folder / "sample_grid.png")
+    log.info(
+        "fit-generator: wrote %s (guidance %g; sample grid: %s)",
+        folder, guidance, folder / "sample_grid.png",
+    )  # fmt: skip
     return folder

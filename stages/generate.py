@@ -63,7 +63,7 @@ def run(cfg: Config) -> Path:
         len(plan.pairs), "pairs" if plan.k == 2 else f"{plan.k}-tuples", plan.num_series, k,
         "alphas" if plan.k == 2 else f"lattice points (m = {cfg.lattice_m})", plan.num_series * k, plan.num_shards,
         plan.series_per_shard, cfg.backend, ident["model_id"], cfg.sampler, cfg.steps,
-        cfg.guidance, dtype, procs.world, out,
+        ident["guidance"], dtype, procs.world, out,
     )  # fmt: skip
     if (out / "config.json").is_file():
         write_config(out, cfg.to_dict())  # a different config is refused before any loading

@@ -115,9 +115,29 @@ def resolve_dtype(cfg: Config, device: torch.device) -> str:
 # ---------------------------------------------------------------- the generator
 
 
+def guidance(cfg: Config, inputs: Inputs) -> float:
+    """guidance=auto: the unet generator's recorded w (fit-generator's best by fidelity; 1 for a
+    generator without a null condition), 1 elsewhere; a number is used as given."""
+    if cfg.guidance != "auto":
+        return float(cfg.guidance)
+    return float(inputs.generator_info.get("guidance", 1.0)) if cfg.backend == "unet" else 1.0
+
+
 def _unet_kwargs(cfg: Config, inputs: Inputs) -> dict[str, Any]:
     # the weights' sha256 (fit-generator's manifest, checked in check_inputs) is their revision
-    return {"model": inputs.generator, "revision": inputs.generator_info.get("weights_sha256")}
+    null_class = bool(inputs.generator_info.get("null_class", False))
+    w = guidance(cfg, inputs)
+    if w != 1.0 and not null_class:
+        raise GenerationError(
+            f"guidance={w:g}: the generator in {inputs.generator} has no null condition (fitted "
+            "with label_dropout=0); use guidance=1, or refit it with fit-generator "
+            "label_dropout=0.1"
+        )
+    return {
+        "model": inputs.generator,
+        "revision": inputs.generator_info.get("weights_sha256"),
+        "guidance": w,
+    }
 
 
 def _sd_kwargs(cfg: Config, inputs: Inputs) -> dict[str, Any]:
@@ -128,7 +148,7 @@ def _sd_kwargs(cfg: Config, inputs: Inputs) -> dict[str, Any]:
         "revision": cfg.revision or None,
         "prompt_template": cfg.prompt_template,
         "negative_prompt": cfg.negative_prompt,
-        "guidance": cfg.guidance,
+        "guidance": guidance(cfg, inputs),
         "native_size": cfg.native_size or None,
     }
 
@@ -142,7 +162,7 @@ def _dit_kwargs(cfg: Config, inputs: Inputs) -> dict[str, Any]:
     return {
         "model": cfg.model,
         "class_ids": cfg.dit_class_ids,
-        "guidance": cfg.guidance,
+        "guidance": guidance(cfg, inputs),
         "image_size": inputs.image_size,
         "revision": cfg.revision or None,
     }

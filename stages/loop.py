@@ -46,7 +46,16 @@ from models.training import (
     sample_csm_members,
 )
 from pipeline.core.io import atomic_write_json
-from pipeline.core.runtime import code_version, log, make_generator, progress, share_from_main
+from pipeline.core.runtime import (
+    code_version,
+    log,
+    make_generator,
+    progress,
+    share_from_main,
+)
+from pipeline.core.runtime import (
+    make_accelerator as new_accelerator,
+)
 from shards.checkpoints import LOAD_KWARGS, Checkpointer
 from shards.datasets import RealSplit
 from shards.manifest import ShardError
@@ -124,7 +133,9 @@ def make_accelerator(precision: str) -> Accelerator:
     """DDP under a launcher; bf16 autocast on GPU for precision=auto (bf16 forces it)."""
     bf16 = precision == "bf16" or (precision == "auto" and torch.cuda.is_available())
     # cpu=True without CUDA, so that torchrun ranks on a CPU machine use gloo
-    return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="bf16" if bf16 else "no")
+    return new_accelerator(
+        cpu=not torch.cuda.is_available(), mixed_precision="bf16" if bf16 else "no"
+    )
 
 
 def check_resume(run_dir: Path, resume: str) -> None:

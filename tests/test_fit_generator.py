@@ -21,7 +21,10 @@ from pipeline.core.io import sha256_file
 from pipeline.registry import run_stage
 from shards.manifest import manifest_digest, read_manifest
 
-QUICK = ["steps=4", "batch_size=16", "checkpoint_every=2", "samples_per_class=2", "sample_steps=2"]
+QUICK = [
+    "steps=4", "batch_size=16", "checkpoint_every=2", "samples_per_class=2", "sample_steps=2",
+    "judge_run=", "fidelity_per_class=1", "guidance_grid=1,2",
+]  # fmt: skip
 
 
 @pytest.fixture
@@ -67,7 +70,7 @@ def test_saved_weights_are_the_ema(runs):
     """ema_decay=0 saves the raw weights; the default EMA of the same run saves other ones."""
     for name in ("raw", "ema"):
         shutil.copytree(runs / "digits" / "real", runs / name / "real")
-    quick = ["steps=2", "batch_size=16", "samples_per_class=1", "sample_steps=1"]
+    quick = ["steps=2", "batch_size=16", "samples_per_class=1", "sample_steps=1", "judge_run="]
     raw = run_stage("fit-generator", "digits", [f"out={runs}", "name=raw", *quick, "ema_decay=0"])
     ema = run_stage("fit-generator", "digits", [f"out={runs}", "name=ema", *quick])
     w_raw, w_ema = load_file(raw / fit.WEIGHTS), load_file(ema / fit.WEIGHTS)
@@ -124,7 +127,7 @@ def test_a_kill_at_every_point_of_a_checkpoint_save_resumes(runs, monkeypatch, l
     prunes an older checkpoint), rerun it: every rerun ends with the uninterrupted weights."""
     from conftest import Killed, KillPoints
 
-    quick = ["steps=4", "batch_size=8", "checkpoint_every=1", "samples_per_class=1"]
+    quick = ["steps=4", "batch_size=8", "checkpoint_every=1", "samples_per_class=1", "judge_run="]
     quick += ["sample_steps=1", f"checkpoints_total_limit={limit}"]
     shutil.copytree(runs / "digits" / "real", runs / "ref" / "real")
     ref = run_stage("fit-generator", "digits", [f"out={runs}", "name=ref", *quick])

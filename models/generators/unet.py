@@ -1,9 +1,15 @@
 """`unet` backend: class-conditional pixel diffusion with diffusers' ``UNet2DModel``.
 
-Closest to the original CSM (class-conditional EDM at 32×32, METHODS §1): the class enters through
-the table ``unet.class_embedding`` (``num_class_embeds = C``) and is mixed as α·E[a] + (1−α)·E[b] (k-way: Σ_i w_i·E[c_i]).
-To mix without touching diffusers' forward, the table is replaced by a ``MixableEmbedding`` that
-takes class-weight vectors as ``class_labels``.
+Closest to the original CSM (class-conditional EDM at 32×32): the class enters through the table
+``unet.class_embedding`` (``num_class_embeds = C``) and is mixed as α·E[a] + (1−α)·E[b] (k-way:
+Σ_i w_i·E[c_i]). To mix without touching diffusers' forward, the table is replaced by a
+``MixableEmbedding`` that takes class-weight vectors as ``class_labels``.
+
+Classifier-free guidance (Ho & Salimans 2022): a UNet trained with label dropout has one more row,
+the null condition ∅ (index C; the model's config says so: ``NULL_CLASS``). Sampling with guidance w evaluates the
+denoiser under the series' mixed condition and under ∅ with the same x_t, in one batch, and uses
+ε = ε(x_t, ∅) + w·(ε(x_t, c) − ε(x_t, ∅)); w = 1 is the plain conditional model, sampled exactly
+as without guidance.
 
 A trained model is a folder written by ``save_unet``: ``unet/`` (``save_pretrained``, safetensors)
 and ``scheduler/`` (the training scheduler's config, from which the sampler is derived).
@@ -20,7 +26,17 @@ import torch
 from diffusers import DDIMScheduler, UNet2DModel
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
-from .base import Generator, load_pretrained, make_mixable, make_scheduler, mix_weights
+from .base import (
+    Generator,
+    MixableEmbedding,
+    load_pretrained,
+    make_mixable,
+    make_scheduler,
+    mix_weights,
+)
+
+NULL_CLASS = "_semix_null_class"  # in the UNet's config: the table's last row is ∅ (diffusers
+# keeps "_" keys in config.json and passes none of them to __init__)
 
 
 @dataclass(frozen=True)
@@ -57,13 +73,15 @@ def build_unet(
     layers_per_block: int = 1,
     dropout: float = 0.0,
     attention_head_dim: int = 8,
+    null_class: bool = False,
 ) -> UNet2DModel:
-    """A random-weight class-conditional RGB ``UNet2DModel`` (one level per entry of ``channels``)."""
+    """A random-weight class-conditional RGB ``UNet2DModel`` (one level per entry of ``channels``);
+    ``null_class`` adds the row ∅ of classifier-free guidance after the ``num_classes`` rows."""
     if len(attention) != len(channels):
         raise ValueError(f"attention has {len(attention)} levels, channels {len(channels)}")
     down = tuple("AttnDownBlock2D" if at else "DownBlock2D" for at in attention)
     up = tuple("AttnUpBlock2D" if at else "UpBlock2D" for at in reversed(attention))
-    return UNet2DModel(
+    unet = UNet2DModel(
         sample_size=image_size,
         in_channels=3,
         out_channels=3,
@@ -71,20 +89,24 @@ def build_unet(
         down_block_types=down,
         up_block_types=up,
         layers_per_block=layers_per_block,
-        num_class_embeds=num_classes,
+        num_class_embeds=num_classes + int(null_class),
         norm_num_groups=math.gcd(32, *channels),  # GroupNorm needs groups dividing every width
         attention_head_dim=attention_head_dim,
         dropout=dropout,
     )
+    if null_class:
+        unet.register_to_config(**{NULL_CLASS: True})
+    return unet
 
 
-def unet_from_preset(preset: str, num_classes: int) -> UNet2DModel:
+def unet_from_preset(preset: str, num_classes: int, null_class: bool = False) -> UNet2DModel:
     if preset not in UNET_PRESETS:
         raise ValueError(f"unknown unet preset {preset!r}; choose one of {sorted(UNET_PRESETS)}")
     p = UNET_PRESETS[preset]
     return build_unet(
-        p.image_size, num_classes, p.block_out_channels, p.attention, p.layers_per_block, p.dropout
-    )
+        p.image_size, num_classes, p.block_out_channels, p.attention, p.layers_per_block,
+        p.dropout, null_class=null_class,
+    )  # fmt: skip
 
 
 def save_unet(folder: str | Path, unet: UNet2DModel, scheduler: SchedulerMixin) -> None:
@@ -103,10 +125,11 @@ def load_unet(
 
 
 class UNetGenerator(Generator):
-    """CSM series from a class-conditional pixel UNet; no guidance (as CSM: 1.0).
+    """CSM series from a class-conditional pixel UNet.
 
     ``revision`` names the weights (fit-generator's manifest records their sha256; the generate
-    stage passes it) and goes into ``metadata()``.
+    stage passes it) and goes into ``metadata()``. ``guidance`` w ≠ 1 needs a UNet with the null
+    condition (fitted with ``label_dropout`` > 0); any other is refused when it loads.
     """
 
     backend = "unet"
@@ -123,8 +146,11 @@ class UNetGenerator(Generator):
         batch_size: int = 64,
         row_multiple: int = 8,
         torch_compile: bool = False,
+        guidance: float = 1.0,
         lazy: bool = False,
     ) -> None:
+        if guidance < 0:
+            raise ValueError(f"guidance must be >= 0, got {guidance}")
         super().__init__(
             model=model,
             revision=revision,
@@ -135,9 +161,21 @@ class UNetGenerator(Generator):
             batch_size=batch_size,
             row_multiple=row_multiple,
         )
-        self.guidance, self.torch_compile = 1.0, torch_compile
+        self.guidance = float(guidance)
+        self.torch_compile = torch_compile
         if not lazy:
             self.load()
+
+    @classmethod
+    def from_model(
+        cls, unet: UNet2DModel, scheduler_config: Any, *, model: str = "in-memory", **kwargs: Any
+    ) -> UNetGenerator:
+        """A generator around a UNet already in memory (fit-generator's EMA weights, checked for
+        fidelity while it trains); ``kwargs`` as the constructor's."""
+        gen = cls(model, lazy=True, **kwargs)
+        gen._setup(unet, scheduler_config)
+        gen._loaded = True
+        return gen
 
     @property
     def model_id(self) -> str:
@@ -147,13 +185,23 @@ class UNetGenerator(Generator):
         return f"{path.parent.name}/{path.name}"
 
     def _load(self) -> None:
-        unet, config = load_unet(self.model, self.dtype)
+        self._setup(*load_unet(self.model, self.dtype))
+
+    def _setup(self, unet: UNet2DModel, config: Any) -> None:
         if unet.class_embedding is None or unet.config.class_embed_type is not None:
             raise ValueError(
                 f"{self.model}: the UNet has no class-embedding table (num_class_embeds)"
             )
-        make_mixable(unet, "class_embedding")
-        self.num_classes = int(unet.config.num_class_embeds)
+        self.null_class = bool(unet.config.get(NULL_CLASS, False))
+        if self.guidance != 1.0 and not self.null_class:
+            raise ValueError(
+                f"guidance={self.guidance:g}: {self.model} has no null condition (fitted without "
+                "label dropout); refit it with fit-generator label_dropout=0.1, or use guidance=1"
+            )
+        if not isinstance(unet.class_embedding, MixableEmbedding):
+            make_mixable(unet, "class_embedding")
+        self.num_embeds = int(unet.config.num_class_embeds)  # C, or C + 1 with the null row
+        self.num_classes = self.num_embeds - int(self.null_class)
         size = unet.config.sample_size
         self.image_size = int(size if isinstance(size, int) else size[0])
         self.scheduler = make_scheduler(self.sampler, config)
@@ -165,16 +213,35 @@ class UNetGenerator(Generator):
         return (self.unet.config.in_channels, self.image_size, self.image_size)
 
     def condition(self, classes: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Class weights Σ_i w_i·e_{c_i} (k = 2: α·e_a + (1−α)·e_b); the table turns them into
-        Σ_i w_i·E[c_i]."""
-        return mix_weights(classes, weights, self.num_classes)
+        """Class weights Σ_i w_i·e_{c_i} (k = 2: α·e_a + (1−α)·e_b) over the table's rows (the
+        null row, if any, gets 0); the table turns them into Σ_i w_i·E[c_i]."""
+        return mix_weights(classes, weights, self.num_embeds)
+
+    def null_condition(self, cond: torch.Tensor) -> torch.Tensor:
+        """∅ for every row of ``cond`` (integer labels [B] or class weights [B, N])."""
+        null = self.num_embeds - 1
+        if cond.is_floating_point():
+            return torch.nn.functional.one_hot(
+                torch.full(cond.shape[:1], null, device=cond.device), self.num_embeds
+            ).to(cond.dtype)
+        return torch.full_like(cond, null)
 
     def sample(self, noise: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        """Deterministic reverse process; ``cond`` is integer labels [B] or class weights [B, C]."""
+        """Deterministic reverse process; ``cond`` is integer labels [B] or class weights [B, N].
+        With guidance w ≠ 1 each step is one batch of 2B rows: [x_t; x_t] under [c; ∅]."""
         sched = self.scheduler
         sched.set_timesteps(self.steps, device=self.device)
         x = noise * sched.init_noise_sigma
+        guided = self.guidance != 1.0
+        if guided:
+            cond = torch.cat([cond, self.null_condition(cond)])
         for t in sched.timesteps:
-            eps = self._forward(sched.scale_model_input(x, t), t, class_labels=cond).sample
+            x_in = sched.scale_model_input(x, t)
+            if guided:
+                x_in = torch.cat([x_in, x_in])
+            eps = self._forward(x_in, t, class_labels=cond).sample
+            if guided:
+                eps_c, eps_null = eps.chunk(2)
+                eps = eps_null + self.guidance * (eps_c - eps_null)
             x = sched.step(eps, t, x).prev_sample
         return x

@@ -230,3 +230,24 @@ def lines(
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.legend()
     return _save(fig, path)
+
+
+def curves(
+    series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+    path: Path,
+    *,
+    xlabel: str,
+    ylabel: str = "",
+    title: str = "",
+) -> Path:
+    """Curves with their own x values: {label: (xs, ys)}, e.g. fit-generator's fidelity vs step
+    per guidance weight and judge (a second judge's curves are dashed: labels "judge, w=...")."""
+    plt = _figure()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    judges = list(dict.fromkeys(label.partition(", ")[0] for label in series))
+    for label, (xs, ys) in series.items():
+        style = "-" if label.partition(", ")[0] == judges[0] else "--"
+        ax.plot(xs, ys, style, marker="o", ms=3, label=label)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.legend(fontsize=7)
+    return _save(fig, path)

@@ -202,6 +202,20 @@ class Processes:
             )
 
 
+def make_accelerator(*, cpu: bool, mixed_precision: str, **kwargs: Any):
+    """An ``accelerate.Accelerator`` for one stage of a process that may run several (a chain,
+    the demo): accelerate keeps the mixed precision process-wide and refuses a second value, so
+    a stage that wants another one resets that part of its state first (the distributed process
+    group, in ``PartialState``, is kept)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    state = AcceleratorState._shared_state
+    if state and str(state.get("mixed_precision")) != mixed_precision:
+        AcceleratorState._reset_state(reset_partial_state=False)
+    return Accelerator(cpu=cpu, mixed_precision=mixed_precision, **kwargs)
+
+
 def share_from_main(state: Any) -> Callable[[Any], Any] | None:
     """`value -> the main process's value`, on every process of `state` (an Accelerator or
     PartialState): for decisions that must be made once, where the ranks could see different

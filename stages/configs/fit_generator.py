@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.generators import UNET_PRESETS
-from pipeline.core.config import StageConfig, check_choice, check_range
+from pipeline.core.config import ConfigError, StageConfig, check_choice, check_range
 
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
-MIXED_PRECISION = ("no", "bf16", "fp16")
+MIXED_PRECISION = ("auto", "no", "bf16", "fp16")  # auto: bf16 where the device has it, else no
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,20 @@ class Config(StageConfig):
     num_train_timesteps: int = 1000  # DDPM noise schedule
     beta_schedule: str = "linear"  # DDPM betas 1e-4..0.02
     hflip: bool = False  # random horizontal flips (never for digits: a flipped 3 is no digit)
-    mixed_precision: str = "no"  # accelerate autocast: no | bf16 | fp16 (GPU)
+    # accelerate autocast: auto (bf16 on a CPU with native bf16 or a bf16 GPU, else fp32) | no |
+    # bf16 | fp16 (GPU)
+    mixed_precision: str = "auto"
+    # classifier-free guidance: share of training labels replaced by the null condition (an
+    # extra class-table row); 0 = no null condition, and generate can only use guidance 1
+    label_dropout: float = 0.1
+    train_limit: int = 0  # fit on the first N training images only (as train's); 0 = all
+    # endpoint fidelity while fitting: pure-class images from a fixed noise, for every guidance w
+    # in guidance_grid, judged by the real-only classifier train/<judge_run> (a CNN; "" = none)
+    # and a linear probe on pixels; the best w becomes the generator's recorded guidance
+    judge_run: str = ""
+    guidance_grid: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0)
+    fidelity_every: int = 0  # check every N steps too (0 = only at the end)
+    fidelity_per_class: int = 20  # endpoint images per class and w
     checkpoint_every: int = 100  # a checkpoint every N steps (and at the end)
     checkpoints_total_limit: int = 2  # complete checkpoints kept
     # auto (newest complete, if any) | latest (must exist) | "" (start over) | a checkpoint
@@ -34,6 +47,11 @@ class Config(StageConfig):
     sample_steps: int = 25  # DDIM steps for sample_grid.png
     log_every: int = 50  # log the mean loss every N steps
     device: str = ""  # "" = accelerate's choice (GPU if any); "cpu" forces the CPU
+
+    @property
+    def grid(self) -> tuple[float, ...]:
+        """The guidance weights checked: without a null condition only w = 1 exists."""
+        return tuple(sorted(set(self.guidance_grid))) if self.label_dropout > 0 else (1.0,)
 
     def __post_init__(self):
         check_choice("unet", self.unet, sorted(UNET_PRESETS))
@@ -48,6 +66,12 @@ class Config(StageConfig):
         check_range("lr", self.lr, 0.0)
         check_range("ema_decay", self.ema_decay, 0.0, 1.0)
         check_range("grad_clip", self.grad_clip, 0.0)
+        check_range("label_dropout", self.label_dropout, 0.0, 0.5)
+        check_range("train_limit", self.train_limit, 0)
+        check_range("fidelity_every", self.fidelity_every, 0)
+        check_range("fidelity_per_class", self.fidelity_per_class, 1)
+        if not self.guidance_grid or min(self.guidance_grid) < 0:
+            raise ConfigError(f"guidance_grid={self.guidance_grid}: give weights w >= 0, e.g. 1,2")
 
 
 # The digits recipe fits on 2 CPU cores in about 3 minutes (NOTES.md: ~0.35 s per step at batch
@@ -71,12 +95,13 @@ _CIFAR = dict(
 )
 
 PRESETS = {
-    "digits": dict(unet="digits-tiny", steps=500, batch_size=128, lr=2e-3, ema_decay=0.995),
+    "digits": dict(
+        unet="digits-tiny", steps=500, batch_size=128, lr=2e-3, ema_decay=0.995, judge_run="encoder"
+    ),
     # Fashion-MNIST 28x28: ~3 epochs of the 54k training images, ~50 min on one CPU core (one
     # thread: with two, a core shared with any other job makes OpenMP's barriers spin and a step
     # 5-10x slower). Checkpoints every 200 steps so a killed run loses little.
     "fashion-mnist": dict(
-        cpu_threads=1,
         unet="fashion-28",
         steps=1200,
         batch_size=128,

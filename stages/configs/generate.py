@@ -22,7 +22,9 @@ class Config(StageConfig):
     license: str = ""  # license of the generated images, recorded in the manifest ("" = unknown)
     sampler: str = "ddim"  # deterministic only: ddim (eta 0) | dpmsolver++; edm: heun | euler
     steps: int = 25
-    guidance: float = 1.0  # classifier-free guidance scale; 1.0 = none (unet: always 1.0)
+    # classifier-free guidance w (1 = none); auto = the unet generator's recorded best w
+    # (fit-generator chooses it by fidelity), 1 for the other backends without a preset value
+    guidance: str = "auto"
     prompt_template: str = "a photo of a {name}"  # sd
     negative_prompt: str = ""  # sd
     native_size: int = 0  # sd: generation resolution; 0 = the model's own (512 for SD 1.5)
@@ -71,11 +73,18 @@ class Config(StageConfig):
         for name in ("pairs", "limit", "series_per_shard", "native_size", "image_size"):
             check_range(name, getattr(self, name), 0)
         check_range("preview_series", self.preview_series, 0)
-        check_range("guidance", self.guidance, 0.0)
-        if self.backend in ("unet", "edm") and self.guidance != 1.0:
+        if self.guidance != "auto":
+            try:
+                object.__setattr__(self, "guidance", float(self.guidance))
+            except ValueError:
+                raise ConfigError(
+                    f"guidance={self.guidance!r} is not valid: a number w >= 0 or auto"
+                ) from None
+            check_range("guidance", self.guidance, 0.0)
+        if self.backend == "edm" and self.guidance not in ("auto", 1.0):
             raise ConfigError(
-                f"guidance={self.guidance}: the {self.backend} backend has no classifier-free "
-                "guidance; set guidance=1"
+                f"guidance={self.guidance}: the edm backend has no classifier-free guidance; "
+                "set guidance=1"
             )
         if self.backend not in ("unet", "edm") and not self.model:
             raise ConfigError(f"backend={self.backend} needs model=<hub id or local folder>")

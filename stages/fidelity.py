@@ -1,0 +1,217 @@
+"""Generator fidelity: does the generator draw the class it is asked for?
+
+A *judge* classifies generated pure-class images (series endpoints); fidelity is the share it
+assigns to the class they were generated for (models.annotation.fidelity_stats). Two judges,
+because the answer depends on who asks:
+
+- ``cnn_judge``: a real-only classifier run of the train stage (``train/<run>``), the judge of
+  the goals (a CNN accepts only images that look like real ones);
+- ``linear_probe``: multinomial logistic regression on the pixels of real/train, fitted here
+  (it accepts an image with roughly its class's shape, so it reads higher).
+
+Each judge carries its accuracy on real test images, so a fidelity can be read against it. The
+judges only measure: nothing they say feeds a classifier that a study compares.
+Used by fit-generator (the fidelity curve while it fits) and annotate (its report).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from models.annotation import fidelity_stats
+from models.classifiers import classifier_from_config
+from models.generators import Generator, SeriesSpec
+from models.training import collect_logits
+from pipeline.core.io import atomic_write_json
+from pipeline.core.plots import curves
+from pipeline.core.runtime import derive_seed, log
+from shards.datasets import load_real
+from shards.manifest import ShardError
+from shards.runs import load_model
+
+
+@dataclass(frozen=True)
+class Judge:
+    """``predict``: uint8 images [N, H, W, 3] -> predicted classes [N]."""
+
+    name: str
+    predict: Callable[[torch.Tensor], torch.Tensor]
+    real_test_accuracy: float  # x100, on real/test
+
+
+def cnn_judge(root: Path, run: str, device, batch_size: int = 256, key: str = "judge_run") -> Judge:
+    """The real-only classifier train/<run> (its own normalisation and input size); ``key`` is
+    the config field that named it (for the error)."""
+    folder = root / "train" / run
+    try:
+        model, meta = load_model(folder, classifier_from_config)
+    except ShardError as e:
+        raise ShardError(f"{key}={run}: {e}; or set {key}= to another run or to nothing") from e
+    model = model.to(device)
+    norm = meta["normalize"]
+
+    def predict(x: torch.Tensor) -> torch.Tensor:
+        logits = collect_logits(
+            model, x, norm["mean"], norm["std"], batch_size=batch_size, device=device,
+            image_size=int(meta["image_size"]),
+        )  # fmt: skip
+        return logits.argmax(dim=1)
+
+    test = load_real(root / "real" / "test")
+    return Judge(f"cnn:{run}", predict, accuracy(predict, test.images, test.labels))
+
+
+def pixels(images: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, H, W, 3] -> float [N, H·W] (the channel mean: grey datasets are stored as RGB)."""
+    return images.float().mean(dim=-1).flatten(1) / 255.0
+
+
+def linear_probe(root: Path, l2: float = 1e-3, iterations: int = 200) -> Judge:
+    """Logistic regression on standardised pixels of real/train (LBFGS, full batch,
+    deterministic: zero initialisation, no random draw)."""
+    train = load_real(root / "real" / "train")
+    x, y = pixels(train.images), train.labels.long()
+    mean, std = x.mean(0), x.std(0) + 1e-3
+    x = (x - mean) / std
+    n_classes = len(train.class_names)
+    w = torch.zeros(x.shape[1], n_classes, requires_grad=True)
+    b = torch.zeros(n_classes, requires_grad=True)
+    opt = torch.optim.LBFGS([w, b], max_iter=iterations, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.cross_entropy(x @ w + b, y) + l2 * (w * w).sum()
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        opt.step(closure)
+    w, b = w.detach(), b.detach()
+
+    def predict(images: torch.Tensor) -> torch.Tensor:
+        return (((pixels(images) - mean) / std) @ w + b).argmax(dim=1)
+
+    test = load_real(root / "real" / "test")
+    return Judge("linear probe", predict, accuracy(predict, test.images, test.labels))
+
+
+def accuracy(predict: Callable, images: torch.Tensor, labels: torch.Tensor) -> float:
+    return 100.0 * float((predict(images).cpu() == labels.cpu()).double().mean())
+
+
+def endpoint_fidelity(
+    gen: Generator,
+    guidance: Sequence[float],
+    judges: Sequence[Judge],
+    class_names: Sequence[str],
+    *,
+    seed: int,
+    per_class: int,
+) -> dict[str, dict[str, Any]]:
+    """{w: {judge name: fidelity_stats}} for pure-class images of every class: image j of every
+    class starts from the same noise (seeded by (seed, j)), so classes differ only in the
+    condition, and every w sees the same noise."""
+    n_classes = len(class_names)
+    seeds = [derive_seed(seed, "fidelity", j) for j in range(per_class)]
+    specs = [
+        SeriesSpec(c * per_class + j, c, c, (1.0,), seeds[j])
+        for c in range(n_classes)
+        for j in range(per_class)
+    ]
+    expected = torch.arange(n_classes).repeat_interleave(per_class)
+    before, out = gen.guidance, {}
+    try:
+        for w in guidance:
+            gen.guidance = float(w)
+            images = gen.generate_series(specs)[:, 0]
+            out[f"{w:g}"] = {
+                j.name: fidelity_stats(
+                    j.predict(images), expected, tuple(class_names), j.real_test_accuracy
+                )
+                for j in judges
+            }
+    finally:
+        gen.guidance = before
+    return out
+
+
+def best_guidance(point: dict[str, dict[str, Any]], judge: str) -> float:
+    """The w whose endpoints ``judge`` accepts most often (ties: the smaller w)."""
+    return float(min(point, key=lambda w: (-point[w][judge]["accuracy"], float(w))))
+
+
+def make_judges(root: Path, cnn_run: str, device) -> list[Judge]:
+    """The CNN judge train/<cnn_run> (if named) first, then the linear probe on pixels."""
+    judges = [cnn_judge(root, cnn_run, device)] if cnn_run else []
+    judges.append(linear_probe(root))
+    for j in judges:
+        log.info("fidelity judge %s: %.1f %% on real test", j.name, j.real_test_accuracy)
+    return judges
+
+
+class FidelityCheck:
+    """fit-generator's fidelity while it fits: one call per point of the curve, then the chosen
+    guidance and the files (fidelity.json, fidelity.png)."""
+
+    def __init__(
+        self,
+        judges: Sequence[Judge],
+        guidance: Sequence[float],
+        class_names: Sequence[str],
+        seed: int,
+        per_class: int,
+    ) -> None:
+        self.judges, self.guidance = list(judges), tuple(guidance)
+        self.class_names, self.seed, self.per_class = tuple(class_names), seed, per_class
+
+    def __call__(self, gen: Generator, step: int) -> dict[str, Any]:
+        """One point of the curve at fit step ``step``, logged as it comes."""
+        start = time.perf_counter()
+        point = endpoint_fidelity(
+            gen, self.guidance, self.judges, self.class_names, seed=self.seed,
+            per_class=self.per_class,
+        )  # fmt: skip
+        cells = " | ".join(
+            f"w={w}: " + ", ".join(f"{j} {st['accuracy']:.1f} %" for j, st in by_judge.items())
+            for w, by_judge in point.items()
+        )
+        log.info(
+            "fit-generator: step %d endpoint fidelity %s (%.0f s)",
+            step, cells, time.perf_counter() - start,
+        )  # fmt: skip
+        return {"step": step, "guidance": point}
+
+    def choose(self, curve: list[dict[str, Any]]) -> tuple[float, dict[str, float]]:
+        """The best w of the last point by the first judge (the CNN when there is one), and
+        the fidelity at that w by every judge."""
+        last = curve[-1]["guidance"]
+        w = best_guidance(last, self.judges[0].name)
+        return w, {name: round(st["accuracy"], 2) for name, st in last[f"{w:g}"].items()}
+
+    def write(self, folder: Path, curve: list[dict[str, Any]], guidance: float) -> None:
+        """fidelity.json (every point, w and judge, per class) and fidelity.png (fidelity vs
+        step, one line per w and judge), then the chosen w's per-class numbers in the log."""
+        judges = {j.name: {"real_test_accuracy": j.real_test_accuracy} for j in self.judges}
+        atomic_write_json(
+            folder / "fidelity.json", {"guidance": guidance, "judges": judges, "curve": curve}
+        )
+        steps = [point["step"] for point in curve]
+        lines = {
+            f"{j.name}, w={w}": (steps, [p["guidance"][w][j.name]["accuracy"] for p in curve])
+            for j in self.judges
+            for w in curve[-1]["guidance"]
+        }
+        curves(
+            lines, folder / "fidelity.png", xlabel="fit step", ylabel="endpoint fidelity (%)",
+            title=f"generator fidelity (chosen guidance w={guidance:g})",
+        )  # fmt: skip
+        for name, st in curve[-1]["guidance"][f"{guidance:g}"].items():
+            per_class = ", ".join(f"{c} {v['accuracy']:.0f}" for c, v in st["per_class"].items())
+            log.info("fit-generator: w=%g %s per class (%%): %s", guidance, name, per_class)
