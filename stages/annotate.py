@@ -177,7 +177,10 @@ def run(cfg: Config) -> Path:
             check_shard(folder.path(i), rec)
             cols[i] = columns([json.loads(r["json"]) for r in read_raw_shard(folder.path(i))])
     fidelity = generator_fidelity(cfg, series, class_names, device)
-    stats = report(cfg, concat_columns([cols[i] for i in range(n_shards)]), mixed, fidelity)
+    endpoint = series_m.info.get("endpoint_check")
+    stats = report(
+        cfg, concat_columns([cols[i] for i in range(n_shards)]), mixed, fidelity, endpoint
+    )
     if (series / "preview.png").is_file():
         atomic_write_bytes(mixed / "preview.png", (series / "preview.png").read_bytes())
 

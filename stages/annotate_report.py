@@ -87,17 +87,25 @@ def generator_fidelity(cfg: Config, series: Path, class_names, device) -> dict[s
     return fidelity_stats(predicted, torch.tensor(expected), class_names, judge.real_test_accuracy)
 
 
-def report(cfg: Config, cols: Columns, mixed: Path, fidelity: dict | None = None) -> dict:
+def report(
+    cfg: Config,
+    cols: Columns,
+    mixed: Path,
+    fidelity: dict | None = None,
+    endpoint: dict | None = None,
+) -> dict:
     """annotation.json (models.annotation.annotation_stats + generator fidelity) and
     annotation.png (λ̂ vs α); k-way: report_kway."""
     if cols.kway:
-        return report_kway(cfg, cols, mixed, fidelity)
+        return report_kway(cfg, cols, mixed, fidelity, endpoint)
     lam, alpha = torch.from_numpy(cols.lambda_hat), torch.from_numpy(cols.mix)
     stats = {"method": cfg.method, "sharpening": cfg.sharpening}
     stats.update(
         annotation_stats(lam, alpha, torch.from_numpy(cols.series), torch.from_numpy(cols.classes))
     )
     stats["generator_fidelity"] = fidelity
+    if endpoint is not None:  # generate's endpoint check: series redrawn or dropped
+        stats["endpoint_check"] = endpoint
     atomic_write_json(mixed / "annotation.json", stats)
     # at most PLOT_POINTS points (seeded choice): the picture is the same, the plot stays fast
     keep = torch.randperm(cols.n_images, generator=make_generator(cfg.seed, "annotation-plot"))
@@ -117,7 +125,9 @@ def report(cfg: Config, cols: Columns, mixed: Path, fidelity: dict | None = None
     return stats
 
 
-def report_kway(cfg: Config, cols: Columns, mixed: Path, fidelity: dict | None) -> dict:
+def report_kway(
+    cfg: Config, cols: Columns, mixed: Path, fidelity: dict | None, endpoint: dict | None = None
+) -> dict:
     """annotation.json (models.simplex.simplex_stats + generator fidelity), annotation.png
     (λ̂_i vs w_i over every class) and, for k = 3, ternary.png (λ̂ in the simplex triangle)."""
     lam, w = torch.from_numpy(cols.lambda_hat), torch.from_numpy(cols.mix)
@@ -128,6 +138,8 @@ def report_kway(cfg: Config, cols: Columns, mixed: Path, fidelity: dict | None) 
     stats = {"method": cfg.method, "sharpening": cfg.sharpening}
     stats.update(simplex_stats(lam, w, series, positions, points))
     stats["generator_fidelity"] = fidelity
+    if endpoint is not None:  # generate's endpoint check: series redrawn or dropped
+        stats["endpoint_check"] = endpoint
     atomic_write_json(mixed / "annotation.json", stats)
     keep = torch.randperm(cols.n_images, generator=make_generator(cfg.seed, "annotation-plot"))
     keep = keep[:PLOT_POINTS].sort().values

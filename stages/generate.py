@@ -26,6 +26,8 @@ from pipeline.core.runtime import Processes, code_version, log, progress
 from shards.manifest import Manifest
 from shards.writer import ShardFolder, completed, write_config
 from stages.configs.generate import Config
+from stages.fidelity import cnn_judge
+from stages.generate_check import EndpointCheck, total_counts, write_counts
 from stages.generate_model import (
     Generators,
     check_inputs,
@@ -38,6 +40,14 @@ from stages.generate_plan import GenerationError, make_plan
 from stages.generate_series import series_info, shard_samples, write_preview
 
 __all__ = ["GenerationError", "Generators", "make_plan", "run", "sample_series"]
+
+
+def endpoint_check(cfg: Config, device: torch.device) -> EndpointCheck | None:
+    """The endpoint check of this run, its judge loaded (None when off)."""
+    if cfg.endpoint_check == "off":
+        return None
+    judge = cnn_judge(cfg.root, cfg.endpoint_judge, device, key="endpoint_judge")
+    return EndpointCheck(cfg.endpoint_check, judge, cfg.endpoint_tries)
 
 
 def run(cfg: Config) -> Path:
@@ -78,7 +88,9 @@ def run(cfg: Config) -> Path:
         write_config(out, cfg.to_dict())
     folder = ShardFolder(out, prefix="series")
 
-    # 3. My shards (i ≡ rank mod world); complete ones are skipped
+    # 3. My shards (i ≡ rank mod world); complete ones are skipped; series whose pure images
+    #    fail the endpoint check are redrawn or dropped before their shard is written
+    check = endpoint_check(cfg, device) if any(folder.done(i) is None for i in mine) else None
     total = sum(len(plan.shard_series(i)) for i in mine) * k
     with progress(
         range(total), total=total, desc="generate", unit="img", enabled=procs.is_main
@@ -89,6 +101,9 @@ def run(cfg: Config) -> Path:
                 bar.update(len(specs) * k)
                 continue
             images = sample_series(gens, specs, bar.update)
+            if check is not None:
+                specs, images, counts = check(lambda s: sample_series(gens, s), specs, images)
+                write_counts(out, folder.path(i).name, counts)
             folder.write(i, shard_samples(plan, specs, images, inputs.class_names, ident))
     procs.barrier()
     if not procs.is_main:
@@ -96,13 +111,17 @@ def run(cfg: Config) -> Path:
 
     # 4. Preview, then the manifest last (rank 0, after every rank finished)
     write_preview(folder, plan, cfg.preview_series)
+    info = series_info(cfg, plan, ident, inputs.image_size)
+    if cfg.endpoint_check != "off":
+        shards = [folder.path(i).name for i in range(plan.num_shards)]
+        info["endpoint_check"] = total_counts(out, shards, cfg.endpoint_check, cfg.endpoint_judge)
     manifest: Manifest = folder.finish(
         plan.num_shards,
         kind="series",
         class_names=inputs.class_names,
         upstream=upstream_digests(inputs),
         code_version=code_version(),
-        info=series_info(cfg, plan, ident, inputs.image_size),
+        info=info,
     )
     log.info("generate: %d images in %d shards -> %s", manifest.num_samples, plan.num_shards, out)
     return out

@@ -96,6 +96,7 @@ def write_preview(folder: ShardFolder, plan: Plan, n_series: int) -> None:
                 images[meta["series"]][meta["position"]] = sample["image"]
                 # reads left to right: α = 0 is pure b (k ≥ 3: position 0 is the last class)
                 names[meta["series"]] = ">".join(reversed(meta["names"]))
+    wanted = [s for s in wanted if s in names]  # the endpoint check may have dropped some
     if plan.k == 3:
         return write_triangles(
             folder, plan, [images[s] for s in wanted], [names[s] for s in wanted]

@@ -81,7 +81,7 @@ def test_saved_weights_are_the_ema(runs):
 def test_resume_gives_the_same_weights(runs, monkeypatch):
     (runs / "b").mkdir()
     shutil.copytree(runs / "digits", runs / "b" / "digits")
-    steps = ["steps=6", *QUICK[1:]]
+    steps = ["steps=6", *QUICK[1:], "fidelity_every=3"]  # the point at step 3 is in checkpoint_1
     straight = run_stage("fit-generator", "digits", [f"out={runs}", *steps])
     # "kill" run b right after its second checkpoint (step 4 of 6)
     saved = []
@@ -101,8 +101,54 @@ def test_resume_gives_the_same_weights(runs, monkeypatch):
     assert ckpts == ["checkpoint_0", "checkpoint_1"] and not (folder / "manifest.json").exists()
     monkeypatch.setattr(fit, "save_checkpoint", save)
     resumed = run_stage("fit-generator", "digits", [f"out={runs / 'b'}", *steps])
-    for name in (str(fit.WEIGHTS), "sample_grid.png", "manifest.json"):
+    for name in (str(fit.WEIGHTS), "sample_grid.png", "manifest.json", "fidelity.json"):
         assert (resumed / name).read_bytes() == (straight / name).read_bytes(), name
+    assert [p["step"] for p in json.loads((resumed / "fidelity.json").read_text())["curve"]] == [
+        3,
+        6,
+    ]
+
+
+def test_fidelity_curve_chooses_the_guidance_that_generate_uses(runs, capsys):
+    """label dropout -> a null row; fidelity at every `fidelity_every` steps and at the end for
+    each w; the best w of the last point is recorded and is generate's guidance=auto; an
+    explicit guidance overrides it; without dropout only w = 1 exists."""
+    sets = [f"out={runs}", *QUICK, "steps=4", "fidelity_every=2", "guidance_grid=1,2,3"]
+    folder = run_stage("fit-generator", "digits", sets)
+    info = read_manifest(folder).info
+    fidelity = json.loads((folder / "fidelity.json").read_text())
+    assert [p["step"] for p in fidelity["curve"]] == [2, 4]
+    last = fidelity["curve"][-1]["guidance"]
+    assert sorted(last) == ["1", "2", "3"] and all(
+        list(v) == ["linear probe"] for v in last.values()
+    )
+    stats = last["1"]["linear probe"]
+    assert stats["n_images"] == 10 and sum(c["n"] for c in stats["per_class"].values()) == 10
+    best = max(sorted(last, key=float), key=lambda w: last[w]["linear probe"]["accuracy"])
+    assert info["null_class"] is True and info["guidance"] == float(best) == fidelity["guidance"]
+    assert info["fidelity"] == {"linear probe": round(last[best]["linear probe"]["accuracy"], 2)}
+    assert (folder / "fidelity.png").stat().st_size > 0
+    assert load_generator("unet", model=folder, steps=1).num_classes == 10  # ∅ is not a class
+    gen_sets = [f"out={runs}", "limit=1", "steps=2", "preview_series=1"]
+    series = run_stage("generate", "digits", gen_sets)
+    assert read_manifest(series).info["generator"]["guidance"] == info["guidance"]
+    shutil.rmtree(series)
+    series = run_stage("generate", "digits", [*gen_sets, "guidance=2.5"])
+    assert read_manifest(series).info["generator"]["guidance"] == 2.5
+
+    (runs / "plain").mkdir()
+    shutil.copytree(runs / "digits" / "real", runs / "plain" / "digits" / "real")
+    plain = run_stage(
+        "fit-generator", "digits", [f"out={runs / 'plain'}", *QUICK, "label_dropout=0"]
+    )
+    info = read_manifest(plain).info
+    assert info["null_class"] is False and info["guidance"] == 1.0
+    assert list(json.loads((plain / "fidelity.json").read_text())["curve"][-1]["guidance"]) == ["1"]
+    assert load_generator("unet", model=plain, steps=1).unet.config.num_class_embeds == 10
+    code = main(["generate", "--set", f"out={runs / 'plain'}", "limit=1", "guidance=2"])
+    err = [e for e in capsys.readouterr().err.splitlines() if e.startswith("semix generate")]
+    assert code == 1 and len(err) == 1 and "no null condition" in err[0], err
+    assert not (runs / "plain" / "digits" / "series").exists()
 
 
 def test_batches_are_epoch_permutations():

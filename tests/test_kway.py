@@ -91,7 +91,8 @@ PINNED_SERIES: dict[str, str] = {
     ".done/series-000000.json": "053dc8fbbfb21913f7ce8ccf32659ab298854c4a06bd33e33478a1ba133f05a6",
     ".done/series-000001.json": "bec13617da56fbe0ccda82024502a1b89a65e61511502e471bd3612fec6cf6fe",
     ".done/series-000002.json": "e7fe4808d5f6c1c3c4a618fa2d38882fb0b05b4400d96acda81d7a94fe050189",
-    "config.json": "375c563f8813e2527f7958c29bedbadad40ce52dd4d79674fd3db909aa1fbc00",
+    # config.json records guidance "auto" (the unet default since classifier-free guidance)
+    "config.json": "444671c57366d5cb903f224ab7dd356d8d17b133e915ef2628d8c21d8e51a75c",
     "manifest.json": "e5df4cd4c70f39ee42816c3b515e57931b175eebb02d5d32784280a95a495808",
     "preview.png": "f64f9e4774c0807f319ece3ddb147d8d41579a693282ca6fb45a46b4cf61b92e",
     "series-000000.tar": "ad993a9b0df914b4f93b18c4f030ef17e93dc77590de59729e83980e9aa96fc2",

@@ -8,6 +8,7 @@ from typing import Any
 from models.generators import EDM_SAMPLERS, GENERATORS, SAMPLERS
 from pipeline.core.config import ConfigError, StageConfig, check_choice, check_range
 
+ENDPOINT_CHECKS = ("off", "redraw", "drop")
 DTYPES = ("", "float32", "bfloat16", "float16")  # "" = float32 on the CPU, bfloat16 on a GPU
 
 
@@ -47,6 +48,12 @@ class Config(StageConfig):
     dtype: str = ""  # "" = float32 on the CPU, bfloat16 on a GPU
     torch_compile: bool = False  # torch.compile the denoiser (GPU; first batch compiles)
     preview_series: int = 8  # rows of preview.png
+    # fidelity-aware series (docs/generate.md): a series whose pure images (α = 0, 1) the judge
+    # train/<endpoint_judge> does not classify as their classes is redrawn from a fresh noise
+    # (at most endpoint_tries times, then dropped) or dropped at once; off = as the paper
+    endpoint_check: str = "off"
+    endpoint_judge: str = ""  # a real-only classifier run under train/ (the chains: encoder)
+    endpoint_tries: int = 3
 
     def __post_init__(self):
         check_choice("backend", self.backend, sorted(GENERATORS))
@@ -73,6 +80,13 @@ class Config(StageConfig):
         for name in ("pairs", "limit", "series_per_shard", "native_size", "image_size"):
             check_range(name, getattr(self, name), 0)
         check_range("preview_series", self.preview_series, 0)
+        check_choice("endpoint_check", self.endpoint_check, ENDPOINT_CHECKS)
+        check_range("endpoint_tries", self.endpoint_tries, 1)
+        if self.endpoint_check != "off" and not self.endpoint_judge:
+            raise ConfigError(
+                f"endpoint_check={self.endpoint_check} needs endpoint_judge=<run>: a real-only "
+                "classifier under train/ (e.g. the chain's encoder)"
+            )
         if self.guidance != "auto":
             try:
                 object.__setattr__(self, "guidance", float(self.guidance))
@@ -112,17 +126,22 @@ class Config(StageConfig):
         return self.tuples or self.pairs
 
     def to_dict(self) -> dict[str, Any]:
-        """The k-way fields are recorded only when set: a 2-way config.json stays the very file
-        the 2-way code wrote (so its folders still resume)."""
+        """The k-way fields are recorded only when set, the endpoint check's only when it is on:
+        a 2-way config.json stays the very file the 2-way code wrote (so its folders still
+        resume)."""
         d = super().to_dict()
         for name, default in K_WAY_DEFAULTS.items():
             if d[name] == default:
+                del d[name]
+        if self.endpoint_check == "off":  # the same: a folder made before the check resumes
+            for name in ENDPOINT_FIELDS:
                 del d[name]
         return d
 
 
 DEFAULT_ALPHAS = 8  # the default of Config.alphas, for the alphas/lattice consistency check
 K_WAY_DEFAULTS = {"mix_classes": 2, "lattice": 0, "tuples": 0, "series_per_tuple": 0}
+ENDPOINT_FIELDS = ("endpoint_check", "endpoint_judge", "endpoint_tries")
 
 
 # Pretrained text-to-image model of the photo presets; a local save_pretrained folder works too
@@ -141,10 +160,14 @@ def _edm(steps: int) -> dict:
 
 PRESETS = {
     # the in-house UNet of fit-generator; 45 pairs x 6 = 270 series, 2160 images (~1 min, 2 cores)
-    "digits": dict(backend="unet", steps=25, series_per_pair=6, batch_size=64),
+    "digits": dict(
+        backend="unet", steps=25, series_per_pair=6, batch_size=64, endpoint_judge="encoder"
+    ),
     # METHODS §1 reference budgets: 444 / 4 / 2 series per pair (about 160k / 158k / 318k images)
     # the in-house 28x28 UNet; 45 pairs x 16 = 720 series, 5,760 images (~15 CPU minutes)
-    "fashion-mnist": dict(backend="unet", steps=25, series_per_pair=16, batch_size=64),
+    "fashion-mnist": dict(
+        backend="unet", steps=25, series_per_pair=16, batch_size=64, endpoint_judge="judge"
+    ),
     # `--set backend=edm` switches to the paper's EDM networks with its 20 / 25 / 25 Heun steps
     "cifar10": dict(_SD, series_per_pair=444, when=_edm(20)),
     "cifar100": dict(_SD, series_per_pair=4, when=_edm(25)),
