@@ -14,10 +14,12 @@ params against the factory's signature. Defaults (METHODS §6, CIFAR values):
 | flsd53 | gamma_below=5, gamma=3, threshold=0.2 | focal with γ=5 where p_y < 0.2, else γ=3           |
 | mbls   | m=6.0, lam=0.1 (Tiny: m=10, 0.05) | CE + λ·(1/C)Σ_k relu(max_l s_l - s_k - m)               |
 | mmce   | lam=2.0, width=0.4                | NLL + λ·MMCE_m (unweighted, no root), Laplacian kernel  |
-| mmce_weighted | lam=2.0, width=0.4         | NLL + λ·sqrt(MMD_w + 1e-10), correct/incorrect weighted |
+| mmce_weighted | lam=2.0, width=0.4, normalization="paper" | NLL + λ·sqrt(MMD_w + 1e-10), correct/incorrect weighted |
 
 (`lam` stands for λ: `lambda` is a Python keyword.) The LS α is a GUESS (METHODS leaves it open;
 0.05 matches FeDLaS-LS's CIFAR-10 value); MMCE's λ is the low end of METHODS' 2-4.
+`mmce_weighted`'s normalization="focal_calibration" is the MMD_w of the baselines later papers
+report (torrvision/focal_calibration), which divides its pair sums differently (`mmd_weighted`).
 
 Losses with another call signature are the trainer's business: it may register e.g. `csm`
 (CE on real + w·`soft_l2` on synthetic, separate forward passes) or `fedlas-*` (models/heads.py)
@@ -137,20 +139,52 @@ def mmce_squared(logits: torch.Tensor, labels: torch.Tensor, width: float = 0.4)
     return (r[:, None] * r[None, :] * kernel).sum() / c.numel() ** 2
 
 
-def mmd_weighted(logits: torch.Tensor, labels: torch.Tensor, width: float = 0.4) -> torch.Tensor:
+MMCE_NORMALIZATIONS = ("paper", "focal_calibration")
+FOCAL_CALIBRATION_EPS = 1e-5  # the constant torrvision/focal_calibration adds to its denominators
+
+
+def _check_normalization(normalization: str) -> None:
+    if normalization not in MMCE_NORMALIZATIONS:
+        raise ValueError(
+            f"normalization must be one of {', '.join(MMCE_NORMALIZATIONS)}, got {normalization!r}"
+        )
+
+
+def mmd_weighted(
+    logits: torch.Tensor, labels: torch.Tensor, width: float = 0.4, normalization: str = "paper"
+) -> torch.Tensor:
     """Kumar et al.'s weighted estimator: with m correct samples C and n incorrect ones I,
 
         MMD_w = Σ_{i,j∈C} (1−c_i)(1−c_j)k_ij / m² + Σ_{i,j∈I} c_i c_j k_ij / n²
                 − 2 Σ_{i∈C, j∈I} (1−c_i) c_j k_ij / (m·n),   k_ij = exp(−|c_i − c_j|/width),
 
     so both groups count equally however unbalanced the batch; 0 when all or none are correct.
+
+    normalization="focal_calibration" is the estimator of MMCE_weighted in
+    torrvision/focal_calibration (Losses/mmce.py), the code later papers' baselines run: each
+    pair sum is averaged over its pairs and then divided again by (pair count + 1e-5),
+
+        Σ_CC(…) / (m²·(m² + ε)) + Σ_II(…) / (n²·(n² + ε)) − 2 Σ_CI(…) / (m·n·(m·n + ε)),  ε = 1e-5,
+
+    i.e. (up to ε) the same squared distance with the group weights (1−c_i)/m² and c_j/n² in
+    place of (1−c_i)/m and c_j/n: a much smaller value, and not a fixed multiple of MMD_w.
     """
+    _check_normalization(normalization)
     c, y_hat = F.softmax(logits, dim=1).max(dim=1)
     correct = (y_hat == labels).to(c.dtype)
     m, n = correct.sum(), (1.0 - correct).sum()
     if m == 0 or n == 0:
         return c.sum() * 0.0  # keeps the graph (and the dtype) for the caller's backward
     kernel = torch.exp(-(c[:, None] - c[None, :]).abs() / width)
+    if normalization == "focal_calibration":
+        a = correct * (1.0 - c)  # unnormalised group weights
+        b = (1.0 - correct) * c
+        eps = FOCAL_CALIBRATION_EPS  # divided in two steps: no count**4 in low precision
+        return (
+            (a @ kernel @ a) / (m * m) / (m * m + eps)
+            + (b @ kernel @ b) / (n * n) / (n * n + eps)
+            - 2.0 * (a @ kernel @ b) / (m * n) / (m * n + eps)
+        )
     u = correct * (1.0 - c) / m  # correct samples: weight (1 − c_i)/m
     v = (1.0 - correct) * c / n  # incorrect samples: weight c_j/n
     return u @ kernel @ u + v @ kernel @ v - 2.0 * (u @ kernel @ v)
@@ -172,10 +206,17 @@ class MMCELoss(nn.Module):
 
 class WeightedMMCELoss(MMCELoss):
     """NLL + λ·sqrt(MMD_w + 1e-10) (METHODS §6, the form the CIFAR-10 recipe uses); the MMCE
-    term is 0 when all or none of the batch is correct."""
+    term is 0 when all or none of the batch is correct. `normalization`: see `mmd_weighted`."""
+
+    def __init__(
+        self, num_classes: int, lam: float = 2.0, width: float = 0.4, normalization: str = "paper"
+    ) -> None:
+        super().__init__(num_classes, lam, width)
+        _check_normalization(normalization)
+        self.normalization = normalization
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        mmd = mmd_weighted(logits, labels, self.width)
+        mmd = mmd_weighted(logits, labels, self.width, self.normalization)
         term = (mmd.clamp_min(0.0) + 1e-10).sqrt() if bool(mmd != 0) else mmd
         return F.cross_entropy(logits, labels) + self.lam * term
 

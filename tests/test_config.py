@@ -6,7 +6,9 @@ import pytest
 import torch
 from conftest import subprocess_env
 
+from models.objectives import build_objective
 from pipeline.cli import main
+from pipeline.core.config import ConfigError
 from pipeline.core.runtime import derive_seed, make_generator
 from pipeline.registry import resolve_stage_config
 
@@ -89,3 +91,17 @@ def test_generators_from_the_same_key_draw_the_same_numbers():
     draws = [torch.randn(5, generator=make_generator(5, key)) for key in ("x", "x", "y")]
     assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
     assert make_generator(5, "x").initial_seed() == derive_seed(5, "x")
+
+
+def test_train_mmce_normalization_reaches_the_objective_and_config_json_only_off_default():
+    cfg = resolve_stage_config("train", "digits", ["loss=mmce_weighted"])
+    assert cfg.loss_params() == {"lam": 2.0, "normalization": "paper"}
+    assert "mmce_normalization" not in cfg.record()  # a default run's config.json keeps its bytes
+    sets = ["loss=mmce_weighted", "mmce_normalization=focal_calibration"]
+    cfg = resolve_stage_config("train", "digits", sets)
+    assert cfg.loss_params() == {"lam": 2.0, "normalization": "focal_calibration"}
+    assert cfg.record()["mmce_normalization"] == "focal_calibration"
+    objective = build_objective(cfg.loss, 3, **cfg.loss_params())
+    assert objective.criterion.normalization == "focal_calibration"
+    with pytest.raises(ConfigError, match="choose one of: paper, focal_calibration"):
+        resolve_stage_config("train", "digits", ["mmce_normalization=sum"])

@@ -159,6 +159,89 @@ def test_weighted_mmce_matches_pairwise_formula(batch):
     )
 
 
+# 8 samples, 3 classes: predictions 0, 1, 2, 1, 0, 1, 0, 1, so 5 right (rows 0, 1, 4, 5, 7), 3 wrong
+MMCE_LOGITS = [
+    [2.0, 0.5, -1.0],
+    [0.2, 1.5, 0.3],
+    [-0.5, 0.0, 2.5],
+    [1.0, 1.2, 0.8],
+    [3.0, -1.0, 0.0],
+    [0.0, 0.4, 0.1],
+    [1.5, 0.2, 1.4],
+    [-1.0, 2.0, 0.5],
+]
+MMCE_LABELS = [0, 1, 0, 2, 0, 1, 2, 1]
+
+
+def _focal_calibration_mmd_by_loops(rows: list[list[float]], labels: list[int]) -> float:
+    """MMCE_weighted's squared term as torrvision/focal_calibration (Losses/mmce.py) computes it,
+    step by step in plain Python: each group's kernel·weight pair matrix is averaged (its mean),
+    then divided again by (pair count + 1e-5)."""
+    conf, pred = [], []
+    for row in rows:
+        z = [math.exp(v - max(row)) for v in row]
+        p = [v / sum(z) for v in z]
+        conf.append(max(p))
+        pred.append(p.index(max(p)))
+    good = [conf[i] for i in range(len(labels)) if pred[i] == labels[i]]
+    bad = [conf[i] for i in range(len(labels)) if pred[i] != labels[i]]
+    m, n = len(good), len(bad)
+
+    def k(a: float, b: float) -> float:
+        return math.exp(-abs(a - b) / 0.4)
+
+    def mean(values: list[float]) -> float:
+        return sum(values) / len(values)
+
+    correct_correct = mean([k(a, b) * (1 - a) * (1 - b) for a in good for b in good])
+    incorrect_incorrect = mean([k(a, b) * a * b for a in bad for b in bad])
+    correct_incorrect = mean([k(a, b) * (1 - a) * b for a in good for b in bad])
+    return (
+        correct_correct / (m * m + 1e-5)
+        + incorrect_incorrect / (n * n + 1e-5)
+        - 2.0 * correct_incorrect / (m * n + 1e-5)
+    )
+
+
+def test_weighted_mmce_focal_calibration_normalization_matches_that_code():
+    """normalization="focal_calibration" is MMCE_weighted of torrvision/focal_calibration.
+
+    Cross-check of the transcription: that file itself (Losses/mmce.py at 475422a, run apart
+    with this venv's torch) gives 0.114614688 on this batch in float32 (0.114614690 in float64,
+    where its m·m + 1e-5 stays float32); sqrt(loops + 1e-10) here is 0.114614688. The paper's
+    normalisation gives 0.271706853 on the same batch.
+    """
+    logits, y = torch.tensor(MMCE_LOGITS, dtype=torch.float64), torch.tensor(MMCE_LABELS)
+    expected = _focal_calibration_mmd_by_loops(MMCE_LOGITS, MMCE_LABELS)
+    assert expected > 0
+    got = mmd_weighted(logits, y, normalization="focal_calibration").item()
+    assert got == pytest.approx(expected, rel=1e-9)
+    got32 = mmd_weighted(logits.float(), y, normalization="focal_calibration").item()
+    assert got32 == pytest.approx(expected, abs=1e-6)
+    nll = F.cross_entropy(logits, y).item()
+    fc = build_loss("mmce_weighted", 3, lam=3.0, normalization="focal_calibration")
+    assert fc(logits, y).item() == pytest.approx(nll + 3.0 * math.sqrt(expected + 1e-10), rel=1e-9)
+    assert fc(logits.float(), y).item() == pytest.approx(
+        nll + 3.0 * math.sqrt(expected + 1e-10), abs=1e-6
+    )
+    # the paper's normalisation stays the default, matches its own loops, and differs
+    paper = _weighted_mmd_by_loops(logits, y)
+    assert mmd_weighted(logits, y).item() == pytest.approx(paper, rel=1e-9)
+    default = build_loss("mmce_weighted", 3, lam=3.0)
+    assert default(logits, y).item() == pytest.approx(
+        nll + 3.0 * math.sqrt(paper + 1e-10), rel=1e-9
+    )
+    assert math.sqrt(paper + 1e-10) > 2.0 * math.sqrt(expected + 1e-10)
+    # all right: no MMCE term either; exact gradients; unknown names refused
+    assert mmd_weighted(logits, logits.argmax(1), normalization="focal_calibration").item() == 0.0
+    s = logits.clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda t: fc(t, y), (s,), eps=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="normalization must be one of paper, focal_calibration"):
+        build_loss("mmce_weighted", 3, normalization="sum")
+    with pytest.raises(ValueError, match="unknown \\['normalization'\\]"):
+        build_loss("mmce", 3, normalization="paper")
+
+
 def test_mmce_vanishes_when_calibrated():
     # four samples at confidence 0.75, three correct: a - c sums to 0 and the kernel is constant.
     s = torch.tensor([[math.log(3.0), 0.0]], dtype=torch.float64).repeat(4, 1)

@@ -9,11 +9,12 @@ one-minute recipe on 2 CPU cores.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from models.classifiers import CLASSIFIERS, TIMM_PREFIX
 from models.heads import FEDLAS_DEFAULTS
+from models.losses import MMCE_NORMALIZATIONS
 from models.objectives import MIXED_LOSSES
 from pipeline.core.config import ConfigError, StageConfig, check_choice, check_range
 from shards.datapath import (
@@ -32,7 +33,7 @@ LOSS_FIELDS: dict[str, dict[str, str]] = {
     "flsd53": {"gamma_below": "flsd_gamma_below", "gamma": "flsd_gamma"},
     "mbls": {"m": "mbls_margin", "lam": "mbls_lam"},
     "mmce": {"lam": "mmce_lam"},
-    "mmce_weighted": {"lam": "mmce_lam"},
+    "mmce_weighted": {"lam": "mmce_lam", "normalization": "mmce_normalization"},
     "mixup": {"alpha": "mixup_alpha"},
     "csm": {"weight": "csm_weight", "mixed_loss": "csm_mixed_loss"},
     "fedlas-ls": {"alpha": "fedlas_ls_alpha", "beta": "fedlas_ls_beta", "theta": "fedlas_theta"},
@@ -46,6 +47,9 @@ LOSS_FIELDS: dict[str, dict[str, str]] = {
 PRECISIONS = ("auto", "fp32", "bf16")  # auto: bf16 on GPU, fp32 on CPU
 # fields left out of config.json: how to continue, not what to train
 NOT_RECORDED = ("resume",)
+# fields added after runs were published: config.json holds them only off their default, so a
+# run at the default keeps its config.json bytes and an existing run folder still matches
+RECORDED_OFF_DEFAULT = ("mmce_normalization",)
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,9 @@ class Config(StageConfig):
     mbls_margin: float = 6.0
     mbls_lam: float = 0.1
     mmce_lam: float = 2.0
+    # mmce_weighted's pair-sum normalisation: paper (Kumar et al.) | focal_calibration (the
+    # torrvision/focal_calibration code later baselines use; docs/train.md)
+    mmce_normalization: str = "paper"
     mixup_alpha: float = 1.0  # Beta(α, α); GUESS (Zhang et al.'s CIFAR value)
     csm_weight: float = 1.0  # w of the synthetic term (reference: 1)
     csm_sharpening: float = 0.0  # s > 0: t_a = sigmoid(s(λ̂ − 0.5)) at load; 0: the stored soft
@@ -112,6 +119,7 @@ class Config(StageConfig):
         check_choice("in_channels", self.in_channels, (1, 3))
         check_choice("csm_targets", self.csm_targets, ("soft", "ratio"))
         check_choice("csm_mixed_loss", self.csm_mixed_loss, MIXED_LOSSES)
+        check_choice("mmce_normalization", self.mmce_normalization, MMCE_NORMALIZATIONS)
         check_choice("precision", self.precision, PRECISIONS)
         for name in ("epochs", "batch_size", "eval_batch_size"):
             check_range(name, getattr(self, name), 1)
@@ -132,8 +140,14 @@ class Config(StageConfig):
         return {param: getattr(self, field) for param, field in LOSS_FIELDS[self.loss].items()}
 
     def record(self) -> dict[str, Any]:
-        """What config.json holds (everything but how to continue)."""
-        return {k: v for k, v in self.to_dict().items() if k not in NOT_RECORDED}
+        """What config.json holds (everything but how to continue; RECORDED_OFF_DEFAULT fields
+        only off their default)."""
+        default = {f.name: f.default for f in fields(self) if f.name in RECORDED_OFF_DEFAULT}
+        return {
+            k: v
+            for k, v in self.to_dict().items()
+            if k not in NOT_RECORDED and not (k in default and v == default[k])
+        }
 
 
 def _timm_has(name: str) -> bool:
