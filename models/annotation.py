@@ -388,8 +388,9 @@ def fidelity_stats(
     test_accuracy: float | None = None,
 ) -> dict[str, Any]:
     """Generator fidelity: the share of pure-class images (series endpoints, α = 0 and 1) that a
-    real-only classifier assigns to the class they were generated for, overall and per class,
-    next to that classifier's accuracy on real test images (x100)."""
+    real-only classifier assigns to the class they were generated for, overall and per class
+    (with the two classes it most often took a class's images for: ``taken_for``), next to that
+    classifier's accuracy on real test images (x100)."""
     predicted = torch.as_tensor(predicted).long().reshape(-1)
     expected = torch.as_tensor(expected).long().reshape(-1)
     if predicted.numel() == 0 or predicted.shape != expected.shape:
@@ -402,6 +403,15 @@ def fidelity_stats(
         mine = expected == k
         if mine.any():
             per_class[name] = {"n": int(mine.sum()), "accuracy": 100.0 * float(hit[mine].mean())}
+            wrong = predicted[mine & (predicted != k)]
+            if wrong.numel():  # what the judge saw instead: the two commonest, % of the class
+                counts = torch.bincount(wrong, minlength=len(class_names))
+                top = torch.argsort(counts, descending=True, stable=True)[:2]
+                per_class[name]["taken_for"] = {
+                    class_names[int(j)]: 100.0 * int(counts[j]) / int(mine.sum())
+                    for j in top
+                    if counts[j] > 0
+                }
     return {
         "n_images": predicted.numel(),
         "accuracy": 100.0 * float(hit.mean()),

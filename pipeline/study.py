@@ -22,11 +22,9 @@ from __future__ import annotations
 import functools
 import os
 import subprocess
-import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,106 +32,23 @@ import numpy as np
 
 from models.study_stats import Predictions, bootstrap_difference, summarize
 from pipeline.chain import split_sets
-from pipeline.core.config import ConfigError, parse_sets
+from pipeline.core.config import parse_sets
 from pipeline.core.io import atomic_write_json
 from pipeline.core.runtime import derive_seed, log, progress
 from pipeline.registry import resolve_stage_config
-from pipeline.study_kway import kway_comparison, kway_root, prepare_kway
+from pipeline.study_config import (
+    METHODS,
+    METRICS,
+    StudyConfig,
+    StudyError,
+    Task,
+    run_name,
+)
+from pipeline.study_kway import kway_comparison, prepare_kway, prepare_redraw, variant_root
 from pipeline.study_report import figures, write_report
+from pipeline.study_tune import chosen_sets, tuning_group, tuning_tasks
 from shards import evals
 from shards.manifest import ShardError, read_manifest
-
-
-class StudyError(ValueError):
-    """A study run failed: the CLI prints it as one line naming the run's log."""
-
-
-@dataclass(frozen=True)
-class Method:
-    """How one study method is made: a train run with these overrides, or a fine-tuning of
-    another method's run (`base`)."""
-
-    stage: str  # train | finetune
-    sets: tuple[str, ...]
-    base: str = ""  # finetune: the method whose run is fine-tuned
-    needs_mixed: bool = False
-    # k of the mixed set it trains on; k >= 3: a second chain into <root>-k<k>/ (kway_chain)
-    mix_classes: int = 2
-
-
-METHODS: dict[str, Method] = {
-    "ce": Method("train", ("loss=ce",)),
-    "csm": Method("train", ("loss=csm",), needs_mixed=True),
-    # the CSM paper's ablations: ratio labels t_a = α (no re-annotation); CE on the mixed images
-    "csm-ratio": Method("train", ("loss=csm", "csm_targets=ratio"), needs_mixed=True),
-    "csm-ce": Method("train", ("loss=csm", "csm_mixed_loss=ce"), needs_mixed=True),
-    # beyond the paper: series mixing 3 classes (simplex lattice m = 4), as many images as csm
-    "csm3": Method("train", ("loss=csm",), needs_mixed=True, mix_classes=3),
-    "ls": Method("train", ("loss=ls",)),
-    "focal": Method("train", ("loss=focal",)),
-    "mixup": Method("train", ("loss=mixup",)),
-    "mmce": Method("train", ("loss=mmce",)),
-    "fedlas-ls": Method("train", ("loss=fedlas-ls",)),
-    "ce+maccal": Method("finetune", ("method=maccal",), base="ce"),
-    "csm+maccal": Method("finetune", ("method=maccal",), base="csm", needs_mixed=True),
-}
-# the order runs start in: the comparison that matters most first
-DEFAULT_METHODS = (
-    "ce", "csm", "ls", "focal", "mixup", "fedlas-ls", "csm-ratio", "csm-ce",
-    "ce+maccal", "csm+maccal",
-)  # fmt: skip
-METRICS = ("top1", "ece", "aece", "classwise_ece", "oece", "uece", "mce", "nll", "brier")
-
-
-@dataclass(frozen=True)
-class StudyConfig:
-    methods: tuple[str, ...] = DEFAULT_METHODS
-    seeds: tuple[int, ...] = (0, 1, 2)
-    jobs: int = 2  # runs at a time (subprocesses)
-    bootstrap: int = 2000  # resamples for the 95 % intervals
-    ts_criterion: str = "nll"  # evaluate's temperature-scaling criterion
-
-    def __post_init__(self):
-        unknown = [m for m in self.methods if m not in METHODS]
-        if unknown:
-            raise ConfigError(
-                f"unknown study method(s) {unknown}; choose from: {', '.join(METHODS)}"
-            )
-        if "ce" not in self.methods:
-            raise ConfigError("study.methods must include ce: every method is compared with it")
-        for m in self.methods:
-            base = METHODS[m].base
-            if base and base not in self.methods:
-                raise ConfigError(f"study method {m} fine-tunes {base}: add {base} to methods")
-            if METHODS[m].mix_classes > 2 and "csm" not in self.methods:
-                raise ConfigError(f"study method {m} is compared with 2-way csm: add csm")
-        if not self.seeds or self.jobs < 1 or self.bootstrap < 100:
-            raise ConfigError("study needs >= 1 seed, jobs >= 1 and bootstrap >= 100")
-
-
-def run_name(method: str, seed: int) -> str:
-    """The run folder: <loss>-s<seed> for train, <base>-s<seed>-maccal for fine-tuning (the
-    finetune stage appends its method), so evaluate's report groups seeds the same way."""
-    m = METHODS[method]
-    return f"{m.base}-s{seed}-maccal" if m.stage == "finetune" else f"{method}-s{seed}"
-
-
-@dataclass
-class Task:
-    name: str
-    steps: list[tuple[str, list[str]]]  # (stage or command, --set values), run in order
-    after: set[str] = field(default_factory=set)
-    done: bool = False
-    # run in this process before the commands; returns extra --set values for the last step
-    prepare: Callable[[], list[str]] | None = None
-
-    def commands(self, preset: str, extra: Sequence[str] = ()) -> list[list[str]]:
-        last = len(self.steps) - 1
-        return [
-            [sys.executable, "-m", "pipeline", stage, "--preset", preset, "--set", *sets]
-            + (list(extra) if i == last else [])
-            for i, (stage, sets) in enumerate(self.steps)
-        ]
 
 
 def _evaluated(folder: Path, criterion: str) -> bool:
@@ -162,35 +77,44 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
     if needs_chain:
         done = (root / "mixed" / "manifest.json").is_file()
         tasks.append(Task("chain", [("chain", chain_sets)], done=done))
-    for k in sorted({METHODS[m].mix_classes for m in cfg.methods} - {2}):
-        k_sets = [
-            *(s for s in chain_sets if not s.startswith("name=")),
-            f"name={kway_root(root, k).name}",
-        ]
-        done = (kway_root(root, k) / "mixed" / "manifest.json").is_file()
-        prepare = functools.partial(prepare_kway, root, k)
-        tasks.append(Task(f"chain-k{k}", [("chain", k_sets)], {"chain"}, done, prepare))
+    for variant in sorted({METHODS[m].variant for m in cfg.methods} - {""}):
+        v_root = variant_root(root, variant)
+        v_sets = [*(s for s in chain_sets if not s.startswith("name=")), f"name={v_root.name}"]
+        done = (v_root / "mixed" / "manifest.json").is_file()
+        if variant == "redraw":
+            prepare = functools.partial(prepare_redraw, root)
+        else:
+            prepare = functools.partial(prepare_kway, root, int(variant[1:]))
+        tasks.append(Task(f"chain-{variant}", [("chain", v_sets)], {"chain"}, done, prepare))
     train_sets, ft_sets = split_sets(sets, "train"), split_sets(sets, "finetune")
+    tuned = tuning_tasks(cfg, root, train_sets) if cfg.tune else {}
+    tasks += [t for group in tuned.values() for t in group]
     eval_sets = [*split_sets(sets, "evaluate"), f"ts_criterion={cfg.ts_criterion}"]
     for method in cfg.methods:  # method by method (all its seeds), in the order given
         for seed in cfg.seeds:
             m, name = METHODS[method], run_name(method, seed)
             if m.stage == "train":
                 make = ("train", [*train_sets, *m.sets, f"run={name}", f"seed={seed}"])
-                if m.mix_classes > 2:
-                    make[1].append(f"mixed={kway_root(root, m.mix_classes) / 'mixed'}")
+                if m.variant:
+                    make[1].append(f"mixed={variant_root(root, m.variant) / 'mixed'}")
             else:
                 base = run_name(m.base, seed)
                 make = ("finetune", [*ft_sets, *m.sets, f"run={base}", f"seed={seed}"])
             stage_dir = "train" if m.stage == "train" else "finetune"
             evaluate = ("evaluate", [*eval_sets, f"run={name}", f"stage_dir={stage_dir}"])
             after = {"chain"} if m.needs_mixed else set()
-            if m.mix_classes > 2:
-                after = {f"chain-k{m.mix_classes}"}
+            if m.variant:
+                after = {f"chain-{m.variant}"}
             if m.base:
                 after.add(run_name(m.base, seed))
+            group = tuning_group(method)
+            prepare = None
+            if group in tuned:  # w and s as chosen on val
+                groups = ("csm",) if group == "csm" else ("csm", group)
+                after |= {t.name for g in groups for t in tuned[g]}
+                prepare = functools.partial(chosen_sets, root, tuned, groups)
             done = _evaluated(evals.eval_dir(root, stage_dir, name), cfg.ts_criterion)
-            tasks.append(Task(name, [make, evaluate], after, done))
+            tasks.append(Task(name, [make, evaluate], after, done, prepare, extra_step=0))
     return tasks
 
 
@@ -316,8 +240,8 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
             )
     rng = np.random.default_rng(derive_seed(0, "study-bootstrap"))
     boot = {when: bootstrap_difference(p, "ce", cfg.bootstrap, rng) for when, p in preds.items()}
-    k_methods = {m: METHODS[m].mix_classes for m in cfg.methods if METHODS[m].mix_classes > 2}
-    kway = kway_comparison(root, k_methods, preds, cfg.bootstrap, rng)
+    variants = {m: METHODS[m].variant for m in cfg.methods if METHODS[m].variant}
+    kway = kway_comparison(root, variants, preds, cfg.bootstrap, rng)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(
         out / "study.json",

@@ -1,4 +1,6 @@
-"""`make study`'s k-way mixed sets (`csm3`): their own chain into <root>-k<k>/, sized to csm.
+"""`make study`'s other mixed sets, each its own chain into <root>-<variant>/ sharing csm's real/,
+generator/ and classifier runs: k-way sets (`csm3`: <root>-k3/, sized to csm) and fidelity-aware
+series (`csm-redraw`: <root>-redraw/, generate's endpoint_check=redraw).
 
 Split from `pipeline.study` (which plans and runs the study) so each reads top to bottom.
 """
@@ -19,13 +21,27 @@ from pipeline.core.runtime import log
 from shards.manifest import read_manifest
 
 KWAY_LATTICE = 4  # m of the study's k-way sets: 15 images per 3-class series
-KWAY_UPSTREAM = ("real", "generator", "train/encoder")  # what a k-way chain shares with csm's
+# what a variant chain shares with csm's (train/judge: the chains that train a fidelity judge)
+KWAY_UPSTREAM = ("real", "generator", "train/encoder", "train/judge")
+
+
+def variant_root(root: Path, variant: str) -> Path:
+    """runs/<classes>-<variant>/: a variant chain's own root (generate and annotate always write
+    <root>/series and <root>/mixed, and those of <root> are csm's)."""
+    return root.with_name(f"{root.name}-{variant}")
 
 
 def kway_root(root: Path, k: int) -> Path:
-    """runs/<classes>-k<k>/: the k-way chain's own root (generate and annotate always write
-    <root>/series and <root>/mixed, and the 2-way ones are csm's)."""
-    return root.with_name(f"{root.name}-k{k}")
+    """runs/<classes>-k<k>/: the k-way chain's root."""
+    return variant_root(root, f"k{k}")
+
+
+def prepare_redraw(root: Path) -> list[str]:
+    """Before the redraw chain: share csm's upstream folders; the same plan as csm's, every
+    series whose pure images the encoder rejects redrawn (docs/generate.md)."""
+    for rel in KWAY_UPSTREAM:
+        link_complete(root / rel, variant_root(root, "redraw") / rel)
+    return ["generate.endpoint_check=redraw"]
 
 
 def link_complete(src: Path, dst: Path) -> None:
@@ -73,15 +89,16 @@ def prepare_kway(root: Path, k: int) -> list[str]:
 
 
 def kway_comparison(
-    root: Path, methods: dict[str, int], preds: dict, n: int, rng: np.random.Generator
+    root: Path, methods: dict[str, str], preds: dict, n: int, rng: np.random.Generator
 ) -> dict[str, Any] | None:
-    """csm<k> against 2-way csm (`methods`: study method -> k, the k-way ones): the bootstrap of
-    the ECE difference, and the number of generated images each was given (they should match)."""
+    """The methods trained on another mixed set (`methods`: study method -> its variant, e.g.
+    csm3 -> k3, csm-redraw -> redraw) against csm: the bootstrap of the ECE difference, and
+    the number of generated images each was given."""
     if not methods:
         return None
     folders = [
         root / "mixed",
-        *(kway_root(root, k) / "mixed" for k in sorted(set(methods.values()))),
+        *(variant_root(root, v) / "mixed" for v in sorted(set(methods.values()))),
     ]
     names = ["csm", *methods]
     result: dict[str, Any] = {

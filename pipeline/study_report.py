@@ -6,16 +6,13 @@ Split from `pipeline.study` (which plans and runs the study) so each reads top t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from models.study_stats import Predictions, softmax
 from pipeline.core.io import atomic_write_bytes
 from pipeline.core.plots import error_bars, reliability_diagram
-
-if TYPE_CHECKING:
-    from pipeline.study import StudyConfig
+from pipeline.study_config import StudyConfig
 
 
 def _pm(stats: dict[str, float], digits: int = 2) -> str:
@@ -105,11 +102,13 @@ def write_report(
         ]
     if kway:
         lines += [
-            "## k-way mixing: csm<k> vs csm (x100), bootstrap 95 % interval",
+            "## Other mixed sets vs csm (x100), bootstrap 95 % interval",
             "",
-            "Generated images per mixed set (csm<k> is given the same budget as csm): "
+            "csm<k>: k-way series given csm's image budget; csm-redraw: csm's plan with the "
+            "series whose pure images the encoder rejects redrawn. Generated images per mixed "
+            "set: "
             + ", ".join(f"`{k}` {v}" for k, v in kway["images"].items())
-            + ". A negative difference: csm<k> is better calibrated than 2-way csm.",
+            + ". A negative difference: the method is better calibrated than csm.",
             "",
             "| method | top-1 | ΔECE before TS | 95 % interval | ΔECE after TS | 95 % interval |",
             "|---|---|---|---|---|---|",

@@ -216,5 +216,11 @@ class FidelityCheck:
             title=f"generator fidelity (chosen guidance w={guidance:g})",
         )  # fmt: skip
         for name, st in curve[-1]["guidance"][f"{guidance:g}"].items():
-            per_class = ", ".join(f"{c} {v['accuracy']:.0f}" for c, v in st["per_class"].items())
-            log.info("fit-generator: w=%g %s per class (%%): %s", guidance, name, per_class)
+            per_class = ", ".join(
+                f"{c} {v['accuracy']:.0f}"
+                + "".join(f" ({k}: {share:.0f})" for k, share in v.get("taken_for", {}).items())
+                for c, v in st["per_class"].items()
+            )
+            log.info(
+                "fit-generator: w=%g %s per class in %% (taken for): %s", guidance, name, per_class
+            )

@@ -338,8 +338,14 @@ def test_endpoint_spread_and_fidelity_stats():
     predicted = torch.tensor([0, 0, 1, 1, 1, 0])
     f = fidelity_stats(predicted, expected, ("a", "b", "c"), test_accuracy=91.0)
     assert f["accuracy"] == pytest.approx(100 * 4 / 6)
-    assert f["per_class"]["a"] == {"n": 3, "accuracy": pytest.approx(100 * 2 / 3)}
-    assert f["per_class"]["b"]["accuracy"] == 100.0 and f["per_class"]["c"]["accuracy"] == 0.0
+    assert f["per_class"]["a"] == {
+        "n": 3,
+        "accuracy": pytest.approx(100 * 2 / 3),
+        "taken_for": {"b": pytest.approx(100 / 3)},
+    }
+    assert f["per_class"]["b"] == {"n": 2, "accuracy": 100.0}  # never mistaken: no taken_for
+    assert f["per_class"]["c"]["accuracy"] == 0.0
+    assert f["per_class"]["c"]["taken_for"] == {"a": 100.0}
     assert f["real_test_accuracy"] == 91.0
     with pytest.raises(ValueError, match="matching"):
         fidelity_stats(predicted[:2], expected, ("a", "b", "c"))

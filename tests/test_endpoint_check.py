@@ -97,10 +97,12 @@ def test_checked_series_are_deterministic_resumable_and_counted(runs, mode):
     counts = manifest.info["endpoint_check"]
     present = {s["meta"]["series"] for s in iter_folder(out)}
     assert counts["mode"] == mode and counts["series"] == 12
-    assert counts["dropped"] == 12 - len(present) and counts["dropped"] > 0
-    assert counts["passed"] + counts["redrawn"] == len(present)
+    assert counts["dropped"] == 12 - len(present)
+    assert counts["passed"] + counts["redrawn"] == len(present) and counts["passed"] < 12
     if mode == "drop":
-        assert counts["redrawn"] == 0 and counts["extra_draws"] == 0
+        assert counts["redrawn"] == 0 and counts["extra_draws"] == 0 and counts["dropped"] > 0
+    else:  # ~1/3 fail their first draw; a fresh noise passes most of them
+        assert counts["redrawn"] > 0 and counts["extra_draws"] >= counts["redrawn"]
     config = json.loads((out / "config.json").read_text())
     assert config["endpoint_check"] == mode and config["endpoint_tries"] == 3
     # kill-equivalent: a shard and its completion record gone; the rerun rewrites them equal

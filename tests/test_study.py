@@ -11,7 +11,8 @@ import torch
 from models.calibration import ece
 from models.study_stats import Predictions, bootstrap_difference
 from pipeline.core.config import ConfigError
-from pipeline.study import StudyConfig, plan, run_name, run_study
+from pipeline.study import plan, run_study
+from pipeline.study_config import StudyConfig, run_name
 from shards import evals
 
 
@@ -92,7 +93,7 @@ def _run_and_evaluation(root, stage, run, criterion, digest=None):
 
 
 def test_plan_orders_tasks_by_what_they_need_and_skips_evaluated_runs(tmp_path):
-    cfg = StudyConfig(methods=("ce", "ls", "csm-ratio", "ce+maccal"), seeds=(0,))
+    cfg = StudyConfig(methods=("ce", "ls", "csm-ratio", "ce+maccal"), seeds=(0,), tune=False)
     tasks = {t.name: t for t in plan(cfg, "digits", ["train.epochs=1"], tmp_path)}
     assert list(tasks) == ["chain", "ce-s0", "ls-s0", "csm-ratio-s0", "ce-s0-maccal"]
     # only methods that read mixed/ wait for the chain; a fine-tuning waits for its source run
@@ -223,7 +224,7 @@ def test_csm3_plan_trains_on_the_kway_set_after_its_chain(tmp_path):
     from pipeline.study import plan
 
     root = tmp_path / "digits"
-    cfg = StudyConfig(methods=("ce", "csm", "csm3"), seeds=(0, 1))
+    cfg = StudyConfig(methods=("ce", "csm", "csm3"), seeds=(0, 1), tune=False)
     tasks = {t.name: t for t in plan(cfg, "digits", [f"out={tmp_path}"], root)}
     assert tasks["chain-k3"].after == {"chain"} and tasks["chain-k3"].prepare is not None
     chain_sets = tasks["chain-k3"].steps[0][1]
@@ -236,3 +237,76 @@ def test_csm3_plan_trains_on_the_kway_set_after_its_chain(tmp_path):
     assert not any(s.startswith("mixed=") for s in tasks["csm-s0"].steps[0][1])
     with pytest.raises(ConfigError, match="add csm"):
         StudyConfig(methods=("ce", "csm3"))
+
+
+def test_csm_redraw_plan_trains_on_its_own_checked_set_after_its_chain(tmp_path):
+    from pipeline.study import plan
+    from pipeline.study_kway import prepare_redraw
+
+    root = tmp_path / "digits"
+    cfg = StudyConfig(methods=("ce", "csm", "csm-redraw"), seeds=(0,), tune=False)
+    tasks = {t.name: t for t in plan(cfg, "digits", [f"out={tmp_path}"], root)}
+    chain = tasks["chain-redraw"]
+    assert chain.after == {"chain"} and "name=digits-redraw" in chain.steps[0][1]
+    task = tasks["csm-redraw-s0"]
+    assert task.after == {"chain-redraw"}
+    assert f"mixed={tmp_path / 'digits-redraw' / 'mixed'}" in task.steps[0][1]
+    for rel in ("real/train/manifest.json", "train/judge/m.json"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(rel.encode())
+    assert prepare_redraw(root) == ["generate.endpoint_check=redraw"]
+    assert (
+        tmp_path / "digits-redraw" / "train" / "judge" / "m.json"
+    ).read_bytes() == b"train/judge/m.json"
+    with pytest.raises(ConfigError, match="add csm"):
+        StudyConfig(methods=("ce", "csm-redraw"))
+
+
+def _tuned_run(train_dir, run: str, val_nll: float) -> None:
+    """A finished tuning run's metrics.json: its best epoch has this validation NLL."""
+    history = [
+        {"epoch": 1, "val_acc": 80.0, "val_ece": 9.0, "val_nll": 9.9},
+        {"epoch": 2, "val_acc": 90.0, "val_ece": 3.0, "val_nll": val_nll},
+        {"epoch": 3, "val_acc": 85.0, "val_ece": 1.0, "val_nll": 0.01},  # not the chosen epoch
+    ]
+    (train_dir / run).mkdir(parents=True)
+    metrics = {"train": {"best_val_acc": 90.0, "history": history}}
+    (train_dir / run / "metrics.json").write_text(json.dumps(metrics))
+
+
+def test_csm_w_and_s_are_chosen_on_val_by_a_grid_before_every_csm_run(tmp_path):
+    from pipeline.study_tune import TUNE_SEED, tune_run
+
+    root = tmp_path / "digits"
+    cfg = StudyConfig(
+        methods=("ce", "csm", "csm-ratio", "csm3", "csm+maccal"), seeds=(0,),
+        tune_weights=(0.5, 1.0), tune_sharpening=(2.3, 4.0), tune_sharpening_k3=(4.0, 5.4),
+    )  # fmt: skip
+    tasks = {t.name: t for t in plan(cfg, "digits", [f"out={tmp_path}"], root)}
+    grid = [tune_run("csm", w, s) for w in (0.5, 1.0) for s in (2.3, 4.0)]
+    assert grid == ["tune-csm-w0p5-s2p3", "tune-csm-w0p5-s4", "tune-csm-w1-s2p3", "tune-csm-w1-s4"]
+    k3_grid = ["tune-csm3-s4", "tune-csm3-s5p4"]
+    for run in grid:
+        sets = tasks[run].steps[0][1]
+        assert tasks[run].after == {"chain"} and f"seed={TUNE_SEED}" in sets and "loss=csm" in sets
+    for run in k3_grid:
+        assert tasks[run].after == {"chain-k3", *grid}
+        assert f"mixed={tmp_path / 'digits-k3' / 'mixed'}" in tasks[run].steps[0][1]
+    # every 2-way csm-family train run waits for csm's grid, csm3 for both; the others for none
+    for name in ("csm-s0", "csm-ratio-s0"):
+        assert set(grid) <= tasks[name].after and tasks[name].extra_step == 0
+    assert set(grid) | set(k3_grid) <= tasks["csm3-s0"].after
+    assert not tasks["ce-s0"].after and tasks["ce-s0"].prepare is None
+    assert tasks["csm-s0-maccal"].prepare is None  # fine-tunes the csm run as it was trained
+    # the choice: the lowest val NLL at each run's best-val-accuracy epoch (never test)
+    for run, nll in zip(grid, (0.50, 0.31, 0.30, 0.45)):
+        _tuned_run(root / "train", run, nll)
+    for run, nll in zip(k3_grid, (0.4, 0.2)):
+        _tuned_run(root / "train", run, nll)
+    assert tasks["csm-s0"].prepare() == ["csm_weight=1", "csm_sharpening=2.3"]
+    assert tasks["tune-csm3-s4"].prepare() == ["csm_weight=1"]
+    assert tasks["csm3-s0"].prepare() == ["csm_weight=1", "csm_sharpening=5.4"]
+    train_cmd = tasks["csm-s0"].commands("digits", ["csm_weight=1"])[0]
+    assert train_cmd[-1] == "csm_weight=1" and "evaluate" not in train_cmd
+    untuned = StudyConfig(methods=("ce", "csm"), seeds=(0,), tune=False)
+    assert [t.name for t in plan(untuned, "digits", [], root)] == ["chain", "ce-s0", "csm-s0"]

@@ -166,7 +166,7 @@ PRESETS = {
     # METHODS §1 reference budgets: 444 / 4 / 2 series per pair (about 160k / 158k / 318k images)
     # the in-house 28x28 UNet; 45 pairs x 16 = 720 series, 5,760 images (~15 CPU minutes)
     "fashion-mnist": dict(
-        backend="unet", steps=25, series_per_pair=16, batch_size=64, endpoint_judge="judge"
+        backend="unet", steps=25, series_per_pair=16, batch_size=64, endpoint_judge="encoder"
     ),
     # `--set backend=edm` switches to the paper's EDM networks with its 20 / 25 / 25 Heun steps
     "cifar10": dict(_SD, series_per_pair=444, when=_edm(20)),

@@ -1,0 +1,120 @@
+"""What a study is made of: its config, its methods and its tasks.
+
+Its own module so that the study's planner (pipeline.study), its tuning grid
+(pipeline.study_tune) and its report (pipeline.study_report) all import it and not each other.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from pipeline.core.config import ConfigError
+
+
+class StudyError(ValueError):
+    """A study run failed: the CLI prints it as one line naming the run's log."""
+
+
+@dataclass(frozen=True)
+class Method:
+    """How one study method is made: a train run with these overrides, or a fine-tuning of
+    another method's run (`base`)."""
+
+    stage: str  # train | finetune
+    sets: tuple[str, ...]
+    base: str = ""  # finetune: the method whose run is fine-tuned
+    needs_mixed: bool = False
+    # k of the mixed set it trains on; k >= 3: a second chain into <root>-k<k>/ (kway_chain)
+    mix_classes: int = 2
+    redraw: bool = False  # trains on fidelity-aware series: a chain into <root>-redraw/
+
+    @property
+    def variant(self) -> str:
+        """The mixed set's chain: "" = csm's, "k<k>" or "redraw" = its own root."""
+        return f"k{self.mix_classes}" if self.mix_classes > 2 else "redraw" if self.redraw else ""
+
+
+METHODS: dict[str, Method] = {
+    "ce": Method("train", ("loss=ce",)),
+    "csm": Method("train", ("loss=csm",), needs_mixed=True),
+    # the CSM paper's ablations: ratio labels t_a = α (no re-annotation); CE on the mixed images
+    "csm-ratio": Method("train", ("loss=csm", "csm_targets=ratio"), needs_mixed=True),
+    "csm-ce": Method("train", ("loss=csm", "csm_mixed_loss=ce"), needs_mixed=True),
+    # beyond the paper: series mixing 3 classes (simplex lattice m = 4), as many images as csm
+    "csm3": Method("train", ("loss=csm",), needs_mixed=True, mix_classes=3),
+    # beyond the paper: series whose pure images the encoder rejects are redrawn (docs/generate.md)
+    "csm-redraw": Method("train", ("loss=csm",), needs_mixed=True, redraw=True),
+    "ls": Method("train", ("loss=ls",)),
+    "focal": Method("train", ("loss=focal",)),
+    "mixup": Method("train", ("loss=mixup",)),
+    "mmce": Method("train", ("loss=mmce",)),
+    "fedlas-ls": Method("train", ("loss=fedlas-ls",)),
+    "ce+maccal": Method("finetune", ("method=maccal",), base="ce"),
+    "csm+maccal": Method("finetune", ("method=maccal",), base="csm", needs_mixed=True),
+}
+# the order runs start in: the comparison that matters most first
+DEFAULT_METHODS = (
+    "ce", "csm", "ls", "focal", "mixup", "fedlas-ls", "csm-ratio", "csm-ce",
+    "ce+maccal", "csm+maccal", "csm3", "csm-redraw",
+)  # fmt: skip
+METRICS = ("top1", "ece", "aece", "classwise_ece", "oece", "uece", "mce", "nll", "brier")
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    seeds: tuple[int, ...] = (0, 1, 2)
+    jobs: int = 2  # runs at a time (subprocesses)
+    bootstrap: int = 2000  # resamples for the 95 % intervals
+    ts_criterion: str = "nll"  # evaluate's temperature-scaling criterion
+    # CSM's w and s chosen on val by a grid of runs (pipeline/study_tune.py); off: the presets'
+    tune: bool = True
+    tune_weights: tuple[float, ...] = (0.5, 1.0, 2.0)
+    tune_sharpening: tuple[float, ...] = (2.3, 4.0, 6.0)
+    tune_sharpening_k3: tuple[float, ...] = (4.0, 5.4, 8.0)  # csm3's s, at csm's chosen w
+
+    def __post_init__(self):
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise ConfigError(
+                f"unknown study method(s) {unknown}; choose from: {', '.join(METHODS)}"
+            )
+        if "ce" not in self.methods:
+            raise ConfigError("study.methods must include ce: every method is compared with it")
+        for m in self.methods:
+            base = METHODS[m].base
+            if base and base not in self.methods:
+                raise ConfigError(f"study method {m} fine-tunes {base}: add {base} to methods")
+            if METHODS[m].variant and "csm" not in self.methods:
+                raise ConfigError(f"study method {m} is compared with 2-way csm: add csm")
+        if not self.seeds or self.jobs < 1 or self.bootstrap < 100:
+            raise ConfigError("study needs >= 1 seed, jobs >= 1 and bootstrap >= 100")
+
+
+def run_name(method: str, seed: int) -> str:
+    """The run folder: <loss>-s<seed> for train, <base>-s<seed>-maccal for fine-tuning (the
+    finetune stage appends its method), so evaluate's report groups seeds the same way."""
+    m = METHODS[method]
+    return f"{m.base}-s{seed}-maccal" if m.stage == "finetune" else f"{method}-s{seed}"
+
+
+@dataclass
+class Task:
+    name: str
+    steps: list[tuple[str, list[str]]]  # (stage or command, --set values), run in order
+    after: set[str] = field(default_factory=set)
+    done: bool = False
+    # run in this process before the commands; returns extra --set values for step `extra_step`
+    # (the last one by default)
+    prepare: Callable[[], list[str]] | None = None
+    extra_step: int = -1
+
+    def commands(self, preset: str, extra: Sequence[str] = ()) -> list[list[str]]:
+        at = self.extra_step % len(self.steps)
+        return [
+            [sys.executable, "-m", "pipeline", stage, "--preset", preset, "--set", *sets]
+            + (list(extra) if i == at else [])
+            for i, (stage, sets) in enumerate(self.steps)
+        ]
