@@ -57,8 +57,8 @@ test-gpu: $(STAMP) ## tests that need a CUDA GPU (without one: says "no GPU", ex
 	elif [ $$rc = 3 ]; then echo "semix test-gpu: no GPU (torch.cuda.is_available() is False): nothing to run"; \
 	else exit $$rc; fi
 
-lint: $(STAMP) ## ruff check + format check
-	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+lint: $(STAMP) ## ruff check + format check + the import layers (import-linter)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/lint-imports --no-cache --no-logo
 
 format: $(STAMP) ## ruff fix + format
 	$(VENV)/bin/ruff check --fix . && $(VENV)/bin/ruff format .

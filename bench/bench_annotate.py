@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from core.runtime import setup_logging
 from models.classifiers import build_classifier
 from models.encoders import ImageEncoder, ModuleFeatureEncoder, OpenCLIPEncoder
-from pipeline.core.runtime import setup_logging
 from pipeline.registry import run_stage
 from shards.manifest import manifest_digest
 from shards.reader import decode_png, load_split

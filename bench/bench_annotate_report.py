@@ -66,8 +66,8 @@ def _shard_json(classes: int, shard: int) -> list[bytes]:
     """The json bytes of mixed shard `shard` (series = pair rank, λ̂ seeded by the shard)."""
     import numpy as np
 
+    from core.io import canonical_json
     from models.simplex import unrank_tuple
-    from pipeline.core.io import canonical_json
 
     rng = np.random.default_rng([classes, shard])
     alphas = [j / (K - 1) for j in range(K)]
@@ -102,8 +102,8 @@ def _stats_before():
 def child(classes: int, path: str) -> dict[str, Any]:
     import torch
 
+    from core.io import atomic_write_json
     from models.annotation import annotation_stats
-    from pipeline.core.io import atomic_write_json
     from stages.annotate_report import columns, concat_columns
 
     n_shards = math.ceil(classes * (classes - 1) // 2 / (SHARD // K))

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
+from core.runtime import make_accelerator
 from models.generators import UNET_PRESETS, unet_from_preset
-from pipeline.core.runtime import make_accelerator
 from stages.fit_generator import denoising_loss, resolve_precision
 
 BATCH, BLOCK, BLOCKS, WARMUP = 128, 5, 4, 3

@@ -96,7 +96,7 @@ def _manifest(plan, classes: int, tmp: Path) -> Any:
 
 def _fake_shards(plan, tmp: Path) -> None:
     """Empty shard files with completion records (finish only checks that they are there)."""
-    from pipeline.core.io import atomic_write_json
+    from core.io import atomic_write_json
     from shards.writer import DONE_DIR, shard_name
 
     (tmp / "series" / DONE_DIR).mkdir(parents=True)

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from core.runtime import derive_seed, make_generator
 from models.classifiers import build_classifier
 from models.objectives import TrainingModule, build_objective
 from models.training import (
@@ -31,7 +32,6 @@ from models.training import (
     channel_stats,
     epoch_batches,
 )
-from pipeline.core.runtime import derive_seed, make_generator
 from shards.datasets import RealSplit, SeriesTable, load_real, load_series_table
 from shards.prefetch import PixelSource
 from shards.store import open_real, open_series_table

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipeline.core.config import ConfigError, parse_sets
-from pipeline.core.runtime import log
+from core.config import ConfigError, parse_sets
+from core.runtime import log
 from pipeline.registry import STAGES, check_out, resolve_stage_config, run_stage, stage_modules
 
 # preset -> [(stage, extra --set values)]. The digits chain trains a quick real-only

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 from safetensors import SafetensorError
 
-from pipeline.core.config import PRESET_NAMES, ConfigError
-from pipeline.core.runtime import setup_logging
+from core.config import PRESET_NAMES, ConfigError
+from core.runtime import setup_logging
 from pipeline.registry import STAGES, resolve_stage_config, run_stage, stage_modules
 
 # whole chains, run stage after stage in one process (pipeline/chain.py)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from core.runtime import log
 from pipeline.chain import chain, split_sets
-from pipeline.core.runtime import log
 from pipeline.registry import run_stage
 
 SEEDS = (0, 1, 2)

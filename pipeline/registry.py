@@ -9,8 +9,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 
-from pipeline.core.config import ConfigError, resolve
-from pipeline.core.runtime import (
+from core.config import ConfigError, resolve
+from core.runtime import (
     check_launcher,
     code_version,
     cpu_threads,

@@ -30,11 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from models.study_stats import Predictions, bootstrap_difference, summarize
+from core.config import parse_sets
+from core.io import atomic_write_json
+from core.runtime import derive_seed, log, progress
 from pipeline.chain import split_sets
-from pipeline.core.config import parse_sets
-from pipeline.core.io import atomic_write_json
-from pipeline.core.runtime import derive_seed, log, progress
 from pipeline.registry import resolve_stage_config
 from pipeline.study_config import (
     METHODS,
@@ -46,6 +45,7 @@ from pipeline.study_config import (
 )
 from pipeline.study_kway import kway_comparison, prepare_kway, prepare_redraw, variant_root
 from pipeline.study_report import figures, write_report
+from pipeline.study_stats import Predictions, bootstrap_difference, summarize
 from pipeline.study_tune import chosen_sets, tuning_group, tuning_tasks
 from shards import evals
 from shards.manifest import ShardError, read_manifest

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from pipeline.core.config import ConfigError
+from core.config import ConfigError
 
 
 class StudyError(ValueError):

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from core.runtime import log
 from models.simplex import num_lattice_points
-from models.study_stats import bootstrap_difference
-from pipeline.core.runtime import log
+from pipeline.study_stats import bootstrap_difference
 from shards.manifest import read_manifest
 
 KWAY_LATTICE = 4  # m of the study's k-way sets: 15 images per 3-class series

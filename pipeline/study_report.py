@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
-from models.study_stats import Predictions, softmax
-from pipeline.core.io import atomic_write_bytes
-from pipeline.core.plots import error_bars, reliability_diagram
+from core.io import atomic_write_bytes
+from core.plots import error_bars, reliability_diagram
 from pipeline.study_config import StudyConfig
+from pipeline.study_stats import Predictions, softmax
 
 
 def _pm(stats: dict[str, float], digits: int = 2) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.core.io import read_json
+from core.io import read_json
 from pipeline.study_config import METHODS, StudyConfig, Task
 from pipeline.study_kway import variant_root
 

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from pipeline.core.io import canonical_json, read_json
+from core.io import canonical_json, read_json
 from shards.manifest import ShardError
 from shards.runs import load_safetensors
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from pipeline.core.config import check_choice, check_range
+from core.config import check_choice, check_range
 from shards.manifest import read_manifest
 from shards.offsets import read_member, shard_members
 

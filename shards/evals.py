@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.core.io import canonical_json, read_json, sha256_bytes, sha256_file
+from core.io import canonical_json, read_json, sha256_bytes, sha256_file
 from shards.manifest import MANIFEST, Manifest, ShardError, read_manifest, write_manifest
 
 EVAL = "eval"

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.core.io import atomic_write_json, read_json, sha256_bytes, sha256_file
+from core.io import atomic_write_json, read_json, sha256_bytes, sha256_file
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"

@@ -25,7 +25,7 @@ import os
 import tarfile
 from pathlib import Path
 
-from pipeline.core.io import atomic_write_bytes, canonical_json, read_json
+from core.io import atomic_write_bytes, canonical_json, read_json
 from shards.manifest import ShardError, ShardRecord, rerun_hint
 from shards.reader import BLOCK, NotPlainUstar, padded, ustar_header
 

@@ -30,7 +30,7 @@ import torch
 import webdataset as wds
 from PIL import Image
 
-from pipeline.core.io import sha256_bytes
+from core.io import sha256_bytes
 from shards.manifest import (
     Manifest,
     ShardError,

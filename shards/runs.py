@@ -29,7 +29,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load, load_file, save_file
 from torch import nn
 
-from pipeline.core.io import atomic_write_json, read_json, sha256_bytes, sha256_file, tmp_path_for
+from core.io import atomic_write_json, read_json, sha256_bytes, sha256_file, tmp_path_for
 from shards.manifest import (
     MANIFEST,
     Manifest,

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.core.io import sha256_file
+from core.io import sha256_file
 from shards.datasets import (
     RealSplit,
     SeriesTable,

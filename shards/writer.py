@@ -26,7 +26,7 @@ import numpy as np
 import webdataset as wds
 from PIL import Image
 
-from pipeline.core.io import atomic_write_json, canonical_json, read_json, sha256_file, tmp_path_for
+from core.io import atomic_write_json, canonical_json, read_json, sha256_file, tmp_path_for
 from shards.datapath import DATA_FIELDS
 from shards.manifest import (
     MANIFEST,

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
+from core.io import atomic_write_bytes, atomic_write_json, read_json, sha256_file
+from core.runtime import Processes, code_version, log, progress
 from models.annotation import ANNOTATORS
-from pipeline.core.io import atomic_write_bytes, atomic_write_json, read_json, sha256_file
-from pipeline.core.runtime import Processes, code_version, log, progress
 from shards.manifest import (
     MANIFEST,
     Manifest,

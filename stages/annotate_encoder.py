@@ -18,13 +18,13 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from core.io import atomic_write_json, read_json, sha256_file, tmp_path_for
+from core.runtime import log, progress
 from models.annotation import PrototypeAccumulator
 from models.annotation import text_prototypes as encode_text_prototypes
 from models.classifiers import classifier_from_config
 from models.encoders import ImageEncoder
 from models.encoders import build_encoder as build_encoder_kind
-from pipeline.core.io import atomic_write_json, read_json, sha256_file, tmp_path_for
-from pipeline.core.runtime import log, progress
 from shards.manifest import ShardError, manifest_digest, read_manifest
 from shards.reader import iter_folder
 from shards.runs import WEIGHTS, load_model

@@ -15,11 +15,11 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from core.io import atomic_write_json
+from core.plots import scatter, ternary
+from core.runtime import log, make_generator
 from models.annotation import annotation_stats, fidelity_stats
 from models.simplex import lattice_points, simplex_stats
-from pipeline.core.io import atomic_write_json
-from pipeline.core.plots import scatter, ternary
-from pipeline.core.runtime import log, make_generator
 from shards.reader import iter_folder
 from stages.configs.annotate import Config
 from stages.fidelity import cnn_judge

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from core.config import ConfigError
+from core.runtime import log
 from models.generators import EDMNetwork, convert_edm_pickle
-from pipeline.core.config import ConfigError
-from pipeline.core.runtime import log
 from stages.configs.convert_edm import Config
 
 

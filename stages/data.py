@@ -28,8 +28,8 @@ from typing import Any, Protocol
 
 import torch
 
+from core.runtime import share_from_main
 from models.training import channel_stats, stats_chunk
-from pipeline.core.runtime import share_from_main
 from shards.datapath import DataPathChoice, choose_data_path
 from shards.datasets import RealSplit, SeriesTable, load_real, load_series_table
 from shards.prefetch import PixelSource, SequentialImages

@@ -29,6 +29,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from core.io import (
+    atomic_write_bytes,
+    atomic_write_json,
+)
+from core.plots import reliability_diagram
+from core.runtime import Processes, code_version, log
 from models.calibration import (
     calibration_metrics,
     ece,
@@ -41,12 +47,6 @@ from models.calibration import (
 )
 from models.finetuning import build_model
 from models.training import collect_logits
-from pipeline.core.io import (
-    atomic_write_bytes,
-    atomic_write_json,
-)
-from pipeline.core.plots import reliability_diagram
-from pipeline.core.runtime import Processes, code_version, log
 from shards import evals
 from shards.datasets import RealSplit, check_same_classes
 from shards.manifest import MANIFEST, ShardError, manifest_digest

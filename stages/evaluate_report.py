@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.core.io import atomic_write_bytes
-from pipeline.core.runtime import log
+from core.io import atomic_write_bytes
+from core.runtime import log
 from shards import evals
 from shards.manifest import ShardError
 

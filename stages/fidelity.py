@@ -25,13 +25,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from core.io import atomic_write_json
+from core.plots import curves
+from core.runtime import derive_seed, log
 from models.annotation import fidelity_stats
 from models.classifiers import classifier_from_config
 from models.generators import Generator, SeriesSpec
 from models.training import collect_logits
-from pipeline.core.io import atomic_write_json
-from pipeline.core.plots import curves
-from pipeline.core.runtime import derive_seed, log
 from shards.datasets import load_real
 from shards.manifest import ShardError
 from shards.runs import load_model

@@ -30,14 +30,14 @@ from typing import Any
 
 import torch
 
+from core.io import atomic_write_json
+from core.plots import lines
+from core.runtime import code_version, log, make_generator
 from models.classifiers import Classifier
 from models.finetuning import arch_with_head, build_model, require_separable_head
 from models.heads import GATE_MODES, MaskedSGD, RetentionSchedule
 from models.objectives import Objective, TrainingModule, build_objective, maccal
 from models.training import collect_logits
-from pipeline.core.io import atomic_write_json
-from pipeline.core.plots import lines
-from pipeline.core.runtime import code_version, log, make_generator
 from shards.datapath import DataPathChoice
 from shards.datasets import check_same_classes
 from shards.manifest import manifest_digest

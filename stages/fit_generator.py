@@ -45,17 +45,9 @@ from accelerate import Accelerator, PartialState
 from diffusers import DDPMScheduler, UNet2DModel
 from diffusers.training_utils import EMAModel
 
-from models.generators import (
-    UNET_PRESETS,
-    SeriesSpec,
-    UNetGenerator,
-    load_generator,
-    save_unet,
-    unet_from_preset,
-)
-from pipeline.core.io import sha256_file
-from pipeline.core.plots import image_grid
-from pipeline.core.runtime import (
+from core.io import sha256_file
+from core.plots import image_grid
+from core.runtime import (
     Processes,
     code_version,
     derive_seed,
@@ -64,6 +56,14 @@ from pipeline.core.runtime import (
     make_generator,
     progress,
     share_from_main,
+)
+from models.generators import (
+    UNET_PRESETS,
+    SeriesSpec,
+    UNetGenerator,
+    load_generator,
+    save_unet,
+    unet_from_preset,
 )
 from shards.checkpoints import LOAD_KWARGS, MARKER, Checkpointer
 from shards.manifest import MANIFEST, Manifest, ShardError, manifest_digest, write_manifest

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.core.runtime import Processes, code_version, log, progress
+from core.runtime import Processes, code_version, log, progress
 from shards.manifest import Manifest
 from shards.writer import ShardFolder, completed, write_config
 from stages.configs.generate import Config

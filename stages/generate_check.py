@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
+from core.io import atomic_write_json, read_json
+from core.runtime import derive_seed, log
 from models.generators import MixSpec, SeriesSpec
-from pipeline.core.io import atomic_write_json, read_json
-from pipeline.core.runtime import derive_seed, log
 from stages.fidelity import Judge
 
 COUNTS = ".endpoints"  # per-shard counts, beside the shards

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from core.io import sha256_file
+from core.runtime import log
 from models.generators import (
     EDM_CHECKPOINTS,
     Generator,
@@ -24,8 +26,6 @@ from models.generators import (
     SeriesSpec,
     load_generator,
 )
-from pipeline.core.io import sha256_file
-from pipeline.core.runtime import log
 from shards.manifest import Manifest, ShardError, manifest_digest, read_manifest
 from stages.configs.generate import Config
 from stages.generate_plan import GenerationError

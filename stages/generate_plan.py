@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from core.runtime import derive_seed, make_generator
 from models.generators import MixSpec, SeriesSpec
 from models.simplex import ClassTuples, class_tuples, lattice_weights
-from pipeline.core.runtime import derive_seed, make_generator
 from stages.configs.generate import Config
 
 MAX_SHARD_IMAGES = 1000  # auto shard size: small enough to resume and to spread over GPUs

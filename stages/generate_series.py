@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from core.plots import image_grid
 from models.generators import SeriesSpec
-from pipeline.core.plots import image_grid
 from shards.reader import iter_shard
 from shards.writer import ShardFolder
 from stages.configs.generate import Config

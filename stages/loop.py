@@ -34,6 +34,17 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 from torch import Tensor
 
+from core.io import atomic_write_json
+from core.runtime import (
+    code_version,
+    log,
+    make_generator,
+    progress,
+    share_from_main,
+)
+from core.runtime import (
+    make_accelerator as new_accelerator,
+)
 from models.calibration import ece, nll, topk_accuracy
 from models.objectives import TrainingModule
 from models.training import (
@@ -44,17 +55,6 @@ from models.training import (
     normalize,
     random_crop_flip,
     sample_csm_members,
-)
-from pipeline.core.io import atomic_write_json
-from pipeline.core.runtime import (
-    code_version,
-    log,
-    make_generator,
-    progress,
-    share_from_main,
-)
-from pipeline.core.runtime import (
-    make_accelerator as new_accelerator,
 )
 from shards.checkpoints import LOAD_KWARGS, Checkpointer
 from shards.datasets import RealSplit

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from pipeline.core.config import read_class_names
-from pipeline.core.runtime import code_version, log, make_generator, progress
+from core.config import read_class_names
+from core.runtime import code_version, log, make_generator, progress
 from shards.image_folders import imagefolder_source, imagenet_source, tiny_imagenet_source
 from shards.manifest import ShardError
 from shards.sources import (

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.core.config import ConfigError
-from pipeline.core.io import read_json
-from pipeline.core.runtime import code_version, log
+from core.config import ConfigError
+from core.io import read_json
+from core.runtime import code_version, log
 from shards import hub
 from shards.card import build_card, license_for
 from shards.datasets import check_mixed_sample

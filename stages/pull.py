@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.core.config import ConfigError
-from pipeline.core.runtime import log
+from core.config import ConfigError
+from core.runtime import log
 from shards import hub
 from stages.configs.pull import Config
 

@@ -23,14 +23,14 @@ from typing import Any
 
 import torch
 
+from core.io import atomic_write_json
+from core.plots import lines
+from core.runtime import code_version, derive_seed, log, make_generator
 from models.annotation import soft_targets
 from models.classifiers import build_classifier
 from models.objectives import TrainingModule, build_objective
 from models.simplex import softmax_targets
 from models.training import SeriesIndex, interior_positions, multistep_lr
-from pipeline.core.io import atomic_write_json
-from pipeline.core.plots import lines
-from pipeline.core.runtime import code_version, derive_seed, log, make_generator
 from shards.datapath import DataPathChoice
 from shards.datasets import RealSplit, check_same_classes
 from shards.manifest import ShardError, manifest_digest, read_manifest

@@ -45,7 +45,7 @@ def one_thread():
     """One torch thread for a module (opt in with `pytestmark = pytest.mark.usefixtures(...)`):
     on a shared 2-core machine OpenMP's second thread makes tiny CPU kernels much slower, and
     CPU bytes can depend on the thread count."""
-    from pipeline.core.runtime import cpu_threads
+    from core.runtime import cpu_threads
 
     with cpu_threads(1):
         yield
@@ -155,8 +155,8 @@ def save_generator(root: Path, unet) -> None:
     a generator manifest pinning its weights' sha256 and root/real/train. Draws nothing."""
     from diffusers import DDPMScheduler
 
+    from core.io import sha256_file
     from models.generators.unet import save_unet
-    from pipeline.core.io import sha256_file
     from shards.manifest import Manifest, manifest_digest, read_manifest, write_manifest
 
     save_unet(root / "generator", unet, DDPMScheduler(timestep_spacing="trailing"))

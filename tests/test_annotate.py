@@ -21,11 +21,11 @@ from conftest import kill_when, shards_done, snapshot, subprocess_env, tiny_open
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file
 
+from core.plots import image_grid
 from models.annotation import class_prototypes, project_lambda, soft_targets, text_prototypes
 from models.classifiers import DigitsCNN, build_classifier
 from models.encoders import ModuleFeatureEncoder, OpenCLIPEncoder
 from pipeline.cli import main
-from pipeline.core.plots import image_grid
 from pipeline.registry import run_stage
 from shards.manifest import manifest_digest, read_manifest, write_manifest
 from shards.reader import load_split

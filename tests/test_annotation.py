@@ -206,7 +206,7 @@ def test_annotate_rejects_bad_input():
 def test_sharpening_reaches_the_annotate_config_of_every_preset():
     """The annotate stage of each preset uses that preset's s unless --set; METHODS §2 fixes
     s = 2.3 for CIFAR-100 and 4.0 for CIFAR-10 and Tiny-ImageNet."""
-    from pipeline.core.config import PRESET_NAMES
+    from core.config import PRESET_NAMES
     from pipeline.registry import resolve_stage_config
 
     for preset in PRESET_NAMES:

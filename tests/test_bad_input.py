@@ -20,8 +20,8 @@ from conftest import snapshot
 from test_train import write_mixed
 
 import shards.writer
+from core.io import sha256_file
 from pipeline.cli import main
-from pipeline.core.io import sha256_file
 from pipeline.registry import run_stage
 from shards.manifest import read_manifest
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 from diffusers import EDMEulerScheduler
 
+from core.config import ConfigError
 from models.generators import (
     EDMGenerator,
     EDMNetwork,
@@ -31,7 +32,6 @@ from models.generators import (
 from models.generators.edm import karras_sigmas
 from models.generators.edm_pickle import load_edm_pickle
 from pipeline.cli import main
-from pipeline.core.config import ConfigError
 from pipeline.registry import resolve_stage_config, run_stage
 from shards.reader import iter_shard
 from shards.writer import ShardFolder

@@ -12,8 +12,8 @@ import torch
 from conftest import save_generator
 
 import stages.generate as generate
+from core.runtime import derive_seed
 from models.generators import MixSpec, SeriesSpec, build_unet
-from pipeline.core.runtime import derive_seed
 from pipeline.registry import run_stage
 from shards.manifest import read_manifest
 from shards.reader import iter_folder

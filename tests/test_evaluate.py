@@ -16,9 +16,9 @@ import torch
 from conftest import snapshot
 from torchmetrics.classification import MulticlassCalibrationError
 
+from core.io import atomic_write_json
 from models.classifiers import build_classifier
 from pipeline.cli import main
-from pipeline.core.io import atomic_write_json
 from pipeline.registry import run_stage
 from shards.manifest import read_manifest
 from shards.runs import save_weights

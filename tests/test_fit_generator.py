@@ -15,9 +15,9 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import stages.fit_generator as fit
+from core.io import sha256_file
 from models.generators import SeriesSpec, load_generator
 from pipeline.cli import main
-from pipeline.core.io import sha256_file
 from pipeline.registry import run_stage
 from shards.manifest import manifest_digest, read_manifest
 

@@ -29,10 +29,10 @@ from diffusers import (
 from PIL import Image
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
+from core.io import sha256_file
+from core.runtime import cpu_threads, derive_seed
 from models.generators import NonFiniteImageError, SeriesSpec, build_unet, load_generator
 from pipeline.cli import main
-from pipeline.core.io import sha256_file
-from pipeline.core.runtime import cpu_threads, derive_seed
 from pipeline.registry import resolve_stage_config, run_stage
 from shards.manifest import manifest_digest, read_manifest
 from shards.reader import load_split
@@ -117,8 +117,8 @@ def test_plans_number_their_class_tuples():
     too (bench/RESULTS.md has its time and memory)."""
     from itertools import combinations
 
+    from core.runtime import make_generator
     from models.simplex import ClassTuples, rank_tuple
-    from pipeline.core.runtime import make_generator
 
     g = torch.Generator().manual_seed(0)
     for n, k in ((1000, 2), (60, 3), (12, 5)):

@@ -22,9 +22,9 @@ from huggingface_hub.hf_api import DatasetInfo
 from PIL import Image
 from safetensors.numpy import save_file
 
+from core.io import atomic_write_json
+from core.runtime import code_version
 from pipeline.cli import main
-from pipeline.core.io import atomic_write_json
-from pipeline.core.runtime import code_version
 from shards import card
 from shards.manifest import MANIFEST
 from shards.reader import load_split

@@ -17,9 +17,9 @@ import torch
 from test_edm import tiny_edm
 from test_generate import _save_dit, _save_sd
 
+from core.runtime import cpu_threads
 from models.classifiers import build_classifier
 from models.generators import SeriesSpec, build_unet, load_generator
-from pipeline.core.runtime import cpu_threads
 from pipeline.registry import run_stage
 from shards.manifest import read_manifest, write_manifest
 from shards.reader import load_split
@@ -203,7 +203,7 @@ def test_k3_plan_walks_tuples_and_lattice():
     ],
 )
 def test_contradictory_kway_settings_are_one_line_errors(sets, message):
-    from pipeline.core.config import ConfigError
+    from core.config import ConfigError
     from pipeline.registry import resolve_stage_config
 
     with pytest.raises(ConfigError, match=message):

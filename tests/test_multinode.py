@@ -28,9 +28,9 @@ import pytest
 import torch
 from conftest import save_generator, subprocess_env
 
+from core.runtime import LaunchError, check_launcher, cpu_threads, disagreement
 from models.generators import build_unet
 from pipeline.cli import main
-from pipeline.core.runtime import LaunchError, check_launcher, cpu_threads, disagreement
 from pipeline.registry import run_stage
 from shards.manifest import read_manifest
 

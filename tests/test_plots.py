@@ -1,7 +1,7 @@
 import numpy as np
 from PIL import Image
 
-from pipeline.core.plots import image_grid, lines, reliability_diagram, scatter
+from core.plots import image_grid, lines, reliability_diagram, scatter
 
 
 def test_image_grid_places_tiles_exactly(tmp_path):

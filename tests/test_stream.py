@@ -17,8 +17,8 @@ import torch
 from conftest import subprocess_env
 
 from bench.bench_stream import MemoryWatch, build_module, smooth_images, train_steps, write_dataset
+from core.io import sha256_file
 from models.training import channel_stats, collect_logits
-from pipeline.core.io import sha256_file
 from shards.datapath import choose_data_path, decoded_bytes, image_size_of
 from shards.datasets import load_real, load_series_table
 from shards.manifest import ShardError, read_manifest

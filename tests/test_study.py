@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+from core.config import ConfigError
 from models.calibration import ece
-from models.study_stats import Predictions, bootstrap_difference
-from pipeline.core.config import ConfigError
 from pipeline.study import plan, run_study
 from pipeline.study_config import StudyConfig, run_name
+from pipeline.study_stats import Predictions, bootstrap_difference
 from shards import evals
 
 

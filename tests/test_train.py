@@ -15,13 +15,13 @@ import torch
 from conftest import Killed, KillPoints, kill_when, snapshot, subprocess_env
 from safetensors.torch import load_file
 
+from core.io import sha256_file
+from core.runtime import make_generator
 from models.calibration import ece, nll, topk_accuracy
 from models.classifiers import classifier_from_config
 from models.objectives import build_objective
 from models.training import collect_logits
 from pipeline.cli import main
-from pipeline.core.io import sha256_file
-from pipeline.core.runtime import make_generator
 from pipeline.registry import resolve_stage_config, run_stage
 from shards.datapath import DataPathChoice
 from shards.datasets import load_series_table

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from core.config import ConfigError, StageConfig, check_choice, check_range
 from models.annotation import ANNOTATORS, SHARPENING
 from models.encoders import ENCODERS
-from pipeline.core.config import ConfigError, StageConfig, check_choice, check_range
 
 # encoder= -> its kind in the one encoder registry, models.encoders.ENCODERS. `classifier` is the
 # `module` kind over the pooled features of a semix classifier trained in

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.core.config import StageConfig
+from core.config import StageConfig
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from core.config import ConfigError, StageConfig, check_choice, check_range
 from models.calibration import TS_CRITERIA
-from pipeline.core.config import ConfigError, StageConfig, check_choice, check_range
 from shards.datapath import (
     DEFAULT_DATA_PATH,
     DEFAULT_MEMORY_BUDGET_GB,

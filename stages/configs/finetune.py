@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from core.config import ConfigError, StageConfig, check_choice, check_range
 from models.heads import FEDLAS_DEFAULTS
-from pipeline.core.config import ConfigError, StageConfig, check_choice, check_range
 from shards.datapath import (
     DEFAULT_DATA_PATH,
     DEFAULT_MEMORY_BUDGET_GB,

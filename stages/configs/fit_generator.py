@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from core.config import ConfigError, StageConfig, check_choice, check_range
 from models.generators import UNET_PRESETS
-from pipeline.core.config import ConfigError, StageConfig, check_choice, check_range
 
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 MIXED_PRECISION = ("auto", "no", "bf16", "fp16")  # auto: bf16 where the device has it, else no

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from core.config import ConfigError, StageConfig, check_choice, check_range
 from models.generators import EDM_SAMPLERS, GENERATORS, SAMPLERS
-from pipeline.core.config import ConfigError, StageConfig, check_choice, check_range
 
 ENDPOINT_CHECKS = ("off", "redraw", "drop")
 DTYPES = ("", "float32", "bfloat16", "float16")  # "" = float32 on the CPU, bfloat16 on a GPU

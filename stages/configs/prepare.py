@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.core.config import StageConfig, check_choice, check_range
+from core.config import StageConfig, check_choice, check_range
 
 SOURCES = (
     "digits", "fashion-mnist", "cifar10", "cifar100", "tiny-imagenet", "imagefolder", "imagenet",

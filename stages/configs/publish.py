@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from pipeline.core.config import ConfigError, StageConfig, check_choice
+from core.config import ConfigError, StageConfig, check_choice
 from shards.card import HUB_LICENSES
 
 # "namespace/name" as the Hub spells it: letters, digits, - _ . ; no "--" or "..".

@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from core.config import ConfigError, StageConfig, check_choice, check_range
 from models.classifiers import CLASSIFIERS, TIMM_PREFIX
 from models.heads import FEDLAS_DEFAULTS
 from models.losses import MMCE_NORMALIZATIONS
 from models.objectives import MIXED_LOSSES
-from pipeline.core.config import ConfigError, StageConfig, check_choice, check_range
 from shards.datapath import (
     DEFAULT_DATA_PATH,
     DEFAULT_MEMORY_BUDGET_GB,

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from pipeline.core.io import atomic_write_bytes
+from core.io import atomic_write_bytes
 
 
 def image_grid(

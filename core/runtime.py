@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import torch
 from tqdm.auto import tqdm
 
-from pipeline.core import __version__
+from core import __version__
 
 T = TypeVar("T")
 log = logging.getLogger("semix")
@@ -358,7 +358,7 @@ def progress(
 @functools.cache
 def code_version() -> str:
     """'0.1.0' plus the git commit when run from a checkout: recorded in every manifest."""
-    repo = Path(__file__).resolve().parents[2]  # pipeline/core/runtime.py -> the checkout
+    repo = Path(__file__).resolve().parents[2]  # core/runtime.py -> the checkout
     if (repo / ".git").exists():
         try:
             sha = subprocess.run(
