@@ -46,7 +46,7 @@ from pipeline.study_config import (
 from pipeline.study_kway import kway_comparison, prepare_kway, prepare_redraw, variant_root
 from pipeline.study_report import figures, write_report
 from pipeline.study_stats import Predictions, bootstrap_difference, summarize
-from pipeline.study_tune import chosen_sets, tuning_group, tuning_tasks
+from pipeline.study_tune import chosen_sets, tuning_group, tuning_report, tuning_tasks
 from shards import evals
 from shards.manifest import ShardError, read_manifest
 
@@ -240,6 +240,11 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
             )
     rng = np.random.default_rng(derive_seed(0, "study-bootstrap"))
     boot = {when: bootstrap_difference(p, "ce", cfg.bootstrap, rng) for when, p in preds.items()}
+    boot_nll = {
+        when: bootstrap_difference(p, "ce", cfg.bootstrap, rng, metric="nll")
+        for when, p in preds.items()
+    }
+    tuning = tuning_report(cfg, root, split_sets(sets, "train")) if cfg.tune else {}
     variants = {m: METHODS[m].variant for m in cfg.methods if METHODS[m].variant}
     kway = kway_comparison(root, variants, preds, cfg.bootstrap, rng)
     out.mkdir(parents=True, exist_ok=True)
@@ -251,13 +256,15 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
             "records": records,
             "summary": summary,
             "ece_difference_to_ce": boot,
+            "nll_difference_to_ce": boot_nll,
+            "tuning": tuning,
             "kway": kway,
             "task_seconds_this_invocation": seconds,
             "wall_seconds_this_invocation": round(time.perf_counter() - t0, 1),
         },
     )
     figures(cfg, root, out, preds["before_ts"], summary)
-    report = write_report(cfg, root, out, records, summary, boot, kway)
+    report = write_report(cfg, root, out, records, summary, boot, kway, boot_nll, tuning)
     return report
 
 

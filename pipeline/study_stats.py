@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-N_BINS = 15  # METHODS §7: equal-width bins ((m-1)/15, m/15]
+N_BINS = 15  # equal-width bins ((m-1)/15, m/15], as evaluate uses
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -23,14 +23,15 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Predictions:
-    """One run's test predictions, reduced to what the bootstrap of ECE needs."""
+    """One run's test predictions, reduced to what the bootstraps of ECE and NLL need."""
 
-    bins: np.ndarray  # equal-width bin of each sample's confidence (METHODS §7)
+    bins: np.ndarray  # equal-width bin of each sample's confidence (15 bins)
     gap: np.ndarray  # 1[correct] − confidence
     logits: np.ndarray  # already divided by the temperature
     labels: np.ndarray
+    nlls: np.ndarray  # −log p(label) of each sample
 
-    FIELDS = ("bins", "gap", "logits", "labels")
+    FIELDS = ("bins", "gap", "logits", "labels", "nlls")
 
     @classmethod
     def from_logits(
@@ -41,34 +42,49 @@ class Predictions:
         p = softmax(logits)
         conf, pred = p.max(axis=1), p.argmax(axis=1)
         bins = np.clip(np.ceil(conf * N_BINS).astype(np.int64) - 1, 0, N_BINS - 1)
-        return cls(bins, (pred == labels) - conf, logits, labels)
+        z = logits - logits.max(axis=1, keepdims=True)
+        nlls = np.log(np.exp(z).sum(axis=1)) - z[np.arange(len(labels)), labels]
+        return cls(bins, (pred == labels) - conf, logits, labels, nlls)
 
     def ece(self, idx: np.ndarray | None = None) -> float:
         """ECE = Σ_bins |Σ_{i in bin} (1[correct_i] − c_i)| / N on the samples `idx`."""
         bins, gap = (self.bins, self.gap) if idx is None else (self.bins[idx], self.gap[idx])
         return float(np.abs(np.bincount(bins, weights=gap, minlength=N_BINS)).sum() / len(gap))
 
+    def nll(self, idx: np.ndarray | None = None) -> float:
+        """Mean −log p(label) on the samples `idx`."""
+        return float((self.nlls if idx is None else self.nlls[idx]).mean())
+
 
 def bootstrap_difference(
-    runs: dict[str, list[Predictions]], reference: str, n: int, rng: np.random.Generator
+    runs: dict[str, list[Predictions]],
+    reference: str,
+    n: int,
+    rng: np.random.Generator,
+    metric: str = "ece",
 ) -> dict[str, dict[str, float]]:
-    """95 % interval of mean-over-seeds ECE(method) − ECE(reference), x100.
+    """95 % interval of mean-over-seeds metric(method) − metric(reference); ECE x100, NLL as is.
 
     Each resample draws the test images with replacement (the same images for every run:
     paired) and, per method, the seeds with replacement: the interval covers test-set and
     seed-to-seed variation together.
     """
+    if metric not in ("ece", "nll"):
+        raise ValueError(f"bootstrap metric {metric!r}: choose ece or nll")
+    scale = 100.0 if metric == "ece" else 1.0
     n_test = len(runs[reference][0].gap)
     diffs: dict[str, list[float]] = {m: [] for m in runs if m != reference}
     for _ in range(n):
         idx = rng.integers(0, n_test, n_test)
         means = {
-            m: np.mean([preds[k].ece(idx) for k in rng.integers(0, len(preds), len(preds))])
+            m: np.mean(
+                [getattr(preds[k], metric)(idx) for k in rng.integers(0, len(preds), len(preds))]
+            )
             for m, preds in runs.items()
         }
         for m in diffs:
-            diffs[m].append(100.0 * (means[m] - means[reference]))
-    point = {m: 100.0 * np.mean([p.ece() for p in preds]) for m, preds in runs.items()}
+            diffs[m].append(scale * (means[m] - means[reference]))
+    point = {m: scale * np.mean([getattr(p, metric)() for p in preds]) for m, preds in runs.items()}
     return {
         m: {
             "difference": point[m] - point[reference],

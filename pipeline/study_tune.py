@@ -116,3 +116,12 @@ def chosen_sets(
         chosen = choose(root / "train", points)["chosen"]
         values |= {k: v for k, v in chosen.items() if v is not None and k in keys}
     return [f"{k}={v:g}" for k, v in values.items()]
+
+
+def tuning_report(cfg: StudyConfig, root: Path, train_sets: Sequence[str]) -> dict[str, Any]:
+    """Every grid's points and choice, as the study's runs were given them (study.json)."""
+    tuned = tuning_tasks(cfg, root, train_sets)
+    return {
+        group: choose(root / "train", [(t.name, *t.point) for t in tasks])
+        for group, tasks in tuned.items()
+    }
