@@ -5,14 +5,22 @@ Each stage has one frozen dataclass in `stages/configs/<stage>.py` deriving from
 differ from the dataclass defaults. Resolution order: dataclass defaults < preset <
 `--set`. A preset may hold `when={"field=value": {...}}`: values that apply only when the field
 resolves to that value. The resolved config is what a stage writes into its folder as config.json.
+
+A field's description is the `# comment` at the end of its line (else the comment lines right
+above it): `--fields` reads them from the source (`field_docs`), so they live in one place.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
+import io
+import textwrap
+import tokenize
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -103,7 +111,15 @@ def _coerce(field: str, text: str, annotation: Any) -> Any:
     return text
 
 
-def parse_sets(config_cls: type, sets: Sequence[str]) -> dict[str, Any]:
+def _unscoped(key: str) -> str:
+    return key
+
+
+def parse_sets(
+    config_cls: type, sets: Sequence[str], spell: Callable[[str], str] = _unscoped
+) -> dict[str, Any]:
+    """--set values -> {field: typed value}; a later value of a field wins. `spell(field)` is how
+    the command line names a field (a chain: `generate.steps`), for the error messages."""
     hints = typing.get_type_hints(config_cls)
     valid = [f.name for f in dataclasses.fields(config_cls)]
     values: dict[str, Any] = {}
@@ -113,12 +129,29 @@ def parse_sets(config_cls: type, sets: Sequence[str]) -> dict[str, Any]:
         if not sep:
             raise ConfigError(f"--set expects key=value, got {item!r}")
         if key not in valid:
-            raise ConfigError(f"unknown field {key!r}; valid fields: {', '.join(valid)}")
-        values[key] = _coerce(key, text, hints[key])
+            raise ConfigError(
+                f"unknown field {spell(key)!r}; valid fields: {', '.join(map(spell, valid))}"
+            )
+        values[key] = _coerce(spell(key), text, hints[key])
     return values
 
 
 C = TypeVar("C", bound=StageConfig)
+
+
+def preset_name(preset: str) -> tuple[str, dict[str, Any]]:
+    """(the preset's name, the fields a classes .txt file sets); unknown presets refused."""
+    classes_path = Path(preset)
+    if preset not in PRESET_NAMES and classes_path.suffix == ".txt":
+        if not classes_path.is_file():
+            raise ConfigError(f"classes file {preset} does not exist")
+        return "imagefolder", dict(name=classes_path.stem, classes_file=str(classes_path))
+    if preset not in PRESET_NAMES:
+        raise ConfigError(
+            f"unknown preset {preset!r}; choose one of: {', '.join(PRESET_NAMES)} "
+            "(or a .txt file with one class name per line)"
+        )
+    return preset, {}
 
 
 def resolve(
@@ -126,22 +159,13 @@ def resolve(
     presets: Mapping[str, Mapping[str, Any]],
     preset: str,
     sets: Sequence[str] = (),
+    spell: Callable[[str], str] = _unscoped,
 ) -> C:
-    """defaults < preset < --set. `preset` may also be a path to a class-names text file."""
-    values: dict[str, Any] = {}
-    classes_path = Path(preset)
-    if preset not in PRESET_NAMES and classes_path.suffix == ".txt":
-        if not classes_path.is_file():
-            raise ConfigError(f"classes file {preset} does not exist")
-        values.update(name=classes_path.stem, classes_file=str(classes_path))
-        preset = "imagefolder"
-    if preset not in PRESET_NAMES:
-        raise ConfigError(
-            f"unknown preset {preset!r}; choose one of: {', '.join(PRESET_NAMES)} "
-            "(or a .txt file with one class name per line)"
-        )
+    """defaults < preset < --set. `preset` may also be a path to a class-names text file.
+    `spell`: how the command line names a field (parse_sets)."""
+    preset, values = preset_name(preset)
     chosen = dict(presets.get(preset, {}))
-    sets_values = parse_sets(config_cls, sets)
+    sets_values = parse_sets(config_cls, sets, spell)
     # "when": {"backend=edm": {...}} = preset values that apply when that field (after --set)
     # has that value, e.g. the paper's steps once `--set backend=edm` picks its generator
     for condition, overrides in chosen.pop("when", {}).items():
@@ -170,3 +194,112 @@ def read_class_names(path: str | Path) -> tuple[str, ...]:
     if dupes:
         raise ConfigError(f"classes file {path} repeats class names: {', '.join(dupes)}")
     return tuple(names)
+
+
+# ---------------------------------------------------------------- --fields
+
+# comments that are tool pragmas, not descriptions
+_PRAGMAS = ("fmt:", "noqa", "type:", "pragma", "ruff:")
+
+
+def _class_comments(cls: type) -> dict[str, str]:
+    """{field: description} for the fields annotated in `cls`'s own body, from its source."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):  # no source (a frozen app, a class made at run time)
+        return {}
+    lines = source.splitlines()
+    comments: dict[int, str] = {}  # line number -> comment text
+    whole_line: set[int] = set()  # lines that are only a comment
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            row, col = tok.start
+            text = tok.string.lstrip("#").strip()
+            if text.startswith(_PRAGMAS):
+                continue
+            comments[row] = text
+            if not lines[row - 1][:col].strip():
+                whole_line.add(row)
+    node = ast.parse(source).body[0]
+    docs: dict[str, str] = {}
+    for item in getattr(node, "body", []):
+        if not (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)):
+            continue
+        end = item.end_lineno or item.lineno
+        rows = range(item.lineno, end + 1)
+        text = " ".join(comments[r] for r in rows if r in comments and r not in whole_line)
+        if not text:  # the comment block right above the field
+            row, above = item.lineno - 1, []
+            while row in whole_line:
+                above.insert(0, comments[row])
+                row -= 1
+            text = " ".join(above)
+        docs[item.target.id] = text
+    return docs
+
+
+def field_docs(config_cls: type) -> dict[str, str]:
+    """Each field's one-line description, read from the source of the class that declares it
+    (a subclass's redeclaration wins): the `# comment` at the end of the field's line, else the
+    comment lines right above it; "" when there is none."""
+    docs: dict[str, str] = {}
+    for cls in reversed(config_cls.__mro__):
+        if cls is not object and dataclasses.is_dataclass(cls):
+            docs.update(_class_comments(cls))
+    return {f.name: docs.get(f.name, "") for f in dataclasses.fields(config_cls)}
+
+
+def set_value(value: Any) -> str:
+    """A value as `--set key=...` spells it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple | list):
+        return ",".join(map(str, value)) or '""'
+    if value is None:
+        return "none"
+    return str(value) or '""'
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return "(required)"
+
+
+def describe_fields(
+    config_cls: type,
+    presets: Mapping[str, Mapping[str, Any]] | None = None,
+    preset: str | None = None,
+    spell: Callable[[str], str] = _unscoped,
+    skip: Sequence[str] = (),
+) -> list[str]:
+    """One line per field (except `preset`, which --preset sets, and `skip`): its name as --set
+    spells it, its default, the preset's value where it differs (values that apply `when`
+    another field has a value say so), and its description (`field_docs`). A header first."""
+    docs = field_docs(config_cls)
+    chosen: dict[str, Any] = {}
+    label = ""
+    if preset is not None:
+        label, from_file = preset_name(preset)
+        chosen = dict((presets or {}).get(label, {}))
+        chosen.update(from_file)
+    when = chosen.pop("when", {})
+    rows = []
+    for f in dataclasses.fields(config_cls):
+        if f.name in ("preset", *skip):
+            continue
+        default = _default(f)
+        own = [set_value(chosen[f.name])] if f.name in chosen and chosen[f.name] != default else []
+        own += [f"{set_value(v[f.name])} when {c}" for c, v in when.items() if f.name in v]
+        rows.append((spell(f.name), set_value(default), "; ".join(own), docs[f.name]))
+    header = ("field", "default", label, "description")
+    # columns: name, default, the preset's value (only when some field has one), description
+    columns = (0, 1, 2) if any(r[2] for r in rows) else (0, 1)
+    width = {i: min(max(len(r[i]) for r in [header, *rows]), 40 if i == 0 else 24) for i in columns}
+
+    def line(row: tuple[str, str, str, str]) -> str:
+        return "  " + "  ".join([*(row[i].ljust(width[i]) for i in columns), row[3]]).rstrip()
+
+    return [line(header), *map(line, rows)]

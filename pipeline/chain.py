@@ -7,9 +7,13 @@ a chain after an interruption only does the missing work.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import dataclasses
+import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
-from core.config import ConfigError, parse_sets
+from core.config import ConfigError, StageConfig, describe_fields, parse_sets
 from core.runtime import log
 from pipeline.registry import STAGES, check_out, resolve_stage_config, run_stage, stage_modules
 
@@ -45,8 +49,19 @@ CHAINS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
 SHARED_FIELDS = ("out", "name", "seed", "classes_file", "verify_sha256")
 
 
+def field_names(stage: str) -> list[str]:
+    return [f.name for f in dataclasses.fields(stage_modules(stage)[0].Config)]
+
+
+def scoped(stage: str) -> Callable[[str], str]:
+    """How a chain's --set names a field of `stage`: shared fields as they are, others
+    `<stage>.key`."""
+    return lambda key: key if key in SHARED_FIELDS else f"{stage}.{key}"
+
+
 def split_sets(sets: Sequence[str], stage: str) -> list[str]:
-    """The --set values meant for `stage`: shared fields, plus `stage.key=value` ones."""
+    """The --set values meant for `stage`: shared fields, plus `stage.key=value` ones. An
+    unscoped key that is not shared is refused, naming the scoped keys that take it."""
     mine = []
     for item in sets:
         key = item.partition("=")[0]
@@ -56,11 +71,42 @@ def split_sets(sets: Sequence[str], stage: str) -> list[str]:
         elif not dot and key in SHARED_FIELDS:
             mine.append(item)
         elif not dot:
-            raise ValueError(
-                f"{key!r} is not shared by every stage of the chain; scope it as <stage>.{key}=... "
+            owners = [f"{s}.{key}=..." for s in STAGES if key.replace("-", "_") in field_names(s)]
+            how = f"scope it: {' or '.join(owners)}" if owners else "no stage has such a field"
+            raise ConfigError(
+                f"{key!r} is not shared by every stage of the chain; {how} "
                 f"(shared: {', '.join(SHARED_FIELDS)})"
             )
     return mine
+
+
+def scope_fields(message: str, stage: str, fields: Iterable[str]) -> str:
+    """`message` with every `key=` and `` `key` `` of `fields` written as the chain takes it,
+    `<stage>.key`; a quoted single-stage command (`` `python -m pipeline ...` ``) is kept."""
+    names = "|".join(re.escape(f) for f in sorted(fields, key=len, reverse=True))
+    if not names:
+        return message
+    key = re.compile(rf"(?<![\w.\-/])(?:{names})(?==)|(?<=`)(?:{names})(?=`)")
+    parts = re.split(r"(`python -m pipeline [^`]*`)", message)
+    return "".join(
+        part
+        if part.startswith("`python -m pipeline")
+        else key.sub(lambda m: f"{stage}.{m.group(0)}", part)
+        for part in parts
+    )
+
+
+@contextlib.contextmanager
+def scoped_errors(stage: str) -> Iterator[None]:
+    """Errors of `stage` inside a chain name its fields as the chain's --set takes them
+    (`generate.model=<folder>`, not `model=<folder>`, which the chain would refuse)."""
+    try:
+        yield
+    except ValueError as e:
+        if len(e.args) == 1 and isinstance(e.args[0], str):
+            fields = [f for f in field_names(stage) if f not in SHARED_FIELDS]
+            e.args = (scope_fields(e.args[0], stage, fields),)
+        raise
 
 
 def check_chain(preset: str, sets: Sequence[str]) -> None:
@@ -76,10 +122,13 @@ def check_chain(preset: str, sets: Sequence[str]) -> None:
                 f"{key!r}: unknown stage {scope!r}; choose one of {', '.join(STAGES)}"
             )
     for stage, extra in steps:
-        check_out(resolve_stage_config(stage, preset, [*extra, *split_sets(sets, stage)]))
+        with scoped_errors(stage):
+            sets_here = [*extra, *split_sets(sets, stage)]
+            check_out(resolve_stage_config(stage, preset, sets_here, scoped(stage)))
     in_chain = {stage for stage, _ in steps}
     for stage in sorted(set(STAGES) - in_chain):
-        parse_sets(stage_modules(stage)[0].Config, split_sets(sets, stage))
+        with scoped_errors(stage):
+            parse_sets(stage_modules(stage)[0].Config, split_sets(sets, stage), scoped(stage))
 
 
 def chain(preset: str, sets: Sequence[str]) -> None:
@@ -88,5 +137,58 @@ def chain(preset: str, sets: Sequence[str]) -> None:
     out = None
     for i, (stage, extra) in enumerate(steps, 1):
         log.info("chain %s: step %d/%d: %s", preset, i, len(steps), stage)
-        out = run_stage(stage, preset, [*extra, *split_sets(sets, stage)])
+        with scoped_errors(stage):
+            out = run_stage(stage, preset, [*extra, *split_sets(sets, stage)])
     print(f"semix: dataset ready in {out}")
+
+
+# ---------------------------------------------------------------- --fields, --print-config
+
+
+def stage_section(stage: str, preset: str, note: str = "") -> list[str]:
+    """--fields of one stage as a chain takes them (`<stage>.key`), shared fields left out."""
+    cfg_mod, _ = stage_modules(stage)
+    title = f"{stage}: --set {stage}.key=value" + (f" ({note})" if note else "")
+    rows = describe_fields(cfg_mod.Config, cfg_mod.PRESETS, preset, scoped(stage), SHARED_FIELDS)
+    return [title, *rows]
+
+
+def shared_section() -> list[str]:
+    skip = [f.name for f in dataclasses.fields(StageConfig) if f.name not in SHARED_FIELDS]
+    return ["shared by every stage: --set key=value", *describe_fields(StageConfig, skip=skip)]
+
+
+def chain_fields(preset: str, more: Sequence[str] = ()) -> list[str]:
+    """--fields of a chain (and of the stages in `more`, that a demo or study runs after it)."""
+    steps = CHAINS.get(preset, CHAINS["default"])
+    lines = shared_section()
+    for stage in dict.fromkeys([*(s for s, _ in steps), *more]):  # each once, in order
+        fixed = [" ".join(extra) for s, extra in steps if s == stage and extra]
+        note = f"the chain sets {'; then '.join(fixed)}" if fixed else ""
+        lines += ["", *stage_section(stage, preset, note)]
+    return lines
+
+
+def fields_text(preset: str) -> str:
+    """`semix chain --fields`: every field of every step, as the chain's --set spells it."""
+    return "\n".join([f"semix chain --preset {preset}: its steps' fields", *chain_fields(preset)])
+
+
+def chain_configs(preset: str, sets: Sequence[str]) -> list[dict[str, Any]]:
+    """Every step's resolved config, in order (each checked as `chain` checks them)."""
+    check_chain(preset, sets)
+    steps = CHAINS.get(preset, CHAINS["default"])
+    return [
+        {
+            "stage": stage,
+            "config": resolve_stage_config(
+                stage, preset, [*extra, *split_sets(sets, stage)]
+            ).to_dict(),
+        }
+        for stage, extra in steps
+    ]
+
+
+def resolved(preset: str, sets: Sequence[str]) -> dict[str, Any]:
+    """`semix chain --print-config`: what each step would run with; nothing runs."""
+    return {"chain": chain_configs(preset, sets)}

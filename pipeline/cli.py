@@ -11,8 +11,9 @@ bug: it keeps its traceback, followed by a line asking to report it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import errno
+import importlib
+import json
 import os
 import sys
 import traceback
@@ -22,10 +23,11 @@ from safetensors import SafetensorError
 
 from core.config import PRESET_NAMES, ConfigError
 from core.runtime import setup_logging
-from pipeline.registry import STAGES, resolve_stage_config, run_stage, stage_modules
+from pipeline.registry import STAGES, describe_stage, resolve_stage_config, run_stage
 
-# whole chains, run stage after stage in one process (pipeline/chain.py)
-COMMANDS = ("chain", "demo", "study")
+# whole chains, run stage after stage in one process: command -> its module, which has
+# `fields_text(preset)` and `resolved(preset, sets)` for --fields and --print-config
+COMMANDS = {"chain": "pipeline.chain", "demo": "pipeline.demo", "study": "pipeline.study"}
 
 EXIT_CONFIG = 2  # bad command line or config: nothing was written
 EXIT_DATA = 1  # the stage refused its input or failed cleanly
@@ -64,13 +66,17 @@ def run_command(command: str, preset: str, sets: Sequence[str]) -> None:
         study(preset, sets)
 
 
-def _describe_fields(stage: str) -> str:
-    cfg_mod, _ = stage_modules(stage)
-    lines = [f"fields of {stage} (--set key=value):"]
-    for f in dataclasses.fields(cfg_mod.Config):
-        default = f.default if f.default is not dataclasses.MISSING else "?"
-        lines.append(f"  {f.name} = {default!r}")
-    return "\n".join(lines)
+def describe(command: str, preset: str, sets: Sequence[str], print_config: bool) -> str:
+    """--fields (every field: default, the preset's value, description) or --print-config (the
+    resolved config) of a stage or a command. Starts no work and writes nothing."""
+    if command in COMMANDS:
+        module = importlib.import_module(COMMANDS[command])
+        if print_config:
+            return json.dumps(module.resolved(preset, sets), indent=2)
+        return module.fields_text(preset)
+    if print_config:
+        return json.dumps(resolve_stage_config(command, preset, sets).to_dict(), indent=2)
+    return describe_stage(command, preset)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,15 +97,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--set",
         dest="sets",
         nargs="*",
+        action="extend",  # `--set a=1 --set b=2` is `--set a=1 b=2`; a later value of a key wins
         default=[],
         metavar="KEY=VALUE",
-        help="override config fields",
+        help="override config fields (repeatable; chain/demo: <stage>.key=value, study: also "
+        "study.key=value)",
     )
     parser.add_argument(
-        "--fields", action="store_true", help="list the stage's config fields and exit"
+        "--fields",
+        action="store_true",
+        help="list the fields (default, the preset's value, description) and exit: runs nothing",
     )
     parser.add_argument(
-        "--print-config", action="store_true", help="print the resolved config and exit"
+        "--print-config",
+        action="store_true",
+        help="print the resolved config and exit: runs nothing",
     )
     return parser
 
@@ -108,23 +120,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     sets = [s for s in args.sets if s]  # Makefile variables expand to empty strings
     try:
-        if args.stage in COMMANDS:
-            from pipeline import chain
-
-            setup_logging(is_main=os.environ.get("RANK", "0") == "0")
-            getattr(chain, args.stage)(args.preset, sets)
-            return 0
-        if args.fields:
-            print(_describe_fields(args.stage))
-            return 0
-        if args.print_config:
-            import json
-
-            print(
-                json.dumps(resolve_stage_config(args.stage, args.preset, sets).to_dict(), indent=2)
-            )
+        if args.fields or args.print_config:  # on every command: describe, never start work
+            print(describe(args.stage, args.preset, sets, print_config=not args.fields))
             return 0
         setup_logging(is_main=os.environ.get("RANK", "0") == "0")
+        if args.stage in COMMANDS:
+            run_command(args.stage, args.preset, sets)
+            return 0
         out = run_stage(args.stage, args.preset, sets)
         print(f"semix {args.stage}: done -> {out}")
         return 0

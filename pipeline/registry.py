@@ -7,9 +7,9 @@ each other or this module, so the app sits on top of them without an import cycl
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from core.config import ConfigError, resolve
+from core.config import ConfigError, describe_fields, resolve
 from core.runtime import (
     check_launcher,
     code_version,
@@ -52,9 +52,21 @@ def stage_modules(stage: str):
     return cfg_mod, run_mod
 
 
-def resolve_stage_config(stage: str, preset: str, sets: Sequence[str] = ()):
+def resolve_stage_config(
+    stage: str, preset: str, sets: Sequence[str] = (), spell: Callable[[str], str] = str
+):
+    """The stage's config: defaults < preset < --set. `spell(field)`: how the command line names
+    a field, for the errors (a chain: `<stage>.key`)."""
     cfg_mod, _ = stage_modules(stage)
-    return resolve(cfg_mod.Config, cfg_mod.PRESETS, preset, sets)
+    return resolve(cfg_mod.Config, cfg_mod.PRESETS, preset, sets, spell)
+
+
+def describe_stage(stage: str, preset: str) -> str:
+    """`semix <stage> --fields`: every field with its default, the preset's value where it
+    differs, and its description (the comment next to the field in the source)."""
+    cfg_mod, _ = stage_modules(stage)
+    rows = describe_fields(cfg_mod.Config, cfg_mod.PRESETS, preset)
+    return "\n".join([f"semix {stage} --preset {preset}: --set key=value (repeatable)", *rows])
 
 
 def check_out(config) -> None:

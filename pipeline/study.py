@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from core.config import parse_sets
+from core.config import describe_fields, parse_sets
 from core.io import atomic_write_json
 from core.runtime import derive_seed, log, progress
-from pipeline.chain import split_sets
+from pipeline.chain import chain_fields, scoped_errors, split_sets
 from pipeline.registry import resolve_stage_config
 from pipeline.study_config import (
     METHODS,
@@ -49,6 +49,8 @@ from pipeline.study_stats import Predictions, bootstrap_difference, summarize
 from pipeline.study_tune import chosen_sets, tuning_group, tuning_report, tuning_tasks
 from shards import evals
 from shards.manifest import ShardError, read_manifest
+
+RUNS = ("train", "finetune", "evaluate")  # the stages a study runs after the chain
 
 
 def _evaluated(folder: Path, criterion: str) -> bool:
@@ -204,20 +206,26 @@ def collect(cfg: StudyConfig, root: Path) -> list[dict[str, Any]]:
     return records
 
 
-def run_study(preset: str, sets: Sequence[str]) -> Path:
-
-    # 0. Study fields (`study.key=value`), the run root, and the plan. Every run's config is
-    #    resolved up front (the chain validates its own), so a misspelt field fails now, not an
-    #    hour in.
+def setup(preset: str, sets: Sequence[str]) -> tuple[StudyConfig, Path, list[Task]]:
+    """Study fields (`study.key=value`), the run root, and the plan. Every run's config is
+    resolved up front (the chain validates its own), so a misspelt field fails now, not an
+    hour in. Reads only."""
     study_sets = [s.removeprefix("study.") for s in sets if s.startswith("study.")]
-    cfg = StudyConfig(**parse_sets(StudyConfig, study_sets))
+    cfg = StudyConfig(**parse_sets(StudyConfig, study_sets, lambda key: f"study.{key}"))
     root = resolve_stage_config("train", preset, split_sets(sets, "train")).root
-    out = root / "study"
     tasks = plan(cfg, preset, sets, root)
     for task in tasks:
         for stage, stage_sets in task.steps:
             if stage != "chain":
-                resolve_stage_config(stage, preset, stage_sets)
+                with scoped_errors(stage):
+                    resolve_stage_config(stage, preset, stage_sets)
+    return cfg, root, tasks
+
+
+def run_study(preset: str, sets: Sequence[str]) -> Path:
+    # 0. The study's config, the run root, and the plan, every run's config resolved.
+    cfg, root, tasks = setup(preset, sets)
+    out = root / "study"
     # 1-2. The chain and every run (skipping what is complete).
     todo = [t.name for t in tasks if not t.done]
     log.info(
@@ -266,6 +274,35 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
     figures(cfg, root, out, preds["before_ts"], summary)
     report = write_report(cfg, root, out, records, summary, boot, kway, boot_nll, tuning)
     return report
+
+
+def fields_text(preset: str) -> str:
+    """`semix study --fields`: the study's own fields (`study.key`), then the chain's and those
+    of the runs it makes."""
+    head = f"semix study --preset {preset}: the study, the chain, then train/finetune/evaluate runs"
+    study = describe_fields(StudyConfig, spell=lambda key: f"study.{key}")
+    return "\n".join(
+        [head, "study: --set study.key=value", *study, "", *chain_fields(preset, RUNS)]
+    )
+
+
+def resolved(preset: str, sets: Sequence[str]) -> dict[str, Any]:
+    """`semix study --print-config`: the study's config and its plan (every task, whether it is
+    done, and the commands it runs); nothing runs."""
+    cfg, root, tasks = setup(preset, sets)
+    return {
+        "study": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.__dict__.items()},
+        "root": str(root),
+        "tasks": [
+            {
+                "name": t.name,
+                "done": t.done,
+                "after": sorted(t.after),
+                "steps": [{"stage": stage, "sets": list(s)} for stage, s in t.steps],
+            }
+            for t in tasks
+        ],
+    }
 
 
 def main(preset: str, sets: Sequence[str]) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shards.manifest import Manifest, ShardError, read_manifest
+from shards.manifest import MANIFEST, Manifest, ShardError, read_manifest, rerun_hint
 from shards.reader import iter_folder, load_split
 
 
@@ -58,9 +58,21 @@ def check_real(
     """Labels in 0..C-1 and square images [N, H, H, 3]: what every real split must hold (also
     checked by the streaming path, `shards.store.open_real`)."""
     if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= len(names)):
-        raise ShardError(f"{folder}: labels outside 0..{len(names) - 1} ({len(names)} classes)")
+        raise ShardError(class_ids_error(folder, (int(labels.min()), int(labels.max())), names))
     if shape[1] != shape[2]:
         raise ShardError(f"{folder}: images must be square, got {tuple(shape[1:3])}")
+
+
+def class_ids_error(folder: Path, ids: tuple[int, int], names: Sequence[str]) -> str:
+    """The shards hold class ids (lowest, highest) that `names` (the manifest's) do not cover: the
+    manifest lists fewer class names than its shards use (edited, or from another folder)."""
+    low, high = ids
+    what = f"class id {high}" if high >= len(names) else f"class id {low}"
+    return (
+        f"{Path(folder) / MANIFEST} lists {len(names)} class names (ids 0..{len(names) - 1}) "
+        f"but its shards hold {what}: the manifest was edited or belongs to another folder; "
+        f"restore it, or {rerun_hint('', Path(folder))}"
+    )
 
 
 def check_same_classes(what: str, names: Sequence[str], reference: Sequence[str], ref: str) -> None:
@@ -179,7 +191,8 @@ def series_table(
     if classes.numel() and (
         int(classes.min()) < 0 or int(classes.max()) >= len(manifest.class_names)
     ):
-        raise ShardError(f"{folder}: class ids outside 0..{len(manifest.class_names) - 1}")
+        ids = (int(classes.min()), int(classes.max()))
+        raise ShardError(class_ids_error(folder, ids, manifest.class_names))
 
     def field(i: int) -> torch.Tensor:
         return torch.tensor([[m[i] for m in row] for row in rows], dtype=torch.float32)

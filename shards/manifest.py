@@ -10,10 +10,14 @@ version. It holds no timestamps and no absolute paths, so reruns give the same b
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from core.config import PRESET_NAMES
 from core.io import atomic_write_json, read_json, sha256_bytes, sha256_file
 
 SCHEMA_VERSION = 1
@@ -32,11 +36,76 @@ WRITTEN_BY = {
     "generator": "fit-generator",
     "run": "train (or finetune)",
 }
+# a folder of a runs root (runs/<name>/...), by its name or its parent's -> the stage writing it
+FOLDER_STAGES = {
+    "series": "generate",
+    "mixed": "annotate",
+    "generator": "fit-generator",
+    "edm": "convert-edm",
+}
+PARENT_STAGES = {"real": "prepare", "train": "train", "finetune": "finetune"}
 
 
-def rerun_hint(kind: str) -> str:
-    stage = WRITTEN_BY.get(kind, "the stage that wrote it")
-    return f"remove the folder and rerun {stage}"
+def _config_of(folder: Path) -> dict[str, Any]:
+    """A folder's config.json (written first by every stage), {} when absent or unreadable."""
+    try:
+        data = read_json(Path(folder) / "config.json")
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _run_sets(stage: str, folder: Path) -> dict[str, Any]:
+    """What names a train or finetune run on the command line, from its config.json when it has
+    one; what only the user knows is a <placeholder>."""
+    recorded = _config_of(folder)
+    if stage == "train":  # the run name defaults to the loss
+        loss = recorded.get("loss", "<loss>")
+        return {"loss": loss} if folder.name == loss else {"run": folder.name, "loss": loss}
+    if stage == "finetune":  # the folder is <run>-<method>
+        return {"run": recorded.get("run", "<run>"), "method": recorded.get("method", "<method>")}
+    return {}
+
+
+def _arg(text: str) -> str:
+    return text if re.fullmatch(r"[\w./:=,<>@+-]+", text) else shlex.quote(text)
+
+
+def remake_command(folder: Path) -> tuple[str, str] | None:
+    """(stage, command line) that writes `folder`, for a folder where the stages put it in a runs
+    root (runs/<name>/real/train, .../series, .../train/<run>, ...); None for any other folder.
+    `--preset` is the root's name when that is a preset, else what prepare recorded in
+    real/config.json; `out=` and `name=` are set when they are not the defaults."""
+    folder = Path(folder)
+    if folder.name in FOLDER_STAGES:
+        stage, root = FOLDER_STAGES[folder.name], folder.parent
+    elif folder.parent.name in PARENT_STAGES:
+        stage, root = PARENT_STAGES[folder.parent.name], folder.parent.parent
+    else:
+        return None
+    if root.name in ("", ".", ".."):
+        return None
+    preset = root.name
+    if preset not in PRESET_NAMES:
+        recorded = _config_of(root / "real")
+        preset = recorded.get("classes_file") or recorded.get("preset") or "<preset>"
+    sets = [] if root.parent == Path("runs") else [f"out={root.parent}"]
+    if root.name != (Path(preset).stem if preset.endswith(".txt") else preset):
+        sets.append(f"name={root.name}")
+    own = {"source": "<edm.pkl>"} if stage == "convert-edm" else _run_sets(stage, folder)
+    sets += [f"{k}={v}" for k, v in own.items()]
+    argv = ["python", "-m", "pipeline", stage, "--preset", preset]
+    return stage, " ".join(map(_arg, [*argv, *(["--set", *sets] if sets else [])]))
+
+
+def rerun_hint(kind: str, folder: Path | None = None) -> str:
+    """What to do about a damaged folder: remove it and rerun its stage, with the command line
+    when the folder lies in a runs root (`remake_command`)."""
+    remake = remake_command(folder) if folder is not None else None
+    if remake is None:
+        return f"remove the folder and rerun {WRITTEN_BY.get(kind, 'the stage that wrote it')}"
+    stage, command = remake
+    return f"remove the folder and rerun {stage}{' (or pull)' * (stage == 'annotate')}: `{command}`"
 
 
 @dataclass(frozen=True)
@@ -71,7 +140,8 @@ class Manifest:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Manifest:
+    def from_dict(cls, d: dict[str, Any], folder: Path | None = None) -> Manifest:
+        """The manifest `d` (read from `folder`, named in the hints), checked."""
         version = d.get("schema_version")
         if version != SCHEMA_VERSION:
             raise ShardError(
@@ -83,7 +153,7 @@ class Manifest:
         if "num_samples" in d and d["num_samples"] != total:
             raise ShardError(
                 f"num_samples is {d['num_samples']!r} but its shards hold {total} samples "
-                f"(edited or damaged); {rerun_hint(d.get('kind', ''))}"
+                f"(edited or damaged); {rerun_hint(d.get('kind', ''), folder)}"
             )
         return cls(
             kind=d["kind"],
@@ -125,19 +195,37 @@ def write_manifest(folder: Path, manifest: Manifest) -> Path:
 
 
 def read_manifest(folder: Path) -> Manifest:
+    """A complete folder's manifest, or one line saying what is wrong and what to do: the
+    command that makes a missing or incomplete folder, or restoring / rebuilding a bad file."""
     folder = Path(folder)
     path = folder / MANIFEST
     if not folder.is_dir():
-        raise ShardError(f"{folder} does not exist: run the stage that writes it first")
+        remake = remake_command(folder)
+        how = f"run {remake[0]} first: `{remake[1]}`" if remake else "run the stage that writes it"
+        raise ShardError(f"{folder} does not exist: {how}")
     if not path.is_file():
+        remake = remake_command(folder)
+        how = f"rerun {remake[0]} to complete it: `{remake[1]}`" if remake else "rerun it"
         raise ShardError(
             f"{folder} is incomplete: it has no {MANIFEST} (the stage that writes it did not "
-            "finish; rerun it to complete the folder)"
+            f"finish); {how}"
         )
     try:
-        return Manifest.from_dict(read_json(path))
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise ShardError(f"{path} is not a valid semix manifest: {e}") from e
+        data = read_json(path)
+        if not isinstance(data, dict):
+            raise ShardError(f"it holds a JSON {type(data).__name__}, not an object")
+        return Manifest.from_dict(data, folder)
+    except json.JSONDecodeError as e:
+        problem = f"is not JSON ({e})"
+    except KeyError as e:
+        problem = f"is not a valid semix manifest: it lacks the key {e}"
+    except ShardError as e:
+        if "rerun" in str(e):  # says what to do already
+            raise ShardError(f"{path} is not a valid semix manifest: {e}") from e
+        problem = f"is not a valid semix manifest: {e}"
+    except (TypeError, ValueError, AttributeError) as e:  # a field of the wrong type, bad UTF-8
+        problem = f"is not a valid semix manifest: {e}"
+    raise ShardError(f"{path} {problem}; restore the file, or {rerun_hint('', folder)}")
 
 
 def manifest_digest(folder: Path) -> str:
@@ -160,7 +248,9 @@ def verify_shards(folder: Path, manifest: Manifest | None = None) -> Manifest:
 def check_shard(path: Path, rec: ShardRecord, kind: str = "") -> None:
     """One shard on disk against its record: present, same size, same sha256."""
     if not path.is_file():
-        raise ShardError(f"{path} is listed in the manifest but missing; {rerun_hint(kind)}")
+        raise ShardError(
+            f"{path} is listed in the manifest but missing; {rerun_hint(kind, path.parent)}"
+        )
     check_size(path, path.stat().st_size, rec, kind)
     check_digest(path, sha256_file(path), rec, kind)
 
@@ -169,7 +259,7 @@ def check_size(path: Path, size: int, rec: ShardRecord, kind: str = "") -> None:
     if size != rec.bytes:
         raise ShardError(
             f"{path}: size {size} != {rec.bytes} in the manifest (truncated or replaced); "
-            f"{rerun_hint(kind)}"
+            f"{rerun_hint(kind, path.parent)}"
         )
 
 
@@ -177,5 +267,5 @@ def check_digest(path: Path, digest: str, rec: ShardRecord, kind: str = "") -> N
     if digest != rec.sha256:
         raise ShardError(
             f"{path}: sha256 mismatch ({digest[:12]}… != {rec.sha256[:12]}… in the manifest): "
-            f"the shard is corrupt; {rerun_hint(kind)}"
+            f"the shard is corrupt; {rerun_hint(kind, path.parent)}"
         )

@@ -141,6 +141,6 @@ def read_member(
     if len(data) != BLOCK + want or parsed != (name, size):
         raise ShardError(
             f"{path}: member {name!r} is not at byte {offset} (the shard changed since it was "
-            f"opened, or its offset index is wrong); {rerun_hint(kind)}"
+            f"opened, or its offset index is wrong); {rerun_hint(kind, Path(path).parent)}"
         )
     return data[BLOCK:]

@@ -106,7 +106,7 @@ def decode_sample(raw: dict[str, Any]) -> dict[str, Any]:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ShardError(
                 f"{url}: the {field} member of sample {raw['__key__']!r} does not decode "
-                f"({first}); the shard is damaged: rerun the stage that wrote it"
+                f"({first}); the shard is damaged: {rerun_hint('', Path(url).parent)}"
             ) from e
     return sample
 
@@ -155,11 +155,13 @@ def _fast_members(data: bytes, path: Path) -> Iterator[tuple[str, bytes]]:
         name, size = parsed
         start = off + BLOCK
         if start + size > len(data):
-            raise ShardError(f"{path} is truncated inside {name!r}; rerun the stage that wrote it")
+            raise ShardError(
+                f"{path} is truncated inside {name!r}; {rerun_hint('', Path(path).parent)}"
+            )
         yield name, data[start : start + size]
         off = start + padded(size)
     raise ShardError(
-        f"{path} is truncated (no end-of-archive marker); rerun the stage that wrote it"
+        f"{path} is truncated (no end-of-archive marker); {rerun_hint('', Path(path).parent)}"
     )
 
 
@@ -173,7 +175,7 @@ def _tarfile_members(data: bytes, path: Path) -> Iterator[tuple[str, bytes]]:
                         raise ShardError(f"{path} is truncated inside {member.name!r}")
                     yield member.name, payload
     except (tarfile.TarError, EOFError) as e:
-        raise ShardError(f"{path} is damaged ({e}); rerun the stage that wrote it") from e
+        raise ShardError(f"{path} is damaged ({e}); {rerun_hint('', Path(path).parent)}") from e
 
 
 def read_shard_bytes(
@@ -186,7 +188,9 @@ def read_shard_bytes(
     try:
         data = Path(path).read_bytes()
     except OSError as e:
-        raise ShardError(f"cannot read shard {path}: {e.strerror or e}; {rerun_hint(kind)}") from e
+        raise ShardError(
+            f"cannot read shard {path}: {e.strerror or e}; {rerun_hint(kind, Path(path).parent)}"
+        ) from e
     if rec is not None:
         check_size(Path(path), len(data), rec, kind)
         if hashing(verify):
@@ -217,7 +221,7 @@ def read_raw_shard(
     if rec is not None and len(samples) != rec.count:
         raise ShardError(
             f"{path}: {len(samples)} samples, manifest says {rec.count} (truncated?); "
-            f"{rerun_hint(kind)}"
+            f"{rerun_hint(kind, Path(path).parent)}"
         )
     return samples
 

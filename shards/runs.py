@@ -36,6 +36,7 @@ from shards.manifest import (
     ShardError,
     manifest_digest,
     read_manifest,
+    remake_command,
     write_manifest,
 )
 
@@ -173,15 +174,18 @@ def read_run(folder: Path) -> Run:
     """The run in `folder`, or one line saying why it cannot be read (missing, incomplete,
     not a run)."""
     folder = Path(folder)
+    remake = remake_command(folder)
     if not (folder / META).is_file() or not (folder / WEIGHTS).is_file():
+        how = f"`{remake[1]}`" if remake else "make train RUN=..."
         raise ShardError(
-            f"{folder} has no trained weights ({WEIGHTS} + {META}); train the run first "
-            "(make train RUN=...) or check the run name"
+            f"{folder} has no trained weights ({WEIGHTS} + {META}): check the run name, or "
+            f"make the run first: {how}"
         )
     if not (folder / MANIFEST).is_file():
+        how = f": `{remake[1]}`" if remake else ""
         raise ShardError(
             f"{folder} is incomplete: it has no {MANIFEST} (its stage did not finish); rerun "
-            "the stage to complete it"
+            f"the stage to complete it{how}"
         )
     manifest = read_manifest(folder)
     if manifest.kind != RUN_KIND:

@@ -42,7 +42,14 @@ from shards.datasets import (
     check_same_classes,
     series_table,
 )
-from shards.manifest import Manifest, ShardError, check_digest, check_size, read_manifest
+from shards.manifest import (
+    Manifest,
+    ShardError,
+    check_digest,
+    check_size,
+    read_manifest,
+    rerun_hint,
+)
 from shards.offsets import read_member, shard_members
 from shards.reader import KNOWN_FIELDS, decode_sample, hashing
 
@@ -64,7 +71,9 @@ def _shard_columns(folder: Path, number: int, manifest: Manifest, verify: bool) 
     rec, kind = manifest.shards[number], manifest.kind
     path = folder / rec.name
     if not path.is_file():
-        raise ShardError(f"{path} is listed in the manifest but missing; rerun the stage")
+        raise ShardError(
+            f"{path} is listed in the manifest but missing; {rerun_hint(kind, folder)}"
+        )
     check_size(path, path.stat().st_size, rec, kind)
     if verify:
         check_digest(path, sha256_file(path), rec, kind)
@@ -83,7 +92,8 @@ def _shard_columns(folder: Path, number: int, manifest: Manifest, verify: bool) 
         where[-1][ext] = (offset, size)
     if len(keys) != rec.count:
         raise ShardError(
-            f"{path}: {len(keys)} samples, manifest says {rec.count} (truncated?); rerun the stage"
+            f"{path}: {len(keys)} samples, manifest says {rec.count} (truncated?); "
+            f"{rerun_hint(kind, folder)}"
         )
     missing = [k for k, w in zip(keys, where) if "png" not in w]
     if missing:

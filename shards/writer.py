@@ -26,6 +26,7 @@ import numpy as np
 import webdataset as wds
 from PIL import Image
 
+from core.config import set_value
 from core.io import atomic_write_json, canonical_json, read_json, sha256_file, tmp_path_for
 from shards.datapath import DATA_FIELDS
 from shards.manifest import (
@@ -182,13 +183,26 @@ def _identity(config: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in config.items() if k not in NOT_IDENTITY}
 
 
-def write_config(folder: Path, config: Mapping[str, Any]) -> None:
+# what to do about a folder that holds another config (write_config's `fix`)
+OTHER_ROOT = "remove the folder or write to another OUT/name"
+
+
+def _given(config: Mapping[str, Any], key: str) -> str:
+    """`key=value` as --set spells it, shortened; `key unset` when the config lacks it."""
+    if key not in config:
+        return f"{key} unset"
+    value = set_value(tuple(config[key]) if isinstance(config[key], list) else config[key])
+    return f"{key}={value if len(value) <= 40 else value[:39] + '…'}"
+
+
+def write_config(folder: Path, config: Mapping[str, Any], fix: str = OTHER_ROOT) -> None:
     """Write the stage's resolved config first thing; refuse to mix two configs in one folder.
 
     Resuming is only safe when the rerun asks for exactly the same thing; otherwise the
     folder would end up holding shards of two different runs. An existing config.json is only
     compared, never rewritten: a complete folder on read-only media stays untouched. Where the
-    folder lives (NOT_IDENTITY) is neither compared nor recorded.
+    folder lives (NOT_IDENTITY) is neither compared nor recorded. The refusal names every field
+    that differs, with both values, and then `fix` (what to do instead).
     """
     folder = Path(folder)
     path = folder / "config.json"
@@ -198,8 +212,9 @@ def write_config(folder: Path, config: Mapping[str, Any]) -> None:
         if canonical_json(old) != canonical_json(new):
             changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
             raise ShardError(
-                f"{folder} holds a run with a different config (differs in: {', '.join(changed)}); "
-                "remove the folder or write to another OUT/name"
+                f"{folder} holds a run with a different config (differs in: {', '.join(changed)}): "
+                f"it has {' '.join(_given(old, k) for k in changed)}, this one asks "
+                f"{' '.join(_given(new, k) for k in changed)}; {fix}"
             )
         return
     folder.mkdir(parents=True, exist_ok=True)

@@ -49,7 +49,7 @@ from models.finetuning import build_model
 from models.training import collect_logits
 from shards import evals
 from shards.datasets import RealSplit, check_same_classes
-from shards.manifest import MANIFEST, ShardError, manifest_digest
+from shards.manifest import MANIFEST, ShardError, manifest_digest, remake_command
 from shards.runs import META
 from shards.runs import load_model as load_run_model
 from stages import data as datapath
@@ -81,14 +81,16 @@ def find_run(root: Path, name: str, stage_dir: str) -> Path:
             return root / stage / name
     started = [root / s / name for s in candidates if (root / s / name).is_dir()]
     if started:
+        remake = remake_command(started[0])
+        how = f"`{remake[1]}`" if remake else f"make {started[0].parent.name} RUN=..."
         raise ShardError(
             f"run {name!r} in {started[0]} is not complete (its training did not finish); "
-            f"rerun it (make {started[0].parent.name} RUN=...) before evaluating it"
+            f"rerun it before evaluating it: {how}"
         )
     where = " or ".join(str(root / s / name) for s in candidates)
-    raise ShardError(
-        f"run {name!r} has no trained weights in {where}; train it first (make train RUN={name})"
-    )
+    remake = remake_command(root / "train" / name)
+    how = f"`{remake[1]}`" if remake else f"make train RUN={name}"
+    raise ShardError(f"run {name!r} has no trained weights in {where}; train it first: {how}")
 
 
 def complete_runs(root: Path) -> list[tuple[str, str]]:

@@ -26,7 +26,7 @@ from models.generators import (
     SeriesSpec,
     load_generator,
 )
-from shards.manifest import Manifest, ShardError, manifest_digest, read_manifest
+from shards.manifest import Manifest, ShardError, manifest_digest, read_manifest, remake_command
 from stages.configs.generate import Config
 from stages.generate_plan import GenerationError
 
@@ -62,7 +62,9 @@ def check_inputs(cfg: Config) -> Inputs:
     if cfg.backend != "unet":
         return Inputs(real, real_m.class_names, size, None, {})
     folder = Path(cfg.model) if cfg.model else cfg.root / "generator"
-    hint = f"run `python -m pipeline fit-generator --preset {cfg.preset}` first (or set model=<folder>)"
+    remake = remake_command(cfg.root / "generator")
+    command = remake[1] if remake else f"python -m pipeline fit-generator --preset {cfg.preset}"
+    hint = f"run fit-generator first: `{command}` (or set model=<folder>)"
     if not (folder / "manifest.json").is_file():
         raise GenerationError(f"no trained generator in {folder} (no manifest.json): {hint}")
     gen_m = read_manifest(folder)

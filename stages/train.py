@@ -49,6 +49,9 @@ from stages.loop import (
     write_run,
 )
 
+# a run name taken by another config: the run's own name is the way out
+OTHER_RUN = "choose another run=<name> (or remove the folder to retrain it)"
+
 # ---------------------------------------------------------------- 1. inputs
 
 
@@ -125,7 +128,7 @@ def run(cfg: Config) -> Path:
     needs_mixed = probe.needs_mixed
     made_from = upstream(cfg, needs_mixed)
     if run_complete(run_dir, made_from):
-        write_config(run_dir, cfg.record())  # refuses another config under the same run name
+        write_config(run_dir, cfg.record(), OTHER_RUN)  # refuses another config under the name
         log.info("train %s: already finished (%s is complete); nothing to do", cfg.run, run_dir)
         return run_dir
 
@@ -137,7 +140,7 @@ def run(cfg: Config) -> Path:
     mixed = load_mixed(cfg, train, path, dev) if needs_mixed else None
     if main:
         log.info("train %s: %s", cfg.run, path.describe())
-        write_config(run_dir, cfg.record())
+        write_config(run_dir, cfg.record(), OTHER_RUN)
     accelerator.wait_for_everyone()
     mean, std = datapath.statistics(train, cfg.in_channels, cfg)  # normalisation: real/train
     val = datapath.sequential(val, cfg.eval_batch_size, cfg)

@@ -11,6 +11,8 @@ import io
 import json
 import os
 import pickle
+import re
+import shlex
 import shutil
 import tarfile
 from pathlib import Path
@@ -148,6 +150,58 @@ def test_corrupt_png_and_pickled_cls_give_one_line(digits_root, tmp_path, capsys
     assert not (tmp_path / "p" / "train").exists()
 
 
+# ---------------------------------------------------------------- manifests: what is wrong, what to do
+
+
+def _command(line: str) -> list[str]:
+    """The `python -m pipeline ...` command an error line quotes, as an argv for main()."""
+    quoted = re.search(r"`(python -m pipeline [^`]*)`", line)
+    assert quoted, line
+    argv = shlex.split(quoted.group(1))
+    assert argv[:3] == ["python", "-m", "pipeline"]
+    return argv[3:]
+
+
+def test_missing_upstream_prints_the_command_that_makes_it(tmp_path, capsys):
+    line = one_line_error(capsys, ["train", "--set", f"out={tmp_path}", *TINY], "does not exist")
+    assert str(tmp_path / "digits" / "real" / "train") in line and "run prepare first" in line
+    argv = _command(line)
+    assert argv == ["prepare", "--preset", "digits", "--set", f"out={tmp_path}"]
+    assert main(argv) == 0  # the command does make it
+    assert read_manifest(tmp_path / "digits" / "real" / "train").num_samples > 0
+
+
+def test_incomplete_upstream_prints_the_command_that_completes_it(digits_root, tmp_path, capsys):
+    root = copy_real(digits_root, tmp_path)
+    (root / "real" / "val" / "manifest.json").unlink()
+    line = one_line_error(capsys, ["train", "--set", f"out={tmp_path}", *TINY], "is incomplete")
+    assert "rerun prepare to complete it" in line
+    assert _command(line) == ["prepare", "--preset", "digits", "--set", f"out={tmp_path}"]
+
+
+@pytest.mark.parametrize(
+    ("split", "damage", "says"),
+    [
+        ("val", lambda m: "{not json", "is not JSON"),
+        ("val", lambda m: json.dumps({k: v for k, v in m.items() if k != "kind"}), "lacks the key 'kind'"),
+        ("train", lambda m: json.dumps(m | {"class_names": m["class_names"][:5]}), "lists 5 class names"),
+    ],
+    ids=["not-json", "no-kind", "fewer-class-names"],
+)  # fmt: skip
+def test_bad_manifest_says_what_is_wrong_and_what_to_do(
+    digits_root, tmp_path, capsys, split, damage, says
+):
+    root = copy_real(digits_root, tmp_path)
+    path = root / "real" / split / "manifest.json"
+    path.write_text(damage(json.loads(path.read_text())))
+    line = one_line_error(capsys, ["train", "--set", f"out={tmp_path}", *TINY], str(path))
+    assert says in line and "restore" in line and "rerun prepare" in line
+    assert _command(line) == ["prepare", "--preset", "digits", "--set", f"out={tmp_path}"]
+    if split == "train":  # the shards use classes 0..9
+        assert "class id 9" in line
+    assert not (root / "train").exists()
+
+
 @pytest.fixture(scope="module")
 def trained(digits_root, tmp_path_factory) -> Path:
     """runs/digits/ with real/ and one finished tiny train run `ce`."""
@@ -155,6 +209,16 @@ def trained(digits_root, tmp_path_factory) -> Path:
     root = copy_real(digits_root, out)
     run_stage("train", "digits", [f"out={out}", *TINY])
     return root
+
+
+def test_another_config_under_a_run_name_names_the_fields(trained, tmp_path, capsys):
+    shutil.copytree(trained, tmp_path / "digits")
+    before = snapshot(tmp_path / "digits")
+    argv = ["train", "--set", f"out={tmp_path}", *TINY, "lr=0.5"]  # the digits preset: 0.05
+    line = one_line_error(capsys, argv, str(tmp_path / "digits" / "train" / "ce"))
+    assert "(differs in: lr): it has lr=0.05, this one asks lr=0.5" in line
+    assert "choose another run=<name>" in line
+    assert snapshot(tmp_path / "digits") == before
 
 
 def test_flipped_cls_in_real_test_stops_evaluate(trained, tmp_path, capsys):

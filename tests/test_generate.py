@@ -284,7 +284,7 @@ def test_one_line_errors(src, tmp_path, capsys):
     err = _fails(capsys, f"out={runs}", *CONFIG)
     assert "no trained generator" in err and "fit-generator --preset digits" in err
     err = _fails(capsys, f"out={runs}", "backend=sd", "model=nobody/no-such-model", "guidance=7")
-    assert "'nobody/no-such-model'" in err and "`model`" in err
+    assert "'nobody/no-such-model'" in err and "model=<a local save_pretrained folder>" in err
     assert not (runs / "digits" / "series").exists()  # nothing written: a rerun is not refused
     # a generator whose weights give NaN: the series are named, nothing is written
     shutil.copytree(src / "digits" / "generator", runs / "digits" / "generator")

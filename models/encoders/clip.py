@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from core.runtime import hub_offline
+
 from .base import ImageEncoder, center_crop, file_sha256, resize
 
 PIL_RESAMPLE = {2: "bilinear", 3: "bicubic"}  # codes used in HF preprocessor configs
@@ -29,17 +31,20 @@ def _resolve_openclip_weights(
 
     tag_cfg = open_clip.get_pretrained_cfg(model_name, pretrained)
     if tag_cfg:
+        # offline (HF_HUB_OFFLINE=1, or no answer from the Hub: hub_offline switches the hub
+        # client to offline mode) a tag that is not cached fails at once, without retries
+        offline = hub_offline()
         try:
             return (
                 open_clip.download_pretrained(tag_cfg, cache_dir=cache_dir),
                 tag_cfg,
                 {"pretrained": pretrained},
             )
-        except (OSError, RuntimeError) as e:  # offline / hub or url failure
+        except (OSError, RuntimeError, ValueError) as e:  # offline / hub or url failure
+            why = "the Hub is offline" if offline else f"cannot be downloaded ({type(e).__name__})"
             raise ValueError(
-                f"OpenCLIP weights {model_name}/{pretrained} are not cached and cannot be "
-                f"downloaded ({type(e).__name__}); encoder_pretrained=/path/to/checkpoint "
-                f"takes a local file"
+                f"OpenCLIP weights {model_name}/{pretrained} are not cached and {why}; "
+                f"encoder_pretrained=/path/to/checkpoint takes a local file"
             ) from e
     path = Path(pretrained).expanduser()
     if not path.is_file():
@@ -77,7 +82,8 @@ class OpenCLIPEncoder(ImageEncoder):
     torch.load(weights_only=True), so no pickled code runs (TorchScript archives are refused).
     A file carries no QuickGELU flag: for OpenAI-style weights pick the '-quickgelu' model name.
     `pretrained=None` builds random weights from `init_seed` (benchmarks only).
-    Offline with `HF_HUB_OFFLINE=1`, a missing tag fails at once instead of after retries.
+    Offline (`HF_HUB_OFFLINE=1`, or no answer from the Hub) a tag that is not cached fails at
+    once, in one line, instead of after retries.
     """
 
     kind = "openclip"
@@ -167,7 +173,8 @@ class HFCLIPEncoder(ImageEncoder):
     Mean, std, resize and crop come from the folder's preprocessor config (CLIPImageProcessor);
     a folder without one gets the OpenAI CLIP defaults at the vision tower's image size.
     Weights load via from_pretrained (safetensors first; .bin with weights_only=True).
-    A Hub id offline: set HF_HUB_OFFLINE=1 to fail at once instead of after retries.
+    A Hub id offline (`HF_HUB_OFFLINE=1`, or no answer from the Hub) is read from the local
+    cache only: one that is not cached fails at once, in one line.
     """
 
     kind = "hf-clip"
@@ -177,16 +184,20 @@ class HFCLIPEncoder(ImageEncoder):
         from transformers import CLIPImageProcessor, CLIPModel
 
         source = str(model_id_or_folder)
+        # a Hub id offline (HF_HUB_OFFLINE=1, or no answer from the Hub): the local cache only,
+        # so an id that is not cached fails at once, without timeouts or retries
+        local = {"local_files_only": True} if not Path(source).is_dir() and hub_offline() else {}
         try:
-            model = CLIPModel.from_pretrained(source)
+            model = CLIPModel.from_pretrained(source, **local)
         except (OSError, ValueError) as e:
+            why = "not in the local cache and the Hub is offline" if local else type(e).__name__
             raise ValueError(
-                f"Hugging Face CLIP model '{source}' cannot be loaded ({type(e).__name__}); pass a "
-                f"local folder written by save_pretrained"
+                f"Hugging Face CLIP model '{source}' cannot be loaded ({why}); set "
+                "encoder_model=<a local folder written by save_pretrained>"
             ) from e
         vision_size = model.config.vision_config.image_size
         try:
-            proc = CLIPImageProcessor.from_pretrained(source)
+            proc = CLIPImageProcessor.from_pretrained(source, **local)
         except OSError:
             proc = CLIPImageProcessor(
                 size={"shortest_edge": vision_size},
@@ -210,6 +221,7 @@ class HFCLIPEncoder(ImageEncoder):
             self._crop = self.image_size
         self.model = model.float().to(self.device).eval().requires_grad_(False)
         self.source = source
+        self._local = local  # the tokenizer, when text prototypes ask for it, the same way
         self._tokenizer = None
         folder = Path(source)
         if folder.is_dir():  # a local folder: named by its last part, pinned by its weights
@@ -246,7 +258,7 @@ class HFCLIPEncoder(ImageEncoder):
         from transformers import AutoTokenizer
 
         if self._tokenizer is None:
-            self._tokenizer = AutoTokenizer.from_pretrained(self.source)
+            self._tokenizer = AutoTokenizer.from_pretrained(self.source, **self._local)
         max_len = self.model.config.text_config.max_position_embeddings
         batch = self._tokenizer(
             list(prompts), padding=True, truncation=True, max_length=max_len, return_tensors="pt"

@@ -28,6 +28,8 @@ from diffusers import DDIMScheduler, DPMSolverMultistepScheduler
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from torch import nn
 
+from core.runtime import hub_offline
+
 from .spec import MixSpec, Spec
 
 
@@ -111,13 +113,20 @@ def load_pretrained(load: Callable[..., Any], model: str | Path, **kwargs: Any) 
                 "damaged; rebuild it (e.g. rerun fit-generator) or set `model` to a complete "
                 "save_pretrained folder"
             ) from err
+    # a Hub id: offline (HF_HUB_OFFLINE=1, or no answer from the Hub) only the local cache is
+    # read, so a model that is not cached fails at once, without timeouts, retries or warnings
+    offline = hub_offline()
     try:
-        return load(model, **kwargs)
+        return load(model, **kwargs, **({"local_files_only": True} if offline else {}))
     except (OSError, ValueError) as err:
+        why = (
+            "not a local folder and not in the local Hugging Face cache, and the Hub is offline"
+            if offline
+            else "not a local folder and not loadable from the Hub (unknown id, or no access)"
+        )
         raise ModelNotFoundError(
-            f"generator model {model!r} not found: not a local folder and not loadable from the "
-            "hub (offline, not cached or unknown id); set config key `model` to a local "
-            "save_pretrained folder"
+            f"generator model {model!r} not found: {why}; set model=<a local save_pretrained "
+            "folder> (or download it once where the Hub is reachable)"
         ) from err
 
 

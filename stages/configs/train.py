@@ -54,7 +54,7 @@ RECORDED_OFF_DEFAULT = ("mmce_normalization",)
 
 @dataclass(frozen=True)
 class Config(StageConfig):
-    run: str = "ce"  # run folder: runs/<classes>/train/<run>/
+    run: str = ""  # run folder: runs/<classes>/train/<run>/; "" = the loss (loss=focal: focal)
     loss: str = "ce"
     model: str = "resnet50"  # models.classifiers name or timm:<name>
     pretrained: bool = False  # timm models only
@@ -110,6 +110,8 @@ class Config(StageConfig):
 
     def __post_init__(self):
         check_choice("loss", self.loss, tuple(LOSS_FIELDS))
+        if not self.run:  # named after its loss, so `loss=focal` never lands in another loss's run
+            object.__setattr__(self, "run", self.loss)
         if not self.model.startswith(TIMM_PREFIX):
             check_choice("model", self.model, (*CLASSIFIERS, f"{TIMM_PREFIX}<name>"))
         elif not _timm_has(self.model.removeprefix(TIMM_PREFIX)):
