@@ -175,8 +175,10 @@ class ShardFolder:
 # Config fields that say where an output lives or how it is read, not what it holds: left out
 # of the identity check, so that moving or renaming the runs root, or a relative vs absolute
 # out=, keeps an output resumable (ARCHITECTURE §2), and so is turning shard hashing off or
-# switching between the in-memory and the streaming data path (same bytes either way).
-NOT_IDENTITY = ("out", "name", "verify_sha256", *DATA_FIELDS)
+# switching between the in-memory and the streaming data path (same bytes either way), or
+# experiment tracking on or off (`tracker`, core/tracking.py: its files live in a subfolder no
+# manifest lists).
+NOT_IDENTITY = ("out", "name", "verify_sha256", "tracker", *DATA_FIELDS)
 
 
 def _identity(config: Mapping[str, Any]) -> dict[str, Any]:

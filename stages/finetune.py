@@ -33,6 +33,7 @@ import torch
 from core.io import atomic_write_json
 from core.plots import lines
 from core.runtime import code_version, log, make_generator
+from core.tracking import Tracking
 from models.classifiers import Classifier
 from models.finetuning import arch_with_head, build_model, require_separable_head
 from models.heads import GATE_MODES, MaskedSGD, RetentionSchedule
@@ -175,7 +176,8 @@ def run(cfg: Config) -> Path:
     """Fine-tune one trained run (see the module docstring); returns the output folder."""
     # 1. Inputs: bad input fails here, before anything is written; a complete output only reads.
     run_dir = cfg.root / SECTION / cfg.output
-    accelerator = make_accelerator(cfg.precision)
+    tracking = Tracking.of(cfg.tracker, run_dir, cfg.root)  # tracker=: outside the run's files
+    accelerator = make_accelerator(cfg.precision, **tracking.accelerator_kwargs())
     main, dev = accelerator.is_main_process, accelerator.device
     source, model = load_source(cfg)
     real = cfg.root / "real"
@@ -248,12 +250,14 @@ def run(cfg: Config) -> Path:
         atomic_write_json(run_dir / "metrics.json", {SECTION: section(state, False)})
 
     name = f"finetune {cfg.output}"
+    tracking.start(accelerator, cfg.to_dict())  # the trackers close before the outputs
     try:
         result = fit(
             run_dir, recipe, module, optimizer, data, accelerator, name, progress_metrics, describe
         )
     finally:
         datapath.close(data.pixels, data.val)
+        tracking.finish(accelerator)
 
     # 4. Outputs (main): weights with what evaluate needs to rebuild them, metrics, plots,
     #    the manifest last.

@@ -57,6 +57,7 @@ from core.runtime import (
     progress,
     share_from_main,
 )
+from core.tracking import Tracking, scalars
 from models.generators import (
     UNET_PRESETS,
     SeriesSpec,
@@ -189,6 +190,18 @@ def resolve_precision(choice: str, cpu: bool) -> str:
     return "bf16" if native else "no"
 
 
+def fidelity_scalars(point: dict[str, Any]) -> dict[str, float]:
+    """A point of the fidelity curve for the trackers: fidelity/<judge>/w_<w> = the share (%) of
+    the endpoints the judge takes for their class (names made tracker-safe: linear_probe)."""
+    return scalars(
+        {
+            f"fidelity/{judge}/w_{w}": stats["accuracy"]
+            for w, by_judge in point["guidance"].items()
+            for judge, stats in by_judge.items()
+        }
+    )
+
+
 def ema_generator(cfg: Config, model: torch.nn.Module, ema: EMAModel) -> UNetGenerator:
     """The EMA weights of now, in float32 on the CPU, as a sampler (the training model is not
     touched)."""
@@ -212,7 +225,10 @@ def train(
     # 1. Accelerator, model, optimiser, schedules
     cpu = cfg.device == "cpu" or not torch.cuda.is_available()  # else torchrun ranks unseen
     precision = resolve_precision(cfg.mixed_precision, cpu)
-    accelerator = make_accelerator(cpu=cpu, mixed_precision=precision)
+    tracking = Tracking.of(cfg.tracker, folder, cfg.root)  # tracker=: outside the folder's files
+    accelerator = make_accelerator(
+        cpu=cpu, mixed_precision=precision, **tracking.accelerator_kwargs()
+    )
     num_classes, null_class = len(names), cfg.label_dropout > 0
     ckpt = Checkpointer(
         folder / CHECKPOINTS,
@@ -239,6 +255,7 @@ def train(
         ema.to(accelerator.device)
         log.info("fit-generator: resumed from %s at step %d", path, state.step)
     ckpt.tidy(first_free=state.number + 1 if state.step else 0)
+    tracking.start(accelerator, cfg.to_dict())
 
     # 3. Training loop: the data live on the device, uint8 -> [-1, 1] per batch
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
@@ -283,6 +300,7 @@ def train(
             accelerator.backward(loss)
         if cfg.grad_clip > 0:
             accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        lr = opt.param_groups[0]["lr"]  # this step's (for the trackers)
         opt.step()
         lr_sched.step()
         opt.zero_grad(set_to_none=True)
@@ -293,14 +311,17 @@ def train(
             mean = loss_sum.item() / loss_n
             bar.set_postfix(loss=f"{mean:.4f}")
             log.info("fit-generator: step %d/%d loss %.4f", state.step, cfg.steps, mean)
+            accelerator.log({"loss": mean, "lr": lr}, step=state.step)  # main process
             loss_sum, loss_n = torch.zeros((), device=device), 0
         due = cfg.fidelity_every and state.step % cfg.fidelity_every == 0
         if check is not None and (due or state.step == cfg.steps):
             gen = ema_generator(cfg, accelerator.unwrap_model(model), ema)
             state.fidelity.append(check(gen, state.step))
+            accelerator.log(fidelity_scalars(state.fidelity[-1]), step=state.step)
         if state.step % cfg.checkpoint_every == 0 or state.step == cfg.steps:
             save_checkpoint(accelerator, ckpt, ema, state)
     bar.close()
+    tracking.finish(accelerator)  # before anything of the folder's own is written
     accelerator.wait_for_everyone()
 
     # 4. The EMA weights into the model, on the CPU

@@ -45,6 +45,7 @@ from core.runtime import (
 from core.runtime import (
     make_accelerator as new_accelerator,
 )
+from core.tracking import scalars
 from models.calibration import ece, nll, topk_accuracy
 from models.objectives import TrainingModule
 from models.training import (
@@ -129,12 +130,13 @@ class Result:
     weights: dict[str, Tensor]  # the kept weights (the main process's are the ones written)
 
 
-def make_accelerator(precision: str) -> Accelerator:
-    """DDP under a launcher; bf16 autocast on GPU for precision=auto (bf16 forces it)."""
+def make_accelerator(precision: str, **tracking: Any) -> Accelerator:
+    """DDP under a launcher; bf16 autocast on GPU for precision=auto (bf16 forces it).
+    `tracking`: the trackers' Accelerator arguments (core.tracking.Tracking.accelerator_kwargs)."""
     bf16 = precision == "bf16" or (precision == "auto" and torch.cuda.is_available())
     # cpu=True without CUDA, so that torchrun ranks on a CPU machine use gloo
     return new_accelerator(
-        cpu=not torch.cuda.is_available(), mixed_precision="bf16" if bf16 else "no"
+        cpu=not torch.cuda.is_available(), mixed_precision="bf16" if bf16 else "no", **tracking
     )
 
 
@@ -365,6 +367,10 @@ def fit(
             )
             if main:
                 on_epoch(state)
+            # the trackers (main process; none without tracker=): the epoch's numbers, at the
+            # epoch metrics.json records
+            numbers = scalars({k: v for k, v in stats.items() if k != "epoch"})
+            accelerator.log(numbers, step=stats["epoch"])
             log.info(
                 "epoch %d/%d: loss %.4f, train acc %.1f %%, val acc %.2f %%, val ECE %.2f %%, "
                 "lr %.3g, %.0f img/s%s",

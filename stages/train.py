@@ -26,6 +26,7 @@ import torch
 from core.io import atomic_write_json
 from core.plots import lines
 from core.runtime import code_version, derive_seed, log, make_generator
+from core.tracking import Tracking
 from models.annotation import soft_targets
 from models.classifiers import build_classifier
 from models.objectives import TrainingModule, build_objective
@@ -121,7 +122,8 @@ def run(cfg: Config) -> Path:
     """Train one run (see the module docstring); returns the run folder."""
     # 1. Accelerator, the run folder, what it is made from; a complete run only reads.
     run_dir = cfg.root / "train" / cfg.run
-    accelerator = make_accelerator(cfg.precision)
+    tracking = Tracking.of(cfg.tracker, run_dir, cfg.root)  # tracker=: outside the run's files
+    accelerator = make_accelerator(cfg.precision, **tracking.accelerator_kwargs())
     main, dev = accelerator.is_main_process, accelerator.device
     classes = read_manifest(cfg.root / "real" / "train").class_names
     probe = build_objective(cfg.loss, len(classes), torch.Generator(), **cfg.loss_params())
@@ -191,11 +193,13 @@ def run(cfg: Config) -> Path:
     def progress_metrics(state: LoopState) -> None:
         atomic_write_json(run_dir / "metrics.json", {"train": _section(cfg, state, False, path)})
 
+    tracking.start(accelerator, cfg.to_dict())  # the trackers close before the outputs
     try:
         name = f"train {cfg.run}"
         result = fit(run_dir, recipe, module, optimizer, data, accelerator, name, progress_metrics)
     finally:
         datapath.close(pixels, val)
+        tracking.finish(accelerator)
 
     # 5. Outputs (main): the best epoch's weights with what a reader needs, metrics, curves,
     #    the manifest last.

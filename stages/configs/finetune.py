@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.config import ConfigError, StageConfig, check_choice, check_range
+from core.tracking import parse_trackers
 from models.heads import FEDLAS_DEFAULTS
 from shards.datapath import (
     DEFAULT_DATA_PATH,
@@ -76,6 +77,9 @@ class Config(StageConfig):
     eval_batch_size: int = 512
     checkpoint_limit: int = 2  # complete checkpoints kept (one after every epoch)
     resume: str = "auto"  # auto | latest | "" (start over) | <checkpoint folder>
+    # experiment tracking (core/tracking.py): none | tensorboard | wandb | mlflow | trackio, or
+    # several (tensorboard,mlflow); not part of the run's identity
+    tracker: str = "none"
 
     def __post_init__(self):
         if not self.run:
@@ -88,6 +92,7 @@ class Config(StageConfig):
             check_range(name, getattr(self, name), 1)
         check_range("eval_batch_size", self.eval_batch_size, 1)
         check_data_fields(self)
+        parse_trackers(self.tracker)
         check_range("checkpoint_limit", self.checkpoint_limit, 1)
         for name in ("maccal_lr", "fedlas_lr", "momentum", "weight_decay", "clip_norm"):
             check_range(name, getattr(self, name), 0.0)

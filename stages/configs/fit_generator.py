@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.config import ConfigError, StageConfig, check_choice, check_range
+from core.tracking import parse_trackers
 from models.generators import UNET_PRESETS
 
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
@@ -49,6 +50,9 @@ class Config(StageConfig):
     sample_steps: int = 25  # DDIM steps for sample_grid.png
     log_every: int = 50  # log the mean loss every N steps
     device: str = ""  # "" = accelerate's choice (GPU if any); "cpu" forces the CPU
+    # experiment tracking (core/tracking.py): none | tensorboard | wandb | mlflow | trackio, or
+    # several (tensorboard,mlflow): loss, lr and the fidelity points; not part of the identity
+    tracker: str = "none"
 
     @property
     def grid(self) -> tuple[float, ...]:
@@ -74,6 +78,7 @@ class Config(StageConfig):
         check_range("train_limit", self.train_limit, 0)
         check_range("fidelity_every", self.fidelity_every, 0)
         check_range("fidelity_per_class", self.fidelity_per_class, 1)
+        parse_trackers(self.tracker)
         if not self.guidance_grid or min(self.guidance_grid) < 0:
             raise ConfigError(f"guidance_grid={self.guidance_grid}: give weights w >= 0, e.g. 1,2")
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from core.config import ConfigError, StageConfig, check_choice, check_range
+from core.tracking import parse_trackers
 from models.classifiers import CLASSIFIERS, TIMM_PREFIX
 from models.heads import FEDLAS_DEFAULTS
 from models.losses import MMCE_NORMALIZATIONS
@@ -107,6 +108,9 @@ class Config(StageConfig):
     checkpoint_limit: int = 2  # complete checkpoints kept (a save never touches the older ones)
     resume: str = "auto"  # auto | latest | "" (start over) | <checkpoint folder>
     eval_batch_size: int = 512
+    # experiment tracking (core/tracking.py): none | tensorboard | wandb | mlflow | trackio, or
+    # several (tensorboard,mlflow); not part of the run's identity
+    tracker: str = "none"
 
     def __post_init__(self):
         check_choice("loss", self.loss, tuple(LOSS_FIELDS))
@@ -133,6 +137,7 @@ class Config(StageConfig):
         check_range("csm_sharpening", self.csm_sharpening, 0.0)
         check_range("train_limit", self.train_limit, 0)
         check_data_fields(self)
+        parse_trackers(self.tracker)
         check_range("cpu_threads", self.cpu_threads, 0)
         if list(self.milestones) != sorted(self.milestones):
             raise ConfigError(f"milestones={list(self.milestones)} must be increasing")
