@@ -326,7 +326,7 @@ def test_accelerate_alone_ignores_a_damaged_rng_file_the_record_does_not(tmp_pat
     from core.runtime import make_accelerator
     from shards.checkpoints import LOAD_KWARGS
 
-    accelerator = make_accelerator(cpu=True, mixed_precision="no")
+    accelerator = make_accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no")
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, optimizer = accelerator.prepare(model, optimizer)
