@@ -4,8 +4,11 @@ Every stage is one typed function `stages.<module>.run(config) -> Path`; this fi
 parses arguments, resolves the config and calls it. It is also the error boundary: every
 expected failure (bad config; missing, corrupt or foreign input; a weights file that is no
 safetensors; I/O errors such as a full disk or read-only media) prints as one line naming the
-path and the fix, and exits non-zero; set SEMIX_DEBUG=1 for the traceback. Anything else is a
-bug: it keeps its traceback, followed by a line asking to report it.
+path and the fix, and exits non-zero; set SEMIX_DEBUG=1 for the traceback. A full disk, an
+exhausted quota or read-only media (the writers name the file: core.io.writing) and Ctrl-C
+(exit 130) say that completed work is kept and a rerun resumes: no stage marks anything
+complete before its last write (docs/faults.md). Anything else is a bug: it keeps its
+traceback, followed by a line asking to report it.
 """
 
 from __future__ import annotations
@@ -32,15 +35,20 @@ COMMANDS = {"chain": "pipeline.chain", "demo": "pipeline.demo", "study": "pipeli
 EXIT_CONFIG = 2  # bad command line or config: nothing was written
 EXIT_DATA = 1  # the stage refused its input or failed cleanly
 EXIT_BUG = 3  # an unexpected error: traceback shown, please report it
+EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as a shell reports it
 
 REPORT = "this is a bug in semix: please report it with the traceback above"
+INTERRUPTED = "interrupted; completed work is kept, rerun the same command to resume"
+KEPT = "completed work is kept"
 
 # errno -> what the user can do about it; the message names the path
 OS_HINTS = {
-    errno.ENOSPC: "the disk is full: free space or set out= to another disk, then rerun "
-    "(complete shards are kept)",
-    errno.EDQUOT: "the disk quota is exhausted: free space or set out= elsewhere, then rerun",
-    errno.EROFS: "the storage is read-only: set out= to a writable folder",
+    errno.ENOSPC: f"the disk is full; {KEPT}: free space (or set out= to another disk) and "
+    "rerun the same command to resume",
+    errno.EDQUOT: f"the disk quota is exhausted (the disk is full for this user); {KEPT}: free "
+    "space (or set out= elsewhere) and rerun the same command to resume",
+    errno.EROFS: f"the storage is read-only; {KEPT}: make it writable (or set out= to a "
+    "writable folder) and rerun the same command to resume",
     errno.EACCES: "permission denied: check the file's permissions or set out= elsewhere",
     errno.EPERM: "operation not permitted: check permissions or set out= elsewhere",
     errno.ENOTDIR: "a part of this path is a file, not a folder: check out= and the input paths",
@@ -130,6 +138,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = run_stage(args.stage, args.preset, sets)
         print(f"semix {args.stage}: done -> {out}")
         return 0
+    except KeyboardInterrupt:  # Ctrl-C anywhere: nothing is marked complete before its end
+        if os.environ.get("SEMIX_DEBUG") == "1":
+            raise
+        if os.environ.get("RANK", "0") == "0":  # every rank got it; one line says it
+            print(f"semix {args.stage}: {INTERRUPTED}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except ConfigError as e:
         return _fail(args.stage, str(e), EXIT_CONFIG, e)
     except OSError as e:  # I/O: full disk, read-only media, a file where a folder should be, ...

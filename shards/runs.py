@@ -29,7 +29,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load, load_file, save_file
 from torch import nn
 
-from core.io import atomic_write_json, read_json, sha256_bytes, sha256_file, tmp_path_for
+from core.io import (
+    atomic_write_json,
+    read_json,
+    sha256_bytes,
+    sha256_file,
+    tmp_path_for,
+    writing,
+)
 from shards.manifest import (
     MANIFEST,
     Manifest,
@@ -57,8 +64,9 @@ def write_weights(
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
     tmp = tmp_path_for(folder / WEIGHTS)
-    save_file(tensors, str(tmp))
-    tmp.replace(folder / WEIGHTS)
+    with writing(folder / WEIGHTS, tmp):  # safetensors' own I/O errors name the weights too
+        save_file(tensors, str(tmp))
+        tmp.replace(folder / WEIGHTS)
     atomic_write_json(folder / META, dict(meta))
     return sha256_file(folder / WEIGHTS)
 

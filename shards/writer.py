@@ -27,7 +27,14 @@ import webdataset as wds
 from PIL import Image
 
 from core.config import set_value
-from core.io import atomic_write_json, canonical_json, read_json, sha256_file, tmp_path_for
+from core.io import (
+    atomic_write_json,
+    canonical_json,
+    read_json,
+    sha256_file,
+    tmp_path_for,
+    writing,
+)
 from shards.datapath import DATA_FIELDS
 from shards.manifest import (
     MANIFEST,
@@ -92,15 +99,16 @@ def write_tar(path: Path, samples: Iterable[Mapping[str, Any]]) -> int:
     """Write samples to `path` atomically; returns the number of samples."""
     tmp = tmp_path_for(path)
     count = 0
-    with open(tmp, "wb") as f:
-        # mtime fixed and owner blank: tar headers carry no trace of when or who wrote them.
-        with wds.TarWriter(f, encoder=False, mtime=0, user="", group="") as tar:
-            for sample in samples:
-                tar.write(encode_sample(sample))
-                count += 1
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with writing(path, tmp):  # a full disk or read-only media names the shard
+        with open(tmp, "wb") as f:
+            # mtime fixed and owner blank: tar headers carry no trace of when or who wrote them.
+            with wds.TarWriter(f, encoder=False, mtime=0, user="", group="") as tar:
+                for sample in samples:
+                    tar.write(encode_sample(sample))
+                    count += 1
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
     return count
 
 

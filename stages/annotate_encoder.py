@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from core.io import atomic_write_json, read_json, sha256_file, tmp_path_for
+from core.io import atomic_write_json, read_json, sha256_file, tmp_path_for, writing
 from core.runtime import log, progress
 from models.annotation import PrototypeAccumulator
 from models.annotation import text_prototypes as encode_text_prototypes
@@ -128,8 +128,9 @@ def ensure_prototypes(cfg: Config, encoder, class_names, real, mixed: Path) -> N
         return
     protos, counts = compute_prototypes(cfg, encoder, class_names, real)
     tmp = tmp_path_for(mixed / PROTOTYPES)
-    save_file({"prototypes": protos.contiguous()}, str(tmp))
-    os.replace(tmp, mixed / PROTOTYPES)
+    with writing(mixed / PROTOTYPES, tmp):  # safetensors' I/O errors name the file
+        save_file({"prototypes": protos.contiguous()}, str(tmp))
+        os.replace(tmp, mixed / PROTOTYPES)
     atomic_write_json(meta_path, {"key": key, "counts": counts, "shape": list(protos.shape)})
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from core.config import ConfigError
+from core.io import writing
 from core.runtime import log
 from models.generators import EDMNetwork, convert_edm_pickle
 from stages.configs.convert_edm import Config
@@ -33,6 +34,7 @@ def run(cfg: Config) -> Path:
         return dest
     # 3. Read (restricted), rebuild, write safetensors + config
     dest.parent.mkdir(parents=True, exist_ok=True)
-    convert_edm_pickle(src, dest)
+    with writing(dest):  # a full disk or read-only media: one line naming the folder
+        convert_edm_pickle(src, dest)
     log.info("convert-edm: %s -> %s", src, dest)
     return dest

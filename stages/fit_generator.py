@@ -45,7 +45,7 @@ from accelerate import Accelerator, PartialState
 from diffusers import DDPMScheduler, UNet2DModel
 from diffusers.training_utils import EMAModel
 
-from core.io import sha256_file
+from core.io import sha256_file, writing
 from core.plots import image_grid
 from core.runtime import (
     Processes,
@@ -237,6 +237,7 @@ def train(
         is_main=accelerator.is_main_process,
         barrier=accelerator.wait_for_everyone,
         share=share_from_main(accelerator),
+        ranks=accelerator.num_processes,
     )
     with torch.random.fork_rng(devices=[]):  # the random init, seeded, global RNG left alone
         torch.manual_seed(derive_seed(cfg.seed, "fit-init"))
@@ -398,7 +399,8 @@ def run(cfg: Config) -> Path:
 
     # 3. Weights, the fidelity curve and the chosen guidance, the sample grid at that guidance
     guidance, summary = check.choose(curve)
-    save_unet(folder, unet, noise_scheduler(cfg))
+    with writing(folder / "unet"):  # diffusers' writes lose the file name: name the folder
+        save_unet(folder, unet, noise_scheduler(cfg))
     check.write(folder, curve, guidance)
     sample_grid(cfg, folder, names, state.device, guidance)
 

@@ -141,8 +141,9 @@ def make_accelerator(precision: str, **tracking: Any) -> Accelerator:
 
 
 def check_resume(run_dir: Path, resume: str) -> None:
-    """A `resume=` that names no usable checkpoint fails now, in one line, before any work."""
-    Checkpointer(run_dir / "checkpoints", keep=1).choose(resume)
+    """A `resume=` that names no usable checkpoint fails now, in one line, before any work
+    (the form and the completion marker; `fit` verifies the files when it loads)."""
+    Checkpointer(run_dir / "checkpoints", keep=1).choose(resume, verify=False)
 
 
 # ---------------------------------------------------------------- one step's inputs
@@ -314,6 +315,7 @@ def fit(
         is_main=main,
         barrier=accelerator.wait_for_everyone,
         share=share_from_main(accelerator),
+        ranks=accelerator.num_processes,
     )
     module, optimizer = accelerator.prepare(module, optimizer)
     inner = accelerator.unwrap_model(module)

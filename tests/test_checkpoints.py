@@ -3,7 +3,13 @@ run folders complete only with their manifest."""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
+import logging
+import pickle
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,10 +130,13 @@ def test_the_main_process_chooses_the_checkpoint_for_every_rank(tmp_path):
             sent.append(value)
         return sent[-1]
 
-    ranks = [Checkpointer(view, keep=5, is_main=main, share=broadcast)
+    ours = ("ema.safetensors",)
+    ranks = [Checkpointer(view, keep=5, files=ours, is_main=main, share=broadcast)
              for view, main in ((main_view, True), (stale_view, False))]  # fmt: skip
     assert [r.choose("auto") for r in ranks] == [main_view / "checkpoint_3"] * 2
-    assert Checkpointer(stale_view, keep=5).choose("auto") == stale_view / "checkpoint_2"
+    assert (
+        Checkpointer(stale_view, keep=5, files=ours).choose("auto") == stale_view / "checkpoint_2"
+    )
     assert [r.choose("") for r in ranks] == [None, None]
     (main_view / "checkpoint_2").rename(tmp_path / "elsewhere")
     (main_view / "checkpoint_3").rename(tmp_path / "elsewhere3")
@@ -160,3 +169,178 @@ def test_a_run_is_complete_only_with_its_manifest(tmp_path):
     assert read_run(tmp_path / "made").manifest.upstream == {}
     with pytest.raises(ShardError, match="has no trained weights"):
         read_run(tmp_path / "nothing")
+
+
+# ---------------------------------------------------------------- the sha256 record (issue 24)
+
+
+@pytest.fixture
+def semix_log():
+    """The messages semix's logger emits during the test (warnings included)."""
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("semix")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield records
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def _saved(tmp_path, steps, keep=3) -> Checkpointer:
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep=keep, files=("ema.safetensors",))
+    for step in steps:
+        _save(ckpt, step)
+    return ckpt
+
+
+def test_the_marker_records_every_file_and_load_returns_the_state(tmp_path):
+    ckpt = _saved(tmp_path, [0])
+    folder = ckpt.folder / "checkpoint_0"
+    marker = json.loads((folder / MARKER).read_text())
+    expected = {
+        p.name: {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+        for p in folder.iterdir()
+        if p.name != MARKER
+    }
+    assert set(expected) == {"model.safetensors", "random_states_0.pkl", "ema.safetensors"}
+    assert marker == {"step": 0, "files": expected}
+    state, tensors = ckpt.load(ckpt.choose("auto"), lambda p: None)
+    assert state == {"step": 0}  # the record is the checkpoint's, not the caller's state
+    assert torch.equal(tensors["ema.safetensors"]["w"], torch.zeros(3))
+    with pytest.raises(ValueError, match="file record"):
+        ckpt.save(1, _write(1), {"files": {}})
+    # the cheap check before any work (train's check_resume) reads no file and knows no names
+    assert Checkpointer(ckpt.folder, keep=1).choose(str(folder), verify=False) == folder
+
+
+def _flip(path):
+    data = bytearray(path.read_bytes())
+    data[0] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {  # what is done to checkpoint_2 -> (the file the log line names, what it says)
+    "flipped RNG state": (lambda f: _flip(f / "random_states_0.pkl"), "random_states_0.pkl", "sha256 differs"),
+    "truncated model": (lambda f: (f / "model.safetensors").write_bytes(b"m"), "model.safetensors", "1 bytes, the checkpoint's record says 2"),
+    "removed RNG state": (lambda f: (f / "random_states_0.pkl").unlink(), "random_states_0.pkl", "missing"),
+    "added optimizer": (lambda f: (f / "optimizer.bin").write_bytes(b"o"), "optimizer.bin", "not in the checkpoint's record"),
+    "planted pickle": (lambda f: (f / "custom_checkpoint_0.pkl").write_bytes(b"p"), "custom_checkpoint_0.pkl", "pickled state is never loaded"),
+    "garbled marker": (lambda f: (f / MARKER).write_text("{not json"), MARKER, "unreadable"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path, semix_log, damage):
+    """Verified as a whole before anything is read: one log line naming the file, one saying
+    which checkpoint is taken instead; the damaged one is replayed (tidy removes it)."""
+    ckpt = _saved(tmp_path, [0, 1, 2])
+    do, name, says = DAMAGE[damage]
+    damaged = ckpt.folder / "checkpoint_2"
+    do(damaged)
+    for resume in ("auto", "latest"):
+        semix_log.clear()
+        assert ckpt.choose(resume) == ckpt.folder / "checkpoint_1"
+        assert len(semix_log) == 2, semix_log
+        assert str(damaged / name) in semix_log[0] and says in semix_log[0]
+        assert "resuming from the previous complete checkpoint" in semix_log[1]
+        assert str(ckpt.folder / "checkpoint_1") in semix_log[1]
+    state, tensors = ckpt.load(ckpt.choose("auto"), lambda p: None)
+    assert state == {"step": 1} and torch.equal(tensors["ema.safetensors"]["w"], torch.ones(3))
+    with pytest.raises(ShardError, match=re.escape(str(damaged / name))):  # named: no fallback
+        ckpt.choose(str(damaged))
+    ckpt.tidy(first_free=state["step"] + 1)
+    assert sorted(ckpt.complete()) == [0, 1]
+
+
+def test_no_intact_checkpoint_stops_in_one_line(tmp_path, semix_log):
+    ckpt = _saved(tmp_path, [0, 1], keep=2)
+    for n in (0, 1):
+        _flip(ckpt.folder / f"checkpoint_{n}" / "random_states_0.pkl")
+    with pytest.raises(ShardError) as error:
+        ckpt.choose("auto")
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith(str(ckpt.folder / "checkpoint_1" / "random_states_0.pkl"))
+    assert "holds no intact checkpoint: start over with resume=''" in message
+    assert len(semix_log) == 2  # one line per damaged checkpoint, no "resuming from"
+    assert ckpt.choose("") is None  # resume='' starts over
+    ckpt.tidy(first_free=0)
+    assert list(ckpt.folder.iterdir()) == []
+
+
+def test_a_checkpoint_without_a_record_loads_unverified_with_a_warning(tmp_path, semix_log):
+    """Written by semix before the record existed: resumed from (the run keeps its progress),
+    said once."""
+    ckpt = _saved(tmp_path, [0, 1])
+    marker = ckpt.folder / "checkpoint_1" / MARKER
+    marker.write_text(json.dumps({"step": 1}))  # the old marker: the caller's state only
+    _flip(ckpt.folder / "checkpoint_1" / "random_states_0.pkl")  # not detectable without one
+    assert ckpt.choose("auto") == ckpt.folder / "checkpoint_1"
+    assert len(semix_log) == 1 and "has no sha256 record" in semix_log[0]
+    state, _ = ckpt.load(ckpt.folder / "checkpoint_1", lambda p: None)
+    assert state == {"step": 1}
+
+
+class _Payload:
+    """Unpickling this runs code: it creates the file `marker`."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_file_that_does_not_load_is_one_line_and_never_unpickled(tmp_path):
+    """A consistent record over bytes that are no loadable state (a pickle under accelerate's
+    optimizer name; a truncated torch file): read with weights_only, refused in one line."""
+    ran = tmp_path / "payload-ran"
+    buffer = io.BytesIO()
+    torch.save({"state": {}, "param_groups": []}, buffer)
+    contents = {
+        "pickle": (pickle.dumps(_Payload(ran)), "a pickle that is not plain tensors"),
+        "truncated": (buffer.getvalue()[:100], "RuntimeError: PytorchStreamReader"),
+        "empty": (b"", "EOFError"),
+    }
+    for name, (data, says) in contents.items():
+        ckpt = Checkpointer(tmp_path / name, keep=1)
+        path = ckpt.save(
+            0, lambda folder, data=data: (folder / "optimizer.bin").write_bytes(data), {}
+        )
+        with pytest.raises(ShardError) as error:
+            ckpt.load(
+                ckpt.choose("auto"), lambda p: torch.load(p / "optimizer.bin", weights_only=True)
+            )
+        message = str(error.value)
+        assert message.startswith(f"{path}: this checkpoint does not load") and says in message
+        assert "\n" not in message and "resume=''" in message
+    assert not ran.exists()
+
+
+def test_accelerate_alone_ignores_a_damaged_rng_file_the_record_does_not(tmp_path, semix_log):
+    """Why the RNG files are in the record: accelerate's load_state swallows any error loading
+    them ("Could not load random states") and carries on with the current RNG state."""
+    from core.runtime import make_accelerator
+    from shards.checkpoints import LOAD_KWARGS
+
+    accelerator = make_accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no")
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep=2)
+    for n in (0, 1):
+        ckpt.save(n, lambda folder: accelerator.save_state(str(folder)), {"n": n})
+    rng = ckpt.folder / "checkpoint_1" / "random_states_0.pkl"
+    assert {p.name for p in rng.parent.iterdir()} >= {"optimizer.bin", rng.name, MARKER}
+    rng.write_bytes(rng.read_bytes()[: rng.stat().st_size // 2])
+    accelerator.load_state(str(rng.parent), load_kwargs=LOAD_KWARGS)  # no error: silently skipped
+    assert ckpt.choose("auto") == ckpt.folder / "checkpoint_0"
+    assert str(rng) in semix_log[0] and "record says" in semix_log[0]
+    state, _ = ckpt.load(
+        ckpt.folder / "checkpoint_0",
+        lambda p: accelerator.load_state(str(p), load_kwargs=LOAD_KWARGS),
+    )
+    assert state == {"n": 0}
