@@ -79,7 +79,8 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
     if needs_chain:
         done = (root / "mixed" / "manifest.json").is_file()
         tasks.append(Task("chain", [("chain", chain_sets)], done=done))
-    for variant in sorted({METHODS[m].variant for m in cfg.methods} - {""}):
+
+    def variant_chain(variant: str) -> Task:
         v_root = variant_root(root, variant)
         v_sets = [*(s for s in chain_sets if not s.startswith("name=")), f"name={v_root.name}"]
         done = (v_root / "mixed" / "manifest.json").is_file()
@@ -87,12 +88,21 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
             prepare = functools.partial(prepare_redraw, root)
         else:
             prepare = functools.partial(prepare_kway, root, int(variant[1:]))
-        tasks.append(Task(f"chain-{variant}", [("chain", v_sets)], {"chain"}, done, prepare))
+        return Task(f"chain-{variant}", [("chain", v_sets)], {"chain"}, done, prepare)
+
     train_sets, ft_sets = split_sets(sets, "train"), split_sets(sets, "finetune")
     tuned = tuning_tasks(cfg, root, train_sets) if cfg.tune else {}
-    tasks += [t for group in tuned.values() for t in group]
     eval_sets = [*split_sets(sets, "evaluate"), f"ts_criterion={cfg.ts_criterion}"]
-    for method in cfg.methods:  # method by method (all its seeds), in the order given
+    # method by method (all its seeds), in the order given; a variant's chain and a tuning
+    # grid join the list just before the first method that needs them. Tasks start in list
+    # order once what they need is done, so the methods given first are done first.
+    for method in cfg.methods:
+        variant = METHODS[method].variant
+        if variant and not any(t.name == f"chain-{variant}" for t in tasks):
+            tasks.append(variant_chain(variant))
+        group = tuning_group(method)
+        for g in ("csm", group) if group else ():
+            tasks += [t for t in tuned.get(g, []) if t not in tasks]
         for seed in cfg.seeds:
             m, name = METHODS[method], run_name(method, seed)
             if m.stage == "train":
