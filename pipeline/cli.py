@@ -109,10 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sets = [s for s in args.sets if s]  # Makefile variables expand to empty strings
     try:
         if args.stage in COMMANDS:
-            from pipeline import chain
-
             setup_logging(is_main=os.environ.get("RANK", "0") == "0")
-            getattr(chain, args.stage)(args.preset, sets)
+            run_command(args.stage, args.preset, sets)
             return 0
         if args.fields:
             print(_describe_fields(args.stage))
