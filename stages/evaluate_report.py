@@ -10,6 +10,7 @@ change, and it is never written into a run folder or any other stage's folder.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,10 +73,16 @@ def seed_summary(rows: list[tuple[str, str, dict]]) -> list[str]:
     return [*lines_, ""]
 
 
-def collect_rows(root: Path) -> list[tuple[str, str, dict[str, Any]]]:
-    """(stage, run, evaluation) of every complete, undamaged evaluation, in report order."""
-    rows = []
+def collect_rows(
+    root: Path, leave_out: Callable[[str], bool] = lambda name: False
+) -> tuple[list[tuple[str, str, dict[str, Any]]], list[str]]:
+    """((stage, run, evaluation) of every complete, undamaged evaluation, in report order;
+    the names of the train/finetune runs `leave_out` took away)."""
+    rows, left = [], []
     for stage, name, folder in evals.evaluated(root, STAGE_FOLDERS):
+        if stage != ENSEMBLE and leave_out(name):
+            left.append(name)
+            continue
         try:
             metrics = evals.read_metrics(folder)
         except ShardError as e:  # one damaged folder must not hide every other evaluation
@@ -83,20 +90,29 @@ def collect_rows(root: Path) -> list[tuple[str, str, dict[str, Any]]]:
             continue
         if metrics:
             rows.append((stage, name, metrics["evaluation"]))
-    return rows
+    return rows, sorted(set(left))
 
 
-def render(title: str, rows: list[tuple[str, str, dict[str, Any]]]) -> str:
+def render(
+    title: str, rows: list[tuple[str, str, dict[str, Any]]], left_out: Sequence[str] = ()
+) -> str:
     head = "| run | stage | loss | " + " | ".join(c[1] for c in REPORT_COLUMNS)
     lines_ = [
         f"# {title}: evaluated runs",
         "",
         "Test split; percentages x100 except NLL and Brier. "
         "Temperature T fitted on the val split (criterion `nll`: the val-NLL minimiser in "
-        "[0.05, 20]; `ece`: the lowest val ECE on 0.1..10; METHODS §7). T on the edge of its "
+        "[0.05, 20]; `ece`: the lowest val ECE on 0.1..10). T on the edge of its "
         "range (marked !) means a degenerate fit.",
         "",
     ]
+    if left_out:
+        lines_ += [
+            f"Left out: the internal run(s) {', '.join(left_out)} (a classifier the stages "
+            "used as a tool, e.g. annotate's encoder or a fidelity judge, or a study tuning "
+            "run); `make evaluate SET=internal_runs=1` lists them.",
+            "",
+        ]
     for key, heading in (
         ("before_ts", "Before temperature scaling"),
         ("after_ts", "After temperature scaling"),
@@ -148,11 +164,12 @@ def render(title: str, rows: list[tuple[str, str, dict[str, Any]]]) -> str:
     return "\n".join(lines_)
 
 
-def write_report(root: Path) -> Path:
-    """Rebuild eval/report.md from disk; untouched when its bytes would not change (so a rerun
-    that evaluates nothing new writes nothing)."""
+def write_report(root: Path, leave_out: Callable[[str], bool] = lambda name: False) -> Path:
+    """Rebuild eval/report.md from disk, without the runs `leave_out` names (internal runs:
+    stages.evaluate.left_out); untouched when its bytes would not change (so a rerun that
+    evaluates nothing new writes nothing)."""
     path = evals.report_path(root)
-    data = render(Path(root).name, collect_rows(root)).encode()
+    data = render(Path(root).name, *collect_rows(root, leave_out)).encode()
     if not (path.is_file() and path.read_bytes() == data):
         atomic_write_bytes(path, data)
     return path
