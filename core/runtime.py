@@ -483,7 +483,7 @@ def progress(
 @functools.cache
 def code_version() -> str:
     """'0.1.0' plus the git commit when run from a checkout: recorded in every manifest."""
-    repo = Path(__file__).resolve().parents[2]  # core/runtime.py -> the checkout
+    repo = Path(__file__).resolve().parents[1]  # core/runtime.py -> the checkout
     if (repo / ".git").exists():
         try:
             sha = subprocess.run(

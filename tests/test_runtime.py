@@ -1,14 +1,19 @@
-"""Progress: tqdm bars on a terminal, plain log lines elsewhere, log lines never inside a bar."""
+"""core/runtime: progress (tqdm bars on a terminal, plain log lines elsewhere, log lines never
+inside a bar) and the code version every manifest records."""
 
 from __future__ import annotations
 
 import io
 import re
+import shutil
+import subprocess
 import sys
 
 import pytest
+from conftest import REPO
 
-from core.runtime import LogProgress, log, progress, setup_logging
+from core import __version__
+from core.runtime import LogProgress, code_version, log, progress, setup_logging
 
 STAMP = re.compile(r"^\d\d:\d\d:\d\d semix ")
 
@@ -114,3 +119,12 @@ def test_terminal_gets_a_bar_and_log_lines_never_share_its_line(shown, monkeypat
     monkeypatch.setenv("SEMIX_PROGRESS", "sometimes")
     with pytest.raises(ValueError, match="SEMIX_PROGRESS='sometimes': choose one of"):
         progress(range(3), desc="x")
+
+
+def test_code_version_names_the_commit_of_this_checkout():
+    """The commit of the checkout semix runs from, never of a repository around it."""
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True,
+                          text=True, check=True).stdout.strip()  # fmt: skip
+    assert code_version() == f"{__version__}+g{head}"
