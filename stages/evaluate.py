@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.io import atomic_write_bytes, atomic_write_json, read_json
+from core.io import atomic_write_bytes, atomic_write_json
 from core.plots import reliability_diagram
 from core.runtime import Processes, code_version, log
 from models.calibration import (
@@ -53,7 +53,7 @@ from shards.runs import META
 from shards.runs import load_model as load_run_model
 from stages import data as datapath
 from stages.configs.evaluate import Config
-from stages.evaluate_report import ENSEMBLE, write_report
+from stages.evaluate_report import ENSEMBLE, left_out, write_report
 
 RUN_STAGES = ("train", "finetune")
 
@@ -99,44 +99,6 @@ def complete_runs(root: Path) -> list[tuple[str, str]]:
         for p in sorted((root / stage).iterdir())
         if p.is_dir() and run_is_complete(p)
     ]
-
-
-# The study's grid of csm runs that choose w and s on val (pipeline/study_tune.py).
-INTERNAL_PREFIXES = ("tune-",)
-
-
-def internal_runs(root: Path) -> set[str]:
-    """Names of the train runs the stages under `root` used as tools, as their config.json files
-    record them: annotate's encoder (encoder=classifier) and fidelity judge (mixed/), the
-    endpoint judge of generate (series/) and the judge of fit-generator (generator/). In the
-    digits and fashion-mnist chains: `encoder` and `judge`. Runs named tune-* (the study's
-    tuning grid) are internal too (`is_internal`)."""
-    roles = {
-        "mixed": lambda c: (
-            [c.get("fidelity_run", "")]
-            + ([c.get("encoder_run", "")] if c.get("encoder") == "classifier" else [])
-        ),
-        "series": lambda c: [c.get("endpoint_judge", "")],
-        "generator": lambda c: [c.get("judge_run", "")],
-    }
-    names: set[str] = set()
-    for folder, used in roles.items():
-        path = Path(root) / folder / "config.json"
-        if path.is_file():
-            names.update(n for n in used(read_json(path)) if n)
-    return names
-
-
-def is_internal(name: str, internal: set[str]) -> bool:
-    return name in internal or name.startswith(INTERNAL_PREFIXES)
-
-
-def left_out(cfg: Config) -> Callable[[str], bool]:
-    """Which run names `make evaluate` skips and report.md leaves out (none with internal_runs)."""
-    if cfg.internal_runs:
-        return lambda name: False
-    internal = internal_runs(cfg.root)
-    return lambda name: is_internal(name, internal)
 
 
 def load_model(folder: Path, device: torch.device, class_names: tuple[str, ...]):

@@ -5,6 +5,9 @@ the evaluation itself. The report is a view, not a finished output: its bytes ar
 the complete evaluation folders on disk (each checked against its manifest), it lives inside
 evaluate's own folder `eval/`, it is rewritten (temp file + rename) only when those bytes
 change, and it is never written into a run folder or any other stage's folder.
+
+Also here: which runs are internal (`internal_runs`: the classifiers the stages used as tools,
+the study's tuning runs), which a bare evaluate and the report leave out unless asked.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from core.io import atomic_write_bytes
+from core.io import atomic_write_bytes, read_json
 from core.runtime import log
 from shards import evals
 from shards.manifest import ShardError
+from stages.configs.evaluate import Config
 
 ENSEMBLE = "ensemble"
 STAGE_FOLDERS = ("train", "finetune", ENSEMBLE)  # report order
@@ -43,6 +47,44 @@ SUMMARY_COLUMNS = [
     ("nll", "before_ts"),
     ("ece", "after_ts"),
 ]
+
+
+# The study's grid of csm runs that choose w and s on val (pipeline/study_tune.py).
+INTERNAL_PREFIXES = ("tune-",)
+
+
+def internal_runs(root: Path) -> set[str]:
+    """Names of the train runs the stages under `root` used as tools, as their config.json files
+    record them: annotate's encoder (encoder=classifier) and fidelity judge (mixed/), the
+    endpoint judge of generate (series/) and the judge of fit-generator (generator/). In the
+    digits and fashion-mnist chains: `encoder` and `judge`. Runs named tune-* (the study's
+    tuning grid) are internal too (`is_internal`)."""
+    roles = {
+        "mixed": lambda c: (
+            [c.get("fidelity_run", "")]
+            + ([c.get("encoder_run", "")] if c.get("encoder") == "classifier" else [])
+        ),
+        "series": lambda c: [c.get("endpoint_judge", "")],
+        "generator": lambda c: [c.get("judge_run", "")],
+    }
+    names: set[str] = set()
+    for folder, used in roles.items():
+        path = Path(root) / folder / "config.json"
+        if path.is_file():
+            names.update(n for n in used(read_json(path)) if n)
+    return names
+
+
+def is_internal(name: str, internal: set[str]) -> bool:
+    return name in internal or name.startswith(INTERNAL_PREFIXES)
+
+
+def left_out(cfg: Config) -> Callable[[str], bool]:
+    """Which run names `make evaluate` skips and report.md leaves out (none with internal_runs)."""
+    if cfg.internal_runs:
+        return lambda name: False
+    internal = internal_runs(cfg.root)
+    return lambda name: is_internal(name, internal)
 
 
 def seed_summary(rows: list[tuple[str, str, dict]]) -> list[str]:

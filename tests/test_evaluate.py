@@ -383,7 +383,7 @@ def test_internal_runs_are_left_out_unless_asked(tmp_path, capsys):
     fit-generator's judge, as their config.json files name them; the study's tune-* runs) are
     neither evaluated by a bare evaluate nor listed in report.md; internal_runs=1 does both.
     A name alone makes no run internal: with a CLIP encoder, a run called `encoder` is a user's."""
-    from stages.evaluate import internal_runs
+    from stages.evaluate_report import internal_runs
 
     root = constructed_root(tmp_path)
     for name in ("encoder", "judge", "tune-csm-w1-s4", "judge2"):
