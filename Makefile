@@ -1,8 +1,9 @@
 # semix front door. `make help` lists every target.
 # Variables: CLASSES (preset or classes .txt), OUT (runs root), RUN, LOSS, METHOD, RUNS,
-# MIXED, REPO, REVISION, PRIVATE, DRY_RUN, SET (extra key=value overrides).
+# MIXED, REPO, REVISION, PRIVATE, DRY_RUN, SET (extra key=value overrides), FORCE (clean).
 
 SHELL      := /bin/bash
+ROOT       := $(patsubst %/,%,$(dir $(abspath $(lastword $(MAKEFILE_LIST)))))
 PYTHON     ?= python3
 VENV       ?= .venv
 PY         := $(VENV)/bin/python
@@ -99,5 +100,23 @@ study: $(STAMP) $(DATA) ## every method x 3 seeds, mean ± std + bootstrap (CLAS
 bench: $(STAMP) ## benchmarks -> bench/RESULTS.md
 	$(PY) -m bench
 
-clean: ## remove runs/ (keeps .venv)
-	rm -rf $(OUT)
+# rm -rf on whatever OUT says, so: only a folder inside this checkout that git tracks nothing
+# in; one outside it (OUT=/data/runs) only with FORCE=1; never the checkout, a folder holding
+# it, .git or the virtual environment.
+clean: ## remove $(OUT) (default runs/; keeps .venv); a folder outside the checkout needs FORCE=1
+	@out='$(OUT)'; root=$$(cd -- '$(ROOT)' && pwd -P); \
+	refuse() { echo "semix clean: $$1; nothing removed" >&2; exit 1; }; \
+	[ -n "$$out" ] || refuse "OUT is empty"; \
+	[ -e "$$out" ] || [ -L "$$out" ] || { echo "semix clean: $$out does not exist"; exit 0; }; \
+	where=$$(cd -- "$$out" 2>/dev/null && pwd -P) || refuse "OUT=$$out is not a folder"; \
+	above=$${where%/}; [ "$$where" != / ] || refuse "OUT=$$out is the root folder"; \
+	case "$$root/" in "$$above"/*) refuse "OUT=$$out is this checkout or holds it";; esac; \
+	venv=$$(cd -- "$$root" && cd -- '$(VENV)' 2>/dev/null && pwd -P) || venv=$$root/.git; \
+	case "$$where/" in "$$root"/.git/*|"$$venv"/*) \
+	  refuse "OUT=$$out is git's folder or the virtual environment";; esac; \
+	case "$$where/" in \
+	  "$$root"/*) ! git -C "$$root" ls-files --error-unmatch -- "$$where" >/dev/null 2>&1 || \
+	    refuse "OUT=$$out holds files committed to git";; \
+	  *) [ "$(FORCE)" = 1 ] || refuse "OUT=$$out ($$where) is outside this checkout ($$root): FORCE=1 removes it";; \
+	esac; \
+	rm -rf -- "$$out" && echo "semix clean: removed $$out"

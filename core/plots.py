@@ -78,12 +78,24 @@ def _save(fig, path: Path) -> Path:
     return Path(path)
 
 
+# reliability diagram colours: opaque, so that what a legend patch shows is what a bin shows
+ACCURACY, OVER, UNDER = "tab:blue", "#eb9a9a", "#f2c46d"
+
+
 def reliability_diagram(
     panels: Mapping[str, Mapping[str, Sequence[float]]], path: Path, title: str = ""
 ) -> Path:
-    """One column per panel (e.g. "before TS", "after TS"), each a reliability diagram over a
-    confidence histogram. A panel holds per-bin `acc`, `conf`, `count` (equal-width bins in
-    (0, 1]) and optionally `ece` (x100) for the legend."""
+    """One column per panel (e.g. "before TS", "after TS"): a reliability diagram over the
+    number of images per confidence bin. A panel holds per-bin `acc`, `conf`, `count`
+    (equal-width bins in (0, 1]) and optionally `ece` (in %, shown in the panel's title).
+
+    Each non-empty bin is a bar up to its accuracy; the gap to its mean confidence is red above
+    the bar (over-confident: confidence > accuracy) or amber in its top part (under-confident).
+    Every panel carries the whole legend, whether or not its bins show each kind, and every
+    histogram bar is labelled with its count."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
     plt = _figure()
     fig, axes = plt.subplots(
         2,
@@ -92,45 +104,50 @@ def reliability_diagram(
         sharex=True,
         squeeze=False,
         gridspec_kw={"height_ratios": [3, 1]},
+        layout="constrained",
     )
+    legend = [
+        Patch(facecolor=ACCURACY, edgecolor="black", label="accuracy"),
+        Patch(facecolor=OVER, edgecolor=OVER, label="gap: confidence > accuracy"),
+        Patch(facecolor=UNDER, edgecolor=UNDER, label="gap: accuracy > confidence"),
+        Line2D([0], [0], color="black", ls="--", lw=1, label="perfect calibration"),
+    ]
     for col, (name, p) in enumerate(panels.items()):
         acc, conf, count = (np.asarray(p[k], dtype=float) for k in ("acc", "conf", "count"))
         n_bins = len(count)
         centers = (np.arange(n_bins) + 0.5) / n_bins
         width = 1.0 / n_bins
         ax, hist = axes[0, col], axes[1, col]
-        nonempty = count > 0
-        ax.bar(
-            centers[nonempty],
-            acc[nonempty],
-            width=width,
-            edgecolor="black",
-            color="tab:blue",
-            label="accuracy",
-        )
-        ax.bar(
-            centers[nonempty],
-            (conf - acc)[nonempty],
-            bottom=acc[nonempty],
-            width=width,
-            color="tab:red",
-            alpha=0.3,
-            edgecolor="tab:red",
-            label="gap to confidence",
-        )
+        shown = count > 0
+        over, under = shown & (conf > acc), shown & (conf < acc)
+        ax.bar(centers[shown], acc[shown], width=width, color=ACCURACY, edgecolor="black")
+        ax.bar(centers[over], (conf - acc)[over], bottom=acc[over], width=width, color=OVER,
+               edgecolor=OVER)  # fmt: skip
+        ax.bar(centers[under], (acc - conf)[under], bottom=conf[under], width=width, color=UNDER,
+               edgecolor=UNDER)  # fmt: skip
+        # the accuracy bars' outlines again, on top of the amber gaps drawn inside them
+        ax.bar(centers[shown], acc[shown], width=width, fill=False, edgecolor="black")
         ax.plot([0, 1], [0, 1], "k--", lw=1)
-        ax.set(
-            xlim=(0, 1),
-            ylim=(0, 1),
-            ylabel="accuracy",
-            title=name + (f"  (ECE {p['ece']:.2f})" if "ece" in p else ""),
-        )
-        ax.legend(loc="upper left", fontsize=8)
-        hist.bar(centers, count / max(count.sum(), 1), width=width, color="gray", edgecolor="black")
-        hist.set(xlabel="confidence", ylabel="share")
+        ece = f"  (ECE {p['ece']:.2f} %)" if "ece" in p else ""
+        ax.set(xlim=(0, 1), ylim=(0, 1), ylabel="accuracy", title=name + ece)
+        ax.legend(handles=legend, loc="upper left", fontsize=7)
+        bars = hist.bar(centers, count, width=width, color="gray", edgecolor="black")
+        hist.bar_label(bars, labels=[_count_label(c) for c in count], fontsize=6, padding=1)
+        hist.set(xlabel="confidence", ylabel="images", ylim=(0, 1.3 * max(count.max(), 1)))
     if title:
         fig.suptitle(title)
     return _save(fig, path)
+
+
+def _count_label(count: float) -> str:
+    """A histogram bar's label, narrow enough for 15 bins: 0 -> "", 950, 9.5k, 12k, 1.2M."""
+    if count <= 0:
+        return ""
+    for scale, suffix in ((1e6, "M"), (1e3, "k")):
+        if count >= scale:
+            value = count / scale
+            return f"{value:.1f}{suffix}" if value < 10 else f"{value:.0f}{suffix}"
+    return f"{count:.0f}"
 
 
 def scatter(
@@ -222,11 +239,15 @@ def lines(
     ylabel: str = "",
     title: str = "",
 ) -> Path:
-    """Several curves over a shared x = 0..n-1 (e.g. MaC-Cal's q, accuracy and confidence per epoch)."""
+    """Several curves over a shared x = 1..n: per-epoch values (e.g. MaC-Cal's q, accuracy and
+    confidence), epochs counted from 1 as in the logs and metrics.json."""
+    from matplotlib.ticker import MaxNLocator
+
     plt = _figure()
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for name, values in series.items():
-        ax.plot(range(len(values)), values, marker="o", ms=3, label=name)
+        ax.plot(range(1, len(values) + 1), values, marker="o", ms=3, label=name)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.legend()
     return _save(fig, path)

@@ -1,4 +1,5 @@
-"""Runtime services every stage shares: seeding, processes, progress, logging, version.
+"""Runtime services every stage shares: seeding, processes, version; logging and progress
+(core/logs.py) are re-exported here, where the stages import them from.
 
 Reproducibility rule: every random draw comes from an explicit generator derived from
 (run seed, key), never from global RNG state, so results do not depend on call order,
@@ -12,24 +13,23 @@ import datetime
 import functools
 import hashlib
 import json
-import logging
 import os
 import re
 import socket
 import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from core import __version__
-
-T = TypeVar("T")
-log = logging.getLogger("semix")
+from core.logs import LogProgress as LogProgress
+from core.logs import log as log
+from core.logs import progress as progress
+from core.logs import progress_mode as progress_mode
+from core.logs import setup_logging as setup_logging
 
 
 def derive_seed(seed: int, *key: Any) -> int:
@@ -314,45 +314,6 @@ def run_launched(
         out = run()
     procs.barrier()
     return out
-
-
-# ---------------------------------------------------------------- progress and logging
-
-
-class _StderrHandler(logging.StreamHandler):
-    """Writes to whatever sys.stderr is *now* (pytest and notebooks swap it), not at setup."""
-
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, _value) -> None:
-        pass  # always the current sys.stderr
-
-
-def setup_logging(is_main: bool = True) -> None:
-    """semix's own logger only: other libraries keep their logging as they configured it."""
-    level = logging.INFO if is_main else logging.WARNING
-    if not log.handlers:
-        handler = _StderrHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s semix %(message)s", datefmt="%H:%M:%S"))
-        log.addHandler(handler)
-        log.propagate = False
-    log.setLevel(level)
-
-
-def progress(
-    iterable: Iterable[T],
-    *,
-    total: int | None = None,
-    desc: str = "",
-    unit: str = "it",
-    enabled: bool = True,
-) -> Iterator[T]:
-    """tqdm with rates, shown on the main process only; SEMIX_NO_PROGRESS=1 hides it."""
-    disable = not enabled or os.environ.get("SEMIX_NO_PROGRESS") == "1"
-    return tqdm(iterable, total=total, desc=desc, unit=unit, disable=disable, dynamic_ncols=True)
 
 
 @functools.cache

@@ -138,7 +138,8 @@ class RetentionSchedule:
         τ_t = τ₀·exp(−λ·t/T),  Δ = clip(γ·acc_t − conf_t, −τ_t, τ_t),  q <- clip(q + Δ, q_min, q_max).
 
     An over-confident epoch (conf > γ·acc) lowers q (drop more), an under-confident one raises it;
-    τ_t lets q move a lot early and settle late. `state_dict()` is JSON-able (q_trace.json, resume).
+    τ_t lets q move a lot early and settle late. `state_dict()` is JSON-able (q_trace.json, resume);
+    its history numbers epochs from 1 (`epoch` = t + 1), as the logs and metrics.json do.
     """
 
     def __init__(
@@ -174,7 +175,7 @@ class RetentionSchedule:
         delta = min(max(self.gamma * acc - conf, -tau), tau)
         q_next = min(max(self.q + delta, self.q_min), self.q_max)
         self.history.append(
-            {"epoch": t, "q": self.q, "acc": acc, "conf": conf, "tau": tau, "delta": delta}
+            {"epoch": t + 1, "q": self.q, "acc": acc, "conf": conf, "tau": tau, "delta": delta}
         )
         self.q = q_next
         return q_next

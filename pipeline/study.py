@@ -10,7 +10,8 @@
 3. study/study.json (one record per run + summaries) and study/report.md: mean ± std over seeds
    of every metric before and after temperature scaling, and a bootstrap 95 % interval of each
    method's ECE difference to `ce`; figures: reliability diagrams of ce vs csm (seeds pooled)
-   and ECE per method with error bars.
+   and ECE per method with error bars. The seconds this invocation took go to study/host.json,
+   so study.json is the same bytes on any machine.
 
 Resumable: a run whose evaluation exists is not touched again, and train/finetune resume from
 their own checkpoints, so a killed study reruns only what is missing. Every run writes its log
@@ -277,6 +278,12 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
             "nll_difference_to_ce": boot_nll,
             "tuning": tuning,
             "kway": kway,
+        },
+    )
+    # what this machine took, apart: study.json is the same bytes wherever the study ran
+    atomic_write_json(
+        out / "host.json",
+        {
             "task_seconds_this_invocation": seconds,
             "wall_seconds_this_invocation": round(time.perf_counter() - t0, 1),
         },

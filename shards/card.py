@@ -108,14 +108,79 @@ KWAY_FIELDS = (
 
 
 def _fmt(value: Any) -> str:
-    """Compact Markdown-safe rendering of a manifest value; empty -> an em dash."""
+    """Compact Markdown-safe rendering of a manifest value; empty -> an em dash. A mapping
+    inside a mapping is put in parentheses: `arch=(arch=cnn, ...)`, never `arch=arch=cnn`."""
     if isinstance(value, Mapping):
-        return ", ".join(f"{k}={_fmt(v)}" for k, v in value.items()) or "—"
+        items = [f"{k}=({_fmt(v)})" if isinstance(v, Mapping) else f"{k}={_fmt(v)}"
+                 for k, v in value.items()]  # fmt: skip
+        return ", ".join(items) or "—"
     if isinstance(value, (list, tuple)):
         return ", ".join(_fmt(v) for v in value) or "—"
     if isinstance(value, float):
         return f"{value:.4g}"
     return "—" if value in (None, "") else str(value).replace("|", "/")
+
+
+# encoder identity (models.encoders: `identity`) -> the card's rows
+ENCODER_KINDS = {
+    "module": "semix classifier",
+    "openclip": "OpenCLIP",
+    "hf-clip": "Hugging Face CLIP",
+}
+ENCODER_INPUT = ("image_size", "interpolation", "resize_mode", "center_crop", "mean", "std")
+
+
+def _encoder_rows(identity: Mapping[str, Any] | None) -> list[tuple[str, str]]:
+    """The annotation encoder as card rows: what it is, its architecture (a semix classifier's
+    arch config), which weights, its input; whatever else the identity holds in a last row."""
+    if not identity:
+        return [("encoder", "—")]
+    rest = dict(identity)
+    kind, name, run = rest.pop("kind", ""), rest.pop("name", ""), rest.pop("run", "")
+    what = ENCODER_KINDS.get(kind, kind)
+    named = f"`{_fmt(name)}`" if name else ""
+    if run:
+        named = f"{named} (train run `{_fmt(run)}`)".strip()
+    rows = [("encoder", " ".join(x for x in (what, named) if x) or "—")]
+    arch = rest.pop("arch", None)
+    if isinstance(arch, Mapping):
+        arch = dict(arch)
+        head = arch.pop("arch", "")
+        rows.append(
+            ("encoder architecture", f"{_fmt(head)} ({_fmt(arch)})" if arch else _fmt(head))
+        )
+    elif arch:
+        rows.append(("encoder architecture", _fmt(arch)))
+    weights = []
+    if rest.get("pretrained"):
+        weights.append(f"pretrained `{_fmt(rest['pretrained'])}`")
+    rest.pop("pretrained", None)
+    if "init_seed" in rest:
+        weights.append(f"random init (seed {_fmt(rest.pop('init_seed'))})")
+    for key in ("weights_sha256", "checkpoint_sha256"):
+        digest = rest.pop(key, None)
+        if isinstance(digest, Mapping):
+            weights += [f"{_fmt(f)} sha256 `{_fmt(d)}`" for f, d in digest.items()]
+        elif digest:
+            weights.append(f"sha256 `{_fmt(digest)}`")
+    if rest.get("revision"):
+        weights.append(f"revision `{_fmt(rest['revision'])}`")
+    rest.pop("revision", None)
+    if weights:
+        rows.append(("encoder weights", ", ".join(weights)))
+    seen = {k: rest.pop(k) for k in ENCODER_INPUT if k in rest}
+    if seen:
+        size = seen.get("image_size")
+        parts = ["x".join(str(v) for v in size) + " px" if isinstance(size, (list, tuple)) else ""]
+        if seen.get("interpolation"):
+            parts.append(f"{seen['interpolation']} resize ({_fmt(seen.get('resize_mode'))})")
+        if seen.get("center_crop"):
+            parts.append("center crop " + "x".join(str(v) for v in seen["center_crop"]))
+        parts += [f"{k} {_fmt(seen[k])}" for k in ("mean", "std") if k in seen]
+        rows.append(("encoder input", ", ".join(p for p in parts if p) or "—"))
+    if rest:
+        rows.append(("encoder (other)", _fmt(rest)))
+    return rows
 
 
 def _stats_lines(stats: Mapping[str, Any]) -> list[str]:
@@ -204,7 +269,7 @@ def build_card(
         *mixing,
         ("image size", _fmt(info.get("image_size"))),
         ("annotation method", _fmt(ann.get("method"))),
-        ("encoder", _fmt(ann.get("encoder"))),
+        *_encoder_rows(ann.get("encoder")),
         ("prototypes", _fmt(ann.get("prototypes"))),
         ("sharpening s", _fmt(ann.get("sharpening"))),
         ("images / shards", f"{n} / {len(manifest.shards)}"),

@@ -120,6 +120,10 @@ class DataPathChoice:
     decoded: int  # estimated decoded bytes of the folders
     budget: int  # bytes; 0 when the path was forced
 
+    def record(self) -> dict[str, Any]:
+        """What a run writes to its host.json (the budget depends on this machine's memory)."""
+        return {"path": self.path, "decoded_bytes": self.decoded, "budget_bytes": self.budget}
+
     def describe(self) -> str:
         fits = "<=" if self.decoded <= self.budget else ">"
         why = f"{fits} budget {self.budget / GB:.2f} GB" if self.budget else "forced"

@@ -5,6 +5,10 @@ A run folder holds `model.safetensors` (the classifier's state dict), `model.jso
 semix output. A folder without a manifest is incomplete and no reader accepts it; once it has
 one, nothing in it changes (a rerun only reads, later stages write their own folders).
 
+Everything the manifest pins is a function of the config, the inputs and the code: the same run
+on two machines writes the same bytes. What depends on the machine (the data path its free
+memory chose, seconds per epoch) goes to `host.json` (HOST), which the manifest leaves out.
+
 `model.json` says how to rebuild the network and feed it:
     {"arch": <Classifier.arch_config()>, "class_names": [...], "image_size": int,
      "normalize": {"mean": [...], "std": [...]}, ...anything else the writer adds}
@@ -50,6 +54,27 @@ from shards.manifest import (
 WEIGHTS = "model.safetensors"
 META = "model.json"
 RUN_KIND = "run"
+# The machine's facts about a run (how it was read, how long it took): written next to the
+# outputs, never pinned by the manifest, so a run's identity does not depend on where it ran.
+HOST = "host.json"
+HOST_FIELDS = ("seconds", "images_per_s")  # per-epoch history entries that go to HOST
+
+
+def split_history(
+    history: list[dict[str, Any]],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(the per-epoch history without the machine's timings, for metrics.json; the timings,
+    [{epoch, seconds, images_per_s}], for host.json)."""
+    kept = [{k: v for k, v in h.items() if k not in HOST_FIELDS} for h in history]
+    timing = [{"epoch": h.get("epoch")} | {k: h[k] for k in HOST_FIELDS if k in h} for h in history]
+    return kept, timing
+
+
+def write_host(folder: Path, data_path: Mapping[str, Any], history: list[dict[str, Any]]) -> None:
+    """host.json: the data path this machine chose (path, decoded and budget bytes) and each
+    epoch's seconds. Rewritten with metrics.json while training; never in the manifest."""
+    record = {"data_path": dict(data_path), "epochs": split_history(history)[1]}
+    atomic_write_json(Path(folder) / HOST, record)
 
 
 # ---------------------------------------------------------------- writing
@@ -79,12 +104,13 @@ def finish_run(
     info: Mapping[str, Any] | None = None,
 ) -> Manifest:
     """The manifest, last: the sha256 of the weights and of every other file now in the folder
-    (subfolders such as checkpoints/ are the stage's working state, not its output)."""
+    (subfolders such as checkpoints/ are the stage's working state, not its output; HOST holds
+    the machine's facts, not the run's)."""
     folder = Path(folder)
     files = {
         p.name: sha256_file(p)
         for p in sorted(folder.iterdir())
-        if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")
+        if p.is_file() and p.name not in (MANIFEST, HOST) and not p.name.startswith(".")
     }
     if WEIGHTS not in files or META not in files:
         raise ShardError(f"{folder}: no {WEIGHTS} + {META} to finish the run with")

@@ -2,7 +2,7 @@
 
     python -m pipeline evaluate --preset digits --set run=ce
     python -m pipeline evaluate --preset digits --set runs=ce-s0,ce-s1,ce-s2   # + deep ensemble
-    python -m pipeline evaluate --preset digits            # every complete run, one by one
+    python -m pipeline evaluate --preset digits            # every complete user run, one by one
 
 A run is read from train/<run>/ or finetune/<run>/ (train first; `stage_dir` pins one) and is
 never written to. Metrics are METHODS §7 on real/test, before and after a temperature fitted on
@@ -11,7 +11,9 @@ real/val (`ts_criterion`: the val-NLL minimiser by default, or the lowest val EC
 eval/<stage>/<run>/ with metrics.json, predictions.npz (test logits + labels; numpy only, load
 with allow_pickle=False), reliability.png and manifest.json (kind `eval`), written last. Several
 runs also give their deep ensemble (mean softmax) in eval/ensemble/<a+b+c>/. Finally
-eval/report.md is rebuilt from every complete evaluation (stages/evaluate_report.py).
+eval/report.md is rebuilt from every complete evaluation (stages/evaluate_report.py). Runs the
+stages trained as tools (annotate's encoder, fidelity judges, the study's tune-* runs:
+`internal_runs`) are left out of a bare `evaluate` and of the report unless internal_runs=1.
 
 Reruns: an evaluation whose manifest pins the same upstream digests (the run's, real/test's and
 real/val's, the OOD set's and the corruptions' when used) and the same settings is skipped
@@ -29,10 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.io import (
-    atomic_write_bytes,
-    atomic_write_json,
-)
+from core.io import atomic_write_bytes, atomic_write_json
 from core.plots import reliability_diagram
 from core.runtime import Processes, code_version, log
 from models.calibration import (
@@ -54,7 +53,7 @@ from shards.runs import META
 from shards.runs import load_model as load_run_model
 from stages import data as datapath
 from stages.configs.evaluate import Config
-from stages.evaluate_report import ENSEMBLE, write_report
+from stages.evaluate_report import ENSEMBLE, left_out, write_report
 
 RUN_STAGES = ("train", "finetune")
 
@@ -343,11 +342,21 @@ def write_evaluation(
 
 def run(cfg: Config) -> Path:
     report = evals.report_path(cfg.root)
-    if not cfg.run and not cfg.runs:  # `make evaluate`: every complete run, then the report
+    if not cfg.run and not cfg.runs:  # `make evaluate`: every complete user run, then the report
+        skip = left_out(cfg)
         pairs = complete_runs(cfg.root)
+        internal = sorted({name for _, name in pairs if skip(name)})
+        pairs = [(stage, name) for stage, name in pairs if not skip(name)]
         if not pairs:
+            found = f" (only the internal run(s) {', '.join(internal)})" if internal else ""
             raise ShardError(
-                f"no trained runs under {cfg.root}/train or /finetune: run `make train` first"
+                f"no trained runs under {cfg.root}/train or /finetune{found}: run `make train` "
+                "first" + (", or evaluate them with SET=internal_runs=1" if internal else "")
+            )
+        if internal:
+            log.info(
+                "evaluate: leaving out the internal run(s) %s (SET=internal_runs=1 includes them)",
+                ", ".join(internal),
             )
         for stage, name in pairs:
             run(dataclasses.replace(cfg, run=name, stage_dir=stage))
@@ -386,7 +395,8 @@ def run(cfg: Config) -> Path:
                 *(n, b["top1"], b["nll"], b["ece"], r["temperature"], a["nll"], a["ece"]),
                 outputs[n].folder,
             )
-    # 5. eval/report.md from every complete evaluation (unchanged bytes are not rewritten).
-    report = write_report(cfg.root)
+    # 5. eval/report.md from every complete evaluation of a user run (unchanged bytes are not
+    #    rewritten).
+    report = write_report(cfg.root, left_out(cfg))
     procs.barrier()
     return report

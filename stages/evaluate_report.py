@@ -5,20 +5,25 @@ the evaluation itself. The report is a view, not a finished output: its bytes ar
 the complete evaluation folders on disk (each checked against its manifest), it lives inside
 evaluate's own folder `eval/`, it is rewritten (temp file + rename) only when those bytes
 change, and it is never written into a run folder or any other stage's folder.
+
+Also here: which runs are internal (`internal_runs`: the classifiers the stages used as tools,
+the study's tuning runs), which a bare evaluate and the report leave out unless asked.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from core.io import atomic_write_bytes
+from core.io import atomic_write_bytes, read_json
 from core.runtime import log
 from shards import evals
 from shards.manifest import ShardError
+from stages.configs.evaluate import Config
 
 ENSEMBLE = "ensemble"
 STAGE_FOLDERS = ("train", "finetune", ENSEMBLE)  # report order
@@ -42,6 +47,44 @@ SUMMARY_COLUMNS = [
     ("nll", "before_ts"),
     ("ece", "after_ts"),
 ]
+
+
+# The study's grid of csm runs that choose w and s on val (pipeline/study_tune.py).
+INTERNAL_PREFIXES = ("tune-",)
+
+
+def internal_runs(root: Path) -> set[str]:
+    """Names of the train runs the stages under `root` used as tools, as their config.json files
+    record them: annotate's encoder (encoder=classifier) and fidelity judge (mixed/), the
+    endpoint judge of generate (series/) and the judge of fit-generator (generator/). In the
+    digits and fashion-mnist chains: `encoder` and `judge`. Runs named tune-* (the study's
+    tuning grid) are internal too (`is_internal`)."""
+    roles = {
+        "mixed": lambda c: (
+            [c.get("fidelity_run", "")]
+            + ([c.get("encoder_run", "")] if c.get("encoder") == "classifier" else [])
+        ),
+        "series": lambda c: [c.get("endpoint_judge", "")],
+        "generator": lambda c: [c.get("judge_run", "")],
+    }
+    names: set[str] = set()
+    for folder, used in roles.items():
+        path = Path(root) / folder / "config.json"
+        if path.is_file():
+            names.update(n for n in used(read_json(path)) if n)
+    return names
+
+
+def is_internal(name: str, internal: set[str]) -> bool:
+    return name in internal or name.startswith(INTERNAL_PREFIXES)
+
+
+def left_out(cfg: Config) -> Callable[[str], bool]:
+    """Which run names `make evaluate` skips and report.md leaves out (none with internal_runs)."""
+    if cfg.internal_runs:
+        return lambda name: False
+    internal = internal_runs(cfg.root)
+    return lambda name: is_internal(name, internal)
 
 
 def seed_summary(rows: list[tuple[str, str, dict]]) -> list[str]:
@@ -72,10 +115,16 @@ def seed_summary(rows: list[tuple[str, str, dict]]) -> list[str]:
     return [*lines_, ""]
 
 
-def collect_rows(root: Path) -> list[tuple[str, str, dict[str, Any]]]:
-    """(stage, run, evaluation) of every complete, undamaged evaluation, in report order."""
-    rows = []
+def collect_rows(
+    root: Path, leave_out: Callable[[str], bool] = lambda name: False
+) -> tuple[list[tuple[str, str, dict[str, Any]]], list[str]]:
+    """((stage, run, evaluation) of every complete, undamaged evaluation, in report order;
+    the names of the train/finetune runs `leave_out` took away)."""
+    rows, left = [], []
     for stage, name, folder in evals.evaluated(root, STAGE_FOLDERS):
+        if stage != ENSEMBLE and leave_out(name):
+            left.append(name)
+            continue
         try:
             metrics = evals.read_metrics(folder)
         except ShardError as e:  # one damaged folder must not hide every other evaluation
@@ -83,20 +132,29 @@ def collect_rows(root: Path) -> list[tuple[str, str, dict[str, Any]]]:
             continue
         if metrics:
             rows.append((stage, name, metrics["evaluation"]))
-    return rows
+    return rows, sorted(set(left))
 
 
-def render(title: str, rows: list[tuple[str, str, dict[str, Any]]]) -> str:
+def render(
+    title: str, rows: list[tuple[str, str, dict[str, Any]]], left_out: Sequence[str] = ()
+) -> str:
     head = "| run | stage | loss | " + " | ".join(c[1] for c in REPORT_COLUMNS)
     lines_ = [
         f"# {title}: evaluated runs",
         "",
         "Test split; percentages x100 except NLL and Brier. "
         "Temperature T fitted on the val split (criterion `nll`: the val-NLL minimiser in "
-        "[0.05, 20]; `ece`: the lowest val ECE on 0.1..10; METHODS §7). T on the edge of its "
+        "[0.05, 20]; `ece`: the lowest val ECE on 0.1..10). T on the edge of its "
         "range (marked !) means a degenerate fit.",
         "",
     ]
+    if left_out:
+        lines_ += [
+            f"Left out: the internal run(s) {', '.join(left_out)} (a classifier the stages "
+            "used as a tool, e.g. annotate's encoder or a fidelity judge, or a study tuning "
+            "run); `make evaluate SET=internal_runs=1` lists them.",
+            "",
+        ]
     for key, heading in (
         ("before_ts", "Before temperature scaling"),
         ("after_ts", "After temperature scaling"),
@@ -148,11 +206,12 @@ def render(title: str, rows: list[tuple[str, str, dict[str, Any]]]) -> str:
     return "\n".join(lines_)
 
 
-def write_report(root: Path) -> Path:
-    """Rebuild eval/report.md from disk; untouched when its bytes would not change (so a rerun
-    that evaluates nothing new writes nothing)."""
+def write_report(root: Path, leave_out: Callable[[str], bool] = lambda name: False) -> Path:
+    """Rebuild eval/report.md from disk, without the runs `leave_out` names (internal runs:
+    stages.evaluate.left_out); untouched when its bytes would not change (so a rerun that
+    evaluates nothing new writes nothing)."""
     path = evals.report_path(root)
-    data = render(Path(root).name, collect_rows(root)).encode()
+    data = render(Path(root).name, *collect_rows(root, leave_out)).encode()
     if not (path.is_file() and path.read_bytes() == data):
         atomic_write_bytes(path, data)
     return path

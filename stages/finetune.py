@@ -17,7 +17,8 @@ epoch's weights are kept (no selection on val: evaluate fits its temperature the
   With augmentation off (crop_pad=0, flip=false) the features of real/train are computed once.
 
 Folder, laid out like a train run: config.json, checkpoints/, metrics.json (section
-"finetune"), model.safetensors + model.json (MaC-Cal's arch names its head:
+"finetune"), host.json (this machine's data path and seconds: not in the manifest),
+model.safetensors + model.json (MaC-Cal's arch names its head:
 models.finetuning.build_model), curves.png, q_trace.json + q_trace.png (MaC-Cal) or gate.png
 (FeDLaS), and manifest.json last (upstream: real/train, real/val and the trained run).
 """
@@ -42,7 +43,7 @@ from models.training import collect_logits
 from shards.datapath import DataPathChoice
 from shards.datasets import check_same_classes
 from shards.manifest import manifest_digest
-from shards.runs import Run, read_run, run_complete
+from shards.runs import Run, read_run, run_complete, split_history, write_host
 from shards.writer import write_config
 from stages import data as datapath
 from stages.configs.finetune import Config
@@ -237,17 +238,13 @@ def run(cfg: Config) -> Path:
             "method_params": cfg.method_params(),
             "source": source_info,
             "epochs": cfg.epochs,
-            "history": state.history,
+            "history": split_history(state.history)[0],  # seconds: host.json
             "finished": finished,
-            "data_path": {
-                "path": path.path,
-                "decoded_bytes": path.decoded,
-                "budget_bytes": path.budget,
-            },
         }
 
     def progress_metrics(state: LoopState) -> None:
         atomic_write_json(run_dir / "metrics.json", {SECTION: section(state, False)})
+        write_host(run_dir, path.record(), state.history)
 
     name = f"finetune {cfg.output}"
     tracking.start(accelerator, cfg.to_dict())  # the trackers close before the outputs
@@ -292,6 +289,7 @@ def run(cfg: Config) -> Path:
 
         plots = [curves_png, *(plots or [gate_png])]
         metrics = {SECTION: section(result.state, True)}
+        write_host(run_dir, path.record(), result.state.history)
         write_run(run_dir, result.weights, out_meta, metrics, plots, made_from)
         last = history[-1]
         log.info(

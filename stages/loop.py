@@ -57,7 +57,7 @@ from models.training import (
     random_crop_flip,
     sample_csm_members,
 )
-from shards.checkpoints import LOAD_KWARGS, Checkpointer
+from shards.checkpoints import LOAD_KWARGS, Checkpointer, checkpoint_number
 from shards.datasets import RealSplit
 from shards.manifest import ShardError
 from shards.prefetch import PixelSource, StepPlan
@@ -116,7 +116,9 @@ class Data:
 
 @dataclass
 class LoopState:
-    """What a checkpoint adds to accelerate's state: where we are and what we have seen."""
+    """What a checkpoint adds to accelerate's state: where we are and what we have seen.
+    `next_epoch` counts the epochs done; `best_epoch` and each history entry's `epoch` number
+    epochs from 1, as the logs, curves and checkpoint names do."""
 
     next_epoch: int = 0
     best_epoch: int = -1
@@ -336,7 +338,7 @@ def fit(
         objective.load_extra_state(saved["objective"] | tensors.get(OBJECTIVE, {}))
         best = tensors.get(BEST)
         log.info("%s: resumed from %s (epoch %d done)", name, checkpoint, state.next_epoch)
-    ckpt.tidy(first_free=state.next_epoch)
+    ckpt.tidy(first_free=checkpoint_number(checkpoint) + 1 if checkpoint is not None else 0)
 
     # 2. Epochs: train, validate (main), keep the weights, checkpoint.
     remaining = (recipe.epochs - state.next_epoch) * len(data.train)
@@ -348,12 +350,12 @@ def fit(
             scores = [validate(net, data, recipe.eval_batch_size) if main else None]
             stats |= broadcast_object_list(scores, from_process=0)[0]
             stats |= {
-                "epoch": epoch,
+                "epoch": epoch + 1,  # epochs count from 1 wherever a person reads them
                 "seconds": round(seconds, 3),
                 "images_per_s": round(len(data.train) / seconds, 1),
             }
             if recipe.keep == "best" and stats["val_acc"] > state.best_val_acc:
-                state.best_val_acc, state.best_epoch = stats["val_acc"], epoch
+                state.best_val_acc, state.best_epoch = stats["val_acc"], epoch + 1
                 best = {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}
             state.history.append(stats)
             state.next_epoch = epoch + 1
@@ -362,7 +364,7 @@ def fit(
             files = {k: v for k, v in ({BEST: best} | files).items() if v}
             json_state = {k: v for k, v in extra.items() if not isinstance(v, Tensor)}
             ckpt.save(
-                epoch,
+                epoch + 1,  # checkpoint_<n>: after epoch n
                 lambda folder: accelerator.save_state(str(folder)),
                 {"loop": asdict(state), "objective": json_state},
                 files,

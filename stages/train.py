@@ -10,10 +10,11 @@ from the newest complete one (bit for bit on CPU), the weights of the best valid
 kept. The images are decoded into device memory, or streamed from the shards when they would
 not fit (`data_path=`, stages/data.py): the same steps and the same weights either way.
 
-Run folder: config.json (first), checkpoints/checkpoint_<n>/ (after epoch n), metrics.json
-(per-epoch history, rewritten each epoch), then model.safetensors + model.json, curves.png and
-manifest.json (kind "run", last: the run is complete). A rerun of a complete run only reads;
-one made from other inputs (upstream digests) is refused.
+Run folder: config.json (first), checkpoints/checkpoint_<n>/ (after epoch n, counted from 1),
+metrics.json (per-epoch history, rewritten each epoch) and host.json (this machine's data path
+and seconds per epoch: not in the manifest), then model.safetensors + model.json, curves.png
+and manifest.json (kind "run", last: the run is complete). A rerun of a complete run only
+reads; one made from other inputs (upstream digests) is refused.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from models.training import SeriesIndex, interior_positions, multistep_lr
 from shards.datapath import DataPathChoice
 from shards.datasets import RealSplit, check_same_classes
 from shards.manifest import ShardError, manifest_digest, read_manifest
-from shards.runs import run_complete
+from shards.runs import run_complete, split_history, write_host
 from shards.writer import write_config
 from stages import data as datapath
 from stages.configs.train import Config
@@ -191,7 +192,8 @@ def run(cfg: Config) -> Path:
     )
 
     def progress_metrics(state: LoopState) -> None:
-        atomic_write_json(run_dir / "metrics.json", {"train": _section(cfg, state, False, path)})
+        atomic_write_json(run_dir / "metrics.json", {"train": _section(cfg, state, False)})
+        write_host(run_dir, path.record(), state.history)
 
     tracking.start(accelerator, cfg.to_dict())  # the trackers close before the outputs
     try:
@@ -224,17 +226,20 @@ def run(cfg: Config) -> Path:
         def plot(folder: Path) -> None:
             lines(curves, folder / "curves.png", xlabel="epoch", title=f"{cfg.run} ({cfg.loss})")
 
-        metrics = {"train": _section(cfg, state, True, path)}
+        metrics = {"train": _section(cfg, state, True)}
+        write_host(run_dir, path.record(), state.history)
         write_run(run_dir, result.weights, meta, metrics, [plot], made_from)
         log.info(
-            "train %s: best epoch %d, val acc %.2f %% -> %s",
-            *(cfg.run, state.best_epoch + 1, state.best_val_acc, run_dir),
+            "train %s: best epoch %d of %d, val acc %.2f %% -> %s",
+            *(cfg.run, state.best_epoch, cfg.epochs, state.best_val_acc, run_dir),
         )
     accelerator.wait_for_everyone()
     return run_dir
 
 
-def _section(cfg: Config, state: LoopState, finished: bool, path: DataPathChoice) -> dict[str, Any]:
+def _section(cfg: Config, state: LoopState, finished: bool) -> dict[str, Any]:
+    """metrics.json's section: what the config, the inputs and the code make of the run, the
+    same bytes on any machine (its data path and seconds go to host.json)."""
     return {
         "run": cfg.run,
         "loss": cfg.loss,
@@ -243,11 +248,6 @@ def _section(cfg: Config, state: LoopState, finished: bool, path: DataPathChoice
         "epochs": cfg.epochs,
         "best_epoch": state.best_epoch,
         "best_val_acc": state.best_val_acc,
-        "history": state.history,
+        "history": split_history(state.history)[0],
         "finished": finished,
-        "data_path": {
-            "path": path.path,
-            "decoded_bytes": path.decoded,
-            "budget_bytes": path.budget,
-        },
     }

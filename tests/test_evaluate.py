@@ -378,6 +378,55 @@ def test_without_run_every_trained_run_is_evaluated(tmp_path):
         evaluate(empty)
 
 
+def test_internal_runs_are_left_out_unless_asked(tmp_path, capsys):
+    """The runs the stages used as tools (annotate's classifier encoder and fidelity judge,
+    fit-generator's judge, as their config.json files name them; the study's tune-* runs) are
+    neither evaluated by a bare evaluate nor listed in report.md; internal_runs=1 does both.
+    A name alone makes no run internal: with a CLIP encoder, a run called `encoder` is a user's."""
+    from stages.evaluate_report import internal_runs
+
+    root = constructed_root(tmp_path)
+    for name in ("encoder", "judge", "tune-csm-w1-s4", "judge2"):
+        shutil.copytree(root / "train" / "over", root / "train" / name)
+    atomic_write_json(
+        root / "mixed" / "config.json",
+        {"encoder": "classifier", "encoder_run": "encoder", "fidelity_run": "judge"},
+    )
+    atomic_write_json(root / "generator" / "config.json", {"judge_run": "judge2"})
+    assert internal_runs(root) == {"encoder", "judge", "judge2"}
+    evaluate(root)
+    done = sorted(p.name for p in (root / "eval" / "train").iterdir())
+    assert done == ["over"]
+    report = (root / "eval" / "report.md").read_text()
+    rows = {line.split(" | ")[0] for line in report.splitlines() if line.startswith("| ")}
+    assert rows == {"| run", "| over"}  # header and the one user run, before and after TS
+    assert "Left out" not in report  # no internal run was evaluated
+    evaluate(root, "internal_runs=1")
+    done = sorted(p.name for p in (root / "eval" / "train").iterdir())
+    assert done == ["encoder", "judge", "judge2", "over", "tune-csm-w1-s4"]
+    report = (root / "eval" / "report.md").read_text()
+    assert all(f"| {n} | train |" in report for n in done) and "Left out" not in report
+    evaluate(root, "run=over")  # the report follows the option of the call that wrote it
+    report = (root / "eval" / "report.md").read_text()
+    assert "| encoder | train |" not in report and "| over | train |" in report
+    assert "Left out: the internal run(s) encoder, judge, judge2, tune-csm-w1-s4" in report
+    # with a CLIP encoder the chain trained no classifier: `encoder` is a user's run
+    atomic_write_json(
+        root / "mixed" / "config.json",
+        {"encoder": "openclip", "encoder_run": "encoder", "fidelity_run": ""},
+    )
+    assert internal_runs(root) == {"judge2"}
+    # only internal runs: one line saying so and how to include them
+    only = tmp_path / "runs" / "only"
+    shutil.copytree(root / "real", only / "real")
+    shutil.copytree(root / "train" / "tune-csm-w1-s4", only / "train" / "tune-csm-w1-s4")
+    argv = ["evaluate", "--preset", "digits", "--set", f"out={only.parent}", f"name={only.name}"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "internal run(s) tune-csm-w1-s4" in err
+    assert "internal_runs=1" in err and not (only / "eval").exists()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_evaluation_matches_cpu(tmp_path):

@@ -68,7 +68,8 @@ def test_maccal_writes_a_run_folder_with_q_trace(root, maccal):
     assert section["finished"] and len(section["history"]) == 3
     trace = json.loads((maccal / "q_trace.json").read_text())
     cfg, hist = trace["config"], trace["history"]
-    assert [h["epoch"] for h in hist] == [0, 1, 2] and cfg["total_epochs"] == 3
+    assert [h["epoch"] for h in hist] == [1, 2, 3] and cfg["total_epochs"] == 3
+    assert [h["epoch"] for h in section["history"]] == [1, 2, 3]  # one numbering everywhere
     assert hist[0]["q"] == cfg["q0"] == 0.9
     for h, nxt, logged in zip(hist, [*hist[1:], {"q": trace["q"]}], section["history"]):
         assert cfg["q_min"] <= h["q"] <= cfg["q_max"] and 0 <= h["acc"] <= 1
@@ -141,8 +142,7 @@ def test_streamed_finetuning_equals_decoded(root, sets):
             shutil.copytree(root / "train" / SRC, root / "train" / name)
         folder = finetune(root, *sets, *path, f"run={name}")
         weights.append((folder / "model.safetensors").read_bytes())
-        metrics = json.loads((folder / "metrics.json").read_text())["finetune"]
-        paths.append(metrics["data_path"]["path"])
+        paths.append(json.loads((folder / "host.json").read_text())["data_path"]["path"])
         shutil.rmtree(folder)
     assert paths == ["memory", "stream"] and weights[0] == weights[1]
 
@@ -222,7 +222,7 @@ def test_killed_finetune_resumes_to_identical_weights(root, tmp_path, sets):
     env = subprocess_env() | {"OMP_NUM_THREADS": "1"}
     subprocess.run(_cli(whole, *sets), env=env, check=True, capture_output=True, timeout=600)
     out = killed / "finetune" / f"{SRC}-{sets[0].removeprefix('method=')}"
-    kill_when(_cli(killed, *sets), (out / "checkpoints" / "checkpoint_1").is_dir)
+    kill_when(_cli(killed, *sets), (out / "checkpoints" / "checkpoint_2").is_dir)
     assert not (out / "manifest.json").exists(), "finished before it could be killed"
     proc = subprocess.run(_cli(killed, *sets), env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "resumed from" in proc.stderr, proc.stderr[-2000:]

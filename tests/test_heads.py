@@ -135,7 +135,7 @@ def test_retention_update_clips_by_tau_and_bounds():
     assert q2 == pytest.approx(0.8 - tau1 + 0.02)
     # t=3: under-confident, clipped to +τ_3
     assert s.update(3, acc=1.0, conf=0.0) == pytest.approx(q2 + 0.1 * math.exp(-1.5))
-    assert [h["epoch"] for h in s.history] == [0, 1, 2, 3]
+    assert [h["epoch"] for h in s.history] == [1, 2, 3, 4]  # counted from 1, t from 0
     assert s.history[1]["tau"] == pytest.approx(tau1) and s.history[0]["q"] == 0.9
 
     low = RetentionSchedule(q0=0.35, total_epochs=4)

@@ -26,7 +26,7 @@ from core.io import atomic_write_json
 from core.runtime import code_version
 from pipeline.cli import main
 from shards import card
-from shards.manifest import MANIFEST
+from shards.manifest import MANIFEST, Manifest, ShardRecord
 from shards.reader import load_split
 from shards.writer import ShardFolder, write_config
 from stages.publish import CARD_BANNER
@@ -175,7 +175,7 @@ def test_dry_run_prints_plan_and_card_and_writes_nothing(mixed, tmp_path, capsys
     ]
     for fact in ("runs/digits/generator", "ddim, 10 steps", "0, 0.3333, 0.6667, 1", "| 4 |"):
         assert fact in text
-    for fact in ("projection", "name=quick-cnn", "| 12 / 2 |", "0.987", "100.0% (of 3)"):
+    for fact in ("projection", "| encoder | `quick-cnn` |", "| 12 / 2 |", "0.987", "100.0% (of 3)"):
         assert fact in text
     assert "![preview](preview.png)" in text and "![annotation](annotation.png)" in text
     assert "Beyond One-Hot Labels" in text and "ICML" in text and "0.1.0+gtest" in text
@@ -191,6 +191,39 @@ def test_dry_run_prints_plan_and_card_and_writes_nothing(mixed, tmp_path, capsys
     assert dry_run_card(tmp_path, capsys)[1] == text
     (mixed / "README.md").unlink()
     assert snapshot(mixed) == old
+
+
+def test_card_rows_name_the_encoder_plainly():
+    """A classifier encoder's identity (models.encoders, annotate's `encoder=classifier`) holds
+    a nested arch config: the card gives it rows of its own, never `arch=arch=...`."""
+    identity = {
+        "kind": "module",
+        "run": "encoder",
+        "arch": {"arch": "digits-cnn", "num_classes": 10, "in_channels": 1},
+        "weights_sha256": "ab" * 32,
+        "image_size": [16, 16],
+        "mean": [0.5],
+        "std": [0.25],
+        "interpolation": "bilinear",
+        "resize_mode": "squash",
+    }
+    annotation = {"method": "projection", "encoder": identity, "sharpening": 4.0}
+    manifest = Manifest(
+        kind="mixed",
+        class_names=CLASSES,
+        shards=(ShardRecord("mixed-000000.tar", 12, "c" * 64, 100),),
+        info={"generator": GENERATOR, "annotation": annotation, "image_size": SIZE},
+    )
+    text = str(card.build_card(manifest, None, repo=REPO, license_id="mit", license_note="",
+                               files=[]))  # fmt: skip
+    assert "arch=arch" not in text
+    assert "| encoder | semix classifier (train run `encoder`) |" in text
+    assert "| encoder architecture | digits-cnn (num_classes=10, in_channels=1) |" in text
+    assert f"| encoder weights | sha256 `{'ab' * 32}` |" in text
+    assert "| encoder input | 16x16 px, bilinear resize (squash), mean 0.5, std 0.25 |" in text
+    assert "encoder (other)" not in text  # every field of the identity has its row
+    # nested mappings anywhere else read as key=(...)
+    assert card._fmt({"arch": {"arch": "cnn", "width": 8}}) == "arch=(arch=cnn, width=8)"
 
 
 LICENSE_CASES = [  # backend, model id, dataset, recorded license, override -> expected

@@ -1,6 +1,7 @@
 import numpy as np
 from PIL import Image
 
+from core import plots
 from core.plots import image_grid, lines, reliability_diagram, scatter
 
 
@@ -39,3 +40,59 @@ def test_charts_are_deterministic_and_change_with_their_data(tmp_path):
     assert q == png("q2.png", lines, {"q": [0.9, 0.8, 0.85]}, xlabel="epoch")
     assert q != png("q3.png", lines, {"q": [0.9, 0.8, 0.95]}, xlabel="epoch")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def _drawn(monkeypatch) -> list:
+    """Every figure a chart saves, as matplotlib left it just before saving (then closed)."""
+    figures = []
+    save = plots._save
+
+    def keep(fig, path):
+        figures.append(
+            [
+                {
+                    "title": ax.get_title(),
+                    "legend": [t.get_text() for t in ax.get_legend().get_texts()]
+                    if ax.get_legend()
+                    else [],
+                    "texts": [t.get_text() for t in ax.texts],
+                    "x": [list(line.get_xdata()) for line in ax.get_lines()],
+                }
+                for ax in fig.axes
+            ]
+        )
+        return save(fig, path)
+
+    monkeypatch.setattr(plots, "_save", keep)
+    return figures
+
+
+def test_reliability_diagram_has_the_whole_legend_bin_counts_and_ece_in_percent(
+    tmp_path, monkeypatch
+):
+    """Every panel names both gap colours (a panel with over-confident bins only, too), the
+    diagonal and the accuracy bars; each histogram bar carries its count (empty bins none);
+    the ECE in the title says %."""
+    figures = _drawn(monkeypatch)
+    over_only = {"acc": [0.1, 0.4, 0.7], "conf": [0.2, 0.5, 0.9], "count": [3, 0, 1234]}
+    mixed = {"acc": [0.3, 0.5, 0.8], "conf": [0.2, 0.5, 0.9], "count": [7, 12, 40], "ece": 3.2}
+    reliability_diagram(
+        {"before TS": over_only | {"ece": 12.346}, "after TS": mixed}, tmp_path / "r.png"
+    )
+    top_left, top_right, hist_left, hist_right = figures[0]  # axes: row by row
+    legend = [
+        "accuracy",
+        "gap: confidence > accuracy",
+        "gap: accuracy > confidence",
+        "perfect calibration",
+    ]
+    assert top_left["legend"] == top_right["legend"] == legend
+    assert top_left["title"] == "before TS  (ECE 12.35 %)"
+    assert top_right["title"] == "after TS  (ECE 3.20 %)"
+    assert hist_left["texts"] == ["3", "", "1.2k"] and hist_right["texts"] == ["7", "12", "40"]
+
+
+def test_per_epoch_curves_count_epochs_from_one(tmp_path, monkeypatch):
+    figures = _drawn(monkeypatch)
+    lines({"val acc (%)": [50.0, 60.0, 70.0]}, tmp_path / "c.png", xlabel="epoch")
+    assert figures[0][0]["x"] == [[1, 2, 3]]

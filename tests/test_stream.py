@@ -367,8 +367,9 @@ def test_train_stage_streams_a_set_four_times_its_budget_at_a_fraction_of_its_si
         _, err = proc.communicate(timeout=1500)
     assert proc.returncode == 0, err[-3000:]
     metrics = json.loads((root / "train" / "big" / "metrics.json").read_text())["train"]
-    assert metrics["data_path"]["path"] == "stream" and metrics["finished"]
-    assert metrics["data_path"]["decoded_bytes"] == decoded > 4 * 0.6e9
+    host = json.loads((root / "train" / "big" / "host.json").read_text())
+    assert host["data_path"]["path"] == "stream" and metrics["finished"]
+    assert host["data_path"]["decoded_bytes"] == decoded > 4 * 0.6e9
     # what the same net alone costs: its training and eval steps on random tensors
     alone = subprocess.run([sys.executable, "-c", MODEL_ALONE], env=subprocess_env(),
                            capture_output=True, text=True, check=True)  # fmt: skip

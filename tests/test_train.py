@@ -23,6 +23,7 @@ from models.objectives import build_objective
 from models.training import collect_logits
 from pipeline.cli import main
 from pipeline.registry import resolve_stage_config, run_stage
+from shards import datapath
 from shards.datapath import DataPathChoice
 from shards.datasets import load_series_table
 from shards.manifest import manifest_digest, read_manifest
@@ -134,7 +135,8 @@ def test_every_loss_trains_a_complete_run(root, loss):
     assert manifest.upstream == expected
     section = json.loads((run_dir / "metrics.json").read_text())["train"]
     assert section["finished"] and len(section["history"]) == 1
-    # the kept weights (epoch 0) are the ones validated: recompute val acc, ECE, NLL from them
+    assert section["best_epoch"] == section["history"][0]["epoch"] == 1  # epochs count from 1
+    # the kept weights (epoch 1) are the ones validated: recompute val acc, ECE, NLL from them
     model, meta = load_model(run_dir, classifier_from_config)
     val = load_split(root / "real" / "val")
     norm = meta["normalize"]
@@ -143,28 +145,32 @@ def test_every_loss_trains_a_complete_run(root, loss):
     assert recorded["val_acc"] == pytest.approx(100 * topk_accuracy(logits, val.labels), abs=1e-9)
     assert recorded["val_ece"] == pytest.approx(100 * ece(logits, val.labels), rel=1e-5)
     assert recorded["val_nll"] == pytest.approx(nll(logits, val.labels), rel=1e-5)
-    assert (run_dir / "checkpoints" / "checkpoint_0" / "semix_state.json").is_file()
+    assert (run_dir / "checkpoints" / "checkpoint_1" / "semix_state.json").is_file()
+    # the machine's facts are next to the outputs, outside the manifest (host.json)
+    host = json.loads((run_dir / "host.json").read_text())
+    assert set(host) == {"data_path", "epochs"} and [e["epoch"] for e in host["epochs"]] == [1]
 
 
 def test_final_weights_are_the_best_epoch_and_checkpoints_are_limited(root, tmp_path):
     run_dir = train(root, "run=best", "epochs=3", "train_limit=256", "checkpoint_limit=3", "lr=0.3")
     section = json.loads((run_dir / "metrics.json").read_text())["train"]
     accs = [h["val_acc"] for h in section["history"]]
-    assert section["best_epoch"] == accs.index(max(accs))
+    assert section["best_epoch"] == accs.index(max(accs)) + 1  # epochs count from 1
+    assert [h["epoch"] for h in section["history"]] == [1, 2, 3]
     ckpt = load_file(
         str(run_dir / "checkpoints" / f"checkpoint_{section['best_epoch']}" / "model.safetensors")
     )
     final = load_file(str(run_dir / "model.safetensors"))
     assert final.keys() == {k.removeprefix("model.") for k in ckpt if k.startswith("model.")}
     assert all(torch.equal(final[k], ckpt["model." + k]) for k in final)
-    kept = load_file(str(run_dir / "checkpoints" / "checkpoint_2" / "best.safetensors"))
+    kept = load_file(str(run_dir / "checkpoints" / "checkpoint_3" / "best.safetensors"))
     assert kept.keys() == final.keys() and all(torch.equal(final[k], kept[k]) for k in final)
     assert (run_dir / "curves.png").is_file()
     # a limit of 2 keeps the newest two
     run_dir = train(root, "run=limit", "epochs=3", "train_limit=128", "checkpoint_limit=2")
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
-        "checkpoint_1",
         "checkpoint_2",
+        "checkpoint_3",
     ]
     # a complete run is only read: not one byte or time stamp changes
     before = snapshot(run_dir)
@@ -282,8 +288,7 @@ def test_streaming_path_trains_the_same_run_and_a_small_budget_chooses_it(root):
     streamed = train(root, "run=path-stream", "data_path=auto", "memory_budget_gb=0.0001",
                      "stream_workers=2", *common)  # fmt: skip
     paths = {
-        d.name: json.loads((d / "metrics.json").read_text())["train"]["data_path"]
-        for d in (memory, streamed)
+        d.name: json.loads((d / "host.json").read_text())["data_path"] for d in (memory, streamed)
     }
     assert paths["path-memory"]["path"] == "memory" and paths["path-memory"]["budget_bytes"] == 0
     s = paths["path-stream"]
@@ -300,6 +305,40 @@ def test_streaming_path_trains_the_same_run_and_a_small_budget_chooses_it(root):
     before = snapshot(memory)
     assert train(root, "run=path-memory", "data_path=stream", *common) == memory
     assert snapshot(memory) == before
+
+
+def test_a_run_writes_the_same_bytes_whatever_memory_the_machine_has(root, tmp_path, monkeypatch):
+    """The same config and seed on three machines: 3 GB and 5 GB free (auto decodes into
+    memory, under budgets derived from the free memory), and one whose budget is below the
+    decoded size (auto streams). The data path, its budget and the seconds per epoch are the
+    machine's and go to host.json; metrics.json, model.json and the manifest (hence every file
+    it pins) are the same bytes."""
+    common = ["run=same", "loss=csm", "epochs=2", "train_limit=128", "batch_size=64", "seed=3"]
+    runs = {}
+    for name, free, sets in (
+        ("3gb", 3 * 10**9, []),
+        ("5gb", 5 * 10**9, []),
+        ("small", 5 * 10**9, ["memory_budget_gb=0.0001", "stream_workers=0"]),
+    ):
+        monkeypatch.setattr(datapath, "host_available_bytes", lambda free=free: free)
+        shutil.copytree(root / "real", tmp_path / name / "digits" / "real")
+        shutil.copytree(root / "mixed", tmp_path / name / "digits" / "mixed")
+        runs[name] = train(tmp_path / name / "digits", *common, *sets)
+    hosts = {n: json.loads((r / "host.json").read_text())["data_path"] for n, r in runs.items()}
+    assert [h["path"] for h in hosts.values()] == ["memory", "memory", "stream"]
+    # free memory / the load's 2x peak: what metrics.json recorded before host.json existed
+    assert [h["budget_bytes"] for h in hosts.values()] == [15 * 10**8, 25 * 10**8, 100_000]
+    epochs = json.loads((runs["3gb"] / "host.json").read_text())["epochs"]
+    assert [e["epoch"] for e in epochs] == [1, 2]
+    assert all(e["seconds"] > 0 and e["images_per_s"] > 0 for e in epochs)
+    big = runs["3gb"]
+    for other in (runs["5gb"], runs["small"]):
+        for name in ("metrics.json", "model.json", "model.safetensors", "manifest.json"):
+            assert (big / name).read_bytes() == (other / name).read_bytes(), (other, name)
+    metrics = (big / "metrics.json").read_text()
+    for machine_fact in ("data_path", "budget_bytes", "seconds", "images_per_s", str(tmp_path)):
+        assert machine_fact not in metrics
+    assert "host.json" not in read_manifest(big).info["files"]
 
 
 # 1 vs 2 processes (same config and seed, CPU): measured |Δ val acc| 1.4 points and |Δ loss| 7 %
@@ -333,8 +372,8 @@ def test_one_and_two_processes_train_alike(root):
     assert abs(a["loss"] - b["loss"]) <= LOSS_TOL * a["loss"], (a, b)
     run_dir = root / "train" / "p-two"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
-        "checkpoint_2",
         "checkpoint_3",
+        "checkpoint_4",
     ]
     assert read_manifest(run_dir).kind == "run"
 
@@ -352,7 +391,7 @@ def test_killed_run_resumes_to_identical_weights(root):
     assert whole.returncode == 0, whole.stderr[-3000:]
     # the same run, SIGKILLed as soon as its first checkpoint is complete
     run_dir = root / "train" / "killed"
-    first = run_dir / "checkpoints" / "checkpoint_0"
+    first = run_dir / "checkpoints" / "checkpoint_1"
     kill_when([sys.executable, *_cli(root, ["run=killed", *args])], first.is_dir)
     assert not (run_dir / "manifest.json").exists(), "the run finished before it could be killed"
     resumed = subprocess.run(

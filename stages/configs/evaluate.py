@@ -2,7 +2,8 @@
 
 Identity of an evaluation (a rerun with the same values skips it): the upstream digests and
 `ts_criterion`. `batch_size`, `device` and the data path fields (stages/data.py) say how it is
-computed, not what: they are not compared.
+computed, not what: they are not compared; `internal_runs` says which runs to evaluate and
+report, not how.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ STAGE_DIRS = ("", "train", "finetune")  # "": look in train/ first, then finetun
 
 @dataclass(frozen=True)
 class Config(StageConfig):
-    run: str = ""  # one run (RUN=name); with neither run nor runs: every trained run, one by one
+    run: str = ""  # one run (RUN=name); with neither run nor runs: every user run, one by one
     runs: tuple[str, ...] = ()  # several runs (RUNS=a,b,c): each one, plus their deep ensemble
     stage_dir: str = ""  # pin where runs live: train | finetune
     ensemble_name: str = (
@@ -35,6 +36,10 @@ class Config(StageConfig):
     # temperature scaling: "nll" minimises val NLL (Guo et al. 2017); "ece" = lowest val ECE
     # on the grid 0.1..10 (the focal-calibration code)
     ts_criterion: str = "nll"
+    # the runs a chain or a study trains for its own use (annotate's encoder, the fidelity
+    # judges, the study's tune-* runs) are neither evaluated by a bare `make evaluate` nor listed
+    # in eval/report.md; true includes them (stages/evaluate.py, internal_runs)
+    internal_runs: bool = False
     batch_size: int = 512
     device: str = ""  # "" = cuda if available, else cpu
     # how test/val (and the OOD set) are read: decoded into memory or streamed (stages/data.py)

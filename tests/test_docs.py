@@ -1,0 +1,140 @@
+"""The docs cite only what the repository holds: make targets the Makefile has, links to
+committed files, no design papers of the founding team (METHODS.md, NOTES.md, ARCHITECTURE.md,
+which are not in the repository); and `make clean` removes only what it should."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")), REPO / "bench" / "RESULTS.md"]
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+SPAN = re.compile(r"`([^`\n]+)`")
+MAKE = re.compile(r"(?<![\w./-])make\s+([a-z][\w-]*)")
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+FOREIGN = re.compile(r"\b(METHODS|NOTES|ARCHITECTURE)(\.md\b|\s*§)")
+
+
+def code_of(text: str) -> list[str]:
+    """What a doc shows as code: its fenced blocks and its inline code spans."""
+    blocks = FENCE.findall(text)
+    return blocks + SPAN.findall(FENCE.sub("", text))
+
+
+def makefile_targets(makefile: Path) -> set[str]:
+    """Targets the Makefile defines (`name:` at the start of a line, not `NAME :=`)."""
+    return set(re.findall(r"^([A-Za-z][\w.-]*)\s*:(?!=)", makefile.read_text(), re.M))
+
+
+def committed() -> set[str]:
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout: no way to tell committed files")
+    out = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True)
+    return set(out.stdout.splitlines())
+
+
+def test_the_doc_checks_see_what_they_check():
+    """The parsers on a small sample (a test that cannot fail is a defect)."""
+    sample = (
+        "Run `make demo` or\n```bash\nmake train RUN=x   # then make evaluate\n```\n"
+        "a make target in prose; see [a](a.md#x), ![b](../b.png), [web](https://x.org)."
+    )
+    found = {m for code in code_of(sample) for m in MAKE.findall(code)}
+    assert found == {"demo", "train", "evaluate"}
+    assert LINK.findall(sample) == ["a.md#x", "../b.png", "https://x.org"]
+    assert FOREIGN.search("see METHODS.md §3") and FOREIGN.search("(METHODS §2)")
+    assert not FOREIGN.search("docs/methods.md §2, docs/architecture.md")
+    assert {"clean", "test-gpu", "help"} <= makefile_targets(REPO / "Makefile")
+    assert not {"SHELL", "PY", "ROOT"} & makefile_targets(REPO / "Makefile")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_make_target_a_doc_names_exists(doc):
+    targets = makefile_targets(REPO / "Makefile")
+    named = {m for code in code_of(doc.read_text()) for m in MAKE.findall(code)}
+    assert not named - targets, f"{doc.name} names make targets the Makefile lacks"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_relative_link_points_to_a_committed_file(doc):
+    files = committed()
+    folders = {str(Path(f).parent) for f in files}
+    bad = []
+    for target in LINK.findall(FENCE.sub("", doc.read_text())):
+        if re.match(r"^[a-z][\w+.-]*:", target) or target.startswith("#"):
+            continue  # a web address, or a place in this page
+        path = (doc.parent / target.split("#")[0]).resolve()
+        if not path.is_relative_to(REPO):
+            bad.append(target)
+            continue
+        rel = path.relative_to(REPO).as_posix()
+        if rel not in files and rel not in folders:
+            bad.append(target)
+    assert not bad, f"{doc.name} links to files that are not committed: {bad}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_no_doc_cites_the_founding_teams_papers(doc):
+    """METHODS.md, NOTES.md and ARCHITECTURE.md are not in the repository: docs/methods.md and
+    docs/architecture.md say what users need."""
+    cites = [m.group(0) for m in FOREIGN.finditer(doc.read_text())]
+    assert not cites, f"{doc.name} cites {cites}"
+
+
+# ---------------------------------------------------------------- make clean
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    """A copy of the Makefile in a project folder of its own (clean acts next to its Makefile),
+    with runs/ inside and a runs folder outside it."""
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    root = tmp_path / "project"
+    (root / "runs" / "digits").mkdir(parents=True)
+    (root / "runs" / "digits" / "manifest.json").write_text("{}")
+    (root / ".venv").mkdir()
+    (root / "src").mkdir()
+    (root / "src" / "code.py").write_text("x = 1\n")
+    shutil.copy(REPO / "Makefile", root / "Makefile")
+    (tmp_path / "elsewhere" / "runs").mkdir(parents=True)
+    return root
+
+
+def clean(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["make", "-s", "clean", *args], cwd=root, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_make_clean_removes_runs_and_refuses_a_folder_outside_unless_forced(project):
+    outside = project.parent / "elsewhere" / "runs"
+    refused = clean(project, f"OUT={outside}")
+    assert refused.returncode != 0 and outside.is_dir()
+    assert "outside this checkout" in refused.stderr and "FORCE=1" in refused.stderr
+    assert clean(project, "OUT=../elsewhere/runs").returncode != 0 and outside.is_dir()
+    done = clean(project, f"OUT={outside}", "FORCE=1")
+    assert done.returncode == 0 and not outside.exists(), done.stderr
+    done = clean(project)  # OUT defaults to runs
+    assert done.returncode == 0 and not (project / "runs").exists(), done.stderr
+    assert clean(project).returncode == 0  # nothing left to remove: fine
+    assert sorted(p.name for p in project.iterdir()) == [".venv", "Makefile", "src"]
+
+
+def test_make_clean_never_removes_the_checkout_git_the_venv_or_committed_files(project):
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+    subprocess.run(["git", "init", "-q", "."], cwd=project, check=True)
+    subprocess.run(["git", "add", "src/code.py", "Makefile"], cwd=project, check=True)
+    before = sorted(str(p.relative_to(project)) for p in project.rglob("*"))
+    for out in (".", "..", "/", str(project), ".git", ".venv", "src", "Makefile", ""):
+        for force in ([], ["FORCE=1"]):
+            result = clean(project, f"OUT={out}", *force)
+            assert result.returncode != 0, (out, force, result.stdout)
+            assert result.stderr.startswith("semix clean: ") and "nothing removed" in result.stderr
+    assert sorted(str(p.relative_to(project)) for p in project.rglob("*")) == before
