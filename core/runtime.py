@@ -17,6 +17,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
