@@ -47,7 +47,7 @@ OS_HINTS = {
     "rerun the same command to resume",
     errno.EDQUOT: f"the disk quota is exhausted (the disk is full for this user); {KEPT}: free "
     "space (or set out= elsewhere) and rerun the same command to resume",
-    errno.EROFS: f"the storage is read-only; {KEPT}: make it writable (or set out= to a "
+    errno.EROFS: f"the storage is read-only; {KEPT}: restore write access (or set out= to a "
     "writable folder) and rerun the same command to resume",
     errno.EACCES: "permission denied: check the file's permissions or set out= elsewhere",
     errno.EPERM: "operation not permitted: check permissions or set out= elsewhere",

@@ -26,11 +26,12 @@ import torch
 import torch.nn.functional as F
 
 from core.io import atomic_write_json
-from core.plots import curves
+from core.plots import curves, image_grid
 from core.runtime import derive_seed, log
+from core.tracking import scalars
 from models.annotation import fidelity_stats
 from models.classifiers import classifier_from_config
-from models.generators import Generator, SeriesSpec
+from models.generators import Generator, SeriesSpec, load_generator
 from models.training import collect_logits
 from shards.datasets import load_real
 from shards.manifest import ShardError
@@ -224,3 +225,42 @@ class FidelityCheck:
             log.info(
                 "fit-generator: w=%g %s per class in %% (taken for): %s", guidance, name, per_class
             )
+
+
+def fidelity_scalars(point: dict[str, Any]) -> dict[str, float]:
+    """A point of the fidelity curve for the trackers: fidelity/<judge>/w_<w> = the share (%) of
+    the endpoints the judge takes for their class (names made tracker-safe: linear_probe)."""
+    return scalars(
+        {
+            f"fidelity/{judge}/w_{w}": stats["accuracy"]
+            for w, by_judge in point["guidance"].items()
+            for judge, stats in by_judge.items()
+        }
+    )
+
+
+def sample_grid(
+    folder: Path,
+    class_names: tuple[str, ...],
+    device,
+    guidance: float,
+    steps: int,
+    per_class: int,
+    seed: int,
+) -> Path:
+    """sample_grid.png of a fitted generator folder (the generate stage's loading path) at the
+    recorded guidance: one row per class, `per_class` columns; column j shares one noise across
+    classes, so rows differ only in the class."""
+    gen = load_generator("unet", model=folder, steps=steps, device=device, guidance=guidance)
+    n = per_class
+    seeds = [derive_seed(seed, "fit-grid", j) for j in range(n)]
+    specs = [
+        SeriesSpec(c * n + j, c, c, (1.0,), seeds[j])
+        for c in range(len(class_names))
+        for j in range(n)
+    ]
+    images = gen.generate_series(specs).view(len(class_names), n, *gen.noise_shape[1:], 3)
+    scale = max(1, 64 // gen.image_size)
+    return image_grid(
+        images.numpy(), folder / "sample_grid.png", row_labels=class_names, scale=scale
+    )

@@ -46,7 +46,6 @@ from diffusers import DDPMScheduler, UNet2DModel
 from diffusers.training_utils import EMAModel
 
 from core.io import sha256_file, writing
-from core.plots import image_grid
 from core.runtime import (
     Processes,
     code_version,
@@ -57,12 +56,10 @@ from core.runtime import (
     progress,
     share_from_main,
 )
-from core.tracking import Tracking, scalars
+from core.tracking import Tracking
 from models.generators import (
     UNET_PRESETS,
-    SeriesSpec,
     UNetGenerator,
-    load_generator,
     save_unet,
     unet_from_preset,
 )
@@ -71,7 +68,7 @@ from shards.manifest import MANIFEST, Manifest, ShardError, manifest_digest, wri
 from shards.reader import load_split
 from shards.writer import write_config
 from stages.configs.fit_generator import Config
-from stages.fidelity import FidelityCheck, make_judges
+from stages.fidelity import FidelityCheck, fidelity_scalars, make_judges, sample_grid
 
 WEIGHTS = Path("unet") / "diffusion_pytorch_model.safetensors"
 CHECKPOINTS = "checkpoints"
@@ -188,18 +185,6 @@ def resolve_precision(choice: str, cpu: bool) -> str:
         or getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
     )
     return "bf16" if native else "no"
-
-
-def fidelity_scalars(point: dict[str, Any]) -> dict[str, float]:
-    """A point of the fidelity curve for the trackers: fidelity/<judge>/w_<w> = the share (%) of
-    the endpoints the judge takes for their class (names made tracker-safe: linear_probe)."""
-    return scalars(
-        {
-            f"fidelity/{judge}/w_{w}": stats["accuracy"]
-            for w, by_judge in point["guidance"].items()
-            for judge, stats in by_judge.items()
-        }
-    )
 
 
 def ema_generator(cfg: Config, model: torch.nn.Module, ema: EMAModel) -> UNetGenerator:
@@ -331,29 +316,6 @@ def train(
     return final.to("cpu").float().eval(), state.fidelity
 
 
-def sample_grid(
-    cfg: Config, folder: Path, class_names: tuple[str, ...], device, guidance: float
-) -> Path:
-    """sample_grid.png from the saved folder (the generate stage's loading path) at the recorded
-    guidance: one row per class; column j shares one noise across classes, so rows differ only
-    in the class."""
-    gen = load_generator(
-        "unet", model=folder, steps=cfg.sample_steps, device=device, guidance=guidance
-    )
-    n = cfg.samples_per_class
-    seeds = [derive_seed(cfg.seed, "fit-grid", j) for j in range(n)]
-    specs = [
-        SeriesSpec(c * n + j, c, c, (1.0,), seeds[j])
-        for c in range(len(class_names))
-        for j in range(n)
-    ]
-    images = gen.generate_series(specs).view(len(class_names), n, *gen.noise_shape[1:], 3)
-    scale = max(1, 64 // gen.image_size)
-    return image_grid(
-        images.numpy(), folder / "sample_grid.png", row_labels=class_names, scale=scale
-    )
-
-
 def run(cfg: Config) -> Path:
     # 1. Inputs and config (resume says how to start, not what to make: left out of config.json)
     real = cfg.root / "real" / "train"
@@ -402,7 +364,9 @@ def run(cfg: Config) -> Path:
     with writing(folder / "unet"):  # diffusers' writes lose the file name: name the folder
         save_unet(folder, unet, noise_scheduler(cfg))
     check.write(folder, curve, guidance)
-    sample_grid(cfg, folder, names, state.device, guidance)
+    sample_grid(
+        folder, names, state.device, guidance, cfg.sample_steps, cfg.samples_per_class, cfg.seed
+    )
 
     # 4. Manifest last, then the training checkpoints go
     info = {

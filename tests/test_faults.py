@@ -206,8 +206,8 @@ CASES = {
     ),
     "train": Case(  # the second epoch's checkpoint: the first is kept
         ("train", "run=disk", "epochs=2", "train_limit=64", "batch_size=32"), ("real",),
-        "train/disk/checkpoints/.tmp-checkpoint_1/" + MARKER,
-        "train/disk/checkpoints/checkpoint_1", "train/disk", "train/disk/manifest.json",
+        "train/disk/checkpoints/.tmp-checkpoint_2/" + MARKER,  # checkpoint_<n>: after epoch n
+        "train/disk/checkpoints/checkpoint_2", "train/disk", "train/disk/manifest.json",
     ),
     "finetune": Case(  # the final weights (safetensors, installed by a rename)
         ("finetune", "run=ce", "method=maccal", "maccal_epochs=1"), ("real", "train/ce"),
@@ -234,13 +234,15 @@ def test_a_full_disk_is_one_line_and_the_rerun_completes(
     assert line.startswith(f"semix {stage}: error: No space left on device: {root / case.named};")
     assert "the disk is full" in line and all(k in line for k in KEPT), line
     assert manifests(root / case.output) == []  # nothing marked complete
-    if "checkpoint_1" in case.named:  # completed work is kept
-        assert (root / case.named).with_name("checkpoint_0").joinpath(MARKER).is_file()
+    folder, _, n = case.named.rpartition("checkpoint_")
+    previous = f"checkpoint_{int(n) - 1}" if folder else ""
+    if previous:  # completed work is kept
+        assert (root / case.named).with_name(previous).joinpath(MARKER).is_file()
     disk.armed = False
     log = reruns(capsys, argv)
     assert (root / case.done).is_file()
-    if "checkpoint_1" in case.named:
-        assert "resumed from" in log and "checkpoint_0" in log
+    if previous:
+        assert "resumed from" in log and previous in log
 
 
 @pytest.mark.parametrize(
@@ -254,7 +256,7 @@ def test_a_quota_or_read_only_media_is_one_line_too(tmp_path, capsys, monkeypatc
     line = fails(capsys, argv)
     assert f"{os.strerror(code)}: {root / 'real/val/val-000000.tar'};" in line
     assert says in line and all(k in line for k in KEPT), line
-    assert manifests(root) == []
+    assert manifests(root) == [root / "real" / "train" / "manifest.json"]  # train was done
     disk.armed = False
     reruns(capsys, argv)
     assert {p.parent.name for p in manifests(root / "real")} == {"train", "val", "test"}
@@ -344,7 +346,7 @@ def test_ctrl_c_in_training_keeps_the_checkpoint_and_the_rerun_resumes(
     monkeypatch.setattr(stages.loop, "validate", ctrl_c_in_epoch_two)
     assert fails(capsys, argv, code=130) == f"semix train: {INTERRUPTED}"
     cut = tmp_path / "digits" / "train" / "cut"
-    assert manifests(cut) == [] and (cut / "checkpoints" / "checkpoint_0" / MARKER).is_file()
+    assert manifests(cut) == [] and (cut / "checkpoints" / "checkpoint_1" / MARKER).is_file()
     monkeypatch.undo()
     assert "resumed from" in reruns(capsys, argv)
     assert (cut / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
@@ -390,7 +392,7 @@ def test_damaged_checkpoints_are_named_and_training_resumes_from_an_intact_one(
     validate = stages.loop.validate
 
     def cut(run: str) -> Path:
-        """Train `run` and interrupt it in its third epoch: checkpoints 0 and 1 on disk."""
+        """Train `run` and interrupt it in its third epoch: checkpoints 1 and 2 on disk."""
         calls = []
 
         def ctrl_c_in_epoch_three(*args, **kwargs):
@@ -404,11 +406,11 @@ def test_damaged_checkpoints_are_named_and_training_resumes_from_an_intact_one(
         monkeypatch.setattr(stages.loop, "validate", validate)
         capsys.readouterr()
         folder = tmp_path / "digits" / "train" / run / "checkpoints"
-        assert sorted(p.name for p in folder.iterdir()) == ["checkpoint_0", "checkpoint_1"]
+        assert sorted(p.name for p in folder.iterdir()) == ["checkpoint_1", "checkpoint_2"]
         return folder
 
     checkpoints = cut("flipped")
-    rng = checkpoints / "checkpoint_1" / "random_states_0.pkl"
+    rng = checkpoints / "checkpoint_2" / "random_states_0.pkl"
     data = bytearray(rng.read_bytes())
     data[len(data) // 2] ^= 0x01
     rng.write_bytes(bytes(data))
@@ -416,17 +418,17 @@ def test_damaged_checkpoints_are_named_and_training_resumes_from_an_intact_one(
     named = [line for line in log.splitlines() if str(rng) in line]
     assert len(named) == 1 and "sha256 differs" in named[0], log
     instead = [line for line in log.splitlines() if "resuming from the previous" in line]
-    assert len(instead) == 1 and str(checkpoints / "checkpoint_0") in instead[0], log
+    assert len(instead) == 1 and str(checkpoints / "checkpoint_1") in instead[0], log
     run = checkpoints.parent
     assert (run / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
 
     checkpoints = cut("ruined")
-    for n in (0, 1):
+    for n in (1, 2):
         weights = checkpoints / f"checkpoint_{n}" / "model.safetensors"
         weights.write_bytes(weights.read_bytes()[:-8])
     argv = ["train", "--set", f"out={tmp_path}", "run=ruined", *sets]
     line = fails(capsys, argv)
-    newest = checkpoints / "checkpoint_1" / "model.safetensors"
+    newest = checkpoints / "checkpoint_2" / "model.safetensors"
     assert line.startswith(f"semix train: error: {newest}: ") and "record says" in line
     assert "holds no intact checkpoint: start over with resume=''" in line
     assert manifests(checkpoints.parent) == []

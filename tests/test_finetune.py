@@ -124,7 +124,10 @@ def test_maccal_is_reproducible_and_its_inference_deterministic(root):
         norm = meta["normalize"]
         logits.append(collect_logits(model, val, norm["mean"], norm["std"], batch_size=64))
         logits.append(collect_logits(model, val, norm["mean"], norm["std"], batch_size=17))
-    assert all(torch.equal(logits[0], other) for other in logits[1:])
+    # the same model and batch size: the same bytes; another batch size may take other CPU
+    # kernels (oneDNN blocks fp32 convolutions by batch on AVX512/AMX CPUs): equal to float noise
+    assert torch.equal(logits[0], logits[2]) and torch.equal(logits[1], logits[3])
+    assert torch.allclose(logits[0], logits[1], rtol=0, atol=1e-5)
     shutil.rmtree(folder)
 
 

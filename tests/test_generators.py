@@ -193,7 +193,7 @@ def test_missing_model_one_line(name, model_dirs, tmp_path):
     with pytest.raises(OSError) as err:
         load_generator(name, **kwargs)
     msg = str(err.value)
-    assert "\n" not in msg and "not-there" in msg and "`model`" in msg
+    assert "\n" not in msg and "not-there" in msg and "model=" in msg
 
 
 def test_bad_choices(model_dirs):
