@@ -8,6 +8,7 @@ on, so a rerun with the same encoder and real/train reuses them instead of encod
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Callable
@@ -94,7 +95,7 @@ def prototype_key(cfg: Config, encoder: ImageEncoder, class_names, real: Path | 
         "class_names": list(class_names),
         "real": manifest_digest(real) if real is not None else None,
         "templates": list(cfg.text_templates) if cfg.prototypes == "text" else None,
-    }
+    } | ({"train_limit": cfg.train_limit} if cfg.train_limit else {})
 
 
 def compute_prototypes(cfg: Config, encoder: ImageEncoder, class_names, real: Path | None):
@@ -103,9 +104,10 @@ def compute_prototypes(cfg: Config, encoder: ImageEncoder, class_names, real: Pa
         return encode_text_prototypes(encoder, class_names, cfg.text_templates), []
     acc = PrototypeAccumulator(len(class_names))
     n = read_manifest(real).num_samples
+    n = min(n, cfg.train_limit) if cfg.train_limit else n  # the first n, as train reads them
     with progress(range(n), total=n, desc="prototypes", unit="img") as bar:
         images, labels = [], []
-        for sample in iter_folder(real):
+        for sample in itertools.islice(iter_folder(real), n):
             images.append(sample["image"])
             labels.append(sample["cls"])
             if len(images) == cfg.batch_size:

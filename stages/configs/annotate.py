@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from core.config import ConfigError, StageConfig, check_choice, check_range
 from models.annotation import ANNOTATORS, SHARPENING
@@ -29,6 +30,9 @@ class Config(StageConfig):
     method: str = "projection"  # projection | similarity | ratio (METHODS §2 and its ablations)
     sharpening: float = 4.0  # s in t_a = sigmoid(s (lambda_hat - 0.5)); presets set METHODS' values
     prototypes: str = "real"  # real: class means over real/train; text: zero-shot prompts
+    # prototypes=real from the first N training images only (as train's train_limit: a fair
+    # study's annotation sees the labels its classifiers see); 0 = all. Recorded only when set.
+    train_limit: int = 0
     text_templates: tuple[str, ...] = ("a photo of a {}.",)
     batch_size: int = 256  # images per encoder forward
     workers: int = 2  # processes reading + decoding series shards ahead of the encoder (0: none)
@@ -39,6 +43,13 @@ class Config(StageConfig):
     # (α = 0, 1); its accuracy there is written to annotation.json ("" = skip)
     fidelity_run: str = ""
 
+    def to_dict(self) -> dict[str, Any]:
+        """train_limit only when set: a config.json made before the field still resumes."""
+        d = super().to_dict()
+        if not self.train_limit:
+            del d["train_limit"]
+        return d
+
     def __post_init__(self):
         check_choice("encoder", self.encoder, tuple(ENCODER_KINDS))
         check_choice("method", self.method, tuple(ANNOTATORS))
@@ -46,6 +57,7 @@ class Config(StageConfig):
         check_choice("precision", self.precision, PRECISIONS)
         check_range("batch_size", self.batch_size, 1)
         check_range("workers", self.workers, 0)
+        check_range("train_limit", self.train_limit, 0)
         if not self.sharpening > 0:
             raise ConfigError(f"sharpening={self.sharpening!r} must be > 0")
         if self.prototypes == "text" and self.encoder not in TEXT_ENCODERS:
@@ -76,6 +88,7 @@ PRESETS = {
         sharpening=SHARPENING["fashion-mnist"],
         workers=0,
         fidelity_run="judge",
+        train_limit=5000,
     ),
     "cifar10": dict(_CLIP, sharpening=SHARPENING["cifar10"]),
     "cifar100": dict(_CLIP, sharpening=SHARPENING["cifar100"]),
