@@ -213,6 +213,28 @@ def test_projection_output_matches_direct_computation(runs):
     assert proto_meta["key"]["encoder"] == ann["encoder"] and sum(proto_meta["counts"]) == len(real)
 
 
+def test_train_limit_takes_the_prototypes_from_the_first_n_training_images(runs):
+    """A fair study's annotation sees only the labelled images its classifiers see: with
+    train_limit=N the prototypes are the class means over the first N of real/train (the
+    images train's train_limit=N reads); config.json records the field only when set."""
+    root = runs / "digits"
+    mixed = _annotate(runs, "train_limit=300")
+    real = load_split(root / "real" / "train")
+    encoder = _direct_encoder(root)
+    protos = load_file(str(mixed / "prototypes.safetensors"))["prototypes"]
+    expected = class_prototypes(encoder.encode(real.images[:300]), real.labels[:300], 10)
+    torch.testing.assert_close(protos, expected, atol=1e-5, rtol=1e-5)
+    everything = class_prototypes(encoder.encode(real.images), real.labels, 10)
+    assert not torch.allclose(protos, everything, atol=1e-3)
+    meta = json.loads((mixed / "prototypes.json").read_text())
+    assert meta["key"]["train_limit"] == 300 and sum(meta["counts"]) == 300
+    assert json.loads((mixed / "config.json").read_text())["train_limit"] == 300
+    shutil.rmtree(mixed)
+    plain = _annotate(runs)
+    assert "train_limit" not in json.loads((plain / "config.json").read_text())
+    assert "train_limit" not in json.loads((plain / "prototypes.json").read_text())["key"]
+
+
 def test_png_bytes_pass_through(runs):
     import tarfile
 
