@@ -187,6 +187,18 @@ def resolve_precision(choice: str, cpu: bool) -> str:
     return "bf16" if native else "no"
 
 
+def fit_accelerator(cpu: bool, precision: str, tracking: Tracking) -> Accelerator:
+    """The stage's Accelerator. The lr schedule counts optimiser steps: one scheduler step per
+    step on any number of processes (accelerate's default steps a prepared scheduler
+    num_processes times per step, for schedules counted in samples)."""
+    return make_accelerator(
+        cpu=cpu,
+        mixed_precision=precision,
+        step_scheduler_with_optimizer=False,
+        **tracking.accelerator_kwargs(),
+    )
+
+
 def ema_generator(cfg: Config, model: torch.nn.Module, ema: EMAModel) -> UNetGenerator:
     """The EMA weights of now, in float32 on the CPU, as a sampler (the training model is not
     touched)."""
@@ -211,9 +223,7 @@ def train(
     cpu = cfg.device == "cpu" or not torch.cuda.is_available()  # else torchrun ranks unseen
     precision = resolve_precision(cfg.mixed_precision, cpu)
     tracking = Tracking.of(cfg.tracker, folder, cfg.root)  # tracker=: outside the folder's files
-    accelerator = make_accelerator(
-        cpu=cpu, mixed_precision=precision, **tracking.accelerator_kwargs()
-    )
+    accelerator = fit_accelerator(cpu, precision, tracking)
     num_classes, null_class = len(names), cfg.label_dropout > 0
     ckpt = Checkpointer(
         folder / CHECKPOINTS,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -211,3 +212,28 @@ def test_a_kill_at_every_point_of_a_checkpoint_save_resumes(runs, monkeypatch, l
         if (out / fit.WEIGHTS).read_bytes() != (ref / fit.WEIGHTS).read_bytes():
             failures[change] = "other weights"
     assert not failures, f"{len(failures)} of {len(changes)} kill points: {failures}"
+
+
+def test_the_lr_schedule_counts_optimiser_steps_on_any_number_of_processes(monkeypatch):
+    """With 2 processes accelerate would step a prepared scheduler twice per optimiser step;
+    the stage's accelerator steps it once, so warm-up and cosine keep their length."""
+    import accelerate.scheduler
+    from accelerate.state import AcceleratorState
+
+    from core.tracking import Tracking
+
+    accelerator = fit.fit_accelerator(True, "no", Tracking((), Path("."), Path(".")))
+    layer = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(layer.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    _, opt, sched = accelerator.prepare(layer, opt, sched)
+
+    class TwoProcesses:
+        num_processes = 2
+
+    monkeypatch.setattr(accelerate.scheduler, "AcceleratorState", TwoProcesses)
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    assert sched.scheduler.last_epoch == 3 and opt.param_groups[0]["lr"] == 0.25
+    assert AcceleratorState is not TwoProcesses
