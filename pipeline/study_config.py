@@ -56,8 +56,8 @@ METHODS: dict[str, Method] = {
 }
 # the order runs start in: the comparison that matters most first
 DEFAULT_METHODS = (
-    "ce", "csm", "csm-redraw", "ls", "focal", "mixup", "fedlas-ls", "ce+maccal", "csm+maccal",
-    "csm-ratio", "csm-ce", "csm3",
+    "ce", "csm", "csm-redraw", "csm3", "ls", "focal", "mixup", "fedlas-ls", "ce+maccal",
+    "csm+maccal", "csm-ratio", "csm-ce",
 )  # fmt: skip
 METRICS = ("top1", "ece", "aece", "classwise_ece", "oece", "uece", "mce", "nll", "brier")
 
