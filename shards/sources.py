@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from core.runtime import hub_offline
 from shards.manifest import ShardError
 
 
@@ -257,12 +258,16 @@ def hf_source(variant: str, dataset_id: str) -> Source:
     import datasets
 
     image_col, label_col = _HF_COLUMNS.get(variant, ("image", "label"))
+    offline = not Path(dataset_id).exists() and hub_offline()
+    if offline:  # the local cache only: no timeouts and retries before the one line
+        datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
     try:
         dd = datasets.load_dataset(dataset_id)
     except (OSError, ConnectionError, ValueError, datasets.exceptions.DatasetNotFoundError) as e:
+        why = "the Hub is offline and it is not in the local cache" if offline else type(e).__name__
         raise ShardError(
-            f"could not load {dataset_id} with Hugging Face datasets ({type(e).__name__}); "
-            "offline? pass data_dir=/path/to/the/python-archive (or hf_dataset=/local/folder)"
+            f"could not load {dataset_id} with Hugging Face datasets ({why}); "
+            "pass data_dir=/path/to/the/python-archive (or hf_dataset=/local/folder)"
         ) from e
     train = dd["train"]
     features = train.features

@@ -215,6 +215,27 @@ def test_uncached_model_id_offline_fails_fast_in_one_line(digits_root, tmp_path)
     assert not (tmp_path / "digits" / "series").exists()
 
 
+def test_uncached_hub_dataset_offline_fails_fast_in_one_line(tmp_path):
+    """`make generate CLASSES=cifar100` without network: prepare's Hub dataset is not cached;
+    one line naming the local alternatives, no retries (they took 34 s before)."""
+    env = subprocess_env() | {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    argv = ["chain", "--preset", "cifar100", "--set", f"out={tmp_path}"]
+    t0 = time.monotonic()
+    run = subprocess.run(
+        [sys.executable, "-m", "pipeline", *argv], capture_output=True, text=True, env=env,
+        cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    elapsed = time.monotonic() - t0
+    errors = [line for line in run.stderr.splitlines() if line.startswith("semix chain:")]
+    assert run.returncode == 1 and len(errors) == 1, run.stderr
+    assert "uoft-cs/cifar100" in errors[0] and "offline" in errors[0]
+    assert "prepare.data_dir=" in errors[0] and "prepare.hf_dataset=" in errors[0]
+    for noise in ("Traceback", "Retrying", "Name or service not known"):
+        assert noise not in run.stderr, run.stderr
+    assert elapsed < 30, elapsed
+    assert not (tmp_path / "cifar100" / "real" / "manifest.json").exists()
+
+
 def test_uncached_hf_clip_id_offline_fails_fast_in_one_line():
     from models.encoders import HFCLIPEncoder
 
