@@ -4,6 +4,7 @@ which are not in the repository); and `make clean` removes only what it should."
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -138,3 +139,148 @@ def test_make_clean_never_removes_the_checkout_git_the_venv_or_committed_files(p
             assert result.returncode != 0, (out, force, result.stdout)
             assert result.stderr.startswith("semix clean: ") and "nothing removed" in result.stderr
     assert sorted(str(p.relative_to(project)) for p in project.rglob("*")) == before
+
+
+# ---------------------------------------------------------------- documented commands
+
+LAUNCH = re.compile(r"(?:^|\s)(?:\S*/)?semix\s+|(?:^|\s)-m\s+pipeline\s+")
+PLACEHOLDER = re.compile(r"[<>…]|\.\.\.|^\$|^X\.")
+SHELL_OPS = {"&&", "||", "|", ";", ">", "2>&1", "&"}
+
+
+def command_lines(code: str) -> list[str]:
+    """Shell lines of a code block or span: continuations joined, prompts and comments gone."""
+    lines = []
+    code = re.sub(r"^```.*$", "", code, flags=re.M)  # the fences of a block
+    for line in code.replace("\\\n", " ").splitlines():
+        line = re.sub(r"^\$\s+", "", line.strip())
+        line = " ".join(re.split(r"\s+#", line)[0].split())
+        if line:
+            lines.append(line)
+    return lines
+
+
+def semix_args(line: str, names: set[str]) -> list[str] | None:
+    """The arguments `semix` gets from a documented line (`semix ...`, `python -m pipeline
+    ...`, `accelerate launch ... -m pipeline ...`), or None if the line runs no semix command."""
+    import shlex
+
+    found = LAUNCH.search(line)
+    if found is None:
+        return None
+    try:
+        args = shlex.split(line[found.end() :])
+    except ValueError:
+        return None
+    for i, arg in enumerate(args):
+        if arg in SHELL_OPS:
+            args = args[:i]
+            break
+    if not args or args[0] not in names:
+        return None  # prose ("semix does ..."), or a printed message ("semix train: error: ...")
+    return args
+
+
+def make_semix_args(line: str, targets: set[str]) -> list[str] | None:
+    """What `make <target> VAR=...` runs as semix, read from `make -n` (Makefile variables
+    mapped to --set exactly as the user gets them)."""
+    import shlex
+
+    try:
+        words = shlex.split(line)
+    except ValueError:
+        return None
+    if len(words) < 2 or words[0] != "make" or words[1] not in targets:
+        return None
+    words = [w for w in words[1:] if not w.startswith(("-", "["))]  # `[RUN=name]`: optional
+    words = words[: next((i for i, w in enumerate(words) if w in SHELL_OPS), len(words))]
+    dry = subprocess.run(
+        ["make", "-n", "-s", "-f", str(REPO / "Makefile"), *words],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert dry.returncode == 0, f"`{line}`: make -n fails: {dry.stderr.strip()}"
+    runs = [x for x in dry.stdout.splitlines() if " -m pipeline " in x]
+    return shlex.split(runs[-1].split(" -m pipeline ", 1)[1]) if runs else None
+
+
+def documented_commands() -> list[tuple[str, str, list[str]]]:
+    """(doc, line, semix arguments) of every semix command the docs show as code."""
+    from pipeline.cli import COMMANDS, STAGES
+
+    names = {*STAGES, *COMMANDS}
+    targets = makefile_targets(REPO / "Makefile")
+    found: dict[tuple[str, str], list[str]] = {}
+    for doc in DOCS:
+        for code in code_of(doc.read_text()):
+            for line in command_lines(code):
+                if PLACEHOLDER.search(line):
+                    continue  # `--preset <preset> …`: a shape, not a command
+                args = semix_args(line, names)
+                if args is None and shutil.which("make") and line.startswith("make "):
+                    args = make_semix_args(line, targets)
+                if args is not None:
+                    found[(str(doc.relative_to(REPO)), line)] = args
+    return [(doc, line, args) for (doc, line), args in found.items()]
+
+
+def test_the_command_finder_sees_what_it_checks():
+    from pipeline.cli import COMMANDS, STAGES
+
+    names = {*STAGES, *COMMANDS}
+    assert command_lines("```bash\n$ semix train \\\n  --set run=a  # why\n```") == [
+        "semix train --set run=a"
+    ]
+    assert semix_args(
+        "accelerate launch --num_processes 2 -m pipeline train --set run=d", names
+    ) == [
+        "train",
+        "--set",
+        "run=d",
+    ]
+    assert semix_args(".venv/bin/semix evaluate --set run=ce && ls", names) == [
+        "evaluate",
+        "--set",
+        "run=ce",
+    ]
+    assert semix_args("semix annotate: error: no series", names) is None
+    assert semix_args("semix does not copy.", names) is None
+    from pipeline.cli import main
+
+    assert main(["train", "--set", "losss=ce", "--print-config"]) != 0  # what the check catches
+    if shutil.which("make"):
+        assert make_semix_args(
+            "make train RUN=csm LOSS=csm", makefile_targets(REPO / "Makefile")
+        ) == [
+            "train",
+            "--preset",
+            "digits",
+            "--set",
+            "out=runs",
+            "run=csm",
+            "loss=csm",
+        ]
+
+
+def test_every_documented_command_parses_and_resolves_its_config(capsys):
+    """Each semix command the README and docs show (directly, under a launcher, or through a make
+    target) is run with --print-config: the command, the preset and every --set key must be ones
+    semix accepts. Shapes with placeholders (`<preset>`, `…`) are skipped; a tracker package that
+    is not installed here may give its own one-line error."""
+    from pipeline.cli import main
+
+    commands = documented_commands()
+    assert len(commands) >= 40, f"only {len(commands)} documented commands found: the finder broke"
+    bad = []
+    for doc, line, args in commands:
+        code = main([*args, "--print-config"])
+        out, err = capsys.readouterr()
+        if code == 0 and "--fields" in args:
+            assert out.startswith(f"semix {args[0]} "), line  # the field table
+        elif code == 0:
+            assert isinstance(json.loads(out), dict), line  # the resolved config, nothing else
+        elif "not installed here: pip install" not in err:  # an optional tracker
+            bad.append(f"{doc}: `{line}` -> exit {code}: {err.strip().splitlines()[-1:]}")
+    assert not bad, "documented commands semix rejects:\n" + "\n".join(bad)
