@@ -26,6 +26,7 @@ from core.io import sha256_file
 from core.runtime import cpu_threads, derive_seed
 from models.generators import load_unet, save_unet, unet_from_preset
 from models.generators.base import class_weights, make_mixable, make_scheduler
+from models.generators.loading import dtype_kwarg
 from pipeline.registry import run_stage
 from shards.manifest import Manifest, manifest_digest, write_manifest
 from shards.writer import ShardFolder
@@ -209,7 +210,7 @@ def gpu_section(tmp: Path, device: str = "cuda", tiny: bool = False, n_series: i
             "series_per_shard=2"]  # fmt: skip
     _stage(root, [*sets[:1], "limit=1", *sets[2:]], "cifar10")  # warm-up: kernels, caches
     stage = _stage(root, sets, "cifar10")
-    pipe = StableDiffusionPipeline.from_pretrained(model, torch_dtype=dtype, safety_checker=None, requires_safety_checker=False).to(device)  # fmt: skip
+    pipe = StableDiffusionPipeline.from_pretrained(model, **dtype_kwarg(dtype), safety_checker=None, requires_safety_checker=False).to(device)  # fmt: skip
     pipe.set_progress_bar_config(disable=True)
     pipe("a photo of a class0", num_inference_steps=steps, guidance_scale=guidance)  # warm-up
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)

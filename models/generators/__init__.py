@@ -7,45 +7,58 @@ mix = MixSpec(0, (3, 5, 8), ((1.0, 0.0, 0.0), (0.5, 0.25, 0.25)), seed=123)  # a
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from .base import (
     SAMPLERS,
     Generator,
     MixableEmbedding,
-    ModelNotFoundError,
     NonFiniteImageError,
     make_scheduler,
 )
-from .dit import DiTGenerator
-from .edm import EDM_CHECKPOINTS, EDM_SAMPLERS, EDMGenerator, load_edm
-from .edm_net import EDMNetwork
-from .edm_pickle import UnsafePickleError, convert_edm_pickle, read_edm_pickle
-from .sd import SDGenerator
+from .loading import ModelNotFoundError
+from .registry import EDM_CHECKPOINTS, EDM_SAMPLERS, GENERATORS, load_generator
 from .spec import MixSpec, SeriesSpec
-from .unet import (
-    UNET_PRESETS,
-    UNetGenerator,
-    UNetPreset,
-    build_unet,
-    load_unet,
-    save_unet,
-    unet_from_preset,
-)
 
-GENERATORS: dict[str, type[Generator]] = {
-    cls.backend: cls for cls in (UNetGenerator, SDGenerator, DiTGenerator, EDMGenerator)
-}
+# The backends' modules import diffusers' pipelines and transformers (seconds): their names are
+# imported on first use (PEP 562), so `from models.generators import SeriesSpec` stays light.
+_LAZY = {
+    "dit": ("DiTGenerator",),
+    "edm": ("EDMGenerator", "load_edm"),
+    "edm_net": ("EDMNetwork",),
+    "edm_pickle": ("UnsafePickleError", "convert_edm_pickle", "read_edm_pickle"),
+    "sd": ("SDGenerator",),
+    "unet": (
+        "UNET_PRESETS", "UNetGenerator", "UNetPreset", "build_unet", "load_unet", "save_unet",
+        "unet_from_preset",
+    ),
+}  # fmt: skip
+_MODULE_OF = {name: module for module, names in _LAZY.items() for name in names}
+
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
+    from .dit import DiTGenerator
+    from .edm import EDMGenerator, load_edm
+    from .edm_net import EDMNetwork
+    from .edm_pickle import UnsafePickleError, convert_edm_pickle, read_edm_pickle
+    from .sd import SDGenerator
+    from .unet import (
+        UNET_PRESETS,
+        UNetGenerator,
+        UNetPreset,
+        build_unet,
+        load_unet,
+        save_unet,
+        unet_from_preset,
+    )
 
 
-def load_generator(backend: str, **kwargs: Any) -> Generator:
-    """Build backend ``backend`` with its keyword arguments (``model=...`` etc.); with
-    ``lazy=True`` no weights are read until ``load()`` or the first ``generate_series``."""
-    if backend not in GENERATORS:
-        raise ValueError(
-            f"unknown generator backend {backend!r}; choose one of {sorted(GENERATORS)}"
-        )
-    return GENERATORS[backend](**kwargs)
+def __getattr__(name: str) -> Any:
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_MODULE_OF[name]}", __name__), name)
+    globals()[name] = value  # imported once
+    return value
 
 
 __all__ = [

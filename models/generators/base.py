@@ -20,17 +20,19 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from diffusers import DDIMScheduler, DPMSolverMultistepScheduler
-from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from torch import nn
 
-from core.runtime import hub_offline
-
 from .spec import MixSpec, Spec
+
+if TYPE_CHECKING:
+    from diffusers.schedulers.scheduling_utils import SchedulerMixin
+
+# diffusers is imported where a scheduler is built, not here: this module is on the path of every
+# config check and error message, and importing diffusers costs seconds (see registry.py)
 
 
 class NonFiniteImageError(RuntimeError):
@@ -50,10 +52,6 @@ class NonFiniteImageError(RuntimeError):
         )
 
 
-class ModelNotFoundError(OSError):
-    """A model id/folder that cannot be loaded (missing folder, or offline and not cached)."""
-
-
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -62,11 +60,15 @@ DTYPES: dict[str, torch.dtype] = {
 
 
 def _ddim(config: Any) -> SchedulerMixin:
+    from diffusers import DDIMScheduler
+
     # η is a step() argument; we never pass it, so DDIM runs with its default η = 0 (deterministic).
     return DDIMScheduler.from_config(config)
 
 
 def _dpmsolver_pp(config: Any) -> SchedulerMixin:
+    from diffusers import DPMSolverMultistepScheduler
+
     # Force the ODE variant: a saved config may name an SDE one, which draws fresh noise each step.
     return DPMSolverMultistepScheduler.from_config(config, algorithm_type="dpmsolver++")
 
@@ -92,46 +94,6 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     return DTYPES[dtype]
-
-
-def load_pretrained(load: Callable[..., Any], model: str | Path, **kwargs: Any) -> Any:
-    """``load(model, **kwargs)`` (a ``from_pretrained``), turning "not found" into one clear line.
-
-    An existing folder that fails to load (missing or truncated weights, a broken config) is
-    reported in one line naming it.
-    """
-    from safetensors import SafetensorError
-
-    model = str(model)  # diffusers' pipeline loader wants a str
-    if Path(model).is_dir():
-        try:
-            return load(model, **kwargs)
-        except (OSError, ValueError, SafetensorError, EOFError) as err:
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
-            raise ModelLoadError(
-                f"cannot load the model in {model} ({first}): the folder is incomplete or "
-                "damaged; rebuild it (e.g. rerun fit-generator) or set `model` to a complete "
-                "save_pretrained folder"
-            ) from err
-    # a Hub id: offline (HF_HUB_OFFLINE=1, or no answer from the Hub) only the local cache is
-    # read, so a model that is not cached fails at once, without timeouts, retries or warnings
-    offline = hub_offline()
-    try:
-        return load(model, **kwargs, **({"local_files_only": True} if offline else {}))
-    except (OSError, ValueError) as err:
-        why = (
-            "not a local folder and not in the local Hugging Face cache, and the Hub is offline"
-            if offline
-            else "not a local folder and not loadable from the Hub (unknown id, or no access)"
-        )
-        raise ModelNotFoundError(
-            f"generator model {model!r} not found: {why}; set model=<a local save_pretrained "
-            "folder> (or download it once where the Hub is reachable)"
-        ) from err
-
-
-class ModelLoadError(ValueError):
-    """A local model folder exists but does not load."""
 
 
 class MixableEmbedding(nn.Embedding):

@@ -17,16 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from diffusers import DiTPipeline
 
-from .base import (
-    Generator,
-    MixableEmbedding,
-    load_pretrained,
-    make_mixable,
-    make_scheduler,
-    mix_weights,
-)
+from .base import Generator, MixableEmbedding, make_mixable, make_scheduler, mix_weights
+from .loading import dtype_kwarg, load_pretrained, require_cached
 
 
 class DiTGenerator(Generator):
@@ -69,8 +62,15 @@ class DiTGenerator(Generator):
             self.load()
 
     def _load(self) -> None:
+        # an uncached hub id offline fails before the pipeline's imports (seconds)
+        require_cached(self.model, self.revision)
+        from diffusers import DiTPipeline
+
         pipe = load_pretrained(
-            DiTPipeline.from_pretrained, self.model, revision=self.revision, torch_dtype=self.dtype
+            DiTPipeline.from_pretrained,
+            self.model,
+            revision=self.revision,
+            **dtype_kwarg(self.dtype),
         )
         self.transformer = pipe.transformer.to(self.device).eval()
         self.vae = pipe.vae.to(self.device).eval()

@@ -30,20 +30,11 @@ from pathlib import Path
 import torch
 from diffusers import EDMEulerScheduler
 
-from .base import Generator, ModelNotFoundError, load_pretrained, mix_weights
+from .base import Generator, mix_weights
 from .edm_net import EDMNetwork
 from .edm_pickle import load_edm_pickle
-
-EDM_SAMPLERS = {"heun": "EDM Algorithm 1, 2nd order", "euler": "1st order"}
-
-# Where the paper's networks are published (EDM: CC BY-NC-SA 4.0)
-EDM_CHECKPOINTS = {
-    "cifar10": "https://nvlabs-fi-cdn.nvidia.com/edm/pretrained/edm-cifar10-32x32-cond-vp.pkl",
-    "cifar100": "https://huggingface.co/wzekai99/DM-Improves-AT/resolve/main/others/"
-    "edm-cifar100-cond-32x32-cond-vp.pkl",
-    "tiny-imagenet": "the Tiny-ImageNet 64x64 cond-vp EDM of DM-Improves-AT "
-    "(https://huggingface.co/wzekai99/DM-Improves-AT, folder others/)",
-}
+from .loading import ModelNotFoundError, dtype_kwarg, load_pretrained
+from .registry import EDM_SAMPLERS
 
 
 def load_edm(model: str | Path, dtype: torch.dtype = torch.float32) -> EDMNetwork:
@@ -53,7 +44,7 @@ def load_edm(model: str | Path, dtype: torch.dtype = torch.float32) -> EDMNetwor
         return load_edm_pickle(path, dtype)
     if not path.is_dir() and path.suffix == ".pkl":
         raise ModelNotFoundError(f"EDM network {model} not found (no such file)")
-    return load_pretrained(EDMNetwork.from_pretrained, model, torch_dtype=dtype).eval()
+    return load_pretrained(EDMNetwork.from_pretrained, model, **dtype_kwarg(dtype)).eval()
 
 
 def karras_sigmas(steps: int, sigma_min: float, sigma_max: float, rho: float) -> list[float]:

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from diffusers import StableDiffusionPipeline
 
-from .base import Generator, load_pretrained, make_scheduler
+from .base import Generator, make_scheduler
+from .loading import dtype_kwarg, load_pretrained, require_cached
 
 
 class SDGenerator(Generator):
@@ -66,11 +66,15 @@ class SDGenerator(Generator):
             self.load()
 
     def _load(self) -> None:
+        # an uncached hub id offline fails before the pipeline's imports (seconds)
+        require_cached(self.model, self.revision)
+        from diffusers import StableDiffusionPipeline
+
         pipe = load_pretrained(
             StableDiffusionPipeline.from_pretrained,
             self.model,
             revision=self.revision,
-            torch_dtype=self.dtype,
+            **dtype_kwarg(self.dtype),
             safety_checker=None,
             requires_safety_checker=False,
         )

@@ -26,14 +26,8 @@ import torch
 from diffusers import DDIMScheduler, UNet2DModel
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
-from .base import (
-    Generator,
-    MixableEmbedding,
-    load_pretrained,
-    make_mixable,
-    make_scheduler,
-    mix_weights,
-)
+from .base import Generator, MixableEmbedding, make_mixable, make_scheduler, mix_weights
+from .loading import dtype_kwarg, load_pretrained
 
 NULL_CLASS = "_semix_null_class"  # in the UNet's config: the table's last row is ∅ (diffusers
 # keeps "_" keys in config.json and passes none of them to __init__)
@@ -119,7 +113,9 @@ def load_unet(
     folder: str | Path, dtype: torch.dtype = torch.float32
 ) -> tuple[UNet2DModel, dict[str, Any]]:
     """Inverse of ``save_unet``: the UNet (in ``dtype``) and its scheduler config (a dict)."""
-    unet = load_pretrained(UNet2DModel.from_pretrained, folder, subfolder="unet", torch_dtype=dtype)
+    unet = load_pretrained(
+        UNet2DModel.from_pretrained, folder, subfolder="unet", **dtype_kwarg(dtype)
+    )
     config = load_pretrained(DDIMScheduler.load_config, folder, subfolder="scheduler")
     return unet, config
 
