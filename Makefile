@@ -25,8 +25,8 @@ FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 DATA := $(if $(filter fashion-mnist,$(CLASSES)),fashion-mnist-data)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-all test-gpu lint format prepare fit-generator generate annotate \
-	train evaluate finetune publish pull demo study bench clean fashion-mnist-data
+.PHONY: help setup test test-all test-gpu test-trackers lint format prepare fit-generator \
+	generate annotate train evaluate finetune publish pull demo study bench clean fashion-mnist-data
 
 help: ## list every target
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -57,6 +57,13 @@ test-gpu: $(STAMP) ## tests that need a CUDA GPU (without one: says "no GPU", ex
 	if [ $$rc = 0 ]; then $(PY) -m pytest -q -m gpu; \
 	elif [ $$rc = 3 ]; then echo "semix test-gpu: no GPU (torch.cuda.is_available() is False): nothing to run"; \
 	else exit $$rc; fi
+
+# Installs into $(VENV): wandb and mlflow, pinned, with requirements.txt as constraints (the
+# pinned set stays; pip moves a few unpinned packages mlflow caps: pyarrow, importlib_metadata,
+# python-dateutil). trackio's test skips unless installed (`.[trackio]`, docs/train.md).
+test-trackers: $(STAMP) ## install .[tracking] (wandb, mlflow) and run tests/test_tracking.py
+	$(PY) -m pip install -q -c requirements.txt -e '.[tracking]'
+	$(PY) -m pytest -q -rs tests/test_tracking.py
 
 lint: $(STAMP) ## ruff check + format check + the import layers (import-linter)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/lint-imports --no-cache --no-logo

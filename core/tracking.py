@@ -143,15 +143,22 @@ class Tracking:
         (config.json written), never for a complete output: it writes files."""
         if not self.trackers:
             return
+        values = hparams(config)
         wandb: dict[str, str] = {"name": self.run_name}
         if not os.environ.get("WANDB_DIR"):
             wandb["dir"] = str(self.local)  # wandb adds its own wandb/ folder below
         init_kwargs = {
             "wandb": wandb,
             "mlflow": {"run_name": self.run_name},
-            "trackio": {"name": self.run_name},
+            # trackio takes the config in trackio.init: accelerate's store_init_configuration
+            # calls trackio.config.update(values, allow_val_change=True), wandb's signature,
+            # on trackio's plain dict, which then holds a config field allow_val_change=True
+            "trackio": {"name": self.run_name, "config": values},
         }  # TensorBoard: built in accelerator_kwargs
-        accelerator.init_trackers(self.project, config=hparams(config), init_kwargs=init_kwargs)
+        accelerator.init_trackers(self.project, init_kwargs=init_kwargs)  # main process only
+        for tracker in accelerator.trackers:  # empty on the other processes
+            if tracker.name != "trackio":
+                tracker.store_init_configuration(values)
         if accelerator.is_main_process:
             log.info(
                 "%s: tracked with %s (project %s; local files under %s)",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import struct
 import sys
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from conftest import snapshot
 
 import stages.fit_generator as fit
 from core.config import ConfigError
-from core.tracking import parse_trackers, scalars
+from core.tracking import hparams, parse_trackers, scalars
 from pipeline.cli import main
 from pipeline.registry import resolve_stage_config, run_stage
 from shards.manifest import manifest_digest, read_manifest
@@ -85,12 +86,14 @@ def per_epoch(hist: list[dict], key: str) -> list[tuple[int, float]]:
     return [(h["epoch"], pytest.approx(h[key], rel=1e-6, abs=1e-9)) for h in hist]
 
 
-def assert_same_run(plain: Path, tracked: Path) -> None:
+def assert_same_run(plain: Path, tracked: Path, local: bool = True) -> None:
     """Two run folders made alike but for tracker=: the same files with the same bytes (all
     but host.json, the machine's facts: seconds, memory budget), and tracking/ only in the
-    tracked one, unlisted by its manifest."""
+    tracked one, unlisted by its manifest (`local`: a tracker that keeps files there; mlflow
+    and trackio write to their own stores only)."""
     names = sorted(p.name for p in plain.iterdir())
-    assert sorted(p.name for p in tracked.iterdir()) == sorted([*names, "tracking"])
+    tracking = ["tracking"] if local else []
+    assert sorted(p.name for p in tracked.iterdir()) == sorted([*names, *tracking])
     for name in names:
         if (plain / name).is_file() and name != "host.json":
             assert (plain / name).read_bytes() == (tracked / name).read_bytes(), name
@@ -229,34 +232,83 @@ def test_fit_generator_logs_loss_lr_and_fidelity_and_writes_the_same_folder(digi
 
 
 # ---------------------------------------------------------------- the optional trackers
+# Each is read back from its own store, never from what semix handed it: the resolved config
+# and every epoch's numbers at metrics.json's epoch; and the run beside it, trained without a
+# tracker, has the same files with the same bytes.
+
+WANDB_BLOCK = 32768  # a .wandb file's block (LevelDB's log format)
 
 
-def test_wandb_offline_gets_every_epoch_under_the_run(roots, monkeypatch):
-    wandb = pytest.importorskip("wandb")
-    from wandb.sdk.wandb_run import Run
+def expected_config(run_dir: Path, *sets: str) -> dict:
+    """What a tracker should hold as the config of the train run `run_dir` made with `sets`,
+    exactly: the resolved config, every field as core.tracking.hparams gives it (lists as JSON
+    text), config.json's fields among them."""
+    config = resolve_stage_config("train", "digits", [f"out={run_dir.parents[2]}", *sets])
+    values = hparams(config.to_dict())
+    assert hparams(json.loads((run_dir / "config.json").read_text())).items() <= values.items()
+    return values
+
+
+def wandb_records(path: Path) -> list:
+    """The records of a wandb run file (run-<id>.wandb, what `wandb sync` uploads): a 7-byte
+    header (":W&B", magic, version), then LevelDB's log format counted from the file's start:
+    32 KiB blocks of chunks, each crc (4 bytes) + length (2) + type (1 full, 2 first, 3 middle,
+    4 last) + bytes, a block's tail too short for a chunk header skipped; a record is a
+    protobuf wandb.proto.wandb_internal_pb2.Record."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", data[:7]
+    records, pos, part = [], 7, b""
+    while pos + 7 <= len(data):
+        if WANDB_BLOCK - pos % WANDB_BLOCK < 7:
+            pos += WANDB_BLOCK - pos % WANDB_BLOCK
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        part, pos = part + data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # a record's last chunk
+            records.append(Record.FromString(part))
+            part = b""
+    return records
+
+
+def test_wandb_offline_gets_the_config_and_every_epoch(roots, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_CONSOLE", "off")  # leave pytest's stdout and stderr alone
+    for home in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(home, str(tmp_path / home.lower()))  # nothing under ~
     monkeypatch.delenv("WANDB_DIR", raising=False)
-    runs, logged = [], []
-    log = Run.log
+    plain = train(roots[0], "run=wandb", *TINY)
+    sets = ("run=wandb", "tracker=wandb", *TINY)
+    run_dir = train(roots[1], *sets)
+    assert_same_run(plain, run_dir)
 
-    def spy(self, data, step=None, commit=None):
-        runs.append(self)
-        logged.append((step, dict(data)))
-        return log(self, data, step=step, commit=commit)
-
-    monkeypatch.setattr(Run, "log", spy)
-    run_dir = train(roots[1], "run=wandb", "tracker=wandb", *TINY)
+    [path] = (run_dir / "tracking" / "wandb").glob("offline-run-*/run-*.wandb")
+    records = {}
+    for record in wandb_records(path):
+        records.setdefault(record.WhichOneof("record_type"), []).append(record)
+    [run] = records["run"]
+    assert run.run.project == "semix-digits" and run.run.display_name == "digits/train/wandb"
+    config = {
+        item.key: json.loads(item.value_json)
+        for record in records["config"]
+        for item in record.config.update
+    }
+    assert {k: v for k, v in config.items() if k != "_wandb"} == expected_config(run_dir, *sets)
+    rows = [  # an item's name: key, or nested_key (one part: semix's names are flat)
+        (r.history.step.num, {i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                              for i in r.history.item})
+        for r in records["history"]
+    ]  # fmt: skip
     hist = history(run_dir)
-    assert [s for s, _ in logged] == [h["epoch"] for h in hist]
+    assert [step for step, _ in rows] == [h["epoch"] for h in hist] == [1, 2]
     for key in EPOCH_TAGS:
-        assert [(s, d[key]) for s, d in logged] == per_epoch(hist, key), key
-    assert runs[0].config["run"] == "wandb" and runs[0].config["epochs"] == 2
-    assert list((run_dir / "tracking" / "wandb").glob("offline-run-*/run-*.wandb")), (
-        wandb.__version__
-    )
+        assert [(step, row[key]) for step, row in rows] == per_epoch(hist, key), key
+    [end] = records["exit"]
+    assert end.exit.exit_code == 0  # closed by tracking.finish
 
 
 def test_mlflow_gets_the_config_and_every_epoch(roots, tmp_path, monkeypatch):
@@ -266,13 +318,18 @@ def test_mlflow_gets_the_config_and_every_epoch(roots, tmp_path, monkeypatch):
     # a local store (MLflow >= 3 refuses a file:// store by default; SQLite is its own default)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
-    run_dir = train(roots[1], "run=mlflow", "tracker=mlflow", *TINY)
+    for name in ("MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID", "MLFLOW_TAGS", "MLFLOW_NESTED_RUN"):
+        monkeypatch.delenv(name, raising=False)  # accelerate's MLflowTracker reads them
+    plain = train(roots[0], "run=mlflow", *TINY)
+    sets = ("run=mlflow", "tracker=mlflow", *TINY)
+    run_dir = train(roots[1], *sets)
+    assert_same_run(plain, run_dir, local=False)  # everything went to the tracking URI
+
     client = MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name("semix-digits")
     [run] = client.search_runs([experiment.experiment_id])
     assert run.info.run_name == "digits/train/mlflow" and run.info.status == "FINISHED"
-    assert run.data.params["epochs"] == "2" and run.data.params["tracker"] == "mlflow"
+    assert run.data.params == {k: str(v) for k, v in expected_config(run_dir, *sets).items()}
     hist = history(run_dir)
     for key in EPOCH_TAGS:
         got = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
@@ -281,18 +338,28 @@ def test_mlflow_gets_the_config_and_every_epoch(roots, tmp_path, monkeypatch):
 
 def test_trackio_gets_the_config_and_every_epoch_locally(roots, tmp_path, monkeypatch):
     if importlib.util.find_spec("trackio") is None:
-        pytest.skip("trackio is not installed (optional: pip install trackio)")
+        pytest.skip("trackio is not installed (optional: the trackio extra, docs/train.md)")
     if "trackio" in sys.modules:
         pytest.skip("trackio was imported before its TRACKIO_DIR could point into tmp_path")
     monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))  # read when trackio imports
+    for where in ("SPACE_ID", "SERVER_URL", "DATASET_ID", "BUCKET_ID"):
+        monkeypatch.delenv(f"TRACKIO_{where}", raising=False)  # local only
+    plain = train(roots[0], "run=trackio", *TINY)
+    sets = ("run=trackio", "tracker=trackio", *TINY)
+    run_dir = train(roots[1], *sets)
+    assert_same_run(plain, run_dir, local=False)  # everything went to TRACKIO_DIR
     from trackio.sqlite_storage import SQLiteStorage
 
-    run_dir = train(roots[1], "run=trackio", "tracker=trackio", *TINY)
-    hist = history(run_dir)
+    assert SQLiteStorage.get_project_db_path("semix-digits").parent == tmp_path / "trackio"
     rows = [
         r for r in SQLiteStorage.get_logs("semix-digits", "digits/train/trackio") if "val_acc" in r
     ]
+    hist = history(run_dir)
+    assert [r["step"] for r in rows] == [h["epoch"] for h in hist] == [1, 2]
     for key in EPOCH_TAGS:
         assert [(r["step"], r[key]) for r in rows] == per_epoch(hist, key), key
     config = SQLiteStorage.get_run_config("semix-digits", "digits/train/trackio")
-    assert config["run"] == "trackio" and config["epochs"] == 2
+    # all of it, and nothing else but trackio's own _Username, _Created, _Group (through
+    # accelerate's store_init_configuration it would also hold allow_val_change=True)
+    own = {k: v for k, v in config.items() if not k.startswith("_")}
+    assert own == expected_config(run_dir, *sets)
