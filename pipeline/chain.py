@@ -15,7 +15,7 @@ from typing import Any
 
 from core.config import ConfigError, StageConfig, describe_fields, parse_sets
 from core.runtime import log
-from pipeline.registry import STAGES, check_out, resolve_stage_config, run_stage, stage_modules
+from pipeline.registry import STAGES, check_out, config_module, resolve_stage_config, run_stage
 
 # preset -> [(stage, extra --set values)]. The digits chain trains a quick real-only
 # classifier first: its features are the annotation space (CLIP means nothing on 8x8 digits).
@@ -50,7 +50,7 @@ SHARED_FIELDS = ("out", "name", "seed", "classes_file", "verify_sha256")
 
 
 def field_names(stage: str) -> list[str]:
-    return [f.name for f in dataclasses.fields(stage_modules(stage)[0].Config)]
+    return [f.name for f in dataclasses.fields(config_module(stage).Config)]
 
 
 def scoped(stage: str) -> Callable[[str], str]:
@@ -128,7 +128,7 @@ def check_chain(preset: str, sets: Sequence[str]) -> None:
     in_chain = {stage for stage, _ in steps}
     for stage in sorted(set(STAGES) - in_chain):
         with scoped_errors(stage):
-            parse_sets(stage_modules(stage)[0].Config, split_sets(sets, stage), scoped(stage))
+            parse_sets(config_module(stage).Config, split_sets(sets, stage), scoped(stage))
 
 
 def chain(preset: str, sets: Sequence[str]) -> None:
@@ -147,7 +147,7 @@ def chain(preset: str, sets: Sequence[str]) -> None:
 
 def stage_section(stage: str, preset: str, note: str = "") -> list[str]:
     """--fields of one stage as a chain takes them (`<stage>.key`), shared fields left out."""
-    cfg_mod, _ = stage_modules(stage)
+    cfg_mod = config_module(stage)
     title = f"{stage}: --set {stage}.key=value" + (f" ({note})" if note else "")
     rows = describe_fields(cfg_mod.Config, cfg_mod.PRESETS, preset, scoped(stage), SHARED_FIELDS)
     return [title, *rows]

@@ -37,19 +37,27 @@ STAGES = {
 MAIN_ONLY = ("prepare", "publish", "pull", "convert-edm")
 
 
-def stage_modules(stage: str):
-    """(config module, stage module) for a stage name."""
+def _import(stage: str, package: str):
     if stage not in STAGES:
         raise ConfigError(f"unknown stage {stage!r}; choose one of: {', '.join(STAGES)}")
-    mod = STAGES[stage]
+    name = f"{package}.{STAGES[stage]}"
     try:
-        cfg_mod = importlib.import_module(f"stages.configs.{mod}")
-        run_mod = importlib.import_module(f"stages.{mod}")
+        return importlib.import_module(name)
     except ModuleNotFoundError as e:
-        if e.name in (f"stages.configs.{mod}", f"stages.{mod}"):
+        if e.name == name:
             raise ConfigError(f"stage {stage!r} is not available in this version of semix") from e
         raise
-    return cfg_mod, run_mod
+
+
+def config_module(stage: str):
+    """The module of a stage's Config and PRESETS (light: resolving a config, --fields or a
+    chain's plan never imports the stages' models, diffusers among them)."""
+    return _import(stage, "stages.configs")
+
+
+def stage_modules(stage: str):
+    """(config module, stage module) for a stage name."""
+    return config_module(stage), _import(stage, "stages")
 
 
 def resolve_stage_config(
@@ -57,14 +65,14 @@ def resolve_stage_config(
 ):
     """The stage's config: defaults < preset < --set. `spell(field)`: how the command line names
     a field, for the errors (a chain: `<stage>.key`)."""
-    cfg_mod, _ = stage_modules(stage)
+    cfg_mod = config_module(stage)
     return resolve(cfg_mod.Config, cfg_mod.PRESETS, preset, sets, spell)
 
 
 def describe_stage(stage: str, preset: str) -> str:
     """`semix <stage> --fields`: every field with its default, the preset's value where it
     differs, and its description (the comment next to the field in the source)."""
-    cfg_mod, _ = stage_modules(stage)
+    cfg_mod = config_module(stage)
     rows = describe_fields(cfg_mod.Config, cfg_mod.PRESETS, preset)
     return "\n".join([f"semix {stage} --preset {preset}: --set key=value (repeatable)", *rows])
 

@@ -292,3 +292,31 @@ def test_hub_offline_set_is_trusted_without_a_probe(hub_env, monkeypatch):
     monkeypatch.setattr(socket, "create_connection", probe)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert hub_env.hub_offline()
+
+
+def test_resolving_configs_and_a_backend_check_import_no_diffusers():
+    """What keeps a one-line failure (bad key, missing upstream, an uncached model id offline)
+    quick: a chain's plan, every stage's config and the generator registry import neither
+    diffusers nor transformers (seconds on a small CPU); only the backend that runs does."""
+    probe = (
+        "import sys, contextlib, io\n"
+        "from pipeline.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    assert main(['chain', '--preset', 'cifar100', '--print-config']) == 0\n"
+        "    for stage in ('prepare', 'fit-generator', 'generate', 'annotate', 'train'):\n"
+        "        assert main([stage, '--preset', 'cifar100', '--print-config']) == 0\n"
+        "from models.generators import GENERATORS, UNET_PRESETS\n"
+        "from models.generators.registry import generator_class\n"
+        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'diffusers', 'transformers'})\n"
+        "assert not heavy, heavy\n"
+        "generator_class('unet')\n"
+        "assert 'diffusers' in sys.modules  # the probe sees an import when there is one\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]

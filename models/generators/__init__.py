@@ -20,6 +20,7 @@ from .base import (
 from .loading import ModelNotFoundError
 from .registry import EDM_CHECKPOINTS, EDM_SAMPLERS, GENERATORS, load_generator
 from .spec import MixSpec, SeriesSpec
+from .unet_presets import UNET_PRESETS, UNetPreset
 
 # The backends' modules import diffusers' pipelines and transformers (seconds): their names are
 # imported on first use (PEP 562), so `from models.generators import SeriesSpec` stays light.
@@ -30,8 +31,7 @@ _LAZY = {
     "edm_pickle": ("UnsafePickleError", "convert_edm_pickle", "read_edm_pickle"),
     "sd": ("SDGenerator",),
     "unet": (
-        "UNET_PRESETS", "UNetGenerator", "UNetPreset", "build_unet", "load_unet", "save_unet",
-        "unet_from_preset",
+        "UNetGenerator", "build_unet", "load_unet", "save_unet", "unet_from_preset",
     ),
 }  # fmt: skip
 _MODULE_OF = {name: module for module, names in _LAZY.items() for name in names}
@@ -43,9 +43,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .edm_pickle import UnsafePickleError, convert_edm_pickle, read_edm_pickle
     from .sd import SDGenerator
     from .unet import (
-        UNET_PRESETS,
         UNetGenerator,
-        UNetPreset,
         build_unet,
         load_unet,
         save_unet,

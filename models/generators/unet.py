@@ -18,7 +18,6 @@ and ``scheduler/`` (the training scheduler's config, from which the sampler is d
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,35 +27,10 @@ from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
 from .base import Generator, MixableEmbedding, make_mixable, make_scheduler, mix_weights
 from .loading import dtype_kwarg, load_pretrained
+from .unet_presets import UNET_PRESETS, UNetPreset  # noqa: F401  (re-exported)
 
 NULL_CLASS = "_semix_null_class"  # in the UNet's config: the table's last row is ∅ (diffusers
 # keeps "_" keys in config.json and passes none of them to __init__)
-
-
-@dataclass(frozen=True)
-class UNetPreset:
-    """Architecture of a class-conditional pixel UNet; ``attention[i]``: self-attention at level i."""
-
-    image_size: int
-    block_out_channels: tuple[int, ...]
-    attention: tuple[bool, ...]
-    layers_per_block: int
-    dropout: float = 0.0
-
-
-UNET_PRESETS: dict[str, UNetPreset] = {
-    # ~1.1 M parameters: ~0.31 s per bf16 training step at batch 128 on 2 CPU cores.
-    "digits-tiny": UNetPreset(16, (32, 64, 64), (False, True, False), layers_per_block=1),
-    # Fashion-MNIST at its native 28x28 (28 -> 14 -> 7): the digits widths, attention only at 7x7
-    # (49 tokens; at 14x14 it costs 40 % more per step on 2 CPU cores): ~1.7 s per step at batch
-    # 128 on the 2-core machine.
-    "fashion-28": UNetPreset(28, (32, 64, 64), (False, False, True), layers_per_block=1),
-    # EDM DDPM++ CIFAR capacity (~56 M there, ~59 M here): 128·(2, 2, 2) channels, 4 blocks per
-    # level, attention at 16×16, dropout 0.13.
-    "cifar": UNetPreset(
-        32, (256, 256, 256), (False, True, False), layers_per_block=4, dropout=0.13
-    ),
-}
 
 
 def build_unet(
