@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.runtime import setup_logging
+from core.logs import setup_logging
 from models.classifiers import build_classifier
 from models.encoders import ImageEncoder, ModuleFeatureEncoder, OpenCLIPEncoder
 from pipeline.registry import run_stage

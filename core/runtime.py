@@ -1,5 +1,5 @@
-"""Runtime services every stage shares: seeding, processes, version; logging and progress
-(core/logs.py) are re-exported here, where the stages import them from.
+"""Runtime services every stage shares: seeding, processes, version, the Hub's reachability.
+Logging and progress live in core/logs.py.
 
 Reproducibility rule: every random draw comes from an explicit generator derived from
 (run seed, key), never from global RNG state, so results do not depend on call order,
@@ -26,11 +26,6 @@ from typing import Any
 import torch
 
 from core import __version__
-from core.logs import LogProgress as LogProgress
-from core.logs import log as log
-from core.logs import progress as progress
-from core.logs import progress_mode as progress_mode
-from core.logs import setup_logging as setup_logging
 
 
 def derive_seed(seed: int, *key: Any) -> int:

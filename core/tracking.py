@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from core.config import ConfigError
-from core.runtime import log
+from core.logs import log
 
 # tracker -> modules of which one must be importable; each installs with `pip install <tracker>`
 # (TensorBoard through torch.utils.tensorboard, which needs the tensorboard package; accelerate

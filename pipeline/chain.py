@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from core.config import ConfigError, StageConfig, describe_fields, parse_sets
-from core.runtime import log
+from core.logs import log
 from pipeline.registry import STAGES, check_out, config_module, resolve_stage_config, run_stage
 
 # preset -> [(stage, extra --set values)]. The digits chain trains a quick real-only

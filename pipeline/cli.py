@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from safetensors import SafetensorError
 
 from core.config import PRESET_NAMES, ConfigError
-from core.runtime import setup_logging
+from core.logs import setup_logging
 from pipeline.registry import STAGES, describe_stage, resolve_stage_config, run_stage
 
 # whole chains, run stage after stage in one process: command -> its module, which has

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from core.runtime import log
+from core.logs import log
 from pipeline.chain import chain, chain_configs, chain_fields, scoped_errors, split_sets
 from pipeline.registry import resolve_stage_config, run_stage
 

@@ -33,7 +33,8 @@ import numpy as np
 
 from core.config import describe_fields, parse_sets
 from core.io import atomic_write_json
-from core.runtime import derive_seed, log, progress
+from core.logs import log, progress
+from core.runtime import derive_seed
 from pipeline.chain import chain_fields, scoped_errors, split_sets
 from pipeline.registry import resolve_stage_config
 from pipeline.study_config import (

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from core.runtime import log
+from core.logs import log
 from models.simplex import num_lattice_points
 from pipeline.study_stats import bootstrap_difference
 from shards.manifest import read_manifest

@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from core.io import atomic_write_bytes, atomic_write_json, read_json, sha256_file
-from core.runtime import Processes, code_version, log, progress
+from core.logs import log, progress
+from core.runtime import Processes, code_version
 from models.annotation import ANNOTATORS
 from shards.manifest import (
     MANIFEST,

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from core.io import atomic_write_json, read_json, sha256_file, tmp_path_for, writing
-from core.runtime import log, progress
+from core.logs import log, progress
 from models.annotation import PrototypeAccumulator
 from models.annotation import text_prototypes as encode_text_prototypes
 from models.classifiers import classifier_from_config

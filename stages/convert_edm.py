@@ -15,7 +15,7 @@ from pathlib import Path
 
 from core.config import ConfigError
 from core.io import writing
-from core.runtime import log
+from core.logs import log
 from models.generators import EDMNetwork, convert_edm_pickle
 from stages.configs.convert_edm import Config
 

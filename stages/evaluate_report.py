@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from core.io import atomic_write_bytes, read_json
-from core.runtime import log
+from core.logs import log
 from shards import evals
 from shards.manifest import ShardError
 from stages.configs.evaluate import Config

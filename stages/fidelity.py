@@ -26,8 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from core.io import atomic_write_json
+from core.logs import log
 from core.plots import curves, image_grid
-from core.runtime import derive_seed, log
+from core.runtime import derive_seed
 from core.tracking import scalars
 from models.annotation import fidelity_stats
 from models.classifiers import classifier_from_config

@@ -32,8 +32,9 @@ from typing import Any
 import torch
 
 from core.io import atomic_write_json
+from core.logs import log
 from core.plots import lines
-from core.runtime import code_version, log, make_generator
+from core.runtime import code_version, make_generator
 from core.tracking import Tracking
 from models.classifiers import Classifier
 from models.finetuning import arch_with_head, build_model, require_separable_head

@@ -46,14 +46,13 @@ from diffusers import DDPMScheduler, UNet2DModel
 from diffusers.training_utils import EMAModel
 
 from core.io import sha256_file, writing
+from core.logs import log, progress
 from core.runtime import (
     Processes,
     code_version,
     derive_seed,
-    log,
     make_accelerator,
     make_generator,
-    progress,
     share_from_main,
 )
 from core.tracking import Tracking

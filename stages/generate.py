@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from core.runtime import Processes, code_version, log, progress
+from core.logs import log, progress
+from core.runtime import Processes, code_version
 from shards.manifest import Manifest
 from shards.writer import ShardFolder, completed, write_config
 from stages.configs.generate import Config

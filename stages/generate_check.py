@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from core.io import atomic_write_json, read_json
-from core.runtime import derive_seed, log
+from core.logs import log
+from core.runtime import derive_seed
 from models.generators import MixSpec, SeriesSpec
 from stages.fidelity import Judge
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from core.io import sha256_file
-from core.runtime import log
+from core.logs import log
 from models.generators import (
     EDM_CHECKPOINTS,
     Generator,

@@ -35,11 +35,10 @@ from accelerate.utils import broadcast_object_list
 from torch import Tensor
 
 from core.io import atomic_write_json
+from core.logs import log, progress
 from core.runtime import (
     code_version,
-    log,
     make_generator,
-    progress,
     share_from_main,
 )
 from core.runtime import (

@@ -17,7 +17,8 @@ import torch
 from PIL import Image
 
 from core.config import read_class_names
-from core.runtime import code_version, log, make_generator, progress
+from core.logs import log, progress
+from core.runtime import code_version, make_generator
 from shards.image_folders import imagefolder_source, imagenet_source, tiny_imagenet_source
 from shards.manifest import ShardError
 from shards.sources import (

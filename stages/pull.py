@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from core.config import ConfigError
-from core.runtime import log
+from core.logs import log
 from shards import hub
 from stages.configs.pull import Config
 

@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from core.io import atomic_write_json
+from core.logs import log
 from core.plots import lines
-from core.runtime import code_version, derive_seed, log, make_generator
+from core.runtime import code_version, derive_seed, make_generator
 from core.tracking import Tracking
 from models.annotation import soft_targets
 from models.classifiers import build_classifier

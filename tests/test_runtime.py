@@ -13,7 +13,8 @@ import pytest
 from conftest import REPO
 
 from core import __version__
-from core.runtime import LogProgress, code_version, log, progress, setup_logging
+from core.logs import LogProgress, log, progress, setup_logging
+from core.runtime import code_version
 
 STAMP = re.compile(r"^\d\d:\d\d:\d\d semix ")
 
