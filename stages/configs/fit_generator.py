@@ -83,8 +83,10 @@ class Config(StageConfig):
             raise ConfigError(f"guidance_grid={self.guidance_grid}: give weights w >= 0, e.g. 1,2")
 
 
-# The digits recipe fits on 2 CPU cores in about 5.5 minutes (bf16 autocast: ~0.31 s per step at
-# batch 128); a high learning rate because the run is short. Linear betas: with the
+# The digits recipe fits on 2 CPU cores in about 5 minutes (fp32: ~0.31 s per step at batch 128;
+# for this ~1 M-parameter net at 16 px bf16 autocast's casts cost what its kernels save: 0.42 s
+# a step on an Intel Xeon with AMX, bench/RESULTS.md); a high learning rate because the run is
+# short. Linear betas: with the
 # cosine schedule the same 500 steps leave colour casts (the digits are grey) in the samples.
 # The CIFAR recipe follows DDPM (Ho et al. 2020) on EDM's DDPM++ capacity ("cifar" UNet): linear
 # betas, lr 2e-4 after 5k warm-up steps, EMA 0.9999, flips, bf16; 400k steps at batch 128 per
@@ -119,6 +121,7 @@ PRESETS = {
         judge_run="encoder",
         guidance_grid=(1.0, 1.5, 2.0),
         fidelity_every=400,
+        mixed_precision="no",  # fp32: faster than bf16 autocast for this tiny net (above)
     ),
     # Fashion-MNIST 28x28, the fair study's generator: only the 5k training images the study's
     # classifiers see (train_limit), flips (clothes are mirror-symmetric), the digits recipe's
