@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -163,8 +164,6 @@ def command_lines(code: str) -> list[str]:
 def semix_args(line: str, names: set[str]) -> list[str] | None:
     """The arguments `semix` gets from a documented line (`semix ...`, `python -m pipeline
     ...`, `accelerate launch ... -m pipeline ...`), or None if the line runs no semix command."""
-    import shlex
-
     found = LAUNCH.search(line)
     if found is None:
         return None
@@ -184,8 +183,6 @@ def semix_args(line: str, names: set[str]) -> list[str] | None:
 def make_semix_args(line: str, targets: set[str]) -> list[str] | None:
     """What `make <target> VAR=...` runs as semix, read from `make -n` (Makefile variables
     mapped to --set exactly as the user gets them)."""
-    import shlex
-
     try:
         words = shlex.split(line)
     except ValueError:

@@ -27,7 +27,7 @@ from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
 from .base import Generator, MixableEmbedding, make_mixable, make_scheduler, mix_weights
 from .loading import dtype_kwarg, load_pretrained
-from .unet_presets import UNET_PRESETS, UNetPreset  # noqa: F401  (re-exported)
+from .unet_presets import UNET_PRESETS
 
 NULL_CLASS = "_semix_null_class"  # in the UNet's config: the table's last row is ∅ (diffusers
 # keeps "_" keys in config.json and passes none of them to __init__)
