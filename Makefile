@@ -31,7 +31,14 @@ DATA := $(if $(filter fashion-mnist,$(CLASSES)),fashion-mnist-data)
 help: ## list every target
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
 
+# A fresh .venv holds ~6.5 GB (PyPI's torch wheel is the CUDA build). Check the disk first, so a
+# full one ends in one line naming the folder and the fix instead of pip's OSError mid-install.
+VENV_GB ?= 7
 $(STAMP): requirements.txt pyproject.toml
+	@test -x $(PY) || $(PYTHON) -c 'import os, shutil, sys; d = os.path.dirname(os.path.abspath("$(VENV)")); \
+	free = shutil.disk_usage(d).free / 2**30; sys.exit(0 if free >= $(VENV_GB) else \
+	f"semix setup: error: {free:.1f} GB free on the disk of {d}, a new $(VENV) needs ~$(VENV_GB) GB: " \
+	f"free space there, or make VENV=/a/bigger/disk/venv ... (VENV_GB=0 skips this check)")'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt

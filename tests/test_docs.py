@@ -142,6 +142,22 @@ def test_make_clean_never_removes_the_checkout_git_the_venv_or_committed_files(p
     assert sorted(str(p.relative_to(project)) for p in project.rglob("*")) == before
 
 
+def test_setup_on_a_full_disk_stops_before_pip_with_one_line_naming_the_fix(project):
+    """A new .venv needs ~6.5 GB; with less free the setup ends in one line (the folder, the
+    fix) before anything is created. VENV_GB stands in for a full disk."""
+    venv = project / "venv-new"
+    for name in ("requirements.txt", "pyproject.toml"):
+        shutil.copy(REPO / name, project / name)
+    result = subprocess.run(
+        ["make", "-s", "setup", f"VENV={venv}", "VENV_GB=1000000"],
+        cwd=project, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode != 0 and not venv.exists()
+    lines = [line for line in result.stderr.splitlines() if line.startswith("semix setup:")]
+    assert len(lines) == 1, result.stderr
+    assert f"free on the disk of {project}" in lines[0] and "VENV=" in lines[0]
+
+
 # ---------------------------------------------------------------- documented commands
 
 LAUNCH = re.compile(r"(?:^|\s)(?:\S*/)?semix\s+|(?:^|\s)-m\s+pipeline\s+")
