@@ -5,7 +5,8 @@
     python -m bench plan            # plan, manifest, series index at 10 / 100 / 1,000 classes
 
 Each module defines `run() -> dict` with `title`, `rows` (list of dicts, one table row
-each), optional `notes` (list of str). Timings are measured here, never asserted in tests.
+each), optional `notes` (list of str); or None when it has nothing to measure on this checkout
+(it says why; its old section stays). Timings are measured here, never asserted in tests.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def main(argv: list[str]) -> int:
         t0 = time.perf_counter()
         result = module.run()
         took = time.perf_counter() - t0
+        if result is None:  # nothing to measure here (the module said why): keep its section
+            continue
         body = [
             f"## {result['title']}",
             "",

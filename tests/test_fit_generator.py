@@ -67,6 +67,45 @@ def test_writes_generator_folder_that_loads_back(runs, capsys):
     assert code == 1 and len(errors) == 1 and "differs in: steps" in errors[0]
 
 
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
+def test_min_snr_weights_the_x0_error_by_min_snr_gamma_for_either_target(prediction_type):
+    """Min-SNR-γ means min(SNR, γ)·‖x̂_0 − x_0‖² whatever the UNet predicts: check the loss on ε
+    or v targets against that, with x̂_0 recovered from the prediction."""
+    g = torch.Generator().manual_seed(0)
+    x0, eps = torch.rand(6, 3, 4, 4, generator=g) * 2 - 1, torch.randn(6, 3, 4, 4, generator=g)
+    a_bar = torch.tensor([0.9999, 0.99, 0.8, 0.5, 0.05, 4e-5])[:, None, None, None]
+    snr = (a_bar / (1 - a_bar)).flatten()
+    x_t = a_bar.sqrt() * x0 + (1 - a_bar).sqrt() * eps
+    if prediction_type == "v_prediction":
+        target = a_bar.sqrt() * eps - (1 - a_bar).sqrt() * x0
+    else:
+        target = eps
+    pred = target + 0.1 * torch.randn(target.shape, generator=g)
+    if prediction_type == "v_prediction":
+        x0_hat = a_bar.sqrt() * x_t - (1 - a_bar).sqrt() * pred
+    else:
+        x0_hat = (x_t - (1 - a_bar).sqrt() * pred) / a_bar.sqrt()
+    x0_error = (x0_hat - x0).pow(2).flatten(1).mean(1)
+    loss = fit.denoising_loss(pred, target, snr, 5.0, prediction_type)
+    torch.testing.assert_close(loss, (snr.clamp(max=5.0) * x0_error).mean(), rtol=1e-4, atol=0)
+    assert (
+        fit.denoising_loss(pred, target, snr, 0.0, prediction_type) == (pred - target).pow(2).mean()
+    )
+
+
+def test_a_v_prediction_generator_records_it_and_samples_with_it(runs):
+    folder = run_stage(
+        "fit-generator", "digits", [f"out={runs}", *QUICK, "prediction_type=v_prediction"]
+    )
+    config = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
+    assert config["prediction_type"] == "v_prediction"
+    for sampler in ("ddim", "dpmsolver++"):
+        gen = load_generator("unet", model=folder, steps=2, sampler=sampler)
+        assert gen.scheduler.config.prediction_type == "v_prediction"
+        images = gen.generate_series([SeriesSpec(0, 3, 8, (1.0, 0.5, 0.0), seed=1)])
+        assert images.shape == (1, 3, 16, 16, 3) and images.float().std() > 0
+
+
 def test_saved_weights_are_the_ema(runs):
     """ema_decay=0 saves the raw weights; the default EMA of the same run saves other ones."""
     for name in ("raw", "ema"):

@@ -213,6 +213,25 @@ def test_dpmsolver_is_deterministic(model_dirs):
     )
 
 
+def test_dpmsolver_clips_x0_exactly_where_the_training_config_clips():
+    """DPM-Solver has no clip_sample; a config that clips x0 (a pixel UNet's) must still get x0
+    clamped to its range, as DDIM would, else a rough ε model's samples blow up."""
+    from diffusers import DDPMScheduler
+
+    def sample(config) -> torch.Tensor:
+        sched = make_scheduler("dpmsolver++", config)
+        sched.set_timesteps(5)
+        x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+        for t in sched.timesteps:  # an ε that puts x0 far outside [-1, 1]
+            x = sched.step(-30.0 * x, t, x).prev_sample
+        return x  # the last step returns its x0 prediction (final sigma 0)
+
+    assert sample(DDPMScheduler(clip_sample=True).config).abs().max() == 1.0
+    assert sample(DDPMScheduler(clip_sample=False).config).abs().max() > 1.0
+    with pytest.raises(ValueError, match=r"only to \[-1, 1\].*\[-0.5, 0.5\]: use sampler=ddim"):
+        make_scheduler("dpmsolver++", DDPMScheduler(clip_sample=True, clip_sample_range=0.5).config)
+
+
 def test_non_finite_names_series(model_dirs, monkeypatch):
     gen = load_generator("unet", model=model_dirs / "unet", steps=2)
     clean = gen.initial_noise

@@ -9,6 +9,7 @@ from core.tracking import parse_trackers
 from models.generators import UNET_PRESETS
 
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
+PREDICTION_TYPES = ("epsilon", "v_prediction")
 MIXED_PRECISION = ("auto", "no", "bf16", "fp16")  # auto: bf16 where the device has it, else no
 
 
@@ -21,6 +22,9 @@ class Config(StageConfig):
     warmup_steps: int = 50
     lr_schedule: str = "constant"  # constant | cosine (to 10 % of lr at the last step)
     min_snr_gamma: float = 0.0  # Min-SNR-γ loss weighting (Hang et al. 2023, γ = 5); 0 = off
+    # what the UNet predicts: epsilon (the noise) | v_prediction (v = √ᾱ·ε − √(1−ᾱ)·x_0, whose
+    # x_0 error stays bounded at high noise, where class shape is decided); recorded in scheduler/
+    prediction_type: str = "epsilon"
     weight_decay: float = 0.0
     grad_clip: float = 1.0  # max gradient norm; 0 = off
     ema_decay: float = 0.995  # the EMA weights are what is saved
@@ -65,6 +69,7 @@ class Config(StageConfig):
         check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISION)
         check_choice("lr_schedule", self.lr_schedule, ("constant", "cosine"))
         check_range("min_snr_gamma", self.min_snr_gamma, 0.0)
+        check_choice("prediction_type", self.prediction_type, PREDICTION_TYPES)
         check_choice("device", self.device, ("", "cpu"))
         for name in ("steps", "batch_size", "checkpoint_every", "checkpoints_total_limit"):
             check_range(name, getattr(self, name), 1)

@@ -1,0 +1,76 @@
+"""generate's sampler and step count vs endpoint fidelity, for a fitted in-house generator.
+
+    python -m bench sampler                                      # runs/fashion-mnist, else runs/digits
+    SEMIX_BENCH_SAMPLER=runs/fashion-mnist python -m bench sampler   # that run root
+
+fit-generator chooses the guidance w on its fidelity check at one sampler and step count (the
+preset's). This asks whether another sampler or step count would do better: the same check
+(stages.fidelity.endpoint_fidelity: per_class pure-class images per class from the fit's seeded
+noise, judged by the fit's CNN judge and the linear probe) at each (sampler, steps, w), with the
+seconds each image took. The 25-step DDIM row at the chosen w repeats the fit's last curve point
+(up to the fit's autocast: this runs in float32).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from models.generators import load_generator
+from shards.datasets import load_real
+from stages.fidelity import endpoint_fidelity, make_judges
+
+GRID = (("ddim", 10), ("ddim", 25), ("ddim", 50), ("ddim", 100), ("dpmsolver++", 25))
+
+
+def find_root() -> Path | None:
+    named = os.environ.get("SEMIX_BENCH_SAMPLER")
+    candidates = [Path(named)] if named else [Path("runs/fashion-mnist"), Path("runs/digits")]
+    return next((c for c in candidates if (c / "generator" / "fidelity.json").is_file()), None)
+
+
+def run() -> dict | None:
+    root = find_root()
+    if root is None:
+        print("bench sampler: no fitted generator (runs/<preset>/generator/fidelity.json): "
+              "run `make generate` first, or set SEMIX_BENCH_SAMPLER=<run root>; section kept")  # fmt: skip
+        return None
+    config = json.loads((root / "generator" / "config.json").read_text())
+    chosen = float(json.loads((root / "generator" / "fidelity.json").read_text())["guidance"])
+    judges = make_judges(root, config.get("judge_run", ""), "cpu")
+    names = load_real(root / "real" / "test").class_names
+    per_class = int(config["fidelity_per_class"])
+    guidance = sorted({1.0, chosen})
+    rows = []
+    for sampler, steps in GRID:
+        gen = load_generator(
+            "unet", model=str(root / "generator"), sampler=sampler, steps=steps,
+            guidance=chosen, batch_size=per_class * len(names),
+        )  # fmt: skip
+        for w in guidance:
+            t0 = time.perf_counter()
+            point = endpoint_fidelity(
+                gen, [w], judges, names, seed=int(config["seed"]), per_class=per_class
+            )[f"{w:g}"]
+            took = time.perf_counter() - t0
+            cnn = point[judges[0].name]
+            worst = min(cnn["per_class"].items(), key=lambda kv: kv[1]["accuracy"])
+            rows.append({
+                "sampler": sampler, "steps": steps, "w": f"{w:g}",
+                **{f"{j} %": f"{st['accuracy']:.1f}" for j, st in point.items()},
+                f"worst class ({judges[0].name})": f"{worst[0]} {worst[1]['accuracy']:.0f} %",
+                "ms / image": f"{1000 * took / (per_class * len(names)):.0f}",
+            })  # fmt: skip
+    notes = [
+        f"{root}/generator ({config['unet']}, {config['steps']} fit steps, chosen w = {chosen:g} "
+        f"at the preset's {config['sample_steps']}-step DDIM), {per_class} images per class "
+        f"({per_class * len(names)} per cell), float32, {torch.get_num_threads()} threads.",
+        "judges' accuracy on real test: "
+        + ", ".join(f"{j.name} {j.real_test_accuracy:.1f} %" for j in judges),
+    ]
+    return {"title": "generate: sampler and steps vs endpoint fidelity", "rows": rows,
+            "notes": notes}  # fmt: skip
