@@ -51,6 +51,7 @@ from pipeline.study_stats import Predictions, bootstrap_difference, summarize
 from pipeline.study_tune import chosen_sets, tuning_group, tuning_report, tuning_tasks
 from shards import evals
 from shards.manifest import ShardError, read_manifest
+from shards.writer import write_config
 
 RUNS = ("train", "finetune", "evaluate")  # the stages a study runs after the chain
 
@@ -231,7 +232,27 @@ def setup(preset: str, sets: Sequence[str]) -> tuple[StudyConfig, Path, list[Tas
             if stage != "chain":
                 with scoped_errors(stage):
                     resolve_stage_config(stage, preset, stage_sets)
+    if any(task.name == "chain" and task.done for task in tasks):
+        check_generator(preset, [s for s in sets if not s.startswith("study.")], root)
     return cfg, root, tasks
+
+
+def check_generator(preset: str, chain_sets: Sequence[str], root: Path) -> None:
+    """A done chain is reused as it is, so its generator must be the one this config asks for:
+    a preset that changed since (fashion-mnist's prediction_type did) would otherwise be reported
+    on with the old generator's data. Refused in one line naming the fields and both fixes."""
+    folder = root / "generator"
+    if not (folder / "config.json").is_file():
+        return  # this chain has no in-house generator (sd, dit, edm backends)
+    with scoped_errors("fit-generator"):
+        cfg = resolve_stage_config("fit-generator", preset, split_sets(chain_sets, "fit-generator"))
+    write_config(  # compares only: the file exists, so nothing is written
+        folder,
+        cfg.recorded(),
+        fix="the study reuses a done chain as it is: add --set fit-generator.<field>=<the value "
+        "it has; unset = the default before the field existed, prediction_type=epsilon> to "
+        "report on it, or set out= to a new root to build the chain anew",
+    )
 
 
 def run_study(preset: str, sets: Sequence[str]) -> Path:

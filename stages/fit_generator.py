@@ -353,7 +353,7 @@ def run(cfg: Config) -> Path:
             f"{real} holds {split.images.shape[2]}x{split.images.shape[1]} images, the "
             f"{cfg.unet!r} UNet makes {size}x{size}: pick another unet or prepare at image_size={size}"
         )
-    config = {k: v for k, v in cfg.to_dict().items() if k != "resume"}
+    config = cfg.recorded()
     # one writer (the other ranks only compare): ranks writing config.json at once share its
     # temp file, and one's rename fails once another's has moved it
     procs = Processes(cpu=cfg.device == "cpu" or not torch.cuda.is_available())

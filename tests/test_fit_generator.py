@@ -47,6 +47,7 @@ def test_writes_generator_folder_that_loads_back(runs, capsys):
     assert info["train_steps"] == 4 and info["backend"] == "unet"
     config = json.loads((folder / "config.json").read_text())
     assert config["steps"] == 4 and "resume" not in config  # how to start is not what to make
+    assert "prediction_type" not in config  # epsilon: recorded as before the field existed
     assert not (folder / "checkpoints").exists()  # training state goes once the manifest is there
     # sample grid: one row per class, samples_per_class columns of 16px tiles scaled x4
     with Image.open(folder / "sample_grid.png") as grid:
@@ -99,6 +100,7 @@ def test_a_v_prediction_generator_records_it_and_samples_with_it(runs):
     )
     config = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
     assert config["prediction_type"] == "v_prediction"
+    assert json.loads((folder / "config.json").read_text())["prediction_type"] == "v_prediction"
     for sampler in ("ddim", "dpmsolver++"):
         gen = load_generator("unet", model=folder, steps=2, sampler=sampler)
         assert gen.scheduler.config.prediction_type == "v_prediction"

@@ -131,6 +131,28 @@ def test_plan_orders_tasks_by_what_they_need_and_skips_evaluated_runs(tmp_path):
     assert not next(t for t in plan(cfg, "digits", [], tmp_path) if t.name == "ce-s0").done
 
 
+def test_a_done_chain_whose_generator_the_config_no_longer_asks_for_is_refused(tmp_path):
+    """The study reuses a done chain as it is: a generator fitted with another config (a preset
+    changed since) stops it in one line naming the field and the fixes, never a silent reuse."""
+    from pipeline.registry import resolve_stage_config
+    from pipeline.study import setup
+    from shards.manifest import ShardError
+
+    out = [f"out={tmp_path}"]
+    fitted = resolve_stage_config("fit-generator", "digits", out).recorded()
+    (tmp_path / "digits" / "generator").mkdir(parents=True)
+    (tmp_path / "digits" / "generator" / "config.json").write_text(json.dumps(fitted))
+    (tmp_path / "digits" / "mixed").mkdir()
+    (tmp_path / "digits" / "mixed" / "manifest.json").write_text("{}")
+    study = ["study.methods=ce,csm", "study.seeds=0", "study.tune=false"]
+    assert next(t for t in setup("digits", [*out, *study])[2] if t.name == "chain").done
+    with pytest.raises(ShardError) as err:  # the chain asks for v-prediction now
+        setup("digits", [*out, *study, "fit-generator.prediction_type=v_prediction"])
+    line = str(err.value)
+    assert "\n" not in line and "differs in: prediction_type" in line
+    assert "prediction_type unset" in line and "fit-generator.<field>" in line and "out=" in line
+
+
 def test_study_runs_reports_and_resumes_only_what_is_missing(digits_root, tmp_path, capsys):
     shutil.copytree(digits_root / "real", tmp_path / "digits" / "real")
     sets = [
