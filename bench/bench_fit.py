@@ -23,7 +23,8 @@ import torch
 
 from core.runtime import make_accelerator
 from models.generators import UNET_PRESETS, unet_from_preset
-from stages.fit_generator import denoising_loss, resolve_precision
+from models.generators.objective import denoising_loss
+from stages.fit_generator import resolve_precision
 
 BATCH, BLOCK, BLOCKS, WARMUP = 128, 5, 4, 3
 

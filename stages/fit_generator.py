@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from accelerate import Accelerator, PartialState
 from diffusers import DDPMScheduler, UNet2DModel
 from diffusers.training_utils import EMAModel
@@ -63,6 +62,7 @@ from models.generators import (
     save_unet,
     unet_from_preset,
 )
+from models.generators.objective import denoising_loss, denoising_target
 from shards.checkpoints import LOAD_KWARGS, MARKER, Checkpointer
 from shards.manifest import MANIFEST, Manifest, ShardError, manifest_digest, write_manifest
 from shards.reader import load_split
@@ -160,24 +160,6 @@ def lr_factor(cfg: Config, step: int) -> float:
         return warm
     done = (step - cfg.warmup_steps) / max(cfg.steps - cfg.warmup_steps, 1)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
-
-
-def denoising_loss(
-    pred: torch.Tensor,
-    target: torch.Tensor,
-    snr: torch.Tensor,
-    gamma: float,
-    prediction_type: str = "epsilon",
-) -> torch.Tensor:
-    """‖target − pred‖² (target ε, or v for v_prediction), per sample weighted by Min-SNR-γ when
-    γ > 0 (Hang et al. 2023: the easy, low-noise steps stop dominating the gradient). Both
-    weightings equal min(SNR, γ) on the x_0 error: min(SNR, γ)/SNR for ε, min(SNR, γ)/(SNR + 1)
-    for v. γ = 0: the plain mean."""
-    if gamma <= 0:
-        return F.mse_loss(pred, target)
-    per_sample = (pred - target).pow(2).flatten(1).mean(1)
-    denominator = snr + 1 if prediction_type == "v_prediction" else snr
-    return (per_sample * snr.clamp(max=gamma) / denominator).mean()
 
 
 def resolve_precision(choice: str, cpu: bool) -> str:
@@ -299,13 +281,7 @@ def train(
                 torch.manual_seed(derive_seed(cfg.seed, "fit-dropout", step, rank))
             with accelerator.autocast():
                 pred = model(x_t, t, class_labels=y).sample
-            # v = √ᾱ·ε − √(1−ᾱ)·x_0 (Salimans & Ho 2022): its x_0 error stays bounded at t ≈ T,
-            # where ε's is amplified by √((1−ᾱ)/ᾱ) (~150x at T for the linear schedule)
-            target = (
-                a_bar.sqrt() * eps - (1 - a_bar).sqrt() * x0
-                if cfg.prediction_type == "v_prediction"
-                else eps
-            )
+            target = denoising_target(x0, eps, a_bar, cfg.prediction_type)
             loss = denoising_loss(
                 pred.float(), target, snr[t], cfg.min_snr_gamma, cfg.prediction_type
             )

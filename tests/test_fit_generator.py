@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 import stages.fit_generator as fit
 from core.io import sha256_file
 from models.generators import SeriesSpec, load_generator
+from models.generators.objective import denoising_loss, denoising_target
 from pipeline.cli import main
 from pipeline.registry import run_stage
 from shards.manifest import manifest_digest, read_manifest
@@ -77,21 +78,16 @@ def test_min_snr_weights_the_x0_error_by_min_snr_gamma_for_either_target(predict
     a_bar = torch.tensor([0.9999, 0.99, 0.8, 0.5, 0.05, 4e-5])[:, None, None, None]
     snr = (a_bar / (1 - a_bar)).flatten()
     x_t = a_bar.sqrt() * x0 + (1 - a_bar).sqrt() * eps
-    if prediction_type == "v_prediction":
-        target = a_bar.sqrt() * eps - (1 - a_bar).sqrt() * x0
-    else:
-        target = eps
+    target = denoising_target(x0, eps, a_bar, prediction_type)
     pred = target + 0.1 * torch.randn(target.shape, generator=g)
     if prediction_type == "v_prediction":
         x0_hat = a_bar.sqrt() * x_t - (1 - a_bar).sqrt() * pred
     else:
         x0_hat = (x_t - (1 - a_bar).sqrt() * pred) / a_bar.sqrt()
     x0_error = (x0_hat - x0).pow(2).flatten(1).mean(1)
-    loss = fit.denoising_loss(pred, target, snr, 5.0, prediction_type)
+    loss = denoising_loss(pred, target, snr, 5.0, prediction_type)
     torch.testing.assert_close(loss, (snr.clamp(max=5.0) * x0_error).mean(), rtol=1e-4, atol=0)
-    assert (
-        fit.denoising_loss(pred, target, snr, 0.0, prediction_type) == (pred - target).pow(2).mean()
-    )
+    assert denoising_loss(pred, target, snr, 0.0, prediction_type) == (pred - target).pow(2).mean()
 
 
 def test_a_v_prediction_generator_records_it_and_samples_with_it(runs):

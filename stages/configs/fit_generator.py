@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from core.config import ConfigError, StageConfig, check_choice, check_range
 from core.tracking import parse_trackers
 from models.generators import UNET_PRESETS
+from models.generators.objective import PREDICTION_TYPES
 
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
-PREDICTION_TYPES = ("epsilon", "v_prediction")
 MIXED_PRECISION = ("auto", "no", "bf16", "fp16")  # auto: bf16 where the device has it, else no
 
 
