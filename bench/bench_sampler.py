@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from models.generators import load_generator
+from models.generators import load_generator, load_unet
+from models.generators.objective import predicted_x0
 from shards.datasets import load_real
 from stages.fidelity import endpoint_fidelity, make_judges
 
@@ -35,23 +36,22 @@ def x0_error_by_t(root: Path, n: int = 512) -> str:
     n real/val images (never trained on) with their own labels, at each noise level t. A model
     that knew only the class mean at t ≈ T would score about the data's variance (~0.5): far
     above it, the sampler lives on clip_sample."""
-    from diffusers import DDPMScheduler, UNet2DModel
+    from diffusers import DDPMScheduler
 
-    unet = UNet2DModel.from_pretrained(root / "generator", subfolder="unet").eval()
-    sched = DDPMScheduler.from_pretrained(root / "generator", subfolder="scheduler")
+    unet, scheduler_config = load_unet(root / "generator")
+    unet.eval()
+    alphas_cumprod = DDPMScheduler.from_config(scheduler_config).alphas_cumprod
+    prediction_type = scheduler_config.get("prediction_type", "epsilon")
     val = load_real(root / "real" / "val")
     x0 = val.images[:n].permute(0, 3, 1, 2).float() / 127.5 - 1
     g = torch.Generator().manual_seed(0)
     cells = []
     for t in NOISE_LEVELS:
-        a = sched.alphas_cumprod[t]
+        a = alphas_cumprod[t]
         eps = torch.randn(x0.shape, generator=g)
         x_t = a.sqrt() * x0 + (1 - a).sqrt() * eps
         pred = unet(x_t, torch.full((len(x0),), t), class_labels=val.labels[:n].long()).sample
-        if sched.config.prediction_type == "v_prediction":
-            x0_hat = a.sqrt() * x_t - (1 - a).sqrt() * pred
-        else:
-            x0_hat = (x_t - (1 - a).sqrt() * pred) / a.sqrt()
+        x0_hat = predicted_x0(x_t, pred, a, prediction_type)
         cells.append(f"t={t}: {float((x0_hat - x0).pow(2).mean()):.3g}")
     return (
         f"x̂_0 error (MSE, [-1, 1] pixels) on {len(x0)} real/val images, data variance "

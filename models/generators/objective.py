@@ -19,6 +19,15 @@ def denoising_target(
     return eps
 
 
+def predicted_x0(
+    x_t: torch.Tensor, pred: torch.Tensor, a_bar: torch.Tensor, prediction_type: str
+) -> torch.Tensor:
+    """The clean image a prediction implies: √ᾱ·x_t − √(1−ᾱ)·v̂, or (x_t − √(1−ᾱ)·ε̂)/√ᾱ."""
+    if prediction_type == "v_prediction":
+        return a_bar.sqrt() * x_t - (1 - a_bar).sqrt() * pred
+    return (x_t - (1 - a_bar).sqrt() * pred) / a_bar.sqrt()
+
+
 def denoising_loss(
     pred: torch.Tensor,
     target: torch.Tensor,
