@@ -51,7 +51,7 @@ from pipeline.study_stats import Predictions, bootstrap_difference, summarize
 from pipeline.study_tune import chosen_sets, tuning_group, tuning_report, tuning_tasks
 from shards import evals
 from shards.manifest import ShardError, read_manifest
-from shards.writer import write_config
+from shards.writer import check_config
 
 RUNS = ("train", "finetune", "evaluate")  # the stages a study runs after the chain
 
@@ -246,7 +246,7 @@ def check_generator(preset: str, chain_sets: Sequence[str], root: Path) -> None:
         return  # this chain has no in-house generator (sd, dit, edm backends)
     with scoped_errors("fit-generator"):
         cfg = resolve_stage_config("fit-generator", preset, split_sets(chain_sets, "fit-generator"))
-    write_config(  # compares only: the file exists, so nothing is written
+    check_config(
         folder,
         cfg.recorded(),
         fix="the study reuses a done chain as it is: add --set fit-generator.<field>=<the value "

@@ -205,30 +205,36 @@ def _given(config: Mapping[str, Any], key: str) -> str:
     return f"{key}={value if len(value) <= 40 else value[:39] + '…'}"
 
 
+def check_config(folder: Path, config: Mapping[str, Any], fix: str = OTHER_ROOT) -> bool:
+    """Whether `folder` holds a config.json; if it does and it is not `config` (compared without
+    NOT_IDENTITY), refuse in one line naming every field that differs, with both values, and
+    then `fix` (what to do instead). Reads only."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return False
+    old, new = _identity(read_json(path)), _identity(config)
+    if canonical_json(old) != canonical_json(new):
+        changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        raise ShardError(
+            f"{folder} holds a run with a different config (differs in: {', '.join(changed)}): "
+            f"it has {' '.join(_given(old, k) for k in changed)}, this one asks "
+            f"{' '.join(_given(new, k) for k in changed)}; {fix}"
+        )
+    return True
+
+
 def write_config(folder: Path, config: Mapping[str, Any], fix: str = OTHER_ROOT) -> None:
     """Write the stage's resolved config first thing; refuse to mix two configs in one folder.
 
     Resuming is only safe when the rerun asks for exactly the same thing; otherwise the
     folder would end up holding shards of two different runs. An existing config.json is only
-    compared, never rewritten: a complete folder on read-only media stays untouched. Where the
-    folder lives (NOT_IDENTITY) is neither compared nor recorded. The refusal names every field
-    that differs, with both values, and then `fix` (what to do instead).
+    compared (check_config), never rewritten: a complete folder on read-only media stays
+    untouched. Where the folder lives (NOT_IDENTITY) is neither compared nor recorded.
     """
-    folder = Path(folder)
-    path = folder / "config.json"
-    new = _identity(config)
-    if path.is_file():
-        old = _identity(read_json(path))
-        if canonical_json(old) != canonical_json(new):
-            changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-            raise ShardError(
-                f"{folder} holds a run with a different config (differs in: {', '.join(changed)}): "
-                f"it has {' '.join(_given(old, k) for k in changed)}, this one asks "
-                f"{' '.join(_given(new, k) for k in changed)}; {fix}"
-            )
+    if check_config(folder, config, fix):
         return
-    folder.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(path, new)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    atomic_write_json(Path(folder) / "config.json", _identity(config))
 
 
 def completed(
