@@ -17,6 +17,9 @@ from core.config import ConfigError, StageConfig, describe_fields, parse_sets
 from core.logs import log
 from pipeline.registry import STAGES, check_out, config_module, resolve_stage_config, run_stage
 
+# a measuring judge: a real-only CNN on all of real/train (never inside a study's budget)
+_JUDGE = ("loss=ce", "train_limit=0", "epochs=8", "milestones=4,7", "crop_pad=2")
+
 # preset -> [(stage, extra --set values)]. The digits chain trains a quick real-only
 # classifier first: its features are the annotation space (CLIP means nothing on 8x8 digits).
 CHAINS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
@@ -29,14 +32,13 @@ CHAINS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
     ],
     # Fashion-MNIST, fair to every study method (docs/study.md): the annotation encoder and the
     # generator see only the 5k labelled images the study's classifiers see (the train preset's
-    # train_limit; fit-generator's too). A separate judge trained on all 54k (8 epochs, crops)
-    # only measures generator fidelity and feeds nothing into any method.
+    # train_limit; fit-generator's too), and the 5k encoder chooses the generator's guidance.
+    # Two judges trained on all 54k (8 epochs, crops; one with flips, one without: every shoe
+    # points one way) only measure generator fidelity and feed nothing into any method.
     "fashion-mnist": [
         ("prepare", ()),
-        (
-            "train",
-            ("run=judge", "loss=ce", "train_limit=0", "epochs=8", "milestones=4,7", "crop_pad=2"),
-        ),
+        ("train", ("run=judge", *_JUDGE)),
+        ("train", ("run=judge-noflip", *_JUDGE, "flip=false")),
         ("train", ("run=encoder", "loss=ce")),
         ("fit-generator", ()),
         ("generate", ()),

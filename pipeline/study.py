@@ -1,7 +1,7 @@
 """`make study`: does semix calibrate? Every method x seed on one dataset, side by side.
 
     make study CLASSES=fashion-mnist
-    python -m pipeline study --preset fashion-mnist --set study.seeds=0,1 study.jobs=2
+    python -m pipeline study --preset fashion-mnist --set study.seeds=0,1 study.other_seeds=1
 
 1. The generation chain (`make generate`), when a method needs mixed/ (skipped when complete).
 2. For every method and seed: train (or fine-tune its Stage-I run), then evaluate. Runs are
@@ -47,9 +47,22 @@ from pipeline.study_config import (
 )
 from pipeline.study_kway import kway_comparison, prepare_kway, prepare_redraw, variant_root
 from pipeline.study_report import figures, write_report
-from pipeline.study_stats import Predictions, bootstrap_difference, summarize
-from pipeline.study_tune import chosen_sets, tuning_group, tuning_report, tuning_tasks
+from pipeline.study_stats import (
+    MARGINS,
+    Predictions,
+    bootstrap_difference,
+    compare,
+    summarize,
+)
+from pipeline.study_tune import (
+    chosen_groups,
+    chosen_sets,
+    plan_groups,
+    tuning_report,
+    tuning_tasks,
+)
 from shards import evals
+from shards.budget import labelled_images
 from shards.manifest import ShardError, read_manifest
 from shards.writer import check_config
 
@@ -75,7 +88,8 @@ def _evaluated(folder: Path, criterion: str) -> bool:
 
 
 def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list[Task]:
-    """The chain (if needed) and one task per (method, seed): train/finetune + evaluate."""
+    """The chain (if needed), the tuning grids the methods need (pipeline/study_tune.py) and
+    one task per (method, seed): train/finetune + evaluate."""
     tasks: list[Task] = []
     needs_chain = any(METHODS[m].needs_mixed for m in cfg.methods)
     chain_sets = [s for s in sets if not s.startswith("study.")]
@@ -94,7 +108,7 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
         return Task(f"chain-{variant}", [("chain", v_sets)], {"chain"}, done, prepare)
 
     train_sets, ft_sets = split_sets(sets, "train"), split_sets(sets, "finetune")
-    tuned = tuning_tasks(cfg, root, train_sets) if cfg.tune else {}
+    tuned = tuning_tasks(cfg, root, sets) if cfg.tune else {}
     eval_sets = [*split_sets(sets, "evaluate"), f"ts_criterion={cfg.ts_criterion}"]
     # method by method (all its seeds), in the order given; a variant's chain and a tuning
     # grid join the list just before the first method that needs them. Tasks start in list
@@ -103,10 +117,10 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
         variant = METHODS[method].variant
         if variant and not any(t.name == f"chain-{variant}" for t in tasks):
             tasks.append(variant_chain(variant))
-        group = tuning_group(method)
-        for g in ("csm", group) if group else ():
-            tasks += [t for t in tuned.get(g, []) if t not in tasks]
-        for seed in cfg.seeds:
+        planned = {t.name for t in tasks}
+        for g in plan_groups(method) if cfg.tune else ():
+            tasks += [t for t in tuned[g] if t.name not in planned]
+        for seed in cfg.seeds_of(method):
             m, name = METHODS[method], run_name(method, seed)
             if m.stage == "train":
                 make = ("train", [*train_sets, *m.sets, f"run={name}", f"seed={seed}"])
@@ -122,12 +136,10 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
                 after = {f"chain-{m.variant}"}
             if m.base:
                 after.add(run_name(m.base, seed))
-            group = tuning_group(method)
             prepare = None
-            if group in tuned:  # w and s as chosen on val
-                groups = ("csm",) if group == "csm" else ("csm", group)
-                after |= {t.name for g in groups for t in tuned[g]}
-                prepare = functools.partial(chosen_sets, root, tuned, groups)
+            if cfg.tune and chosen_groups(method):  # its hyper-parameters as chosen on val
+                after |= {t.name for g in plan_groups(method) for t in tuned[g]}
+                prepare = functools.partial(chosen_sets, root, tuned, chosen_groups(method))
             done = _evaluated(evals.eval_dir(root, stage_dir, name), cfg.ts_criterion)
             tasks.append(Task(name, [make, evaluate], after, done, prepare, extra_step=0))
     return tasks
@@ -138,6 +150,10 @@ def _execute(task: Task, preset: str, logs: Path) -> float:
     t0 = time.perf_counter()
     log_path = logs / f"{task.name}.log"
     extra = task.prepare() if task.prepare else []
+    if extra is None:  # nothing to run (a tuning extension its grid's choice does not need)
+        with open(log_path, "a", encoding="utf-8") as out:
+            out.write(f"{task.name}: nothing to run\n")
+        return time.perf_counter() - t0
     with open(log_path, "a", encoding="utf-8") as out:
         for cmd in task.commands(preset, extra):
             out.write(f"$ {' '.join(cmd[1:])}\n")
@@ -201,7 +217,7 @@ def collect(cfg: StudyConfig, root: Path) -> list[dict[str, Any]]:
     records = []
     for method in cfg.methods:
         stage_dir = "finetune" if METHODS[method].stage == "finetune" else "train"
-        for seed in cfg.seeds:
+        for seed in cfg.seeds_of(method):
             folder = evals.eval_dir(root, stage_dir, run_name(method, seed))
             ev = evals.read_metrics(folder)["evaluation"]
             records.append(
@@ -209,6 +225,7 @@ def collect(cfg: StudyConfig, root: Path) -> list[dict[str, Any]]:
                     "method": method,
                     "seed": seed,
                     "run": f"{stage_dir}/{folder.name}",
+                    "labelled_train_images": labelled_images(root, stage_dir, folder.name),
                     "temperature": ev["temperature"],
                     "ts_criterion": ev["ts_criterion"],
                     "temperature_on_edge": ev["temperature_on_edge"],
@@ -217,6 +234,42 @@ def collect(cfg: StudyConfig, root: Path) -> list[dict[str, Any]]:
                 }
             )
     return records
+
+
+# the comparisons the verdict reads, beside every method against ce: (method, reference)
+VERDICT_PAIRS = (("csm3", "csm"), ("csm-redraw", "csm"), ("csm+maccal", "ce+maccal"))
+
+
+def comparison_pairs(methods: Sequence[str]) -> list[tuple[str, str]]:
+    """Every method against ce, then the VERDICT_PAIRS whose two methods are in the study."""
+    pairs = [(m, "ce") for m in methods if m != "ce"]
+    return pairs + [(m, ref) for m, ref in VERDICT_PAIRS if m in methods and ref in methods]
+
+
+def check_budget(records: list[dict[str, Any]]) -> int:
+    """One labelled budget per comparison: every run must have been shaped by the same number
+    of labelled training images (shards/budget.py), else the study refuses to compare, in one
+    line naming each budget's methods."""
+    unknown = sorted({r["method"] for r in records if r["labelled_train_images"] is None})
+    if unknown:
+        raise StudyError(
+            f"the labelled budget of {', '.join(unknown)} is unknown (a part of its runs does "
+            "not record what it read, e.g. a mixed set pulled from the Hub): a study compares "
+            "only runs whose budgets it can count"
+        )
+    by_budget: dict[int, list[str]] = {}
+    for r in records:
+        methods = by_budget.setdefault(r["labelled_train_images"], [])
+        if r["method"] not in methods:
+            methods.append(r["method"])
+    if len(by_budget) > 1:
+        parts = "; ".join(f"{n} images: {', '.join(m)}" for n, m in sorted(by_budget.items()))
+        raise StudyError(
+            f"the methods saw different labelled budgets ({parts}); give every run, and every "
+            "part it is made from (generator, its guidance judge, encoder, prototypes), the "
+            "same train_limit"
+        )
+    return next(iter(by_budget))
 
 
 def setup(preset: str, sets: Sequence[str]) -> tuple[StudyConfig, Path, list[Task]]:
@@ -269,23 +322,29 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
     seconds = execute(tasks, preset, cfg.jobs, out / "logs")
     # 3. Records, statistics, report and figures.
     records = collect(cfg, root)
+    budget = check_budget(records)
     summary = summarize(records, METRICS)
     preds: dict[str, dict[str, list[Predictions]]] = {"before_ts": {}, "after_ts": {}}
+    by_seed: dict[str, dict[str, dict[int, Predictions]]] = {"before_ts": {}, "after_ts": {}}
     for r in records:
         path = root / evals.EVAL / r["run"] / evals.PREDICTIONS  # r["run"] = <stage>/<run>
         with np.load(path, allow_pickle=False) as z:
             logits, labels = z["logits"], z["labels"]
         for when, t in (("before_ts", 1.0), ("after_ts", r["temperature"])):
-            preds[when].setdefault(r["method"], []).append(
-                Predictions.from_logits(logits, labels, t)
-            )
+            p = Predictions.from_logits(logits, labels, t)
+            preds[when].setdefault(r["method"], []).append(p)
+            by_seed[when].setdefault(r["method"], {})[r["seed"]] = p
     rng = np.random.default_rng(derive_seed(0, "study-bootstrap"))
     boot = {when: bootstrap_difference(p, "ce", cfg.bootstrap, rng) for when, p in preds.items()}
     boot_nll = {
         when: bootstrap_difference(p, "ce", cfg.bootstrap, rng, metric="nll")
         for when, p in preds.items()
     }
-    tuning = tuning_report(cfg, root, split_sets(sets, "train")) if cfg.tune else {}
+    # paired by seed and test image, BCa intervals, verdicts against the margins fixed in
+    # pipeline/study_stats.py (MARGINS) before any run
+    pairs = comparison_pairs(cfg.methods)
+    paired = {when: compare(p, pairs, cfg.bootstrap, rng) for when, p in by_seed.items()}
+    tuning = tuning_report(cfg, root, sets) if cfg.tune else {}
     variants = {m: METHODS[m].variant for m in cfg.methods if METHODS[m].variant}
     kway = kway_comparison(root, variants, preds, cfg.bootstrap, rng)
     out.mkdir(parents=True, exist_ok=True)
@@ -293,11 +352,14 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
         out / "study.json",
         {
             "dataset": root.name,
+            "labelled_train_images": budget,
             "config": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.__dict__.items()},
             "records": records,
             "summary": summary,
             "ece_difference_to_ce": boot,
             "nll_difference_to_ce": boot_nll,
+            "paired": paired,
+            "margins": MARGINS,
             "tuning": tuning,
             "kway": kway,
         },
@@ -311,7 +373,9 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
         },
     )
     figures(cfg, root, out, preds["before_ts"], summary)
-    report = write_report(cfg, root, out, records, summary, boot, kway, boot_nll, tuning)
+    report = write_report(
+        cfg, root, out, records, summary, boot, kway, boot_nll, tuning, paired=paired
+    )
     return report
 
 

@@ -59,23 +59,25 @@ DEFAULT_METHODS = (
     "ce", "csm", "csm-redraw", "csm3", "ls", "focal", "mixup", "fedlas-ls", "ce+maccal",
     "csm+maccal", "csm-ratio", "csm-ce",
 )  # fmt: skip
+# the methods the verdict compares (docs/study.md): every seed of StudyConfig.seeds
+VERDICT_METHODS = ("ce", "csm", "csm3", "csm-redraw", "ce+maccal", "csm+maccal")
 METRICS = ("top1", "ece", "aece", "classwise_ece", "oece", "uece", "mce", "nll", "brier")
 
 
 @dataclass(frozen=True)
 class StudyConfig:
     methods: tuple[str, ...] = DEFAULT_METHODS
-    seeds: tuple[int, ...] = (0, 1, 2)
+    # the verdict's methods (VERDICT_METHODS) run every seed; the other baselines and the
+    # ablations the first `other_seeds` of them (seed k of two methods share their initialisation:
+    # the statistics pair them)
+    seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
+    other_seeds: int = 3
     jobs: int = 2  # runs at a time (subprocesses)
     bootstrap: int = 2000  # resamples for the 95 % intervals
     ts_criterion: str = "nll"  # evaluate's temperature-scaling criterion
-    # CSM's w and s chosen on val by a grid of runs (pipeline/study_tune.py); off: the presets'
+    # every method's own hyper-parameters chosen on val, each from a grid of the same size
+    # (pipeline/study_tune.py GRIDS: a run per point, one more per edge choice); off: the presets'
     tune: bool = True
-    # 2 x 2 around the paper's w = 1, s = 4 (a run each: the grid is a third of the study's
-    # csm-family cost on 2 CPU cores; widen it where compute allows)
-    tune_weights: tuple[float, ...] = (0.5, 1.0)
-    tune_sharpening: tuple[float, ...] = (2.3, 4.0)
-    tune_sharpening_k3: tuple[float, ...] = (4.0, 5.4)  # csm3's s, at csm's chosen w
 
     def __post_init__(self):
         unknown = [m for m in self.methods if m not in METHODS]
@@ -91,8 +93,14 @@ class StudyConfig:
                 raise ConfigError(f"study method {m} fine-tunes {base}: add {base} to methods")
             if METHODS[m].variant and "csm" not in self.methods:
                 raise ConfigError(f"study method {m} is compared with 2-way csm: add csm")
-        if not self.seeds or self.jobs < 1 or self.bootstrap < 100:
-            raise ConfigError("study needs >= 1 seed, jobs >= 1 and bootstrap >= 100")
+        if not self.seeds or self.jobs < 1 or self.bootstrap < 100 or self.other_seeds < 1:
+            raise ConfigError(
+                "study needs >= 1 seed, other_seeds >= 1, jobs >= 1 and bootstrap >= 100"
+            )
+
+    def seeds_of(self, method: str) -> tuple[int, ...]:
+        """Every seed for the verdict's methods, the first `other_seeds` for the others."""
+        return self.seeds if method in VERDICT_METHODS else self.seeds[: self.other_seeds]
 
 
 def run_name(method: str, seed: int) -> str:
@@ -109,8 +117,9 @@ class Task:
     after: set[str] = field(default_factory=set)
     done: bool = False
     # run in this process before the commands; returns extra --set values for step `extra_step`
-    # (the last one by default)
-    prepare: Callable[[], list[str]] | None = None
+    # (the last one by default), or None: nothing to run (a tuning grid's extension that its
+    # grid's choice does not need), the task is done as it is
+    prepare: Callable[[], list[str] | None] | None = None
     extra_step: int = -1
 
     def commands(self, preset: str, extra: Sequence[str] = ()) -> list[list[str]]:

@@ -11,7 +11,7 @@ import numpy as np
 
 from core.io import atomic_write_bytes
 from core.plots import error_bars, reliability_diagram
-from pipeline.study_config import StudyConfig
+from pipeline.study_config import VERDICT_METHODS, StudyConfig
 from pipeline.study_stats import Predictions, softmax
 
 
@@ -25,14 +25,37 @@ COLUMNS = (
 )  # fmt: skip
 
 
-def _ci(b: dict, digits: int = 2) -> str:
-    return f"[{b['ci95'][0]:+.{digits}f}, {b['ci95'][1]:+.{digits}f}]"
+def _ci(b: dict, digits: int = 2, key: str = "ci95") -> str:
+    return f"[{b[key][0]:+.{digits}f}, {b[key][1]:+.{digits}f}]"
 
 
-def _goal(summary: dict, boot: dict, boot_nll: dict | None, kway: dict | None) -> list[str]:
-    """The study's goals for csm, each with its verdict. "No worse" after TS: the 95 % interval
-    of the difference reaches 0 (csm + TS is not measurably worse than ce + TS)."""
-    ce, csm, b = summary["ce"], summary["csm"], boot["before_ts"]["csm"]
+def _paired_result(paired: dict | None, when: str, metric: str, method: str, reference: str):
+    """One comparison of `paired` ({when: pipeline.study_stats.compare(...)}), or None."""
+    return (paired or {}).get(when, {}).get(metric, {}).get(reference, {}).get(method)
+
+
+def _no_worse(label: str, b: dict, r: dict | None, digits: int = 2) -> tuple[str, bool]:
+    """A "no worse" goal: with the paired comparison `r`, its verdict (the upper end of its
+    interval below the margin fixed in pipeline.study_stats.MARGINS); without, the bootstrap `b`
+    and the older rule that its interval reaches 0."""
+    if r is None:
+        return f"{label} interval {_ci(b, digits)} (goal: no worse, the interval reaches 0)", (
+            b["ci95"][0] <= 0
+        )
+    return (
+        f"{label} {r['interval']} interval {_ci(r, digits)} (goal: not worse, the upper end "
+        f"below the margin {r['margin']:g}): {r['verdict']}",
+        r["verdict"] in ("better", "not worse"),
+    )
+
+
+def _goal(
+    summary: dict, boot: dict, boot_nll: dict | None, kway: dict | None, paired: dict | None = None
+) -> list[str]:
+    """The study's goals for csm, each with its verdict. "No worse" after TS: see _no_worse;
+    with `paired`, the before-TS interval is the paired one too."""
+    ce, csm = summary["ce"], summary["csm"]
+    b = _paired_result(paired, "before_ts", "ece", "csm", "ce") or boot["before_ts"]["csm"]
     d_acc = csm["before_ts.top1"]["mean"] - ce["before_ts.top1"]["mean"]
     checks = [
         (
@@ -43,29 +66,30 @@ def _goal(summary: dict, boot: dict, boot_nll: dict | None, kway: dict | None) -
         ),
         (f"top-1 {d_acc:+.2f} points (goal >= -0.5)", d_acc >= -0.5),
     ]
-    a = boot["after_ts"]["csm"]
     checks.append(
-        (
-            f"after TS, ECE {_pm(csm['after_ts.ece'])} vs ce + TS {_pm(ce['after_ts.ece'])}, "
-            f"ΔECE interval {_ci(a)} (goal: no worse, the interval reaches 0)",
-            a["ci95"][0] <= 0,
+        _no_worse(
+            f"after TS, ECE {_pm(csm['after_ts.ece'])} vs ce + TS {_pm(ce['after_ts.ece'])}, ΔECE",
+            boot["after_ts"]["csm"],
+            _paired_result(paired, "after_ts", "ece", "csm", "ce"),
         )
     )
     if boot_nll:
-        n = boot_nll["after_ts"]["csm"]
         checks.append(
-            (
+            _no_worse(
                 f"after TS, NLL {_pm(csm['after_ts.nll'], 4)} vs ce + TS "
-                f"{_pm(ce['after_ts.nll'], 4)}, ΔNLL interval {_ci(n, 4)} (goal: no worse)",
-                n["ci95"][0] <= 0,
+                f"{_pm(ce['after_ts.nll'], 4)}, ΔNLL",
+                boot_nll["after_ts"]["csm"],
+                _paired_result(paired, "after_ts", "nll", "csm", "ce"),
+                4,
             )
         )
     if kway and "csm3" in kway["before_ts"]:
         k = kway["before_ts"]["csm3"]
         checks.append(
-            (
-                f"csm3 - csm ΔECE {k['difference']:+.2f}, interval {_ci(k)} (goal: not worse)",
-                k["ci95"][0] <= 0,
+            _no_worse(
+                f"csm3 - csm ΔECE {k['difference']:+.2f},",
+                k,
+                _paired_result(paired, "before_ts", "ece", "csm3", "csm"),
             )
         )
     lines = ["## The goals (csm vs ce)", ""]
@@ -74,27 +98,71 @@ def _goal(summary: dict, boot: dict, boot_nll: dict | None, kway: dict | None) -
     return [*lines, f"- **{'all reached' if reached else 'not reached'}**", ""]
 
 
-def _tuning(tuning: dict) -> list[str]:
-    """CSM's w and s per grid, chosen on val (lowest val NLL at the best-val-accuracy epoch)."""
+WHEN = {"before_ts": "before TS", "after_ts": "after TS"}
+
+
+def _paired(paired: dict) -> list[str]:
+    """The paired comparisons and their non-inferiority verdicts; `paired`: {when:
+    pipeline.study_stats.compare(...)} = {when: {metric: {reference: {method: result}}}}."""
+    results = [
+        (when, r)
+        for when, by_metric in paired.items()
+        for by_reference in by_metric.values()
+        for by_method in by_reference.values()
+        for r in by_method.values()
+    ]
+    if not results:
+        return []
+    r0 = results[0][1]
     lines = [
-        "## CSM's w and s, chosen on the val split",
+        "## Paired comparisons: non-inferiority (x100 except NLL)",
         "",
-        "Each grid point is a csm run with seed 100 (no study seed); its score is read at its "
-        "best-val-accuracy epoch; the lowest val NLL wins. The test split is not read.",
+        f"{r0['resamples']} resamples, each drawing the test images once and the seeds once for "
+        "both methods of a pair (seed k with seed k: they share their initialisation). 95 % "
+        f"intervals: BCa (acceleration from a jackknife over {r0['bca']['blocks']} test-image "
+        f"blocks) and percentile; `{r0['interval']}` is the one judged. Debiased ECE: the square "
+        "root of Kumar et al.'s (2019) debiased l2 calibration error on the same 15 bins. "
+        "Margins, fixed before the runs: "
+        + ", ".join(sorted({f"{r['metric']} {r['margin']:g}" for _, r in results}))
+        + ". Verdict on the interval [lo, hi] of method − reference: better if hi < 0, not worse "
+        "if hi < margin, worse if lo > margin, else inconclusive; an interval that merely "
+        "contains 0 shows nothing.",
         "",
-        "| grid | run | w | s | val top-1 | val ECE | val NLL | |",
+        "| | metric | method − reference | difference | 95 % BCa | 95 % percentile | margin | "
+        "verdict |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    for when, r in results:
+        d = 4 if r["metric"] == "nll" else 2
+        lines.append(
+            f"| {WHEN[when]} | {r['metric']} | {r['method']} − {r['reference']} | "
+            f"{r['difference']:+.{d}f} | {_ci(r, d, 'ci95_bca')} | "
+            f"{_ci(r, d, 'ci95_percentile')} | {r['margin']:g} | **{r['verdict']}** |"
+        )
+    return [*lines, ""]
+
+
+def _tuning(tuning: dict) -> list[str]:
+    """Every method's own hyper-parameters per grid, chosen on val (lowest val NLL; train runs
+    at their best-val-accuracy epoch, fine-tuning runs at their last)."""
+    lines = [
+        "## Every method's hyper-parameters, chosen on the val split",
+        "",
+        "Each method's grid has the same number of points (pipeline/study_tune.py GRIDS), each a "
+        "run with seed 100 (no study seed); a choice on the edge of its grid adds one point "
+        "outward (ext). The lowest val NLL wins. The test split is not read.",
+        "",
+        "| grid | run | values | val top-1 | val ECE | val NLL | |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for group, result in tuning.items():
-        chosen = result["chosen"]
         for r in result["grid"]:
-            pick = r["csm_sharpening"] == chosen["csm_sharpening"] and (
-                r["csm_weight"] == chosen["csm_weight"]
-            )
-            w = "csm's" if r["csm_weight"] is None else f"{r['csm_weight']:g}"
+            values = ", ".join(f"{k} = {r[k]:g}" for k in result["chosen"] if r.get(k) is not None)
+            note = "**chosen**" if r["run"] == result["chosen_run"] else ""
+            note += " (ext)" if r.get("extension") else ""
             lines.append(
-                f"| {group} | {r['run']} | {w} | {r['csm_sharpening']:g} | {r['val_acc']:.2f} | "
-                f"{r['val_ece']:.2f} | {r['val_nll']:.4f} | {'**chosen**' if pick else ''} |"
+                f"| {group} | {r['run']} | {values} | {r['val_acc']:.2f} | "
+                f"{r['val_ece']:.2f} | {r['val_nll']:.4f} | {note} |"
             )
     return [*lines, ""]
 
@@ -109,20 +177,27 @@ def write_report(
     kway: dict | None = None,
     boot_nll: dict | None = None,
     tuning: dict | None = None,
+    paired: dict | None = None,
 ) -> Path:
     """study/report.md: the tables a reader needs to judge every method against ce.
 
     `boot` / `boot_nll`: {"before_ts"/"after_ts": {method: bootstrap of its ECE / NLL minus
     ce's}}. `kway`: {"images": {mixed folder: generated images}, "before_ts"/"after_ts": the
     bootstrap of each other mixed set's method against csm}. `tuning`: {group: the val grid and
-    its choice} (pipeline/study_tune.py)."""
-    n_seeds = len(cfg.seeds)
+    its choice} (pipeline/study_tune.py). `paired`: {"before_ts"/"after_ts":
+    pipeline.study_stats.compare(...)}, the seed- and image-paired comparisons with their
+    non-inferiority verdicts; the goals use them where they hold the comparison."""
+    others = cfg.seeds[: cfg.other_seeds]
     lines = [
         f"# Study: {root.name}",
         "",
-        f"{len(cfg.methods)} methods x {n_seeds} seeds ({', '.join(map(str, cfg.seeds))}); test "
-        f"split; mean ± std (sample std) over seeds; percentages x100 except NLL and Brier. "
-        f"Temperature scaling fitted on the val split (criterion `{cfg.ts_criterion}`).",
+        f"{len(cfg.methods)} methods; the verdict's methods ({', '.join(VERDICT_METHODS)}) x "
+        f"seeds {', '.join(map(str, cfg.seeds))}, the others x {', '.join(map(str, others))}; "
+        f"test split; mean ± std (sample std) over seeds; percentages x100 except NLL and Brier. "
+        f"Temperature scaling fitted on the val split (criterion `{cfg.ts_criterion}`). "
+        f"Labelled budget: every run was shaped by {records[0]['labelled_train_images']} labelled "
+        "training images, its parts included (generator, the judge that chose its guidance, "
+        "encoder, prototypes, a fine-tuning's source run: shards/budget.py).",
         "",
     ]
     for when, title in (
@@ -167,7 +242,9 @@ def write_report(
         lines.append(row)
     lines.append("")
     if "csm" in summary:
-        lines += _goal(summary, boot, boot_nll, kway)
+        lines += _goal(summary, boot, boot_nll, kway, paired)
+    if paired:
+        lines += _paired(paired)
     if tuning:
         lines += _tuning(tuning)
     if kway:
@@ -235,5 +312,5 @@ def figures(cfg: StudyConfig, root: Path, out: Path, preds: dict, summary: dict)
         },
         out / "ece.png",
         ylabel="test ECE (%)",
-        title=f"{root.name}: ECE per method, mean ± std over {len(cfg.seeds)} seeds",
+        title=f"{root.name}: ECE per method, mean ± std over seeds",
     )

@@ -1,18 +1,36 @@
-"""Statistics of a study (pipeline/study.py): ECE from stored test predictions, a paired
-bootstrap of ECE differences over test images and seeds, mean ± std over seeds.
+"""Statistics of a study (pipeline/study.py): ECE, debiased ECE and NLL from stored test
+predictions, a bootstrap of method − reference differences paired by seed and by test image with
+percentile and BCa intervals, a non-inferiority verdict against margins fixed here, and mean ± std
+over seeds.
 
-Pure numpy, no file I/O: the caller loads predictions.npz and passes arrays.
+Pure numpy (and the standard library's normal distribution), no file I/O: the caller loads
+predictions.npz and passes arrays.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
 
 N_BINS = 15  # equal-width bins ((m-1)/15, m/15], as evaluate uses
+METRICS = ("ece", "debiased_ece", "nll")  # each the name of a Predictions method
+SCALE = {"ece": 100.0, "debiased_ece": 100.0, "nll": 1.0}  # ECEs in points (x100), NLL in nats
+# Non-inferiority margins of (method − reference), in the units of SCALE. Fixed before any run:
+# changing one after seeing results invalidates every verdict built on it.
+MARGINS = {"ece": 0.3, "debiased_ece": 0.3, "nll": 0.005}
+LEVEL = 0.95  # two-sided level of every interval (the "ci95" fields)
+# Test-image blocks of the jackknife that gives BCa's acceleration. Its sampling error is about
+# 0.41 / blocks (the skewness of `blocks` values has sd sqrt(6 / blocks), a = skewness /
+# (6 sqrt(blocks))): 20 blocks give ±0.02, several times the acceleration of a mean over 10k
+# test images (skewness / (6 sqrt(N)) ≈ 0.003); 100 cost 100 evaluations per comparison.
+JACKKNIFE_BLOCKS = 100
+PRIMARY = "bca"  # the interval that "ci95" and the verdict use; "percentile" is reported beside
+VERDICTS = ("better", "not worse", "inconclusive", "worse")
+_NORMAL = NormalDist()
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -23,15 +41,16 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Predictions:
-    """One run's test predictions, reduced to what the bootstraps of ECE and NLL need."""
+    """One run's test predictions, reduced to what the bootstraps of its metrics need."""
 
     bins: np.ndarray  # equal-width bin of each sample's confidence (15 bins)
     gap: np.ndarray  # 1[correct] − confidence
     logits: np.ndarray  # already divided by the temperature
     labels: np.ndarray
     nlls: np.ndarray  # −log p(label) of each sample
+    correct: np.ndarray  # 1[argmax = label], float
 
-    FIELDS = ("bins", "gap", "logits", "labels", "nlls")
+    FIELDS = ("bins", "gap", "logits", "labels", "nlls", "correct")
 
     @classmethod
     def from_logits(
@@ -44,16 +63,50 @@ class Predictions:
         bins = np.clip(np.ceil(conf * N_BINS).astype(np.int64) - 1, 0, N_BINS - 1)
         z = logits - logits.max(axis=1, keepdims=True)
         nlls = np.log(np.exp(z).sum(axis=1)) - z[np.arange(len(labels)), labels]
-        return cls(bins, (pred == labels) - conf, logits, labels, nlls)
+        correct = (pred == labels).astype(np.float64)
+        return cls(bins, correct - conf, logits, labels, nlls, correct)
 
     def ece(self, idx: np.ndarray | None = None) -> float:
         """ECE = Σ_bins |Σ_{i in bin} (1[correct_i] − c_i)| / N on the samples `idx`."""
         bins, gap = (self.bins, self.gap) if idx is None else (self.bins[idx], self.gap[idx])
         return float(np.abs(np.bincount(bins, weights=gap, minlength=N_BINS)).sum() / len(gap))
 
+    def debiased_ece(self, idx: np.ndarray | None = None) -> float:
+        """sqrt(max(0, Σ_b (n_b/N)·[ḡ_b² − acc_b(1 − acc_b)/(n_b − 1)])) on the samples `idx`.
+
+        The debiased plug-in estimator of the squared (l2) top-label calibration error of Kumar,
+        Liang & Ma, "Verified Uncertainty Calibration" (NeurIPS 2019; `unbiased_square_ce` and
+        `unbiased_l2_ce` of their `calibration` package): ḡ_b = acc_b − conf_b is bin b's mean gap, and
+        acc_b(1 − acc_b)/(n_b − 1) the unbiased estimate of the variance of acc_b, which the
+        square ḡ_b² adds in expectation; bins with n_b < 2 add 0. The bins are ECE's 15
+        equal-width bins (their package defaults to equal-mass), so the two estimators differ
+        only in the bias correction and in l2 versus l1. Clipped at 0 and square-rooted as
+        their package reports it: in the units of ECE, but >= the l1 error of the same bins.
+        """
+        bins = self.bins if idx is None else self.bins[idx]
+        gap = self.gap if idx is None else self.gap[idx]
+        correct = self.correct if idx is None else self.correct[idx]
+        n_b = np.bincount(bins, minlength=N_BINS).astype(np.float64)
+        full = n_b >= 2
+        n_b = n_b[full]
+        mean_gap = np.bincount(bins, weights=gap, minlength=N_BINS)[full] / n_b
+        acc = np.bincount(bins, weights=correct, minlength=N_BINS)[full] / n_b
+        squared = (n_b * (mean_gap**2 - acc * (1.0 - acc) / (n_b - 1.0))).sum() / len(gap)
+        return float(np.sqrt(max(squared, 0.0)))
+
     def nll(self, idx: np.ndarray | None = None) -> float:
         """Mean −log p(label) on the samples `idx`."""
         return float((self.nlls if idx is None else self.nlls[idx]).mean())
+
+
+def check_metric(metric: str) -> None:
+    if metric not in METRICS:
+        raise ValueError(f"metric {metric!r}: choose one of {', '.join(METRICS)}")
+
+
+def metric_value(p: Predictions, metric: str, idx: np.ndarray | None = None) -> float:
+    """`metric` (one of METRICS) of `p` on the samples `idx`, in the units of SCALE."""
+    return SCALE[metric] * getattr(p, metric)(idx)
 
 
 def bootstrap_difference(
@@ -63,28 +116,30 @@ def bootstrap_difference(
     rng: np.random.Generator,
     metric: str = "ece",
 ) -> dict[str, dict[str, float]]:
-    """95 % interval of mean-over-seeds metric(method) − metric(reference); ECE x100, NLL as is.
+    """95 % percentile interval of mean-over-seeds metric(method) − metric(reference), in the
+    units of SCALE, for runs given as lists (no seed numbers).
 
     Each resample draws the test images with replacement (the same images for every run:
-    paired) and, per method, the seeds with replacement: the interval covers test-set and
-    seed-to-seed variation together.
+    paired) and, per method, the seeds with replacement, independently of the other methods'
+    seeds: unpaired by seed. `paired_bootstrap` pairs the seeds too.
     """
-    if metric not in ("ece", "nll"):
-        raise ValueError(f"bootstrap metric {metric!r}: choose ece or nll")
-    scale = 100.0 if metric == "ece" else 1.0
+    check_metric(metric)
     n_test = len(runs[reference][0].gap)
     diffs: dict[str, list[float]] = {m: [] for m in runs if m != reference}
     for _ in range(n):
         idx = rng.integers(0, n_test, n_test)
         means = {
             m: np.mean(
-                [getattr(preds[k], metric)(idx) for k in rng.integers(0, len(preds), len(preds))]
+                [
+                    metric_value(preds[k], metric, idx)
+                    for k in rng.integers(0, len(preds), len(preds))
+                ]
             )
             for m, preds in runs.items()
         }
         for m in diffs:
-            diffs[m].append(scale * (means[m] - means[reference]))
-    point = {m: scale * np.mean([getattr(p, metric)() for p in preds]) for m, preds in runs.items()}
+            diffs[m].append(means[m] - means[reference])
+    point = {m: np.mean([metric_value(p, metric) for p in preds]) for m, preds in runs.items()}
     return {
         m: {
             "difference": point[m] - point[reference],
@@ -93,6 +148,185 @@ def bootstrap_difference(
         }
         for m, d in diffs.items()
     }
+
+
+def verdict(ci: Sequence[float], margin: float) -> str:
+    """Non-inferiority verdict of method − reference from the interval ci = [lo, hi] of that
+    difference (every metric here: lower is better) and a margin > 0 fixed in advance:
+
+    - "better":       hi < 0
+    - "not worse":    0 <= hi < margin
+    - "inconclusive": hi >= margin and lo <= margin
+    - "worse":        lo > margin
+
+    The four cases partition every interval. An interval that contains 0 is "not worse" only
+    when its upper end is below the margin; one that lies above 0 but below the margin is
+    "not worse" too (worse, but by less than the margin).
+    """
+    lo, hi = ci
+    if margin <= 0 or lo > hi:
+        raise ValueError(f"verdict needs margin > 0 and lo <= hi, got {margin}, [{lo}, {hi}]")
+    if hi < 0:
+        return "better"
+    if hi < margin:
+        return "not worse"
+    return "worse" if lo > margin else "inconclusive"
+
+
+def _pairs(
+    runs: dict[str, dict[int, Predictions]], method: str, reference: str
+) -> tuple[list[int], list[tuple[Predictions, Predictions]]]:
+    """The seeds `method` and `reference` share (a 3-seed ablation pairs with the first 3 of a
+    5-seed reference) and each seed's two runs; refused in one line when they share no seed or
+    the test labels differ."""
+    a, b = set(runs[method]), set(runs[reference])
+    if not a & b:
+        raise ValueError(
+            f"paired bootstrap {method} vs {reference}: no seed in common ({method}: "
+            f"{sorted(a)}, {reference}: {sorted(b)}); compare runs that share seeds"
+        )
+    seeds = sorted(a & b)
+    pairs = [(runs[method][s], runs[reference][s]) for s in seeds]
+    labels = pairs[0][1].labels
+    if any(not np.array_equal(p.labels, labels) for pair in pairs for p in pair):
+        raise ValueError(
+            f"paired bootstrap {method} vs {reference}: the runs' test labels differ; pairing "
+            "by test image needs every run's predictions on the same test set, in one order"
+        )
+    return seeds, pairs
+
+
+def _differences(
+    pairs: Sequence[tuple[Predictions, Predictions]], metric: str, idx: np.ndarray | None
+) -> np.ndarray:
+    """metric(method, seed k, idx) − metric(reference, seed k, idx) for each pair k."""
+    return np.array([metric_value(a, metric, idx) - metric_value(b, metric, idx) for a, b in pairs])
+
+
+def _acceleration(pairs: Sequence[tuple[Predictions, Predictions]], metric: str) -> float:
+    """BCa's acceleration a = Σ d_g³ / (6 (Σ d_g²)^(3/2)), d_g = θ̄ − θ_(g) (Efron 1987, eq. 6.6),
+    from a delete-one-block jackknife over test images: block g holds the images i with
+    i mod JACKKNIFE_BLOCKS = g (interleaved, so a test set sorted by class spreads over every
+    block), θ_(g) is the mean-over-all-seeds difference without block g. Seeds are not
+    jackknifed (a resample over them is cheap, a jackknife is not needed for them to be in the
+    bootstrap). 0 when every θ_(g) is equal."""
+    n_test = len(pairs[0][0].labels)
+    block = np.arange(n_test) % min(JACKKNIFE_BLOCKS, n_test)
+    theta = np.array(
+        [_differences(pairs, metric, np.flatnonzero(block != g)).mean() for g in np.unique(block)]
+    )
+    d = theta.mean() - theta
+    ss = float((d**2).sum())
+    return float((d**3).sum() / (6.0 * ss**1.5)) if ss > 0 else 0.0
+
+
+def _bias_correction(thetas: np.ndarray, estimate: float) -> float:
+    """BCa's z0 = Φ⁻¹(share of resamples below the estimate, ties counted half), the share
+    clipped to [1/(2B), 1 − 1/(2B)] so that Φ⁻¹ stays finite."""
+    b = len(thetas)
+    share = (np.sum(thetas < estimate) + 0.5 * np.sum(thetas == estimate)) / b
+    return _NORMAL.inv_cdf(min(max(share, 0.5 / b), 1.0 - 0.5 / b))
+
+
+def _bca(thetas: np.ndarray, z0: float, a: float) -> list[float]:
+    """BCa interval (Efron 1987; Efron & Tibshirani 1993, eq. 14.10): the quantiles
+    α_j = Φ(z0 + (z0 + z_j) / (1 − a (z0 + z_j))) of the resamples, z_j = Φ⁻¹((1 ∓ LEVEL)/2)."""
+    z = [_NORMAL.inv_cdf((1.0 - LEVEL) / 2), _NORMAL.inv_cdf((1.0 + LEVEL) / 2)]
+    alphas = [_NORMAL.cdf(z0 + (z0 + zj) / (1.0 - a * (z0 + zj))) for zj in z]
+    return [float(q) for q in np.quantile(thetas, alphas)]
+
+
+def paired_difference(
+    runs: dict[str, dict[int, Predictions]],
+    method: str,
+    reference: str,
+    n: int,
+    rng: np.random.Generator,
+    metric: str = "ece",
+) -> dict[str, Any]:
+    """The bootstrap of θ = mean over seeds of metric(method) − metric(reference), paired by
+    seed and by test image; `runs`: method -> {seed: Predictions}.
+
+    Each of the `n` resamples draws the test-image indices once (the same images for every
+    run) and the seeds once (the same seeds for both methods, as seed k of one shares its
+    initialisation with seed k of the other), and takes θ* = mean over the drawn seeds k of
+    metric(method, k, images) − metric(reference, k, images). Refused when the two methods'
+    seeds or test labels differ. Returns (JSON-serialisable):
+
+    {"metric", "method", "reference", "seeds": [int], "n_test", "resamples",
+     "method_mean", "reference_mean", "difference" (θ on every image and seed),
+     "relative" (difference / reference_mean; None when that is 0),
+     "ci95_percentile": [lo, hi], "ci95_bca": [lo, hi], "interval": PRIMARY,
+     "ci95": the PRIMARY interval, "bca": {"z0", "acceleration", "blocks"},
+     "margin": MARGINS[metric], "verdict": verdict(ci95, margin)}
+    """
+    check_metric(metric)
+    seeds, pairs = _pairs(runs, method, reference)
+    n_test, k = len(pairs[0][1].labels), len(pairs)
+    thetas = np.empty(n)
+    for b in range(n):
+        idx = rng.integers(0, n_test, n_test)
+        counts = np.bincount(rng.integers(0, k, k), minlength=k)
+        drawn = np.flatnonzero(counts)
+        thetas[b] = counts[drawn] @ _differences([pairs[i] for i in drawn], metric, idx) / k
+    means = np.array([[metric_value(p, metric) for p in pair] for pair in pairs]).mean(axis=0)
+    estimate = float(_differences(pairs, metric, None).mean())
+    z0, a = _bias_correction(thetas, estimate), _acceleration(pairs, metric)
+    intervals = {
+        "percentile": [float(q) for q in np.quantile(thetas, [(1 - LEVEL) / 2, (1 + LEVEL) / 2])],
+        "bca": _bca(thetas, z0, a),
+    }
+    return {
+        "metric": metric,
+        "method": method,
+        "reference": reference,
+        "seeds": seeds,
+        "n_test": n_test,
+        "resamples": n,
+        "method_mean": float(means[0]),
+        "reference_mean": float(means[1]),
+        "difference": estimate,
+        "relative": estimate / float(means[1]) if means[1] != 0 else None,
+        "ci95_percentile": intervals["percentile"],
+        "ci95_bca": intervals["bca"],
+        "interval": PRIMARY,
+        "ci95": intervals[PRIMARY],
+        "bca": {"z0": z0, "acceleration": a, "blocks": min(JACKKNIFE_BLOCKS, n_test)},
+        "margin": MARGINS[metric],
+        "verdict": verdict(intervals[PRIMARY], MARGINS[metric]),
+    }
+
+
+def paired_bootstrap(
+    runs: dict[str, dict[int, Predictions]],
+    reference: str,
+    n: int,
+    rng: np.random.Generator,
+    metric: str = "ece",
+    methods: Sequence[str] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """{method: paired_difference(runs, method, reference, ...)} for each of `methods` (default:
+    every method of `runs` but the reference). Any method can be the reference, e.g.
+    paired_bootstrap(runs, "ce+maccal", n, rng, methods=["csm+maccal"])."""
+    names = [m for m in runs if m != reference] if methods is None else list(methods)
+    return {m: paired_difference(runs, m, reference, n, rng, metric) for m in names}
+
+
+def compare(
+    runs: dict[str, dict[int, Predictions]],
+    pairs: Sequence[tuple[str, str]],
+    n: int,
+    rng: np.random.Generator,
+    metrics: Sequence[str] = METRICS,
+) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
+    """{metric: {reference: {method: paired_difference(...)}}} for each (method, reference)
+    pair of `pairs` and each of `metrics`."""
+    out: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
+    for metric in metrics:
+        for method, reference in pairs:
+            result = paired_difference(runs, method, reference, n, rng, metric)
+            out.setdefault(metric, {}).setdefault(reference, {})[method] = result
+    return out
 
 
 def summarize(

@@ -70,6 +70,16 @@ def generator_fidelity(cfg: Config, series: Path, class_names, device) -> dict[s
     if not cfg.fidelity_run:
         return None
     judge = cnn_judge(cfg.root, cfg.fidelity_run, device, cfg.batch_size, key="fidelity_run")
+    images, expected = endpoints(series)
+    if not len(images):
+        return None
+    predicted = judge.predict(images)
+    return fidelity_stats(predicted, expected, class_names, judge.real_test_accuracy)
+
+
+def endpoints(series: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pure-class images of a series (or mixed) folder: uint8 [N, H, W, 3] and the class
+    each was generated for (2-way: α = 1 is class a, α = 0 class b; k-way: the vertices)."""
     images, expected = [], []
     for s in iter_folder(series):
         fields = s["meta"]
@@ -83,9 +93,8 @@ def generator_fidelity(cfg: Config, series: Path, class_names, device) -> dict[s
             images.append(s["image"])
             expected.append(a if alpha == 1.0 else b)
     if not images:
-        return None
-    predicted = judge.predict(torch.from_numpy(np.stack(images)))
-    return fidelity_stats(predicted, torch.tensor(expected), class_names, judge.real_test_accuracy)
+        return torch.zeros(0, dtype=torch.uint8), torch.zeros(0, dtype=torch.long)
+    return torch.from_numpy(np.stack(images)), torch.tensor(expected)
 
 
 def report(

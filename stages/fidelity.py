@@ -9,8 +9,11 @@ because the answer depends on who asks:
 - ``linear_probe``: multinomial logistic regression on the pixels of real/train, fitted here
   (it accepts an image with roughly its class's shape, so it reads higher).
 
-Each judge carries its accuracy on real test images, so a fidelity can be read against it. The
-judges only measure: nothing they say feeds a classifier that a study compares.
+Each judge carries its accuracy on real test images, so a fidelity can be read against it.
+One judge *chooses* fit-generator's guidance w (the first: ``judge_run``, else the probe); that
+is a channel into the generator, so the chooser must sit inside the study's labelled budget (the
+probe fits on the generator's own ``train_limit`` images). ``report_judges`` only measure, and
+fidelity.json says which judge played which role.
 Used by fit-generator (the fidelity curve while it fits) and annotate (its report).
 """
 
@@ -34,6 +37,7 @@ from models.annotation import fidelity_stats
 from models.classifiers import classifier_from_config
 from models.generators import Generator, SeriesSpec, load_generator
 from models.training import collect_logits
+from shards.budget import labelled_images
 from shards.datasets import load_real
 from shards.manifest import ShardError
 from shards.runs import load_model
@@ -46,6 +50,8 @@ class Judge:
     name: str
     predict: Callable[[torch.Tensor], torch.Tensor]
     real_test_accuracy: float  # x100, on real/test
+    # the real/train images behind it (shards/budget.py); None: its folder does not say
+    labelled_train_images: int | None = None
 
 
 def cnn_judge(root: Path, run: str, device, batch_size: int = 256, key: str = "judge_run") -> Judge:
@@ -67,7 +73,8 @@ def cnn_judge(root: Path, run: str, device, batch_size: int = 256, key: str = "j
         return logits.argmax(dim=1)
 
     test = load_real(root / "real" / "test")
-    return Judge(f"cnn:{run}", predict, accuracy(predict, test.images, test.labels))
+    seen = labelled_images(root, "train", run)  # None: its folder does not say
+    return Judge(f"cnn:{run}", predict, accuracy(predict, test.images, test.labels), seen)
 
 
 def pixels(images: torch.Tensor) -> torch.Tensor:
@@ -75,11 +82,13 @@ def pixels(images: torch.Tensor) -> torch.Tensor:
     return images.float().mean(dim=-1).flatten(1) / 255.0
 
 
-def linear_probe(root: Path, l2: float = 1e-3, iterations: int = 200) -> Judge:
-    """Logistic regression on the pixels of real/train (LBFGS, full batch, deterministic: zero
-    initialisation, no random draw)."""
+def linear_probe(root: Path, limit: int = 0, l2: float = 1e-3, iterations: int = 200) -> Judge:
+    """Logistic regression on the pixels of the first ``limit`` images of real/train (0 = all;
+    LBFGS, full batch, deterministic: zero initialisation, no random draw)."""
     train = load_real(root / "real" / "train")
     x, y = pixels(train.images), train.labels.long()
+    if limit:
+        x, y = x[:limit], y[:limit]
     # centred per pixel, scaled by one global std: a per-pixel std would blow up pixels that
     # are constant in real images (digit borders) wherever a generated image is not
     mean = x.mean(0)
@@ -104,7 +113,7 @@ def linear_probe(root: Path, l2: float = 1e-3, iterations: int = 200) -> Judge:
         return (((pixels(images) - mean) / std) @ w + b).argmax(dim=1)
 
     test = load_real(root / "real" / "test")
-    return Judge("linear probe", predict, accuracy(predict, test.images, test.labels))
+    return Judge("linear probe", predict, accuracy(predict, test.images, test.labels), len(y))
 
 
 def accuracy(predict: Callable, images: torch.Tensor, labels: torch.Tensor) -> float:
@@ -152,12 +161,21 @@ def best_guidance(point: dict[str, dict[str, Any]], judge: str) -> float:
     return float(min(point, key=lambda w: (-point[w][judge]["accuracy"], float(w))))
 
 
-def make_judges(root: Path, cnn_run: str, device) -> list[Judge]:
-    """The CNN judge train/<cnn_run> (if named) first, then the linear probe on pixels."""
+def make_judges(
+    root: Path, cnn_run: str, device, limit: int = 0, report: Sequence[str] = ()
+) -> list[Judge]:
+    """The chooser first: the CNN judge train/<cnn_run> if named, else the linear probe (fitted
+    on the first ``limit`` real/train images); then the probe, then the ``report`` runs, which
+    only measure."""
     judges = [cnn_judge(root, cnn_run, device)] if cnn_run else []
-    judges.append(linear_probe(root))
-    for j in judges:
-        log.info("fidelity judge %s: %.1f %% on real test", j.name, j.real_test_accuracy)
+    judges.append(linear_probe(root, limit))
+    judges += [cnn_judge(root, run, device, key="report_judges") for run in report]
+    for i, j in enumerate(judges):
+        log.info(
+            "fidelity judge %s (%s, %s labelled train images): %.1f %% on real test",
+            j.name, "chooses w" if i == 0 else "reports only", j.labelled_train_images,
+            j.real_test_accuracy,
+        )  # fmt: skip
     return judges
 
 
@@ -194,8 +212,8 @@ class FidelityCheck:
         return {"step": step, "guidance": point}
 
     def choose(self, curve: list[dict[str, Any]]) -> tuple[float, dict[str, float]]:
-        """The best w of the last point by the first judge (the CNN when there is one), and
-        the fidelity at that w by every judge."""
+        """The best w of the last point by the first judge (the chooser: judge_run's CNN, else
+        the probe), and the fidelity at that w by every judge."""
         last = curve[-1]["guidance"]
         w = best_guidance(last, self.judges[0].name)
         return w, {name: round(st["accuracy"], 2) for name, st in last[f"{w:g}"].items()}
@@ -203,7 +221,14 @@ class FidelityCheck:
     def write(self, folder: Path, curve: list[dict[str, Any]], guidance: float) -> None:
         """fidelity.json (every point, w and judge, per class) and fidelity.png (fidelity vs
         step, one line per w and judge), then the chosen w's per-class numbers in the log."""
-        judges = {j.name: {"real_test_accuracy": j.real_test_accuracy} for j in self.judges}
+        judges = {
+            j.name: {
+                "real_test_accuracy": j.real_test_accuracy,
+                "labelled_train_images": j.labelled_train_images,
+                "role": "chooses w" if i == 0 else "reports only",
+            }
+            for i, j in enumerate(self.judges)
+        }
         atomic_write_json(
             folder / "fidelity.json", {"guidance": guidance, "judges": judges, "curve": curve}
         )

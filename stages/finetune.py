@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from core.io import atomic_write_json
+from core.io import atomic_write_json, read_json
 from core.logs import log
 from core.plots import lines
 from core.runtime import code_version, make_generator
@@ -41,6 +41,7 @@ from models.finetuning import arch_with_head, build_model, require_separable_hea
 from models.heads import GATE_MODES, MaskedSGD, RetentionSchedule
 from models.objectives import Objective, TrainingModule, build_objective, maccal
 from models.training import collect_logits
+from shards.budget import labelled_images
 from shards.datapath import DataPathChoice
 from shards.datasets import check_same_classes
 from shards.manifest import manifest_digest
@@ -74,12 +75,17 @@ def load_source(cfg: Config) -> tuple[Run, Classifier]:
     return source, model
 
 
-def load_data(cfg: Config, meta: dict[str, Any], accelerator: Any) -> tuple[Data, DataPathChoice]:
+def load_data(cfg: Config, source: Run, accelerator: Any) -> tuple[Data, DataPathChoice]:
     """real/train and real/val through the data path (stages/data.py), with the run's own
-    normalisation; pixels for the steps come later (`pixel_source`, once the method is known)."""
-    real, dev = cfg.root / "real", accelerator.device
+    normalisation; pixels for the steps come later (`pixel_source`, once the method is known).
+    The training images are the source run's own (its train_limit): fine-tuning on more labels
+    than Stage I saw would compare methods on different labelled budgets."""
+    real, dev, meta = cfg.root / "real", accelerator.device, source.meta
     path = datapath.choose_path(cfg, [real / "train", real / "val"], dev, accelerator)
     train = datapath.open_split(real / "train", path, dev)
+    limit = source_train_limit(source)
+    if limit:
+        train = datapath.head(train, limit)
     val = datapath.open_split(real / "val", path, dev)
     check_same_classes(f"run {cfg.run!r}", meta["class_names"], train.class_names, "real/train")
     check_same_classes("real/val", val.class_names, train.class_names, "real/train")
@@ -88,6 +94,11 @@ def load_data(cfg: Config, meta: dict[str, Any], accelerator: Any) -> tuple[Data
     val = datapath.sequential(val, cfg.eval_batch_size, cfg)
     norm = meta["normalize"]
     return Data(train, val, norm["mean"], norm["std"], int(meta["image_size"])), path
+
+
+def source_train_limit(source: Run) -> int:
+    """The train_limit the source run was trained with (its config.json; 0 = all)."""
+    return int(read_json(source.folder / "config.json").get("train_limit", 0))
 
 
 # ---------------------------------------------------------------- 2. the methods
@@ -193,7 +204,7 @@ def run(cfg: Config) -> Path:
         return run_dir
     check_resume(run_dir, cfg.resume)
     meta = source.meta
-    data, path = load_data(cfg, meta, accelerator)
+    data, path = load_data(cfg, source, accelerator)
     model.load_state_dict(source.state_dict())  # sha256 checked against the run's manifest
     model.to(dev)
     if main:
@@ -232,6 +243,8 @@ def run(cfg: Config) -> Path:
         "weights_sha256": source.manifest.info["weights_sha256"],
     }
 
+    budget = labelled_images(cfg.root, "train", cfg.run)
+
     def section(state: LoopState, finished: bool) -> dict[str, Any]:
         return {
             "run": cfg.output,
@@ -241,6 +254,8 @@ def run(cfg: Config) -> Path:
             "epochs": cfg.epochs,
             "history": split_history(state.history)[0],  # seconds: host.json
             "finished": finished,
+            # the source run's images and every part behind them (shards/budget.py)
+            "labelled_train_images": budget,
         }
 
     def progress_metrics(state: LoopState) -> None:

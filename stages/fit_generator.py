@@ -354,7 +354,9 @@ def run(cfg: Config) -> Path:
     # 2. The judges of fidelity (main process), then train (every process)
     check = None
     if procs.is_main:
-        judges = make_judges(cfg.root, cfg.judge_run, procs.device)
+        judges = make_judges(
+            cfg.root, cfg.judge_run, procs.device, cfg.train_limit, cfg.report_judges
+        )
         check = FidelityCheck(judges, cfg.grid, names, cfg.seed, cfg.fidelity_per_class)
     unet, curve = train(cfg, folder, images, labels, names, check)
     state = PartialState()

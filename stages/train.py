@@ -34,6 +34,7 @@ from models.classifiers import build_classifier
 from models.objectives import TrainingModule, build_objective
 from models.simplex import softmax_targets
 from models.training import SeriesIndex, interior_positions, multistep_lr
+from shards.budget import train_run_images
 from shards.datapath import DataPathChoice
 from shards.datasets import RealSplit, check_same_classes
 from shards.manifest import ShardError, manifest_digest, read_manifest
@@ -142,6 +143,7 @@ def run(cfg: Config) -> Path:
     path = datapath.choose_path(cfg, data_folders(cfg, needs_mixed), dev, accelerator)
     train, val = load_data(cfg, path, dev)
     mixed = load_mixed(cfg, train, path, dev) if needs_mixed else None
+    budget = train_run_images(cfg.root, cfg.train_limit, mixed_folder(cfg) if needs_mixed else None)
     if main:
         log.info("train %s: %s", cfg.run, path.describe())
         write_config(run_dir, cfg.record(), OTHER_RUN)
@@ -193,7 +195,7 @@ def run(cfg: Config) -> Path:
     )
 
     def progress_metrics(state: LoopState) -> None:
-        atomic_write_json(run_dir / "metrics.json", {"train": _section(cfg, state, False)})
+        atomic_write_json(run_dir / "metrics.json", {"train": _section(cfg, state, False, budget)})
         write_host(run_dir, path.record(), state.history)
 
     tracking.start(accelerator, cfg.to_dict())  # the trackers close before the outputs
@@ -227,7 +229,7 @@ def run(cfg: Config) -> Path:
         def plot(folder: Path) -> None:
             lines(curves, folder / "curves.png", xlabel="epoch", title=f"{cfg.run} ({cfg.loss})")
 
-        metrics = {"train": _section(cfg, state, True)}
+        metrics = {"train": _section(cfg, state, True, budget)}
         write_host(run_dir, path.record(), state.history)
         write_run(run_dir, result.weights, meta, metrics, [plot], made_from)
         log.info(
@@ -238,9 +240,10 @@ def run(cfg: Config) -> Path:
     return run_dir
 
 
-def _section(cfg: Config, state: LoopState, finished: bool) -> dict[str, Any]:
+def _section(cfg: Config, state: LoopState, finished: bool, budget: int | None) -> dict[str, Any]:
     """metrics.json's section: what the config, the inputs and the code make of the run, the
-    same bytes on any machine (its data path and seconds go to host.json)."""
+    same bytes on any machine (its data path and seconds go to host.json); ``budget``: the
+    labelled real/train images behind it (shards/budget.py)."""
     return {
         "run": cfg.run,
         "loss": cfg.loss,
@@ -251,4 +254,5 @@ def _section(cfg: Config, state: LoopState, finished: bool) -> dict[str, Any]:
         "best_val_acc": state.best_val_acc,
         "history": split_history(state.history)[0],
         "finished": finished,
+        "labelled_train_images": budget,
     }

@@ -10,7 +10,7 @@ import torch
 
 from core.config import ConfigError
 from models.calibration import ece
-from pipeline.study import plan, run_study
+from pipeline.study import comparison_pairs, plan, run_study
 from pipeline.study_config import StudyConfig, run_name
 from pipeline.study_stats import Predictions, bootstrap_difference
 from shards import evals
@@ -92,6 +92,26 @@ def _run_and_evaluation(root, stage, run, criterion, digest=None):
         evals.finish(tmp, class_names=("a", "b"), upstream=upstream, settings={}, code_version="t")
 
 
+def test_the_verdicts_methods_run_every_seed_and_the_others_the_first_few(tmp_path):
+    cfg = StudyConfig(methods=("ce", "ls", "ce+maccal"), seeds=(0, 1, 2, 3, 4), tune=False)
+    names = [t.name for t in plan(cfg, "digits", [], tmp_path)]
+    assert names == [
+        *(f"ce-s{k}" for k in range(5)), *(f"ls-s{k}" for k in range(3)),
+        *(f"ce-s{k}-maccal" for k in range(5)),
+    ]  # fmt: skip
+    assert StudyConfig(seeds=(7, 8), other_seeds=1).seeds_of("focal") == (7,)
+    with pytest.raises(ConfigError, match="other_seeds >= 1"):
+        StudyConfig(other_seeds=0)
+
+
+def test_every_method_meets_ce_and_the_verdicts_pairs_meet_theirs():
+    pairs = comparison_pairs(("ce", "csm", "csm3", "ce+maccal", "csm+maccal", "ls"))
+    assert pairs == [
+        ("csm", "ce"), ("csm3", "ce"), ("ce+maccal", "ce"), ("csm+maccal", "ce"), ("ls", "ce"),
+        ("csm3", "csm"), ("csm+maccal", "ce+maccal"),
+    ]  # fmt: skip
+
+
 def test_plan_orders_tasks_by_what_they_need_and_skips_evaluated_runs(tmp_path):
     cfg = StudyConfig(methods=("ce", "ls", "csm-ratio", "ce+maccal"), seeds=(0,), tune=False)
     tasks = {t.name: t for t in plan(cfg, "digits", ["train.epochs=1"], tmp_path)}
@@ -158,6 +178,7 @@ def test_study_runs_reports_and_resumes_only_what_is_missing(digits_root, tmp_pa
     sets = [
         f"out={tmp_path}", "study.methods=ce,ce+maccal", "study.seeds=0,1", "study.jobs=2",
         "study.bootstrap=200", "train.epochs=2", "train.milestones=", "finetune.maccal_epochs=1",
+        "study.tune=false",  # the tuning grids run in tests/test_study_tune.py
     ]  # fmt: skip
     report = run_study("digits", sets)
     study = json.loads((report.parent / "study.json").read_text())
@@ -286,53 +307,3 @@ def test_csm_redraw_plan_trains_on_its_own_checked_set_after_its_chain(tmp_path)
     ).read_bytes() == b"train/judge/m.json"
     with pytest.raises(ConfigError, match="add csm"):
         StudyConfig(methods=("ce", "csm-redraw"))
-
-
-def _tuned_run(train_dir, run: str, val_nll: float) -> None:
-    """A finished tuning run's metrics.json: its best epoch has this validation NLL."""
-    history = [
-        {"epoch": 1, "val_acc": 80.0, "val_ece": 9.0, "val_nll": 9.9},
-        {"epoch": 2, "val_acc": 90.0, "val_ece": 3.0, "val_nll": val_nll},
-        {"epoch": 3, "val_acc": 85.0, "val_ece": 1.0, "val_nll": 0.01},  # not the chosen epoch
-    ]
-    (train_dir / run).mkdir(parents=True)
-    metrics = {"train": {"best_val_acc": 90.0, "history": history}}
-    (train_dir / run / "metrics.json").write_text(json.dumps(metrics))
-
-
-def test_csm_w_and_s_are_chosen_on_val_by_a_grid_before_every_csm_run(tmp_path):
-    from pipeline.study_tune import TUNE_SEED, tune_run
-
-    root = tmp_path / "digits"
-    cfg = StudyConfig(
-        methods=("ce", "csm", "csm-ratio", "csm3", "csm+maccal"), seeds=(0,),
-        tune_weights=(0.5, 1.0), tune_sharpening=(2.3, 4.0), tune_sharpening_k3=(4.0, 5.4),
-    )  # fmt: skip
-    tasks = {t.name: t for t in plan(cfg, "digits", [f"out={tmp_path}"], root)}
-    grid = [tune_run("csm", w, s) for w in (0.5, 1.0) for s in (2.3, 4.0)]
-    assert grid == ["tune-csm-w0p5-s2p3", "tune-csm-w0p5-s4", "tune-csm-w1-s2p3", "tune-csm-w1-s4"]
-    k3_grid = ["tune-csm3-s4", "tune-csm3-s5p4"]
-    for run in grid:
-        sets = tasks[run].steps[0][1]
-        assert tasks[run].after == {"chain"} and f"seed={TUNE_SEED}" in sets and "loss=csm" in sets
-    for run in k3_grid:
-        assert tasks[run].after == {"chain-k3", *grid}
-        assert f"mixed={tmp_path / 'digits-k3' / 'mixed'}" in tasks[run].steps[0][1]
-    # every 2-way csm-family train run waits for csm's grid, csm3 for both; the others for none
-    for name in ("csm-s0", "csm-ratio-s0"):
-        assert set(grid) <= tasks[name].after and tasks[name].extra_step == 0
-    assert set(grid) | set(k3_grid) <= tasks["csm3-s0"].after
-    assert not tasks["ce-s0"].after and tasks["ce-s0"].prepare is None
-    assert tasks["csm-s0-maccal"].prepare is None  # fine-tunes the csm run as it was trained
-    # the choice: the lowest val NLL at each run's best-val-accuracy epoch (never test)
-    for run, nll in zip(grid, (0.50, 0.31, 0.30, 0.45)):
-        _tuned_run(root / "train", run, nll)
-    for run, nll in zip(k3_grid, (0.4, 0.2)):
-        _tuned_run(root / "train", run, nll)
-    assert tasks["csm-s0"].prepare() == ["csm_weight=1", "csm_sharpening=2.3"]
-    assert tasks["tune-csm3-s4"].prepare() == ["csm_weight=1"]
-    assert tasks["csm3-s0"].prepare() == ["csm_weight=1", "csm_sharpening=5.4"]
-    train_cmd = tasks["csm-s0"].commands("digits", ["csm_weight=1"])[0]
-    assert train_cmd[-1] == "csm_weight=1" and "evaluate" not in train_cmd
-    untuned = StudyConfig(methods=("ce", "csm"), seeds=(0,), tune=False)
-    assert [t.name for t in plan(untuned, "digits", [], root)] == ["chain", "ce-s0", "csm-s0"]

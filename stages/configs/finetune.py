@@ -140,8 +140,8 @@ PRESETS = {
         cpu_threads=1,
     ),
     # Fashion-MNIST study: the train preset's augmentation (flips, no crops); MaC-Cal 20 epochs
-    # on the same 10k training images as Stage I (train_limit is a train field: the fine-tuning
-    # set is the run's own, read from its config).
+    # on the same 5k training images as Stage I (stages/finetune.py reads the source run's
+    # train_limit from its config.json: the fine-tuning set is the run's own).
     "fashion-mnist": dict(crop_pad=0, flip=True, maccal_epochs=20, fedlas_epochs=5, cpu_threads=1),
     "cifar10": {},
     "cifar100": fedlas_fields("cifar100"),
