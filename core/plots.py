@@ -262,13 +262,18 @@ def curves(
     title: str = "",
 ) -> Path:
     """Curves with their own x values: {label: (xs, ys)}, e.g. fit-generator's fidelity vs step
-    per guidance weight and judge (a second judge's curves are dashed: labels "judge, w=...")."""
+    per guidance weight and judge. Labels "group, member" (judge, w=...) share a line style per
+    group and a colour per member: the first group's lines are solid, the next dashed, dotted."""
     plt = _figure()
     fig, ax = plt.subplots(figsize=(6, 4))
-    judges = list(dict.fromkeys(label.partition(", ")[0] for label in series))
+    groups = list(dict.fromkeys(label.partition(", ")[0] for label in series))
+    members = list(dict.fromkeys(label.partition(", ")[2] for label in series))
+    styles, colours = ("-", "--", ":", "-."), plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for label, (xs, ys) in series.items():
-        style = "-" if label.partition(", ")[0] == judges[0] else "--"
-        ax.plot(xs, ys, style, marker="o", ms=3, label=label)
+        group, _, member = label.partition(", ")
+        style = styles[groups.index(group) % len(styles)]
+        colour = colours[members.index(member) % len(colours)]
+        ax.plot(xs, ys, style, color=colour, marker="o", ms=3, label=label)
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.legend(fontsize=7)
     return _save(fig, path)

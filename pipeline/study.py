@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from core.config import describe_fields, parse_sets
-from core.io import atomic_write_json
+from core.io import atomic_write_json, read_json
 from core.logs import log, progress
 from core.runtime import derive_seed
 from pipeline.chain import chain_fields, scoped_errors, split_sets
@@ -43,6 +43,7 @@ from pipeline.study_config import (
     StudyConfig,
     StudyError,
     Task,
+    comparison_pairs,
     run_name,
 )
 from pipeline.study_kway import kway_comparison, prepare_kway, prepare_redraw, variant_root
@@ -62,7 +63,6 @@ from pipeline.study_tune import (
     tuning_tasks,
 )
 from shards import evals
-from shards.budget import labelled_images
 from shards.manifest import ShardError, read_manifest
 from shards.writer import check_config
 
@@ -225,7 +225,7 @@ def collect(cfg: StudyConfig, root: Path) -> list[dict[str, Any]]:
                     "method": method,
                     "seed": seed,
                     "run": f"{stage_dir}/{folder.name}",
-                    "labelled_train_images": labelled_images(root, stage_dir, folder.name),
+                    "labelled_train_images": recorded_budget(root / stage_dir / folder.name),
                     "temperature": ev["temperature"],
                     "ts_criterion": ev["ts_criterion"],
                     "temperature_on_edge": ev["temperature_on_edge"],
@@ -236,14 +236,11 @@ def collect(cfg: StudyConfig, root: Path) -> list[dict[str, Any]]:
     return records
 
 
-# the comparisons the verdict reads, beside every method against ce: (method, reference)
-VERDICT_PAIRS = (("csm3", "csm"), ("csm-redraw", "csm"), ("csm+maccal", "ce+maccal"))
-
-
-def comparison_pairs(methods: Sequence[str]) -> list[tuple[str, str]]:
-    """Every method against ce, then the VERDICT_PAIRS whose two methods are in the study."""
-    pairs = [(m, "ce") for m in methods if m != "ce"]
-    return pairs + [(m, ref) for m, ref in VERDICT_PAIRS if m in methods and ref in methods]
+def recorded_budget(run: Path) -> int | None:
+    """The labelled images a run recorded when it was made (metrics.json, shards/budget.py);
+    None for a run made before runs recorded it (a fine-tuning then read all of real/train)."""
+    section = "finetune" if run.parent.name == "finetune" else "train"
+    return read_json(run / "metrics.json")[section].get("labelled_train_images")
 
 
 def check_budget(records: list[dict[str, Any]]) -> int:
@@ -253,9 +250,9 @@ def check_budget(records: list[dict[str, Any]]) -> int:
     unknown = sorted({r["method"] for r in records if r["labelled_train_images"] is None})
     if unknown:
         raise StudyError(
-            f"the labelled budget of {', '.join(unknown)} is unknown (a part of its runs does "
-            "not record what it read, e.g. a mixed set pulled from the Hub): a study compares "
-            "only runs whose budgets it can count"
+            f"the labelled budget of {', '.join(unknown)} is unknown (its runs were made before "
+            "runs recorded it, or a part of them does not record what it read, e.g. a mixed set "
+            "pulled from the Hub): a study compares only runs whose budgets it can count"
         )
     by_budget: dict[int, list[str]] = {}
     for r in records:

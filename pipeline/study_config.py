@@ -61,6 +61,8 @@ DEFAULT_METHODS = (
 )  # fmt: skip
 # the methods the verdict compares (docs/study.md): every seed of StudyConfig.seeds
 VERDICT_METHODS = ("ce", "csm", "csm3", "csm-redraw", "ce+maccal", "csm+maccal")
+# the comparisons the verdict reads, beside every method against ce: (method, reference)
+VERDICT_PAIRS = (("csm3", "csm"), ("csm-redraw", "csm"), ("csm+maccal", "ce+maccal"))
 METRICS = ("top1", "ece", "aece", "classwise_ece", "oece", "uece", "mce", "nll", "brier")
 
 
@@ -129,3 +131,9 @@ class Task:
             + (list(extra) if i == at else [])
             for i, (stage, sets) in enumerate(self.steps)
         ]
+
+
+def comparison_pairs(methods: Sequence[str]) -> list[tuple[str, str]]:
+    """Every method against ce, then the VERDICT_PAIRS whose two methods are in the study."""
+    pairs = [(m, "ce") for m in methods if m != "ce"]
+    return pairs + [(m, ref) for m, ref in VERDICT_PAIRS if m in methods and ref in methods]

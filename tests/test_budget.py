@@ -14,7 +14,7 @@ import torch
 
 from core.io import atomic_write_json
 from pipeline.registry import run_stage
-from pipeline.study import check_budget
+from pipeline.study import check_budget, recorded_budget
 from pipeline.study_config import StudyError
 from shards.budget import external_parts, labelled_images, train_run_images
 from shards.manifest import Manifest, write_manifest
@@ -151,3 +151,11 @@ def test_the_first_judge_chooses_and_the_others_only_report(tmp_path):
     assert judges["cnn:judge"] == {
         "real_test_accuracy": 90.0, "labelled_train_images": 1000, "role": "reports only"
     }  # fmt: skip
+
+
+def test_the_study_reads_the_budget_a_run_recorded_and_none_from_an_older_run(tmp_path):
+    for stage, budget in (("train", 5000), ("finetune", None)):
+        run = tmp_path / stage / "r"
+        section = {"finished": True} | ({"labelled_train_images": budget} if budget else {})
+        atomic_write_json(run / "metrics.json", {stage: section})
+        assert recorded_budget(run) == budget  # a fine-tuning before the fix read all of train

@@ -320,3 +320,43 @@ def test_resolving_configs_and_a_backend_check_import_no_diffusers():
         text=True,
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- a chain's generate on every core
+
+
+def test_a_chain_spreads_an_unfinished_generate_over_the_cores(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(pipeline.chain, "cpu_processes", lambda: 2)
+    monkeypatch.setattr(pipeline.chain, "run_stage", lambda *a: calls.append(("here", *a)))
+
+    def launch(cmd, check):
+        calls.append(("launched", cmd))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(pipeline.chain.subprocess, "run", launch)
+    sets = [f"out={tmp_path}", "limit=3"]
+    assert pipeline.chain.run_step("generate", "digits", sets) == tmp_path / "digits" / "series"
+    (_, cmd), = calls  # fmt: skip
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    assert cmd[5:] == ["-m", "pipeline", "generate", "--preset", "digits", "--set", *sets]
+    pipeline.chain.run_step("annotate", "digits", sets[:1])  # not spread: in this process
+    assert calls[-1] == ("here", "annotate", "digits", sets[:1])
+    series = tmp_path / "digits" / "series"
+    series.mkdir(parents=True)
+    (series / "manifest.json").write_text("{}")  # complete: the stage itself says so, in-process
+    pipeline.chain.run_step("generate", "digits", sets)
+    assert calls[-1] == ("here", "generate", "digits", sets)
+    monkeypatch.setattr(
+        pipeline.chain.subprocess, "run", lambda cmd, check: subprocess.CompletedProcess(cmd, 3)
+    )
+    (series / "manifest.json").unlink()
+    with pytest.raises(
+        pipeline.chain.ChainError, match=r"generate in 2 processes failed \(exit 3\)"
+    ):
+        pipeline.chain.run_step("generate", "digits", sets)
+
+
+def test_one_process_per_core_only_outside_a_launcher(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert pipeline.chain.cpu_processes() == 1

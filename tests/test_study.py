@@ -10,8 +10,8 @@ import torch
 
 from core.config import ConfigError
 from models.calibration import ece
-from pipeline.study import comparison_pairs, plan, run_study
-from pipeline.study_config import StudyConfig, run_name
+from pipeline.study import plan, run_study
+from pipeline.study_config import StudyConfig, comparison_pairs, run_name
 from pipeline.study_stats import Predictions, bootstrap_difference
 from shards import evals
 
