@@ -43,6 +43,7 @@ from pipeline.study_config import (
     StudyConfig,
     StudyError,
     Task,
+    check_budget,
     comparison_pairs,
     run_name,
 )
@@ -243,32 +244,6 @@ def recorded_budget(run: Path) -> int | None:
     return read_json(run / "metrics.json")[section].get("labelled_train_images")
 
 
-def check_budget(records: list[dict[str, Any]]) -> int:
-    """One labelled budget per comparison: every run must have been shaped by the same number
-    of labelled training images (shards/budget.py), else the study refuses to compare, in one
-    line naming each budget's methods."""
-    unknown = sorted({r["method"] for r in records if r["labelled_train_images"] is None})
-    if unknown:
-        raise StudyError(
-            f"the labelled budget of {', '.join(unknown)} is unknown (its runs were made before "
-            "runs recorded it, or a part of them does not record what it read, e.g. a mixed set "
-            "pulled from the Hub): a study compares only runs whose budgets it can count"
-        )
-    by_budget: dict[int, list[str]] = {}
-    for r in records:
-        methods = by_budget.setdefault(r["labelled_train_images"], [])
-        if r["method"] not in methods:
-            methods.append(r["method"])
-    if len(by_budget) > 1:
-        parts = "; ".join(f"{n} images: {', '.join(m)}" for n, m in sorted(by_budget.items()))
-        raise StudyError(
-            f"the methods saw different labelled budgets ({parts}); give every run, and every "
-            "part it is made from (generator, its guidance judge, encoder, prototypes), the "
-            "same train_limit"
-        )
-    return next(iter(by_budget))
-
-
 def setup(preset: str, sets: Sequence[str]) -> tuple[StudyConfig, Path, list[Task]]:
     """Study fields (`study.key=value`), the run root, and the plan. Every run's config is
     resolved up front (the chain validates its own), so a misspelt field fails now, not an
@@ -303,6 +278,11 @@ def check_generator(preset: str, chain_sets: Sequence[str], root: Path) -> None:
         "it has; unset = the default before the field existed, prediction_type=epsilon> to "
         "report on it, or set out= to a new root to build the chain anew",
     )
+
+
+def pair_rng(*key: str) -> np.random.Generator:
+    """The generator of one paired comparison: (when, metric, method, reference)."""
+    return np.random.default_rng(derive_seed(0, "study-paired", *key))
 
 
 def run_study(preset: str, sets: Sequence[str]) -> Path:
@@ -340,7 +320,10 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
     # paired by seed and test image, BCa intervals, verdicts against the margins fixed in
     # pipeline/study_stats.py (MARGINS) before any run
     pairs = comparison_pairs(cfg.methods)
-    paired = {when: compare(p, pairs, cfg.bootstrap, rng) for when, p in by_seed.items()}
+    paired = {
+        when: compare(p, pairs, cfg.bootstrap, functools.partial(pair_rng, when))
+        for when, p in by_seed.items()
+    }
     tuning = tuning_report(cfg, root, sets) if cfg.tune else {}
     variants = {m: METHODS[m].variant for m in cfg.methods if METHODS[m].variant}
     kway = kway_comparison(root, variants, preds, cfg.bootstrap, rng)

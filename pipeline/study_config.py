@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from core.config import ConfigError
 
@@ -133,7 +134,39 @@ class Task:
         ]
 
 
+# the tuned baselines csm must also meet (on the seeds they share with it)
+BASELINES = ("ls", "focal", "mixup", "mmce", "fedlas-ls")
+
+
 def comparison_pairs(methods: Sequence[str]) -> list[tuple[str, str]]:
-    """Every method against ce, then the VERDICT_PAIRS whose two methods are in the study."""
+    """Every method against ce, the VERDICT_PAIRS, then csm against every tuned baseline, each
+    pair whose two methods are in the study."""
     pairs = [(m, "ce") for m in methods if m != "ce"]
-    return pairs + [(m, ref) for m, ref in VERDICT_PAIRS if m in methods and ref in methods]
+    more = [*VERDICT_PAIRS, *(("csm", b) for b in BASELINES)]
+    return pairs + [(m, ref) for m, ref in more if m in methods and ref in methods]
+
+
+def check_budget(records: list[dict[str, Any]]) -> int:
+    """One labelled budget per comparison: every run must have been shaped by the same number
+    of labelled training images (shards/budget.py), else the study refuses to compare, in one
+    line naming each budget's methods."""
+    unknown = sorted({r["method"] for r in records if r["labelled_train_images"] is None})
+    if unknown:
+        raise StudyError(
+            f"the labelled budget of {', '.join(unknown)} is unknown (its runs were made before "
+            "runs recorded it, or a part of them does not record what it read, e.g. a mixed set "
+            "pulled from the Hub): a study compares only runs whose budgets it can count"
+        )
+    by_budget: dict[int, list[str]] = {}
+    for r in records:
+        methods = by_budget.setdefault(r["labelled_train_images"], [])
+        if r["method"] not in methods:
+            methods.append(r["method"])
+    if len(by_budget) > 1:
+        parts = "; ".join(f"{n} images: {', '.join(m)}" for n, m in sorted(by_budget.items()))
+        raise StudyError(
+            f"the methods saw different labelled budgets ({parts}); give every run, and every "
+            "part it is made from (generator, its guidance judge, encoder, prototypes), the "
+            "same train_limit"
+        )
+    return next(iter(by_budget))

@@ -9,7 +9,7 @@ predictions.npz and passes arrays.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Any
@@ -316,15 +316,17 @@ def compare(
     runs: dict[str, dict[int, Predictions]],
     pairs: Sequence[tuple[str, str]],
     n: int,
-    rng: np.random.Generator,
+    rng: Callable[[str, str, str], np.random.Generator],
     metrics: Sequence[str] = METRICS,
 ) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
     """{metric: {reference: {method: paired_difference(...)}}} for each (method, reference)
-    pair of `pairs` and each of `metrics`."""
+    pair of `pairs` and each of `metrics`; `rng(metric, method, reference)` gives each
+    comparison its own generator, so adding a pair or a metric changes no other interval."""
     out: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
     for metric in metrics:
         for method, reference in pairs:
-            result = paired_difference(runs, method, reference, n, rng, metric)
+            g = rng(metric, method, reference)
+            result = paired_difference(runs, method, reference, n, g, metric)
             out.setdefault(metric, {}).setdefault(reference, {})[method] = result
     return out
 

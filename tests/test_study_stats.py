@@ -205,10 +205,17 @@ def test_any_pair_can_be_compared():
     assert r["difference"] == pytest.approx(direct)
     assert r["margin"] == MARGINS["nll"]
     pairs = [("csm+maccal", "ce+maccal"), ("ce+maccal", "ce")]
-    table = compare(runs, pairs, 100, np.random.default_rng(0), ["ece"])
+    table = compare(runs, pairs, 100, lambda *key: np.random.default_rng(0), ["ece"])
     assert set(table["ece"]) == {"ce+maccal", "ce"}
     assert table["ece"]["ce"]["ce+maccal"]["verdict"] == "better"  # 3x vs 6x overconfident
     json.dumps(table)
+
+    def keyed(*key: str) -> np.random.Generator:
+        return np.random.default_rng(abs(hash(key)) % 2**32)
+
+    alone = compare(runs, pairs[1:], 100, keyed, ["ece"])["ece"]["ce"]["ce+maccal"]
+    # each comparison draws from its own generator: another pair first changes nothing
+    assert compare(runs, pairs, 100, keyed, ["ece", "nll"])["ece"]["ce"]["ce+maccal"] == alone
 
 
 def test_acceleration_of_a_mean_is_the_skewness_of_its_block_means():
