@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 import shutil
 from pathlib import Path
 
@@ -126,7 +127,11 @@ def pinned_cpu() -> bool:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    return "AMD EPYC" in info
+    # an AMD EPYC of family 26 (Zen 5, AVX512-VP2INTERSECT) computes other bytes: these tests
+    # failed there on the commit that pinned nothing new since (c9fec2d), so there they check
+    # the properties
+    family_26 = re.search(r"^cpu family\s*:\s*26$", info, re.M) is not None
+    return "AMD EPYC" in info and not family_26
 
 
 def test_k2_stage_output_is_byte_identical_to_the_2way_code(kway_src, tmp_path, pinned_version):
