@@ -16,11 +16,10 @@ the four 4x4 corners, 0-255).
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import torch
 
+from bench import run_root
 from shards.datasets import load_real
 from stages.annotate_report import endpoints
 from stages.fidelity import cnn_judge, linear_probe
@@ -43,14 +42,8 @@ def corners(images: torch.Tensor) -> torch.Tensor:
     return torch.stack([p.mean((1, 2)) for p in patches]).mean(0)
 
 
-def find_root() -> Path | None:
-    named = os.environ.get("SEMIX_BENCH_JUDGES")
-    candidates = [Path(named)] if named else [Path("runs/fashion-mnist")]
-    return next((c for c in candidates if (c / "series" / "manifest.json").is_file()), None)
-
-
 def run() -> dict | None:
-    root = find_root()
+    root = run_root("SEMIX_BENCH_JUDGES", ("runs/fashion-mnist",), "series/manifest.json")
     if root is None:
         print("bench judges: no generated series (runs/fashion-mnist/series): run `make generate "
               "CLASSES=fashion-mnist` first, or set SEMIX_BENCH_JUDGES=<run root>; section kept")  # fmt: skip

@@ -15,12 +15,12 @@ fit's last curve point (up to the fit's autocast: this runs in float32).
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
 
+from bench import run_root
 from models.generators import load_generator, load_unet
 from models.generators.objective import predicted_x0
 from shards.datasets import load_real
@@ -59,14 +59,10 @@ def x0_error_by_t(root: Path, n: int = 512) -> str:
     )
 
 
-def find_root() -> Path | None:
-    named = os.environ.get("SEMIX_BENCH_SAMPLER")
-    candidates = [Path(named)] if named else [Path("runs/fashion-mnist"), Path("runs/digits")]
-    return next((c for c in candidates if (c / "generator" / "fidelity.json").is_file()), None)
-
-
 def run() -> dict | None:
-    root = find_root()
+    root = run_root(
+        "SEMIX_BENCH_SAMPLER", ("runs/fashion-mnist", "runs/digits"), "generator/fidelity.json"
+    )
     if root is None:
         print("bench sampler: no fitted generator (runs/<preset>/generator/fidelity.json): "
               "run `make generate` first, or set SEMIX_BENCH_SAMPLER=<run root>; section kept")  # fmt: skip

@@ -12,8 +12,8 @@ returns. It reads only what the folders record (config.json, manifest.json), so 
 number on any machine, and it needs no file of its own in generator/ or mixed/.
 
 Parts trained elsewhere (a pretrained diffusion model, OpenCLIP) saw no image of this dataset's
-training split that semix can count; `external_parts` names them, so a report can say so. A
-part that does not record what it read (a mixed set pulled from the Hub, a folder made by hand)
+training split that semix can count: they add nothing to the count. A part that does not
+record what it read (a mixed set pulled from the Hub, a folder made by hand)
 makes the count unknown: None, which no study compares.
 """
 
@@ -93,7 +93,7 @@ def _generator(folder: Path, seen: set[Path]) -> int:
 def _series(folder: Path, seen: set[Path]) -> int:
     cfg = _config(folder)
     if cfg.get("backend", "unet") in PRETRAINED_BACKENDS:
-        return 0  # trained elsewhere: external_parts names it
+        return 0  # trained elsewhere: no image of this real/train
     root = folder.parent
     return _generator(Path(cfg["model"]) if cfg.get("model") else root / "generator", seen)
 
@@ -123,16 +123,3 @@ def labelled_images(root: Path, stage: str, name: str = "") -> int | None:
         return count[stage](root / stage, set())
     except _Unknown:
         return None
-
-
-def external_parts(mixed: Path) -> list[str]:
-    """Parts of a mixed set trained outside semix (their labels are not counted)."""
-    cfg = read_json(mixed / "config.json")
-    out = []
-    if cfg.get("encoder") != "classifier":
-        out.append(f"encoder {cfg.get('encoder')}:{cfg.get('encoder_model', '')}")
-    series = Path(cfg["series"]) if cfg.get("series") else mixed.parent / "series"
-    gen = read_json(series / "config.json")
-    if gen.get("backend", "unet") in PRETRAINED_BACKENDS:
-        out.append(f"generator {gen['backend']}:{gen.get('model', '')}")
-    return out

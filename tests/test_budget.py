@@ -16,7 +16,7 @@ from core.io import atomic_write_json
 from pipeline.registry import run_stage
 from pipeline.study import recorded_budget
 from pipeline.study_config import StudyError, check_budget
-from shards.budget import external_parts, labelled_images, train_run_images
+from shards.budget import labelled_images, train_run_images
 from shards.manifest import Manifest, write_manifest
 from stages.fidelity import FidelityCheck, Judge, make_judges
 
@@ -80,7 +80,6 @@ def test_a_run_counts_the_largest_prefix_behind_it(chain):
     assert labelled_images(chain, "train", "csm") == 200
     assert train_run_images(chain, 100, chain / "mixed") == 200
     assert train_run_images(chain, 100) == 100
-    assert external_parts(chain / "mixed") == []
 
 
 def test_a_54k_judge_choosing_the_guidance_enters_the_budget(chain):
@@ -98,11 +97,10 @@ def test_a_part_that_does_not_record_what_it_read_makes_the_count_unknown(chain)
                       {"method": "csm", "labelled_train_images": None}])  # fmt: skip
 
 
-def test_a_pretrained_part_is_named_not_counted(chain):
+def test_a_pretrained_part_adds_nothing_to_the_count(chain):
     complete(chain / "series", {"backend": "sd", "model": "some/model"}, "series")
-    complete(chain / "mixed", {"encoder": "openclip", "encoder_model": "ViT-B-32"}, "mixed")
-    assert labelled_images(chain, "mixed") == n_train(chain)  # prototypes: all of real/train
-    assert external_parts(chain / "mixed") == ["encoder openclip:ViT-B-32", "generator sd:some/model"]  # fmt: skip
+    complete(chain / "mixed", {"encoder": "openclip", "train_limit": 50}, "mixed")
+    assert labelled_images(chain, "mixed") == 50  # the prototypes' images only
 
 
 def test_the_study_refuses_unequal_budgets_in_one_line():
