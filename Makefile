@@ -25,8 +25,9 @@ FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 DATA := $(if $(filter fashion-mnist,$(CLASSES)),fashion-mnist-data)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-all test-gpu test-trackers lint format prepare fit-generator \
-	generate annotate train evaluate finetune publish pull demo study bench clean fashion-mnist-data
+.PHONY: help setup test test-all test-gpu test-trackers test-reference lint format prepare fit-generator \
+	generate annotate train evaluate finetune publish pull demo study bench clean fashion-mnist-data \
+	shift ood
 
 help: ## list every target
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -72,6 +73,13 @@ test-trackers: $(STAMP) ## install .[tracking] (wandb, mlflow) and run tests/tes
 	$(PY) -m pip install -q -c requirements.txt -e '.[tracking]'
 	$(PY) -m pytest -q -rs tests/test_tracking.py
 
+# Installs into $(VENV): the independent implementations evaluate's metrics and post-hoc
+# calibrators are checked against (torch-uncertainty, relplot, netcal, uncertainty-calibration;
+# docs/evaluate.md), with requirements.txt as constraints. Without them the tests skip.
+test-reference: $(STAMP) ## install requirements-reference.txt and run tests/test_reference_metrics.py
+	$(PY) -m pip install -q -c requirements.txt -r requirements-reference.txt
+	$(PY) -m pytest -q -rs tests/test_reference_metrics.py
+
 lint: $(STAMP) ## ruff check + format check + the import layers (import-linter)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/lint-imports --no-cache --no-logo
 
@@ -95,6 +103,12 @@ train: $(STAMP) $(DATA) ## train a classifier (RUN=name LOSS=ce|ls|focal|...|csm
 
 evaluate: $(STAMP) ## metrics, reliability diagram, report.md (RUN=name or RUNS=a,b,c)
 	$(SEMIX) evaluate --preset $(CLASSES) --set $(SETS)
+
+shift: $(STAMP) ## real/test corrupted at 5 severities, CIFAR-C layout (docs/shift.md) -> shift/test-c/
+	$(SEMIX) shift --preset $(CLASSES) --set $(SETS)
+
+ood: $(STAMP) ## far-OOD test sets: digits, uniform and gaussian noise (docs/shift.md) -> ood/<set>/
+	$(SEMIX) ood --preset $(CLASSES) --set $(SETS)
 
 finetune: $(STAMP) ## MaC-Cal or FeDLaS on a trained run (RUN=name METHOD=maccal|fedlas-ls|fedlas-mbls)
 	$(SEMIX) finetune --preset $(CLASSES) --set $(SETS)

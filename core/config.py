@@ -13,14 +13,18 @@ above it): `--fields` reads them from the source (`field_docs`), so they live in
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
+import difflib
 import inspect
 import io
+import re
 import textwrap
 import tokenize
 import types
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -28,6 +32,7 @@ from typing import Any, TypeVar
 PRESET_NAMES = (
     "digits", "fashion-mnist", "cifar10", "cifar100", "tiny-imagenet", "imagefolder", "imagenet",
 )  # fmt: skip
+DEFAULT_PRESET = "digits"  # what a command line without --preset runs (the CLI says so once)
 
 
 class ConfigError(ValueError):
@@ -38,7 +43,7 @@ class ConfigError(ValueError):
 class StageConfig:
     """Fields every stage shares: where the run root is and the seed everything derives from."""
 
-    preset: str = "digits"
+    preset: str = DEFAULT_PRESET
     out: str = "runs"  # parent of every run root
     name: str = ""  # run root folder name; defaults to the preset (or the classes-file stem)
     classes_file: str = ""  # custom dataset: a text file with one class name per line
@@ -57,18 +62,60 @@ class StageConfig:
         return Path(self.out) / (self.name or self.preset)
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        """What the stage records as its config.json (a stage may leave out fields at their
+        default, so that folders made before the field existed keep their bytes)."""
+        return every_field(self)
+
+
+def every_field(config: Any) -> dict[str, Any]:
+    """Every field of a config, default-valued ones included: what --print-config shows, so it
+    agrees with --fields (a stage's `to_dict` may leave some out)."""
+    return {f.name: _jsonable(getattr(config, f.name)) for f in dataclasses.fields(config)}
 
 
 def _jsonable(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
+def did_you_mean(word: str, choices: Iterable[Any], spell: Callable[[str], str] = str) -> str:
+    """The words "did you mean 'x'? " for the choice `word` most likely meant (difflib; case
+    aside, so `Digits` finds `digits`), spelt as the command line takes it; "" for none."""
+    by_lower = {str(c).lower(): str(c) for c in choices}
+    close = difflib.get_close_matches(str(word).lower(), by_lower, n=1)
+    return f"did you mean {spell(by_lower[close[0]])!r}? " if close else ""
+
+
+# While `field_choices` builds a config, check_choice records each field's choices here: the
+# choices live in the one place that checks them, and --fields / --help read them from there.
+_RECORDED_CHOICES: ContextVar[dict[str, tuple[Any, ...]] | None] = ContextVar(
+    "semix_recorded_choices", default=None
+)
+
+
 def check_choice(field: str, value: Any, choices: Sequence[Any]) -> None:
+    recorded = _RECORDED_CHOICES.get()
+    if recorded is not None:
+        recorded[field] = tuple(choices)
     if value not in choices:
         raise ConfigError(
-            f"{field}={value!r} is not valid; choose one of: {', '.join(map(str, choices))}"
+            f"{field}={value!r} is not valid; {did_you_mean(value, choices)}choose one of: "
+            f"{', '.join(map(str, choices))}"
         )
+
+
+def field_choices(config_cls: type, values: Mapping[str, Any]) -> dict[str, tuple[Any, ...]]:
+    """{field: its choices} as the config's own checks declare them (`check_choice`), recorded
+    while a config of `values` is built: so they are the choices that apply to it (generate's
+    samplers follow its backend). Values that make no valid config give the choices checked
+    before the one that failed."""
+    recorded: dict[str, tuple[Any, ...]] = {}
+    token = _RECORDED_CHOICES.set(recorded)
+    try:
+        with contextlib.suppress(ValueError, TypeError):  # ConfigError is a ValueError
+            config_cls(**values)
+    finally:
+        _RECORDED_CHOICES.reset(token)
+    return recorded
 
 
 def check_range(
@@ -129,11 +176,18 @@ def parse_sets(
         if not sep:
             raise ConfigError(f"--set expects key=value, got {item!r}")
         if key not in valid:
-            raise ConfigError(
-                f"unknown field {spell(key)!r}; valid fields: {', '.join(map(spell, valid))}"
-            )
+            raise ConfigError(_unknown_field(key, valid, spell))
         values[key] = _coerce(spell(key), text, hints[key])
     return values
+
+
+def _unknown_field(key: str, valid: Sequence[str], spell: Callable[[str], str]) -> str:
+    """A misspelt key gets the field it was likely meant for, not a list of every field (train
+    has 52); with no close one, the list is the help there is."""
+    guess = did_you_mean(key, valid, spell)
+    if guess:
+        return f"unknown field {spell(key)!r}; {guess}(--fields lists all {len(valid)})"
+    return f"unknown field {spell(key)!r}; valid fields: {', '.join(map(spell, valid))}"
 
 
 C = TypeVar("C", bound=StageConfig)
@@ -148,8 +202,8 @@ def preset_name(preset: str) -> tuple[str, dict[str, Any]]:
         return "imagefolder", dict(name=classes_path.stem, classes_file=str(classes_path))
     if preset not in PRESET_NAMES:
         raise ConfigError(
-            f"unknown preset {preset!r}; choose one of: {', '.join(PRESET_NAMES)} "
-            "(or a .txt file with one class name per line)"
+            f"unknown preset {preset!r}; {did_you_mean(preset, PRESET_NAMES)}choose one of: "
+            f"{', '.join(PRESET_NAMES)} (or a .txt file with one class name per line)"
         )
     return preset, {}
 
@@ -176,9 +230,23 @@ def resolve(
     values.update(sets_values)
     values["preset"] = preset
     try:
-        return config_cls(**values)
+        config = config_cls(**values)
     except TypeError as e:  # a preset naming a field the dataclass lacks: a bug, say so
         raise ConfigError(f"{config_cls.__name__}: {e}") from e
+    if not str(config.out).strip():  # `out=` would put every run root in the working folder
+        raise ConfigError(
+            f"{spell('out')}= is empty: set it to the folder that holds the run roots "
+            "(default: runs)"
+        )
+    return config
+
+
+def given_folder(field: str, value: str, hint: str) -> Path:
+    """The path a `field=` names (mixed=, series=, model=), which must exist: a mistyped path is
+    named as missing, never answered with the command that makes the run root's own folder."""
+    if not Path(value).exists():
+        raise ConfigError(f"{field}={value}: no such file or folder; {hint}")
+    return Path(value)
 
 
 def read_class_names(path: str | Path) -> tuple[str, ...]:
@@ -202,8 +270,11 @@ def read_class_names(path: str | Path) -> tuple[str, ...]:
 _PRAGMAS = ("fmt:", "noqa", "type:", "pragma", "ruff:")
 
 
-def _class_comments(cls: type) -> dict[str, str]:
-    """{field: description} for the fields annotated in `cls`'s own body, from its source."""
+def _class_comments(cls: type) -> dict[str, tuple[str, str]]:
+    """{field: (description, section)} for the fields annotated in `cls`'s own body, from its
+    source. The comment block right above a field heads a section (`# recipe`, `# data`) when
+    the field has a comment of its own, or when it is one line and the next line is a field
+    too; else it describes the field."""
     try:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):  # no source (a frozen app, a class made at run time)
@@ -221,32 +292,46 @@ def _class_comments(cls: type) -> dict[str, str]:
             if not lines[row - 1][:col].strip():
                 whole_line.add(row)
     node = ast.parse(source).body[0]
-    docs: dict[str, str] = {}
-    for item in getattr(node, "body", []):
-        if not (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)):
-            continue
+    fields = {
+        item.lineno: item
+        for item in getattr(node, "body", [])
+        if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+    }
+    found: dict[str, tuple[str, str]] = {}
+    for item in fields.values():
         end = item.end_lineno or item.lineno
         rows = range(item.lineno, end + 1)
-        text = " ".join(comments[r] for r in rows if r in comments and r not in whole_line)
-        if not text:  # the comment block right above the field
-            row, above = item.lineno - 1, []
-            while row in whole_line:
-                above.insert(0, comments[row])
-                row -= 1
-            text = " ".join(above)
-        docs[item.target.id] = text
-    return docs
+        own = " ".join(comments[r] for r in rows if r in comments and r not in whole_line)
+        row, above = item.lineno - 1, []
+        while row in whole_line:
+            above.insert(0, comments[row])
+            row -= 1
+        heading = bool(above) and (bool(own) or (len(above) == 1 and end + 1 in fields))
+        section = " ".join(above) if heading else ""
+        found[item.target.id] = (own or ("" if heading else " ".join(above)), section)
+    return found
+
+
+def _comments(config_cls: type) -> dict[str, tuple[str, str]]:
+    """`_class_comments` over the classes that declare the fields (a redeclaration wins)."""
+    found: dict[str, tuple[str, str]] = {}
+    for cls in reversed(config_cls.__mro__):
+        if cls is not object and dataclasses.is_dataclass(cls):
+            found.update(_class_comments(cls))
+    return {f.name: found.get(f.name, ("", "")) for f in dataclasses.fields(config_cls)}
 
 
 def field_docs(config_cls: type) -> dict[str, str]:
     """Each field's one-line description, read from the source of the class that declares it
     (a subclass's redeclaration wins): the `# comment` at the end of the field's line, else the
-    comment lines right above it; "" when there is none."""
-    docs: dict[str, str] = {}
-    for cls in reversed(config_cls.__mro__):
-        if cls is not object and dataclasses.is_dataclass(cls):
-            docs.update(_class_comments(cls))
-    return {f.name: docs.get(f.name, "") for f in dataclasses.fields(config_cls)}
+    comment lines right above it (unless they head a section); "" when there is none."""
+    return {name: doc for name, (doc, _) in _comments(config_cls).items()}
+
+
+def field_sections(config_cls: type) -> dict[str, str]:
+    """{field: the section heading above it} for each field that starts a section of the class
+    body (`# recipe (METHODS §3)` above `epochs`): how --fields and --help group the fields."""
+    return {name: section for name, (_, section) in _comments(config_cls).items() if section}
 
 
 def set_value(value: Any) -> str:
@@ -268,6 +353,16 @@ def _default(f: dataclasses.Field) -> Any:
     return "(required)"
 
 
+def _with_choices(doc: str, choices: Sequence[Any]) -> str:
+    """A field's description, ending in its choices unless the comment names them all."""
+    names = [set_value(c) for c in choices]
+    # named = as a word of its own ("redrawn" does not name `redraw`)
+    if all(re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", doc) for name in names):
+        return doc  # also: a field without choices
+    listed = "one of: " + ", ".join(names)
+    return f"{doc}; {listed}" if doc else listed
+
+
 def describe_fields(
     config_cls: type,
     presets: Mapping[str, Mapping[str, Any]] | None = None,
@@ -277,8 +372,9 @@ def describe_fields(
 ) -> list[str]:
     """One line per field (except `preset`, which --preset sets, and `skip`): its name as --set
     spells it, its default, the preset's value where it differs (values that apply `when`
-    another field has a value say so), and its description (`field_docs`). A header first."""
-    docs = field_docs(config_cls)
+    another field has a value say so), and its description (`field_docs`) with the field's
+    choices (`field_choices`) where the description does not name them. A header first."""
+    docs, sections = field_docs(config_cls), field_sections(config_cls)
     chosen: dict[str, Any] = {}
     label = ""
     if preset is not None:
@@ -286,6 +382,7 @@ def describe_fields(
         chosen = dict((presets or {}).get(label, {}))
         chosen.update(from_file)
     when = chosen.pop("when", {})
+    choices = field_choices(config_cls, {**chosen, **({"preset": label} if label else {})})
     rows = []
     for f in dataclasses.fields(config_cls):
         if f.name in ("preset", *skip):
@@ -293,13 +390,15 @@ def describe_fields(
         default = _default(f)
         own = [set_value(chosen[f.name])] if f.name in chosen and chosen[f.name] != default else []
         own += [f"{set_value(v[f.name])} when {c}" for c, v in when.items() if f.name in v]
-        rows.append((spell(f.name), set_value(default), "; ".join(own), docs[f.name]))
-    header = ("field", "default", label, "description")
+        doc = _with_choices(docs[f.name], choices.get(f.name, ()))
+        rows.append((spell(f.name), set_value(default), "; ".join(own), doc, sections.get(f.name)))
+    header = ("field", "default", label, "description", None)
     # columns: name, default, the preset's value (only when some field has one), description
     columns = (0, 1, 2) if any(r[2] for r in rows) else (0, 1)
     width = {i: min(max(len(r[i]) for r in [header, *rows]), 40 if i == 0 else 24) for i in columns}
 
-    def line(row: tuple[str, str, str, str]) -> str:
-        return "  " + "  ".join([*(row[i].ljust(width[i]) for i in columns), row[3]]).rstrip()
+    def lines(row: tuple[str, str, str, str, str | None]) -> list[str]:
+        cells = "  ".join([*(row[i].ljust(width[i]) for i in columns), row[3]]).rstrip()
+        return [f"  -- {row[4]}"] * bool(row[4]) + [f"  {cells}"]  # a section's heading first
 
-    return [line(header), *map(line, rows)]
+    return [text for row in [header, *rows] for text in lines(row)]

@@ -1,8 +1,9 @@
 """What semix tells the person running it: its logger, and the progress of long loops.
 
 Log lines go to stderr through `tqdm.write`, so they never share a line with a progress bar.
-Progress shows as SEMIX_PROGRESS says: tqdm bars on a terminal, a log line every 10 % and every
-SEMIX_PROGRESS_EVERY seconds elsewhere (a file, a pipe, a job log), or nothing.
+Progress shows as SEMIX_PROGRESS says: tqdm bars on a terminal; elsewhere (a file, a pipe, a job
+log) a log line at each 10 % and after SEMIX_PROGRESS_EVERY seconds without one, never two
+within 30 s (a one-second loop logs only its last line); or nothing.
 """
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ def setup_logging(is_main: bool = True) -> None:
 # terminal), "log" = plain log lines (for a file, a pipe, a job log), "off"; "auto" = bars when
 # stderr is a terminal or a notebook, log lines otherwise. SEMIX_NO_PROGRESS=1 is "off".
 PROGRESS_MODES = ("auto", "bar", "log", "off")
-# "log": a line at every 10 % and at least every this many seconds (SEMIX_PROGRESS_EVERY)
+# "log": a line at every 10 % and at least every this many seconds (SEMIX_PROGRESS_EVERY) ...
 PROGRESS_EVERY_S = 60.0
+# ... but never two lines this close: a fast loop (a 1-second prepare) is not worth ten lines
+PROGRESS_GAP_S = 30.0
 RATE_WINDOW_S = 1.0  # a line shows a rate only over at least this long since the line before
 
 
@@ -86,9 +89,10 @@ class LogProgress:
 
         generate: 120/720 img (16 %), 3.1 img/s, ~3 min left
 
-    one at every 10 % and at least every `every` seconds while work goes on, and a last one at
-    the end; the rate is over the time since the line before (a skip ahead, as when a resumed
-    stage counts its complete shards, shows no rate). Never a bar frame (carriage returns).
+    one at every 10 % and at least every `every` seconds while work goes on, never two within
+    `gap` seconds (counted from the start too), and a last one at the end; the rate is over the
+    time since the line before (a skip ahead, as when a resumed stage counts its complete
+    shards, shows no rate). Never a bar frame (carriage returns).
     It answers what the stages ask of a tqdm bar: iteration, `update(n)`, `set_postfix(...)`,
     `close()`, `with`."""
 
@@ -100,10 +104,11 @@ class LogProgress:
         desc: str,
         unit: str,
         every: float = PROGRESS_EVERY_S,
+        gap: float = PROGRESS_GAP_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.iterable, self.total, self.desc, self.unit = iterable, total, desc, unit
-        self.every, self.clock = every, clock
+        self.every, self.gap, self.clock = every, gap, clock
         self.n, self.postfix = 0, ""
         self._mark = (clock(), 0)  # (time, n) of the last line: the rate's window
         self._shown = 0  # n of the last line
@@ -124,7 +129,8 @@ class LogProgress:
         self.n += n
         now = self.clock()
         tenth = 10 * self.n // self.total if self.total else 0
-        if tenth > self._tenth or now - self._mark[0] >= self.every:
+        since = now - self._mark[0]
+        if (tenth > self._tenth or since >= self.every) and since >= self.gap:
             self._tenth = max(tenth, self._tenth)
             self._line(now)
 

@@ -277,3 +277,23 @@ def curves(
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.legend(fontsize=7)
     return _save(fig, path)
+
+
+def panels(
+    data: Mapping[str, Mapping[str, tuple[Sequence[float], Sequence[float]]]],
+    path: Path,
+    *,
+    xlabel: str,
+    title: str = "",
+) -> Path:
+    """Side-by-side panels of curves: {panel's y label: {curve: (xs, ys)}}, e.g. ECE and NLL
+    against corruption severity, one curve per method."""
+    plt = _figure()
+    fig, axes = plt.subplots(1, len(data), figsize=(5 * len(data), 4), squeeze=False)
+    for ax, (ylabel, series) in zip(axes[0], data.items()):
+        for name, (xs, ys) in series.items():
+            ax.plot(xs, ys, marker="o", ms=3, label=name)
+        ax.set(xlabel=xlabel, ylabel=ylabel)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title)
+    return _save(fig, path)

@@ -1,5 +1,5 @@
-"""Runtime services every stage shares: seeding, processes, version, the Hub's reachability.
-Logging and progress live in core/logs.py.
+"""Runtime services every stage shares: seeding, processes, version. Logging and progress live
+in core/logs.py, the Hub's reachability in core/hub.py.
 
 Reproducibility rule: every random draw comes from an explicit generator derived from
 (run seed, key), never from global RNG state, so results do not depend on call order,
@@ -17,7 +17,6 @@ import os
 import re
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -69,17 +68,71 @@ def launch_world() -> int:
     return 1
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
 def check_launcher() -> None:
-    """Refuse a process that `accelerate launch` started for several processes or machines
-    without giving it a rank: accelerate's CPU launcher (no --multi_gpu, no mpirun) starts one
-    such process per machine, and each would do the whole job into the same shared folder."""
+    """A process that `accelerate launch` started for several processes without giving it a
+    rank (its CPU launcher, without mpirun, starts one process per machine and no ranks):
+    on one machine (MASTER_ADDR on loopback) it is the only process, and does the whole job as
+    a plain run, said in one line; on several machines each would do the whole job into the
+    same shared folder, so it is refused."""
     unranked = not any(var in os.environ for var in (*WORLD_VARS, *RANK_VARS))
-    if unranked and "ACCELERATE_USE_CPU" in os.environ and "MASTER_ADDR" in os.environ:
-        raise LaunchError(
-            "accelerate launch started this process for several processes or machines but gave "
-            "it no rank (its CPU launcher does that without mpirun): use torchrun --nnodes N "
-            "--nproc_per_node P, or accelerate launch --multi_gpu (docs/scale.md)"
+    if not (unranked and "ACCELERATE_USE_CPU" in os.environ and "MASTER_ADDR" in os.environ):
+        return
+    if os.environ["MASTER_ADDR"] in LOOPBACK:
+        from core.logs import log
+
+        log.warning(
+            "accelerate launch --cpu started one process without a rank (its CPU launcher does "
+            "that without mpirun): semix runs as that one process; for N processes on one CPU "
+            "machine use torchrun --nproc_per_node N -m pipeline ... (docs/scale.md)"
         )
+        return
+    raise LaunchError(
+        "accelerate launch started this process for several machines but gave it no rank (its "
+        "CPU launcher does that without mpirun): use torchrun --nnodes N --nproc_per_node P, or "
+        "accelerate launch --multi_gpu (docs/scale.md)"
+    )
+
+
+def launcher_precision(field: str, value: str, resolved: str) -> str:
+    """Mixed precision ("no", "bf16", "fp16") as accelerate's conventions want it: under
+    `accelerate launch` its value (its --mixed_precision flag, else its config file, else its
+    default "no": ACCELERATE_MIXED_PRECISION) wins over semix's `field` = "auto"; a semix value
+    that names another precision is a conflict, refused in one line before any work. Outside
+    accelerate launch, `resolved` (semix's own choice for `value`)."""
+    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION", "")
+    if not launcher:
+        return resolved
+    if value == "auto":
+        return launcher
+    if resolved != launcher:
+        from core.config import ConfigError
+
+        raise ConfigError(
+            f"{field}={value} conflicts with accelerate launch's mixed precision {launcher!r} "
+            "(its --mixed_precision flag, its config file or its default): give one of them, "
+            f"or leave {field}=auto to follow accelerate"
+        )
+    return resolved
+
+
+@functools.cache  # once per process, whichever stage started the group
+def _tear_down_at_exit() -> None:
+    """Destroy the process group when the process exits, on every exit path (done, an error,
+    Ctrl-C). Left to the interpreter's shutdown, gloo's threads are destroyed while still
+    joinable: C++ aborts ("terminate called without an active exception", SIGABRT) after the
+    work is done, about every other run, and the launcher reports a failure for complete work."""
+    import atexit
+
+    atexit.register(tear_down)
+
+
+def tear_down() -> None:
+    """Leave the launch's process group, if this process is in one (safe to call twice)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 class Processes:
@@ -101,6 +154,8 @@ class Processes:
         # the timeout only counts for the first PartialState of the process (it starts the group)
         timeout = datetime.timedelta(seconds=dist_timeout_s())
         self.state = PartialState(cpu=cpu, timeout=timeout)
+        if self.state.num_processes > 1:
+            _tear_down_at_exit()
 
     @property
     def rank(self) -> int:
@@ -343,70 +398,3 @@ def cpu_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-# ---------------------------------------------------------------- the Hugging Face Hub, offline
-
-HUB_PROBE_S = 2.0  # how long the one reachability check may take
-_TRUE = ("1", "ON", "YES", "TRUE")
-
-
-def _offline_set() -> bool:
-    """HF_HUB_OFFLINE=1 in the environment, or set on huggingface_hub since it was imported."""
-    if os.environ.get("HF_HUB_OFFLINE", "").upper() in _TRUE:
-        return True
-    constants = sys.modules.get("huggingface_hub.constants")
-    return bool(getattr(constants, "HF_HUB_OFFLINE", False))
-
-
-@functools.cache
-def hub_reachable(timeout: float = HUB_PROBE_S) -> bool:
-    """One TCP connect to the Hub (HF_ENDPOINT), or to the HTTPS proxy when one is set, that
-    may take `timeout` seconds, DNS included (it runs in a thread that is not waited for
-    longer). Checked once per process."""
-    import threading
-    import urllib.parse
-
-    target = next(
-        (
-            os.environ[k]
-            for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
-            if os.environ.get(k)
-        ),
-        os.environ.get("HF_ENDPOINT", "https://huggingface.co"),
-    )
-    try:
-        url = urllib.parse.urlsplit(target if "//" in target else f"//{target}")
-        port = url.port or (80 if url.scheme == "http" else 443)
-    except ValueError:  # a malformed endpoint: nothing could reach it
-        return False
-    answer: list[bool] = []
-
-    def probe() -> None:
-        try:
-            socket.create_connection((url.hostname or "", port), timeout=timeout).close()
-            answer.append(True)
-        except OSError:
-            answer.append(False)
-
-    thread = threading.Thread(target=probe, name="semix-hub-probe", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    return bool(answer and answer[0])
-
-
-def hub_offline() -> bool:
-    """True when models must come from the local cache: HF_HUB_OFFLINE=1, or the Hub does not
-    answer one quick connect (`hub_reachable`). Then offline mode is switched on for the rest
-    of the process and its children (HF_HUB_OFFLINE=1, and huggingface_hub's flag if it is
-    imported), so no loader waits on timeouts and retries; loaders also pass
-    `local_files_only=True`, and a model that is not cached fails at once, in one line."""
-    if _offline_set():
-        return True
-    if hub_reachable():
-        return False
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    constants = sys.modules.get("huggingface_hub.constants")
-    if constants is not None:
-        constants.HF_HUB_OFFLINE = True
-    return True

@@ -1,33 +1,52 @@
-"""Calibration, accuracy and OOD metrics, temperature scaling, ensembles (METHODS §6-7).
+"""Calibration and accuracy metrics, temperature scaling, ensembles (docs/evaluate.md).
 
-Inputs are torch tensors: logits [N, C] (any dtype/device) and integer labels [N]. Everything is
-computed in float64 on the CPU (metrics run once per evaluation; exactness beats speed here).
-The single-metric functions return fractions in [0, 1] as Python floats; the two report
-functions `calibration_metrics` and `ood_scores` return dicts scaled x100 where the quantity is
-a percentage (each docstring lists which).
+Inputs are torch tensors: logits [N, C] (any dtype/device) or probabilities [N, C], and integer
+labels [N]. Everything is computed in float64 on the CPU (metrics run once per evaluation;
+exactness beats speed here). The single-metric functions take logits and return fractions in
+[0, 1] as Python floats; the two report functions, `calibration_metrics` (logits) and
+`probability_metrics` (probabilities, e.g. a post-hoc calibrator's output: models/posthoc.py),
+return dicts scaled x100 where the quantity is a percentage (each docstring lists which).
+Selective classification lives in models/selective.py, smooth ECE in models/smooth_ece.py and
+OOD detection in models/ood.py.
 
-Binning (METHODS §7): 15 equal-width bins, bin m = ((m-1)/15, m/15]; a confidence of exactly 0
-falls into the first bin. torchmetrics uses [lo, hi) bins instead, which only differs for
-confidences exactly on an edge.
+Binning: 15 equal-width bins, bin m = ((m-1)/15, m/15]; a confidence of exactly 0 falls into the
+first bin. torchmetrics uses [lo, hi) bins instead, which only differs for confidences exactly on
+an edge.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch.nn import functional as F
 
+from models.selective import augrc, aurc, risk_at_coverage
+from models.smooth_ece import smooth_ece
+
 N_BINS = 15
+# NLL of probabilities: p_y is floored at float64's epsilon (sklearn's log_loss clips the same),
+# so a calibrator that gives the label probability 0 costs 36 nats, not infinity.
+NLL_FLOOR = float(torch.finfo(torch.float64).eps)
+PERCENT_KEYS = (
+    *("top1", "top5", "ece", "aece", "mce", "oece", "uece", "classwise_ece"),
+    *("smece", "debiased_ece", "l2_ece", "classwise_l2_ece", "aurc", "augrc", "risk_at_80"),
+)  # the keys of the report functions given x100 ...
+METRIC_KEYS = (*PERCENT_KEYS, "nll", "brier", "n")  # ... and all of them, in report order
 
 
 def _probs(logits: torch.Tensor) -> torch.Tensor:
     return F.softmax(logits.detach().to("cpu", torch.float64), dim=1)
 
 
-def _conf_correct(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    c, y_hat = _probs(logits).max(dim=1)
+def _conf_correct(p: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    c, y_hat = p.max(dim=1)
     return c, (y_hat == labels.detach().cpu()).to(torch.float64)
+
+
+def _onehot(labels: torch.Tensor, classes: int) -> torch.Tensor:
+    return F.one_hot(labels.detach().cpu().long(), classes).to(torch.float64)
 
 
 def _bin_index(values: torch.Tensor, inner_edges: torch.Tensor) -> torch.Tensor:
@@ -51,43 +70,37 @@ def _bin_gaps(
     return count / conf.numel(), acc, mean_conf
 
 
-def _ece_from(logits: torch.Tensor, labels: torch.Tensor, n_bins: int) -> tuple[torch.Tensor, ...]:
-    conf, correct = _conf_correct(logits, labels)
+def _ece_from(p: torch.Tensor, labels: torch.Tensor, n_bins: int) -> tuple[torch.Tensor, ...]:
+    conf, correct = _conf_correct(p, labels)
     return _bin_gaps(conf, correct, _equal_width_inner_edges(n_bins))
 
 
 def ece(logits: torch.Tensor, labels: torch.Tensor, n_bins: int = N_BINS) -> float:
     """ECE = Σ_m (|B_m|/N)·|acc(B_m) - conf(B_m)| over equal-width bins."""
-    w, acc, conf = _ece_from(logits, labels, n_bins)
+    w, acc, conf = _ece_from(_probs(logits), labels, n_bins)
     return float((w * (acc - conf).abs()).sum())
 
 
 def oece(logits: torch.Tensor, labels: torch.Tensor, n_bins: int = N_BINS) -> float:
     """Over-confidence part of ECE: Σ (|B|/N)·max(0, conf - acc)."""
-    w, acc, conf = _ece_from(logits, labels, n_bins)
+    w, acc, conf = _ece_from(_probs(logits), labels, n_bins)
     return float((w * (conf - acc).clamp_min(0)).sum())
 
 
 def uece(logits: torch.Tensor, labels: torch.Tensor, n_bins: int = N_BINS) -> float:
     """Under-confidence part of ECE: Σ (|B|/N)·max(0, acc - conf); oece + uece = ece."""
-    w, acc, conf = _ece_from(logits, labels, n_bins)
+    w, acc, conf = _ece_from(_probs(logits), labels, n_bins)
     return float((w * (acc - conf).clamp_min(0)).sum())
 
 
 def mce(logits: torch.Tensor, labels: torch.Tensor, n_bins: int = N_BINS) -> float:
     """MCE = max over non-empty bins of |acc - conf|."""
-    w, acc, conf = _ece_from(logits, labels, n_bins)
+    w, acc, conf = _ece_from(_probs(logits), labels, n_bins)
     return float((acc - conf).abs()[w > 0].max())
 
 
-def aece(logits: torch.Tensor, labels: torch.Tensor, n_bins: int = N_BINS) -> float:
-    """Adaptive ECE: the ECE sum over equal-mass bins.
-
-    Edges e_m interpolate the sorted confidences at positions m·N/n_bins (as np.interp would,
-    clamped to the last sample), bins are (e_{m-1}, e_m]. Unlike the focal-loss reference code,
-    the outer bins are open-ended, so the lowest-confidence sample is not dropped.
-    """
-    conf, correct = _conf_correct(logits, labels)
+def _aece(p: torch.Tensor, labels: torch.Tensor, n_bins: int) -> float:
+    conf, correct = _conf_correct(p, labels)
     s = conf.sort().values
     n = s.numel()
     pos = torch.linspace(0, n, n_bins + 1, dtype=torch.float64)
@@ -99,10 +112,18 @@ def aece(logits: torch.Tensor, labels: torch.Tensor, n_bins: int = N_BINS) -> fl
     return float((w * (acc - mean_conf).abs()).sum())
 
 
-def classwise_ece(logits: torch.Tensor, labels: torch.Tensor, n_bins: int = N_BINS) -> float:
-    """(1/C)Σ_k Σ_m (|B_km|/N)·|freq(y = k in B_km) - mean p_k in B_km|, bins on p_k."""
-    p = _probs(logits)
-    onehot = F.one_hot(labels.detach().cpu().long(), p.shape[1]).to(torch.float64)
+def aece(logits: torch.Tensor, labels: torch.Tensor, n_bins: int = N_BINS) -> float:
+    """Adaptive ECE: the ECE sum over equal-mass bins.
+
+    Edges e_m interpolate the sorted confidences at positions m·N/n_bins (as np.interp would,
+    clamped to the last sample), bins are (e_{m-1}, e_m]. Unlike the focal-loss reference code,
+    the outer bins are open-ended, so the lowest-confidence sample is not dropped.
+    """
+    return _aece(_probs(logits), labels, n_bins)
+
+
+def _classwise_ece(p: torch.Tensor, labels: torch.Tensor, n_bins: int) -> float:
+    onehot = _onehot(labels, p.shape[1])
     edges = _equal_width_inner_edges(n_bins)
     per_class = []
     for k in range(p.shape[1]):
@@ -111,50 +132,154 @@ def classwise_ece(logits: torch.Tensor, labels: torch.Tensor, n_bins: int = N_BI
     return float(torch.stack(per_class).mean())
 
 
+def classwise_ece(logits: torch.Tensor, labels: torch.Tensor, n_bins: int = N_BINS) -> float:
+    """(1/C)Σ_k Σ_m (|B_km|/N)·|freq(y = k in B_km) - mean p_k in B_km|, bins on p_k."""
+    return _classwise_ece(_probs(logits), labels, n_bins)
+
+
+def _squared_ce(
+    conf: torch.Tensor, target: torch.Tensor, n_bins: int, debias: bool
+) -> torch.Tensor:
+    """Σ_m (|B_m|/N)·(mean target − mean conf)², less in each bin (debias) the unbiased variance
+    estimate ā(1 − ā)/(|B_m| − 1) of its mean target ā that the square adds in expectation;
+    bins with fewer than 2 samples add 0 when debiased (Kumar et al. 2019, §5)."""
+    w, acc, mean_conf = _bin_gaps(conf, target, _equal_width_inner_edges(n_bins))
+    square = (acc - mean_conf) ** 2
+    if debias:
+        count = w * conf.numel()
+        square = torch.where(
+            count >= 2, square - acc * (1 - acc) / (count - 1).clamp_min(1), torch.zeros_like(w)
+        )
+    return (w * square).sum()
+
+
+def l2_ce(
+    logits: torch.Tensor, labels: torch.Tensor, n_bins: int = N_BINS, debias: bool = False
+) -> float:
+    """Top-label l2 calibration error sqrt(Σ_m (|B_m|/N)·(acc − conf)²) on ECE's bins; debias:
+    the debiased estimator of Kumar, Liang & Ma (NeurIPS 2019), clipped at 0 before the root."""
+    conf, correct = _conf_correct(_probs(logits), labels)
+    return float(_squared_ce(conf, correct, n_bins, debias).clamp_min(0).sqrt())
+
+
+def _classwise_l2_ce(p: torch.Tensor, labels: torch.Tensor, n_bins: int, debias: bool) -> float:
+    onehot = _onehot(labels, p.shape[1])
+    per_class = [
+        _squared_ce(p[:, k].contiguous(), onehot[:, k].contiguous(), n_bins, debias).clamp_min(0)
+        for k in range(p.shape[1])
+    ]
+    return float(torch.stack(per_class).mean().sqrt())
+
+
+def classwise_l2_ce(
+    logits: torch.Tensor, labels: torch.Tensor, n_bins: int = N_BINS, debias: bool = False
+) -> float:
+    """Classwise (marginal) l2 calibration error sqrt((1/C)·Σ_k CE_k²), CE_k the l2 error of
+    p_k against 1[y = k] on equal-width bins of p_k (Kumar et al. 2019's `marginal` mode)."""
+    return _classwise_l2_ce(_probs(logits), labels, n_bins, debias)
+
+
 def nll(logits: torch.Tensor, labels: torch.Tensor) -> float:
     """Mean negative log-likelihood of the labels (CE of the logits)."""
     return float(F.cross_entropy(logits.detach().to("cpu", torch.float64), labels.detach().cpu()))
 
 
+def nll_of_probs(p: torch.Tensor, labels: torch.Tensor) -> float:
+    """Mean −log max(p_y, NLL_FLOOR): the NLL of probabilities that may hold exact zeros."""
+    p_y = p.detach().to("cpu", torch.float64).gather(1, labels.detach().cpu().long()[:, None])
+    return float(-p_y.clamp_min(NLL_FLOOR).log().mean())
+
+
+def _brier(p: torch.Tensor, labels: torch.Tensor) -> float:
+    return float((p - _onehot(labels, p.shape[1])).pow(2).sum(dim=1).mean())
+
+
 def brier(logits: torch.Tensor, labels: torch.Tensor) -> float:
     """Brier = mean_i Σ_k (p_ik - 1[y_i = k])² (multi-class form, range [0, 2])."""
-    p = _probs(logits)
-    onehot = F.one_hot(labels.detach().cpu().long(), p.shape[1]).to(torch.float64)
-    return float((p - onehot).pow(2).sum(dim=1).mean())
+    return _brier(_probs(logits), labels)
 
 
 def topk_accuracy(logits: torch.Tensor, labels: torch.Tensor, k: int = 1) -> float:
-    """Fraction of samples whose label is among the k largest logits (k capped at C)."""
+    """Fraction of samples whose label is among the k largest logits (k capped at C); the same
+    for probabilities, the softmax keeping the order."""
     k = min(k, logits.shape[1])
     top = logits.detach().cpu().topk(k, dim=1).indices
     return float((top == labels.detach().cpu()[:, None]).any(dim=1).to(torch.float64).mean())
 
 
-def calibration_metrics(
-    logits: torch.Tensor, labels: torch.Tensor, n_bins: int = N_BINS
-) -> dict[str, float]:
-    """All METHODS §7 metrics of one set of logits.
-
-    Keys, x100 (percent): top1, top5, ece, aece, mce, oece, uece, classwise_ece.
-    Keys, raw: nll (nats), brier (in [0, 2]), n (sample count).
-    """
-    if logits.ndim != 2 or labels.shape != logits.shape[:1]:
+def _check_shapes(scores: torch.Tensor, labels: torch.Tensor) -> None:
+    if scores.ndim != 2 or labels.shape != scores.shape[:1]:
         raise ValueError(
-            f"need logits [N, C] and labels [N], got {tuple(logits.shape)}, {tuple(labels.shape)}"
+            f"need logits [N, C] and labels [N], got {tuple(scores.shape)}, {tuple(labels.shape)}"
         )
-    pct = {
-        "top1": topk_accuracy(logits, labels, 1),
-        "top5": topk_accuracy(logits, labels, 5),
-        "ece": ece(logits, labels, n_bins),
-        "aece": aece(logits, labels, n_bins),
-        "mce": mce(logits, labels, n_bins),
-        "oece": oece(logits, labels, n_bins),
-        "uece": uece(logits, labels, n_bins),
-        "classwise_ece": classwise_ece(logits, labels, n_bins),
+
+
+def probability_metrics(
+    p: torch.Tensor,
+    labels: torch.Tensor,
+    n_bins: int = N_BINS,
+    keys: tuple[str, ...] = METRIC_KEYS,
+) -> dict[str, float]:
+    """The metrics `keys` (default: all of docs/evaluate.md) of probabilities p [N, C] (rows
+    summing to 1), in the order of METRIC_KEYS.
+
+    Keys, x100 (percent): PERCENT_KEYS (top1, top5, ece, aece, mce, oece, uece, classwise_ece,
+    smece, debiased_ece, l2_ece, classwise_l2_ece, aurc, augrc, risk_at_80).
+    Keys, raw: nll (nats, `nll_of_probs`), brier (in [0, 2]), n (sample count).
+    """
+    _check_shapes(p, labels)
+    p = p.detach().to("cpu", torch.float64)
+    y = labels.detach().cpu().long()
+    conf, correct = _conf_correct(p, y)
+
+    def binned(reduce: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> float:
+        w, acc, mean_conf = _bin_gaps(conf, correct, _equal_width_inner_edges(n_bins))
+        return float(reduce(w, acc - mean_conf))  # gap = acc - conf per bin
+
+    metric: dict[str, Callable[[], float]] = {
+        "top1": lambda: topk_accuracy(p, y, 1),
+        "top5": lambda: topk_accuracy(p, y, 5),
+        "ece": lambda: binned(lambda w, gap: (w * gap.abs()).sum()),
+        "aece": lambda: _aece(p, y, n_bins),
+        "mce": lambda: binned(lambda w, gap: gap.abs()[w > 0].max()),
+        "oece": lambda: binned(lambda w, gap: (w * (-gap).clamp_min(0)).sum()),
+        "uece": lambda: binned(lambda w, gap: (w * gap.clamp_min(0)).sum()),
+        "classwise_ece": lambda: _classwise_ece(p, y, n_bins),
+        "smece": lambda: smooth_ece(conf, correct),
+        "debiased_ece": lambda: float(_squared_ce(conf, correct, n_bins, True).clamp_min(0).sqrt()),
+        "l2_ece": lambda: float(_squared_ce(conf, correct, n_bins, False).sqrt()),
+        "classwise_l2_ece": lambda: _classwise_l2_ce(p, y, n_bins, False),
+        "aurc": lambda: aurc(conf, correct),
+        "augrc": lambda: augrc(conf, correct),
+        "risk_at_80": lambda: risk_at_coverage(conf, correct, 0.8),
+        "nll": lambda: nll_of_probs(p, y),
+        "brier": lambda: _brier(p, y),
+        "n": lambda: float(y.numel()),
     }
-    out = {k: 100.0 * v for k, v in pct.items()}
-    out.update(nll=nll(logits, labels), brier=brier(logits, labels), n=float(labels.numel()))
-    return out
+    unknown = set(keys) - set(metric)
+    if unknown:
+        raise ValueError(f"unknown metric(s) {sorted(unknown)}; choose from {METRIC_KEYS}")
+    return {
+        k: (100.0 if k in PERCENT_KEYS else 1.0) * metric[k]() for k in METRIC_KEYS if k in keys
+    }
+
+
+def calibration_metrics(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    n_bins: int = N_BINS,
+    keys: tuple[str, ...] = METRIC_KEYS,
+) -> dict[str, float]:
+    """`probability_metrics` of softmax(logits), with top-1/top-5 ranked by the logits and the
+    NLL exact from them (F.cross_entropy, no floor)."""
+    _check_shapes(logits, labels)
+    out = probability_metrics(_probs(logits), labels, n_bins, keys)
+    exact = {
+        "top1": lambda: 100.0 * topk_accuracy(logits, labels, 1),
+        "top5": lambda: 100.0 * topk_accuracy(logits, labels, 5),
+        "nll": lambda: nll(logits, labels),
+    }
+    return out | {k: f() for k, f in exact.items() if k in out}
 
 
 def reliability_bins(
@@ -245,46 +370,6 @@ def temperature_on_edge(t: float, criterion: str) -> bool:
     """A T on the edge of its search range means the fit is degenerate (METHODS §7)."""
     low, high = NLL_T_RANGE if criterion == "nll" else (min(temperature_grid()), 10.0)
     return t <= low * (1 + 1e-6) or t >= high * (1 - 1e-6)
-
-
-def auroc(pos_scores: torch.Tensor, neg_scores: torch.Tensor) -> float:
-    """P(score_pos > score_neg) + ½·P(tie), by the Mann-Whitney rank sum with mid-ranks."""
-    pos = pos_scores.detach().to("cpu", torch.float64).flatten()
-    neg = neg_scores.detach().to("cpu", torch.float64).flatten()
-    if pos.numel() == 0 or neg.numel() == 0:
-        raise ValueError("auroc needs at least one positive and one negative score")
-    both = torch.cat([pos, neg])
-    _, inverse, counts = torch.unique(both, sorted=True, return_inverse=True, return_counts=True)
-    start = torch.cumsum(counts, 0) - counts  # tied values share the mean of their 1-based ranks
-    mid_rank = start.to(torch.float64) + (counts.to(torch.float64) + 1) / 2
-    rank_sum = mid_rank[inverse[: pos.numel()]].sum()
-    n_p, n_n = pos.numel(), neg.numel()
-    return float((rank_sum - n_p * (n_p + 1) / 2) / (n_p * n_n))
-
-
-def fpr_at_tpr(pos_scores: torch.Tensor, neg_scores: torch.Tensor, tpr: float = 0.95) -> float:
-    """Fraction of negatives scoring >= t, for the highest threshold t that keeps >= `tpr` of the
-    positives (score >= t): the lowest FPR reachable at that TPR."""
-    pos = pos_scores.detach().to("cpu", torch.float64).flatten().sort(descending=True).values
-    neg = neg_scores.detach().to("cpu", torch.float64).flatten()
-    k = max(1, math.ceil(tpr * pos.numel() - 1e-9))  # positives that must stay above t
-    return float((neg >= pos[k - 1]).to(torch.float64).mean())
-
-
-def ood_scores(id_logits: torch.Tensor, ood_logits: torch.Tensor) -> dict[str, float]:
-    """OOD detection with in-distribution as the positive class (METHODS §7), all x100:
-    msp_auroc, msp_fpr95 (FPR at 95 % ID TPR, MSP score), entropy_auroc (score = -entropy)."""
-    p_id, p_ood = _probs(id_logits), _probs(ood_logits)
-    msp_id, msp_ood = p_id.max(dim=1).values, p_ood.max(dim=1).values
-
-    def neg_entropy(p: torch.Tensor) -> torch.Tensor:
-        return (p * p.clamp_min(1e-300).log()).sum(dim=1)
-
-    return {
-        "msp_auroc": 100.0 * auroc(msp_id, msp_ood),
-        "msp_fpr95": 100.0 * fpr_at_tpr(msp_id, msp_ood, 0.95),
-        "entropy_auroc": 100.0 * auroc(neg_entropy(p_id), neg_entropy(p_ood)),
-    }
 
 
 def ensemble_logits(members: list[torch.Tensor]) -> torch.Tensor:

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from core.config import ConfigError, StageConfig, describe_fields, parse_sets
+from core.config import ConfigError, StageConfig, describe_fields, every_field, parse_sets
 from core.logs import log
 from pipeline.registry import STAGES, check_out, config_module, resolve_stage_config, run_stage
 
@@ -231,9 +231,9 @@ def chain_configs(preset: str, sets: Sequence[str]) -> list[dict[str, Any]]:
     return [
         {
             "stage": stage,
-            "config": resolve_stage_config(
-                stage, preset, [*extra, *split_sets(sets, stage)]
-            ).to_dict(),
+            "config": every_field(
+                resolve_stage_config(stage, preset, [*extra, *split_sets(sets, stage)])
+            ),
         }
         for stage, extra in steps
     ]

@@ -18,19 +18,23 @@ import errno
 import importlib
 import json
 import os
+import re
 import sys
 import traceback
 from collections.abc import Sequence
+from typing import NoReturn
 
 from safetensors import SafetensorError
 
-from core.config import PRESET_NAMES, ConfigError
-from core.logs import setup_logging
+from core.config import DEFAULT_PRESET, PRESET_NAMES, ConfigError, did_you_mean, every_field
+from core.logs import log, setup_logging
 from pipeline.registry import STAGES, describe_stage, resolve_stage_config, run_stage
+from pipeline.usage import COMMANDS, help_text, overview
 
-# whole chains, run stage after stage in one process: command -> its module, which has
-# `fields_text(preset)` and `resolved(preset, sets)` for --fields and --print-config
-COMMANDS = {"chain": "pipeline.chain", "demo": "pipeline.demo", "study": "pipeline.study"}
+# what `semix NAME` runs: a stage, or a command (COMMANDS: whole chains, stage after stage in
+# one process; each module has `fields_text(preset)` and `resolved(preset, sets)` for --fields
+# and --print-config)
+NAMES = (*STAGES, *COMMANDS)
 
 EXIT_CONFIG = 2  # bad command line or config: nothing was written
 EXIT_DATA = 1  # the stage refused its input or failed cleanly
@@ -40,15 +44,17 @@ EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as a shell reports it
 REPORT = "this is a bug in semix: please report it with the traceback above"
 INTERRUPTED = "interrupted; completed work is kept, rerun the same command to resume"
 KEPT = "completed work is kept"
+# another out= is another command, which starts over: say so, not "rerun the same command"
+ELSEWHERE = "(or set out= to {where} and start over there)"
 
 # errno -> what the user can do about it; the message names the path
 OS_HINTS = {
-    errno.ENOSPC: f"the disk is full; {KEPT}: free space (or set out= to another disk) and "
-    "rerun the same command to resume",
+    errno.ENOSPC: f"the disk is full; {KEPT}: free space and rerun the same command to resume "
+    + ELSEWHERE.format(where="another disk"),
     errno.EDQUOT: f"the disk quota is exhausted (the disk is full for this user); {KEPT}: free "
-    "space (or set out= elsewhere) and rerun the same command to resume",
-    errno.EROFS: f"the storage is read-only; {KEPT}: restore write access (or set out= to a "
-    "writable folder) and rerun the same command to resume",
+    "space and rerun the same command to resume " + ELSEWHERE.format(where="another disk"),
+    errno.EROFS: f"the storage is read-only; {KEPT}: restore write access and rerun the same "
+    "command to resume " + ELSEWHERE.format(where="a writable folder"),
     errno.EACCES: "permission denied: check the file's permissions or set out= elsewhere",
     errno.EPERM: "operation not permitted: check permissions or set out= elsewhere",
     errno.ENOTDIR: "a part of this path is a file, not a folder: check out= and the input paths",
@@ -82,24 +88,40 @@ def describe(command: str, preset: str, sets: Sequence[str], print_config: bool)
         if print_config:
             return json.dumps(module.resolved(preset, sets), indent=2)
         return module.fields_text(preset)
-    if print_config:
-        return json.dumps(resolve_stage_config(command, preset, sets).to_dict(), indent=2)
+    if print_config:  # every field, as --fields lists them (a stage's to_dict may skip some)
+        return json.dumps(every_field(resolve_stage_config(command, preset, sets)), indent=2)
     return describe_stage(command, preset)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line like every other semix error (not the usage block
+    and a second line), and a guess for a misspelt option."""
+
+    def error(self, message: str) -> NoReturn:
+        wrong = re.search(r"unrecognized arguments: (-\S+)", message)
+        options = [o for action in self._actions for o in action.option_strings]
+        guess = did_you_mean(wrong.group(1), options) if wrong else ""
+        print(f"semix: error: {message}; {guess}semix --help lists the options", file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="semix",
-        description="Calibration-aware semantic mixing: data that teaches classifiers when to be unsure.",
+        description="Calibration-aware semantic mixing: data that teaches classifiers when to be "
+        "unsure.",
+        usage="semix STAGE [--preset NAME] [--set KEY=VALUE ...] [--fields | --print-config | "
+        "--help]",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=False,  # --help is ours: `semix <stage> --help` describes that stage
     )
+    # not argparse's choices: its error is two lines without a guess (check_name has one)
+    parser.add_argument("stage", nargs="?", metavar="STAGE", help=f"one of: {', '.join(NAMES)}")
     parser.add_argument(
-        "stage",
-        choices=[*STAGES, *COMMANDS],
-        metavar="STAGE",
-        help=f"one of: {', '.join([*STAGES, *COMMANDS])}",
-    )
-    parser.add_argument(
-        "--preset", default="digits", help=f"{', '.join(PRESET_NAMES)}, or a classes .txt file"
+        "--preset",
+        metavar="NAME",
+        default=None,  # None: not given, which the log says (DEFAULT_PRESET is used)
+        help=f"{', '.join(PRESET_NAMES)}, or a classes .txt file (default: {DEFAULT_PRESET})",
     )
     parser.add_argument(
         "--set",
@@ -119,42 +141,79 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--print-config",
         action="store_true",
-        help="print the resolved config and exit: runs nothing",
+        help="print the resolved config (every field) and exit: runs nothing",
+    )
+    parser.add_argument(
+        "-h",
+        "--help",
+        action="store_true",
+        help="show this help; `semix STAGE --help`: the stage's fields, presets and examples",
     )
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    sets = [s for s in args.sets if s]  # Makefile variables expand to empty strings
+def check_name(name: str | None) -> None:
+    if name is None:
+        raise ConfigError("name a stage or command; semix --help lists them")
+    if name not in NAMES:
+        raise ConfigError(
+            f"unknown stage or command {name!r}; {did_you_mean(name, NAMES)}choose one of: "
+            f"{', '.join(NAMES)}"
+        )
+
+
+def show(text: str) -> int:
+    """Print `text` (exit 0). A reader that has gone (`semix train --fields | head -1`) ends
+    it quietly: what it read is all it wanted."""
     try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # stdout to /dev/null: the interpreter's last flush at exit would hit the pipe again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    preset = args.preset or DEFAULT_PRESET
+    sets = [s for s in args.sets if s]  # Makefile variables expand to empty strings
+    is_main = os.environ.get("RANK", "0") == "0"  # under a launcher: global rank 0
+    who = f"semix {args.stage}" if args.stage in NAMES else "semix"  # how its lines start
+    try:
+        if args.help and args.stage is None:
+            parser.epilog = overview()
+            return show(parser.format_help().rstrip())
+        check_name(args.stage)
+        if args.help:
+            return show(help_text(args.stage, preset))
         if args.fields or args.print_config:  # on every command: describe, never start work
-            print(describe(args.stage, args.preset, sets, print_config=not args.fields))
-            return 0
-        setup_logging(is_main=os.environ.get("RANK", "0") == "0")
+            return show(describe(args.stage, preset, sets, print_config=not args.fields))
+        setup_logging(is_main=is_main)
+        if args.preset is None:
+            log.info("no --preset: using %s", DEFAULT_PRESET)
         if args.stage in COMMANDS:
-            run_command(args.stage, args.preset, sets)
+            run_command(args.stage, preset, sets)
             return 0
-        out = run_stage(args.stage, args.preset, sets)
-        print(f"semix {args.stage}: done -> {out}")
-        return 0
+        out = run_stage(args.stage, preset, sets)
+        return show(f"semix {args.stage}: done -> {out}") if is_main else 0  # one line per run
     except KeyboardInterrupt:  # Ctrl-C anywhere: nothing is marked complete before its end
         if os.environ.get("SEMIX_DEBUG") == "1":
             raise
-        if os.environ.get("RANK", "0") == "0":  # every rank got it; one line says it
-            print(f"semix {args.stage}: {INTERRUPTED}", file=sys.stderr)
+        if is_main:  # every rank got it; one line says it
+            print(f"{who}: {INTERRUPTED}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except ConfigError as e:
-        return _fail(args.stage, str(e), EXIT_CONFIG, e)
+        return _fail(who, str(e), EXIT_CONFIG, e)
     except OSError as e:  # I/O: full disk, read-only media, a file where a folder should be, ...
-        return _fail(args.stage, describe_os_error(e), EXIT_DATA, e)
+        return _fail(who, describe_os_error(e), EXIT_DATA, e)
     except ValueError as e:  # bad or corrupt input (ShardError and the stages' own errors)
-        return _fail(args.stage, str(e), EXIT_DATA, e)
+        return _fail(who, str(e), EXIT_DATA, e)
     except SafetensorError as e:  # the readers name the file; this is the last resort
-        return _fail(args.stage, f"a weights file is not valid safetensors ({e})", EXIT_DATA, e)
+        return _fail(who, f"a weights file is not valid safetensors ({e})", EXIT_DATA, e)
     except Exception:
         traceback.print_exc()
-        print(f"semix {args.stage}: internal error: {REPORT}", file=sys.stderr)
+        print(f"{who}: internal error: {REPORT}", file=sys.stderr)
         return EXIT_BUG
 
 
@@ -170,9 +229,10 @@ def describe_os_error(e: OSError) -> str:
     return f"{what}{path}" + (f"; {hint}" if hint else "")
 
 
-def _fail(stage: str, message: str, code: int, error: Exception) -> int:
+def _fail(who: str, message: str, code: int, error: Exception) -> int:
+    """One line, `semix <stage>: error: ...` (`semix: error: ...` before a stage is known)."""
     if os.environ.get("SEMIX_DEBUG") == "1":
         raise error
     message = message.strip().splitlines()[0] if message.strip() else type(error).__name__
-    print(f"semix {stage}: error: {message}", file=sys.stderr)
+    print(f"{who}: error: {message}", file=sys.stderr)
     return code

@@ -31,10 +31,12 @@ STAGES = {
     "publish": "publish",
     "pull": "pull",
     "convert-edm": "convert_edm",
+    "shift": "shift",
+    "ood": "ood",
 }
 
 # stages with one writer and no rank split: under a launcher they run on global rank 0 only
-MAIN_ONLY = ("prepare", "publish", "pull", "convert-edm")
+MAIN_ONLY = ("prepare", "publish", "pull", "convert-edm", "shift", "ood")
 
 
 def _import(stage: str, package: str):

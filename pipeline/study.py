@@ -35,6 +35,7 @@ from core.config import describe_fields, parse_sets
 from core.io import atomic_write_json, read_json
 from core.logs import log, progress
 from core.runtime import derive_seed
+from pipeline import study_shift
 from pipeline.chain import chain_fields, scoped_errors, split_sets
 from pipeline.registry import resolve_stage_config
 from pipeline.study_config import (
@@ -47,12 +48,11 @@ from pipeline.study_config import (
     comparison_pairs,
     run_name,
 )
-from pipeline.study_kway import kway_comparison, prepare_kway, prepare_redraw, variant_root
+from pipeline.study_kway import mixed_images, prepare_kway, prepare_redraw, variant_root
 from pipeline.study_report import figures, write_report
 from pipeline.study_stats import (
     MARGINS,
     Predictions,
-    bootstrap_difference,
     compare,
     summarize,
 )
@@ -111,6 +111,13 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
     train_sets, ft_sets = split_sets(sets, "train"), split_sets(sets, "finetune")
     tuned = tuning_tasks(cfg, root, sets) if cfg.tune else {}
     eval_sets = [*split_sets(sets, "evaluate"), f"ts_criterion={cfg.ts_criterion}"]
+    robust: set[str] = set()  # the tasks every evaluation waits for: the shift and OOD sets
+    if cfg.robustness:
+        after = {"chain"} if needs_chain else set()
+        extra, reads = study_shift.robustness_tasks(root, preset, after, chain_sets)
+        tasks += extra
+        eval_sets += reads
+        robust = {t.name for t in extra}
     # method by method (all its seeds), in the order given; a variant's chain and a tuning
     # grid join the list just before the first method that needs them. Tasks start in list
     # order once what they need is done, so the methods given first are done first.
@@ -132,16 +139,19 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
                 make = ("finetune", [*ft_sets, *m.sets, f"run={base}", f"seed={seed}"])
             stage_dir = "train" if m.stage == "train" else "finetune"
             evaluate = ("evaluate", [*eval_sets, f"run={name}", f"stage_dir={stage_dir}"])
-            after = {"chain"} if m.needs_mixed else set()
+            after = ({"chain"} if m.needs_mixed else set()) | robust
             if m.variant:
-                after = {f"chain-{m.variant}"}
+                after = {f"chain-{m.variant}"} | robust
             if m.base:
                 after.add(run_name(m.base, seed))
             prepare = None
             if cfg.tune and chosen_groups(method):  # its hyper-parameters as chosen on val
                 after |= {t.name for g in plan_groups(method) for t in tuned[g]}
                 prepare = functools.partial(chosen_sets, root, tuned, chosen_groups(method))
-            done = _evaluated(evals.eval_dir(root, stage_dir, name), cfg.ts_criterion)
+            folder = evals.eval_dir(root, stage_dir, name)
+            done = _evaluated(folder, cfg.ts_criterion) and (
+                not cfg.robustness or study_shift.read_them(folder, preset)
+            )
             tasks.append(Task(name, [make, evaluate], after, done, prepare, extra_step=0))
     return tasks
 
@@ -232,6 +242,7 @@ def collect(cfg: StudyConfig, root: Path) -> list[dict[str, Any]]:
                     "temperature_on_edge": ev["temperature_on_edge"],
                     "before_ts": {k: ev["before_ts"][k] for k in METRICS},
                     "after_ts": {k: ev["after_ts"][k] for k in METRICS},
+                    **(study_shift.record(ev) if cfg.robustness else {}),
                 }
             )
     return records
@@ -285,6 +296,11 @@ def pair_rng(*key: str) -> np.random.Generator:
     return np.random.default_rng(derive_seed(0, "study-paired", *key))
 
 
+def shift_rng(*key: str) -> np.random.Generator:
+    """The generator of one comparison under shift: (when, metric, method, reference)."""
+    return np.random.default_rng(derive_seed(0, "study-shift", *key))
+
+
 def run_study(preset: str, sets: Sequence[str]) -> Path:
     # 0. The study's config, the run root, and the plan, every run's config resolved.
     cfg, root, tasks = setup(preset, sets)
@@ -301,7 +317,6 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
     records = collect(cfg, root)
     budget = check_budget(records)
     summary = summarize(records, METRICS)
-    preds: dict[str, dict[str, list[Predictions]]] = {"before_ts": {}, "after_ts": {}}
     by_seed: dict[str, dict[str, dict[int, Predictions]]] = {"before_ts": {}, "after_ts": {}}
     for r in records:
         path = root / evals.EVAL / r["run"] / evals.PREDICTIONS  # r["run"] = <stage>/<run>
@@ -309,14 +324,7 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
             logits, labels = z["logits"], z["labels"]
         for when, t in (("before_ts", 1.0), ("after_ts", r["temperature"])):
             p = Predictions.from_logits(logits, labels, t)
-            preds[when].setdefault(r["method"], []).append(p)
             by_seed[when].setdefault(r["method"], {})[r["seed"]] = p
-    rng = np.random.default_rng(derive_seed(0, "study-bootstrap"))
-    boot = {when: bootstrap_difference(p, "ce", cfg.bootstrap, rng) for when, p in preds.items()}
-    boot_nll = {
-        when: bootstrap_difference(p, "ce", cfg.bootstrap, rng, metric="nll")
-        for when, p in preds.items()
-    }
     # paired by seed and test image, BCa intervals, verdicts against the margins fixed in
     # pipeline/study_stats.py (MARGINS) before any run
     pairs = comparison_pairs(cfg.methods)
@@ -324,9 +332,13 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
         when: compare(p, pairs, cfg.bootstrap, functools.partial(pair_rng, when))
         for when, p in by_seed.items()
     }
+    shift = None
+    if cfg.robustness:
+        wanted = study_shift.comparisons(cfg.methods)
+        shift = study_shift.shift_paired(root, records, wanted, cfg.bootstrap, shift_rng)
     tuning = tuning_report(cfg, root, sets) if cfg.tune else {}
-    variants = {m: METHODS[m].variant for m in cfg.methods if METHODS[m].variant}
-    kway = kway_comparison(root, variants, preds, cfg.bootstrap, rng)
+    variants = sorted({METHODS[m].variant for m in cfg.methods if METHODS[m].variant})
+    images = mixed_images(root, variants) if variants else None
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(
         out / "study.json",
@@ -336,12 +348,11 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
             "config": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.__dict__.items()},
             "records": records,
             "summary": summary,
-            "ece_difference_to_ce": boot,
-            "nll_difference_to_ce": boot_nll,
             "paired": paired,
             "margins": MARGINS,
             "tuning": tuning,
-            "kway": kway,
+            "mixed_images": images,
+            "shift_paired": shift,
         },
     )
     # what this machine took, apart: study.json is the same bytes wherever the study ran
@@ -352,10 +363,10 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
             "wall_seconds_this_invocation": round(time.perf_counter() - t0, 1),
         },
     )
-    figures(cfg, root, out, preds["before_ts"], summary)
-    report = write_report(
-        cfg, root, out, records, summary, boot, kway, boot_nll, tuning, paired=paired
-    )
+    figures(cfg, root, out, {m: list(p.values()) for m, p in by_seed["before_ts"].items()}, summary)
+    report = write_report(cfg, root, out, records, summary, paired, tuning, images, shift)
+    if shift is not None:
+        study_shift.figure(records, out / "shift.png", f"{root.name}: under corruption, after TS")
     return report
 
 

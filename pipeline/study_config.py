@@ -81,6 +81,9 @@ class StudyConfig:
     # every method's own hyper-parameters chosen on val, each from a grid of the same size
     # (pipeline/study_tune.py GRIDS: a run per point, one more per edge choice); off: the presets'
     tune: bool = True
+    # every run also evaluated under shift (the corrupted test split) and on far-OOD sets, the
+    # comparisons paired as in the main table (pipeline/study_shift.py); off: the clean test only
+    robustness: bool = True
 
     def __post_init__(self):
         unknown = [m for m in self.methods if m not in METHODS]

@@ -10,19 +10,18 @@ from __future__ import annotations
 import math
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
-
-import numpy as np
 
 from core.logs import log
 from models.simplex import num_lattice_points
-from pipeline.study_stats import bootstrap_difference
 from shards.manifest import read_manifest
 
 KWAY_LATTICE = 4  # m of the study's k-way sets: 15 images per 3-class series
-# what a variant chain shares with csm's (train/judge: the chains that train a fidelity judge)
-KWAY_UPSTREAM = ("real", "generator", "train/encoder", "train/judge")
+# what a variant chain shares with csm's: every run its chain trains before generate (the
+# encoder, and the report-only fidelity judges of the chains that have them), so a variant
+# chain trains nothing again
+KWAY_UPSTREAM = ("real", "generator", "train/encoder", "train/judge", "train/judge-noflip")
 
 
 def variant_root(root: Path, variant: str) -> Path:
@@ -88,22 +87,9 @@ def prepare_kway(root: Path, k: int) -> list[str]:
     ]
 
 
-def kway_comparison(
-    root: Path, methods: dict[str, str], preds: dict, n: int, rng: np.random.Generator
-) -> dict[str, Any] | None:
-    """The methods trained on another mixed set (`methods`: study method -> its variant, e.g.
-    csm3 -> k3, csm-redraw -> redraw) against csm: the bootstrap of the ECE difference, and
-    the number of generated images each was given."""
-    if not methods:
-        return None
-    folders = [
-        root / "mixed",
-        *(variant_root(root, v) / "mixed" for v in sorted(set(methods.values()))),
-    ]
-    names = ["csm", *methods]
-    result: dict[str, Any] = {
-        "images": {f"{f.parent.name}/mixed": read_manifest(f).num_samples for f in folders}
-    }
-    for when, p in preds.items():
-        result[when] = bootstrap_difference({m: p[m] for m in names}, "csm", n, rng)
-    return result
+def mixed_images(root: Path, variants: Sequence[str]) -> dict[str, int]:
+    """{"<root>/mixed": generated images, "<root>-<variant>/mixed": ...}: what csm and each other
+    mixed set's method were given (the paired comparisons against csm are in study.json's
+    `paired`)."""
+    folders = [root / "mixed", *(variant_root(root, v) / "mixed" for v in variants)]
+    return {f"{f.parent.name}/mixed": read_manifest(f).num_samples for f in folders}

@@ -34,14 +34,9 @@ def _paired_result(paired: dict | None, when: str, metric: str, method: str, ref
     return (paired or {}).get(when, {}).get(metric, {}).get(reference, {}).get(method)
 
 
-def _no_worse(label: str, b: dict, r: dict | None, digits: int = 2) -> tuple[str, bool]:
-    """A "no worse" goal: with the paired comparison `r`, its verdict (the upper end of its
-    interval below the margin fixed in pipeline.study_stats.MARGINS); without, the bootstrap `b`
-    and the older rule that its interval reaches 0."""
-    if r is None:
-        return f"{label} interval {_ci(b, digits)} (goal: no worse, the interval reaches 0)", (
-            b["ci95"][0] <= 0
-        )
+def _no_worse(label: str, r: dict, digits: int = 2) -> tuple[str, bool]:
+    """A "not worse" goal: the verdict of the paired comparison `r`, the upper end of its
+    interval below the margin fixed in pipeline.study_stats.MARGINS."""
     return (
         f"{label} {r['interval']} interval {_ci(r, digits)} (goal: not worse, the upper end "
         f"below the margin {r['margin']:g}): {r['verdict']}",
@@ -49,49 +44,33 @@ def _no_worse(label: str, b: dict, r: dict | None, digits: int = 2) -> tuple[str
     )
 
 
-def _goal(
-    summary: dict, boot: dict, boot_nll: dict | None, kway: dict | None, paired: dict | None = None
-) -> list[str]:
-    """The study's goals for csm, each with its verdict. "No worse" after TS: see _no_worse;
-    with `paired`, the before-TS interval is the paired one too."""
+def _goal(summary: dict, paired: dict) -> list[str]:
+    """The study's goals for csm, each with its verdict from the paired comparisons."""
     ce, csm = summary["ce"], summary["csm"]
-    b = _paired_result(paired, "before_ts", "ece", "csm", "ce") or boot["before_ts"]["csm"]
+    b = _paired_result(paired, "before_ts", "ece", "csm", "ce")
     d_acc = csm["before_ts.top1"]["mean"] - ce["before_ts.top1"]["mean"]
     checks = [
         (
             f"ECE {_pm(csm['before_ts.ece'])} vs ce {_pm(ce['before_ts.ece'])}: "
             f"{abs(100 * b['relative']):.0f} % {'lower' if b['relative'] < 0 else 'higher'}, "
-            f"ΔECE interval {_ci(b)} (goal: >= 30 % lower, interval below 0)",
+            f"ΔECE {b['interval']} interval {_ci(b)} (goal: >= 30 % lower, interval below 0)",
             -b["relative"] >= 0.3 and b["ci95"][1] < 0,
         ),
         (f"top-1 {d_acc:+.2f} points (goal >= -0.5)", d_acc >= -0.5),
-    ]
-    checks.append(
         _no_worse(
             f"after TS, ECE {_pm(csm['after_ts.ece'])} vs ce + TS {_pm(ce['after_ts.ece'])}, ΔECE",
-            boot["after_ts"]["csm"],
             _paired_result(paired, "after_ts", "ece", "csm", "ce"),
-        )
-    )
-    if boot_nll:
-        checks.append(
-            _no_worse(
-                f"after TS, NLL {_pm(csm['after_ts.nll'], 4)} vs ce + TS "
-                f"{_pm(ce['after_ts.nll'], 4)}, ΔNLL",
-                boot_nll["after_ts"]["csm"],
-                _paired_result(paired, "after_ts", "nll", "csm", "ce"),
-                4,
-            )
-        )
-    if kway and "csm3" in kway["before_ts"]:
-        k = kway["before_ts"]["csm3"]
-        checks.append(
-            _no_worse(
-                f"csm3 - csm ΔECE {k['difference']:+.2f},",
-                k,
-                _paired_result(paired, "before_ts", "ece", "csm3", "csm"),
-            )
-        )
+        ),
+        _no_worse(
+            f"after TS, NLL {_pm(csm['after_ts.nll'], 4)} vs ce + TS "
+            f"{_pm(ce['after_ts.nll'], 4)}, ΔNLL",
+            _paired_result(paired, "after_ts", "nll", "csm", "ce"),
+            4,
+        ),
+    ]
+    k = _paired_result(paired, "before_ts", "ece", "csm3", "csm")
+    if k:
+        checks.append(_no_worse(f"csm3 - csm ΔECE {k['difference']:+.2f},", k))
     lines = ["## The goals (csm vs ce)", ""]
     lines += [f"- {text}: **{'yes' if ok else 'no'}**" for text, ok in checks]
     reached = all(ok for _, ok in checks)
@@ -167,26 +146,68 @@ def _tuning(tuning: dict) -> list[str]:
     return [*lines, ""]
 
 
+def _differences(
+    summary: dict,
+    paired: dict,
+    reference: str,
+    title: str,
+    note: str = "",
+    methods: list[str] | None = None,
+) -> list[str]:
+    """Each method's ECE (before and after TS) and NLL (after TS) minus the reference's, with the
+    paired BCa interval; a negative difference: better calibrated than the reference."""
+    rows = []
+    for method in methods if methods is not None else [m for m in summary if m != reference]:
+        cells = []
+        for when, metric, digits in (
+            ("before_ts", "ece", 2), ("after_ts", "ece", 2), ("after_ts", "nll", 4)
+        ):  # fmt: skip
+            r = _paired_result(paired, when, metric, method, reference)
+            if r is None:
+                break
+            cells.append(f"{r['difference']:+.{digits}f} {_ci(r, digits)}")
+            if (when, metric) == ("before_ts", "ece"):
+                rel = r["relative"]
+                cells.append("–" if rel is None else f"{100 * rel:+.0f} %")
+        else:
+            rows.append(
+                f"| {method} | {_pm(summary[method]['before_ts.top1'])} | "
+                + " | ".join(cells)
+                + " |"
+            )
+    if not rows:
+        return []
+    return [
+        f"## {title} (x100 except NLL), paired 95 % interval",
+        "",
+        *([note, ""] if note else []),
+        "Method − reference, paired by seed and test image (the intervals of the table below).",
+        "",
+        "| method | top-1 | ΔECE before TS | relative | ΔECE after TS | ΔNLL after TS |",
+        "|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
+
+
 def write_report(
     cfg: StudyConfig,
     root: Path,
     out: Path,
     records: list,
     summary: dict,
-    boot: dict,
-    kway: dict | None = None,
-    boot_nll: dict | None = None,
+    paired: dict,
     tuning: dict | None = None,
-    paired: dict | None = None,
+    images: dict | None = None,
+    shift: dict | None = None,
 ) -> Path:
     """study/report.md: the tables a reader needs to judge every method against ce.
 
-    `boot` / `boot_nll`: {"before_ts"/"after_ts": {method: bootstrap of its ECE / NLL minus
-    ce's}}. `kway`: {"images": {mixed folder: generated images}, "before_ts"/"after_ts": the
-    bootstrap of each other mixed set's method against csm}. `tuning`: {group: the val grid and
-    its choice} (pipeline/study_tune.py). `paired`: {"before_ts"/"after_ts":
-    pipeline.study_stats.compare(...)}, the seed- and image-paired comparisons with their
-    non-inferiority verdicts; the goals use them where they hold the comparison."""
+    `paired`: {"before_ts"/"after_ts": pipeline.study_stats.compare(...)}, the seed- and
+    image-paired comparisons with their non-inferiority verdicts. `tuning`: {group: the val grid
+    and its choice} (pipeline/study_tune.py). `images`: {mixed folder: generated images} when
+    the study has methods on other mixed sets than csm's. `shift`: the paired comparisons
+    under shift (pipeline/study_shift.py); with it, the records carry `shift` and `ood`."""
     others = cfg.seeds[: cfg.other_seeds]
     lines = [
         f"# Study: {root.name}",
@@ -217,57 +238,28 @@ def write_report(
                 cells.append(_pm(stats["temperature"], 2))
             lines.append(f"| {method} | " + " | ".join(cells) + " |")
         lines.append("")
-    lines += [
-        "## ECE difference to ce (x100), bootstrap 95 % interval",
-        "",
-        f"{cfg.bootstrap} resamples of the test images (paired across runs) and of the seeds "
-        "(per method); the difference of mean-over-seeds ECE. An interval below 0 means the "
-        "method is better calibrated than ce beyond test-set and seed noise.",
-        "",
-        "| method | ΔECE before TS | 95 % interval | relative | ΔECE after TS | 95 % interval |"
-        + (" ΔNLL after TS | 95 % interval |" if boot_nll else ""),
-        "|---|---|---|---|---|---|" + ("---|---|" if boot_nll else ""),
-    ]
-    for method in summary:
-        if method == "ce":
-            continue
-        b, a = boot["before_ts"][method], boot["after_ts"][method]
-        row = (
-            f"| {method} | {b['difference']:+.2f} | {_ci(b)} | {100 * b['relative']:+.0f} % | "
-            f"{a['difference']:+.2f} | {_ci(a)} |"
-        )
-        if boot_nll:
-            n = boot_nll["after_ts"][method]
-            row += f" {n['difference']:+.4f} | {_ci(n, 4)} |"
-        lines.append(row)
-    lines.append("")
+    lines += _differences(summary, paired, "ce", "Difference to ce")
     if "csm" in summary:
-        lines += _goal(summary, boot, boot_nll, kway, paired)
-    if paired:
-        lines += _paired(paired)
+        lines += _goal(summary, paired)
+    lines += _paired(paired)
     if tuning:
         lines += _tuning(tuning)
-    if kway:
-        lines += [
-            "## Other mixed sets vs csm (x100), bootstrap 95 % interval",
-            "",
+    if images:
+        others = [m for m in summary if _paired_result(paired, "before_ts", "ece", m, "csm")]
+        lines += _differences(
+            summary,
+            paired,
+            "csm",
+            "Other mixed sets vs csm",
             "csm<k>: k-way series given csm's image budget; csm-redraw: csm's plan with the "
             "series whose pure images the encoder rejects redrawn. Generated images per mixed "
-            "set: "
-            + ", ".join(f"`{k}` {v}" for k, v in kway["images"].items())
-            + ". A negative difference: the method is better calibrated than csm.",
-            "",
-            "| method | top-1 | ΔECE before TS | 95 % interval | ΔECE after TS | 95 % interval |",
-            "|---|---|---|---|---|---|",
-        ]
-        for method, b in kway["before_ts"].items():
-            a, s = kway["after_ts"][method], summary[method]
-            lines.append(
-                f"| {method} | {_pm(s['before_ts.top1'])} | {b['difference']:+.2f} | "
-                f"[{b['ci95'][0]:+.2f}, {b['ci95'][1]:+.2f}] | {a['difference']:+.2f} | "
-                f"[{a['ci95'][0]:+.2f}, {a['ci95'][1]:+.2f}] |"
-            )
-        lines.append("")
+            "set: " + ", ".join(f"`{k}` {v}" for k, v in images.items()) + ".",
+            methods=[m for m in others if m in ("csm3", "csm-redraw")],
+        )
+    if shift is not None:
+        from pipeline.study_shift import report_lines
+
+        lines += report_lines(records, shift)
     lines += [
         "## Every run",
         "",
@@ -280,7 +272,9 @@ def write_report(
             f"| {r['run']} | {r['seed']} | {r['before_ts']['top1']:.2f} | {r['before_ts']['ece']:.2f} | "
             f"{r['before_ts']['nll']:.4f} | {r['temperature']:.2f}{edge} | {r['after_ts']['ece']:.2f} |"
         )
-    lines += ["", "Figures: [reliability.png](reliability.png), [ece.png](ece.png).", ""]
+    figs = "[reliability.png](reliability.png), [ece.png](ece.png)"
+    figs += ", [shift.png](shift.png)" if shift is not None else ""
+    lines += ["", f"Figures: {figs}.", ""]
     path = out / "report.md"
     atomic_write_bytes(path, "\n".join(lines).encode())
     return path

@@ -109,47 +109,6 @@ def metric_value(p: Predictions, metric: str, idx: np.ndarray | None = None) -> 
     return SCALE[metric] * getattr(p, metric)(idx)
 
 
-def bootstrap_difference(
-    runs: dict[str, list[Predictions]],
-    reference: str,
-    n: int,
-    rng: np.random.Generator,
-    metric: str = "ece",
-) -> dict[str, dict[str, float]]:
-    """95 % percentile interval of mean-over-seeds metric(method) − metric(reference), in the
-    units of SCALE, for runs given as lists (no seed numbers).
-
-    Each resample draws the test images with replacement (the same images for every run:
-    paired) and, per method, the seeds with replacement, independently of the other methods'
-    seeds: unpaired by seed. `paired_bootstrap` pairs the seeds too.
-    """
-    check_metric(metric)
-    n_test = len(runs[reference][0].gap)
-    diffs: dict[str, list[float]] = {m: [] for m in runs if m != reference}
-    for _ in range(n):
-        idx = rng.integers(0, n_test, n_test)
-        means = {
-            m: np.mean(
-                [
-                    metric_value(preds[k], metric, idx)
-                    for k in rng.integers(0, len(preds), len(preds))
-                ]
-            )
-            for m, preds in runs.items()
-        }
-        for m in diffs:
-            diffs[m].append(means[m] - means[reference])
-    point = {m: np.mean([metric_value(p, metric) for p in preds]) for m, preds in runs.items()}
-    return {
-        m: {
-            "difference": point[m] - point[reference],
-            "relative": (point[m] - point[reference]) / point[reference],
-            "ci95": [float(np.percentile(d, 2.5)), float(np.percentile(d, 97.5))],
-        }
-        for m, d in diffs.items()
-    }
-
-
 def verdict(ci: Sequence[float], margin: float) -> str:
     """Non-inferiority verdict of method − reference from the interval ci = [lo, hi] of that
     difference (every metric here: lower is better) and a margin > 0 fixed in advance:

@@ -194,8 +194,23 @@ def ood_folder(path: str) -> Path:
     )
 
 
+def ood_folders(paths: tuple[str, ...]) -> dict[str, Path]:
+    """{set name: split folder} for evaluate's `ood=` paths: the name is the folder's own
+    (runs/<classes>/ood/<set>), or the root's for a real/ root or runs/<name>/ root."""
+    out: dict[str, Path] = {}
+    for path in paths:
+        folder = ood_folder(path)
+        name = folder.parent.parent.name if folder.parent.name == "real" else folder.name
+        if name in out:
+            raise ShardError(f"ood={','.join(paths)}: two OOD sets are named {name!r}")
+        out[name] = folder
+    return out
+
+
 def corruption_sets(path: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """CIFAR-C layout: {name: uint8 [5·N, H, W, 3] (memory-mapped)}, labels [N] or [5·N]."""
+    """CIFAR-C layout: {name: uint8 [5·N, H, W, 3] (memory-mapped)}, labels [N] or [5·N]. Grey
+    sets (MNIST-C's [5·N, H, W, 1], the shift stage's for grey datasets) come back as a
+    read-only 3-channel view of the same memory map (R = G = B), as prepared grey splits are."""
     folder = Path(path)
     if not (folder / "labels.npy").is_file():
         raise ShardError(f"corruptions={path}: no labels.npy (expected CIFAR-C layout)")
@@ -205,8 +220,18 @@ def corruption_sets(path: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
         if f.stem == "labels":
             continue
         arr = np.load(f, mmap_mode="r", allow_pickle=False)
-        if arr.ndim != 4 or arr.shape[-1] != 3 or arr.dtype != np.uint8 or arr.shape[0] % 5:
-            raise ShardError(f"{f}: expected uint8 [5*N, H, W, 3], got {arr.dtype} {arr.shape}")
+        if (
+            arr.ndim != 4
+            or arr.shape[-1] not in (1, 3)
+            or arr.dtype != np.uint8
+            or arr.shape[0] % 5
+        ):
+            raise ShardError(
+                f"{f}: expected uint8 [5*N, H, W, 3] (or grey [5*N, H, W, 1]), got "
+                f"{arr.dtype} {arr.shape}"
+            )
+        if arr.shape[-1] == 1:
+            arr = np.broadcast_to(arr, (*arr.shape[:3], 3))
         if len(labels) not in (arr.shape[0], arr.shape[0] // 5):
             raise ShardError(f"{f}: {arr.shape[0]} images but {len(labels)} labels")
         sets[f.stem] = arr

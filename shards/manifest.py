@@ -35,6 +35,8 @@ WRITTEN_BY = {
     "mixed": "annotate (or pull)",
     "generator": "fit-generator",
     "run": "train (or finetune)",
+    "corruptions": "shift",
+    "ood": "ood",
 }
 # a folder of a runs root (runs/<name>/...), by its name or its parent's -> the stage writing it
 FOLDER_STAGES = {
@@ -43,7 +45,13 @@ FOLDER_STAGES = {
     "generator": "fit-generator",
     "edm": "convert-edm",
 }
-PARENT_STAGES = {"real": "prepare", "train": "train", "finetune": "finetune"}
+PARENT_STAGES = {
+    "real": "prepare",
+    "train": "train",
+    "finetune": "finetune",
+    "shift": "shift",
+    "ood": "ood",
+}
 
 
 def _config_of(folder: Path) -> dict[str, Any]:
@@ -75,7 +83,9 @@ def remake_command(folder: Path) -> tuple[str, str] | None:
     """(stage, command line) that writes `folder`, for a folder where the stages put it in a runs
     root (runs/<name>/real/train, .../series, .../train/<run>, ...); None for any other folder.
     `--preset` is the root's name when that is a preset, else what prepare recorded in
-    real/config.json; `out=` and `name=` are set when they are not the defaults."""
+    real/config.json; `out=` and `name=` are set when they are not the defaults. None too when
+    the command would need a value nothing records (an unprepared root under another name, a
+    run never trained): every command a hint prints runs as printed."""
     folder = Path(folder)
     if folder.name in FOLDER_STAGES:
         stage, root = FOLDER_STAGES[folder.name], folder.parent
@@ -95,7 +105,10 @@ def remake_command(folder: Path) -> tuple[str, str] | None:
     own = {"source": "<edm.pkl>"} if stage == "convert-edm" else _run_sets(stage, folder)
     sets += [f"{k}={v}" for k, v in own.items()]
     argv = ["python", "-m", "pipeline", stage, "--preset", preset]
-    return stage, " ".join(map(_arg, [*argv, *(["--set", *sets] if sets else [])]))
+    command = " ".join(map(_arg, [*argv, *(["--set", *sets] if sets else [])]))
+    if "<" in command:  # a value only the user knows: words, never a command that fails
+        return None
+    return stage, command
 
 
 def rerun_hint(kind: str, folder: Path | None = None) -> str:
@@ -194,15 +207,26 @@ def write_manifest(folder: Path, manifest: Manifest) -> Path:
     return path
 
 
+def _make_hint(folder: Path) -> str:
+    """What makes a missing folder: the command when everything it needs is recorded, else the
+    stage in words (what only the user knows is never a <placeholder> that fails as printed)."""
+    remake = remake_command(folder)
+    if remake:
+        return f"run {remake[0]} first: `{remake[1]}`"
+    stage = FOLDER_STAGES.get(folder.name) or PARENT_STAGES.get(folder.parent.name)
+    if stage == "prepare":
+        root = folder.parent.parent
+        return f"run prepare first, with the preset this root is for and --set out={root.parent} name={root.name}"
+    return f"run {stage} first" if stage else "run the stage that writes it"
+
+
 def read_manifest(folder: Path) -> Manifest:
     """A complete folder's manifest, or one line saying what is wrong and what to do: the
     command that makes a missing or incomplete folder, or restoring / rebuilding a bad file."""
     folder = Path(folder)
     path = folder / MANIFEST
     if not folder.is_dir():
-        remake = remake_command(folder)
-        how = f"run {remake[0]} first: `{remake[1]}`" if remake else "run the stage that writes it"
-        raise ShardError(f"{folder} does not exist: {how}")
+        raise ShardError(f"{folder} does not exist: {_make_hint(folder)}")
     if not path.is_file():
         remake = remake_command(folder)
         how = f"rerun {remake[0]} to complete it: `{remake[1]}`" if remake else "rerun it"

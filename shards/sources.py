@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from core.runtime import hub_offline
+from core.hub import hub_offline
 from shards.manifest import ShardError
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from core.config import given_folder
 from core.io import atomic_write_bytes, atomic_write_json, read_json, sha256_file
 from core.logs import log, progress
 from core.runtime import Processes, code_version
@@ -58,7 +59,10 @@ INPUTS = "inputs.json"  # in .done/: what the completed shards were computed fro
 def check_inputs(cfg: Config) -> tuple[Path, Manifest, Path | None]:
     """(series folder, its manifest, real/train or None): refuse bad input early,
     on every rank alike, before anything is written."""
-    series = Path(cfg.series) if cfg.series else cfg.root / "series"
+    series = cfg.root / "series"
+    if cfg.series:
+        hint = f"point it at a complete series folder, or unset it for {series}"
+        series = given_folder("series", cfg.series, hint)
     series_m = read_manifest(series)
     if series_m.kind != "series":
         raise ShardError(f"{series} holds a '{series_m.kind}' folder, not generated series")

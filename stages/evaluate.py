@@ -5,12 +5,14 @@
     python -m pipeline evaluate --preset digits            # every complete user run, one by one
 
 A run is read from train/<run>/ or finetune/<run>/ (train first; `stage_dir` pins one) and is
-never written to. Metrics are METHODS §7 on real/test, before and after a temperature fitted on
-real/val (`ts_criterion`: the val-NLL minimiser by default, or the lowest val ECE on the grid
-0.1..10). Each evaluation is a folder of its own (layout: shards/evals.py):
-eval/<stage>/<run>/ with metrics.json, predictions.npz (test logits + labels; numpy only, load
-with allow_pickle=False), reliability.png and manifest.json (kind `eval`), written last. Several
-runs also give their deep ensemble (mean softmax) in eval/ensemble/<a+b+c>/. Finally
+never written to. Metrics (docs/evaluate.md) are on real/test, before and after a temperature
+fitted on real/val (`ts_criterion`: the val-NLL minimiser by default, or the lowest val ECE on
+the grid 0.1..10), and after every post-hoc calibrator fitted on real/val (models/posthoc.py;
+the best by cross-validated val NLL is named; stages/evaluate_metrics.py). Each evaluation is
+a folder of its own (layout: shards/evals.py): eval/<stage>/<run>/ with metrics.json,
+predictions.npz (test logits + labels, the best calibrator's test probabilities; numpy only,
+load with allow_pickle=False), reliability.png and manifest.json (kind `eval`), written last.
+Several runs also give their deep ensemble (mean softmax) in eval/ensemble/<a+b+c>/. Finally
 eval/report.md is rebuilt from every complete evaluation (stages/evaluate_report.py). Runs the
 stages trained as tools (annotate's encoder, fidelity judges, the study's tune-* runs:
 `internal_runs`) are left out of a bare `evaluate` and of the report unless internal_runs=1.
@@ -24,7 +26,6 @@ in a hidden sibling folder that replaces the old one in one rename.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +41,11 @@ from models.calibration import (
     ece,
     ensemble_logits,
     fit_temperature,
-    ood_scores,
     reliability_bins,
     temperature_on_edge,
-    topk_accuracy,
 )
 from models.finetuning import build_model
+from models.posthoc import fit_posthoc
 from models.training import collect_logits
 from shards import evals
 from shards.datasets import RealSplit, check_same_classes
@@ -54,6 +54,7 @@ from shards.runs import META
 from shards.runs import load_model as load_run_model
 from stages import data as datapath
 from stages.configs.evaluate import Config
+from stages.evaluate_metrics import corruption_metrics, ood_section, posthoc_section
 from stages.evaluate_report import ENSEMBLE, left_out, write_report
 
 RUN_STAGES = ("train", "finetune")
@@ -121,56 +122,28 @@ def panel(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
     }
 
 
-def corruption_metrics(
-    sets: dict[str, np.ndarray], labels: np.ndarray, logits_of: Callable, temps: dict[str, float]
-) -> dict[str, dict]:
-    """{entry: {before_ts|after_ts: {corruption: {severity: {ece, top1}}, "mean": {...}}}}."""
-    out: dict[str, dict] = {name: {"before_ts": {}, "after_ts": {}} for name in temps}
-    for corruption, arr in sets.items():
-        n = arr.shape[0] // 5
-        for s in range(5):
-            y = torch.from_numpy(
-                np.asarray(labels[s * n : (s + 1) * n] if len(labels) > n else labels)
-            ).long()
-            logits = logits_of(
-                torch.from_numpy(np.array(arr[s * n : (s + 1) * n]))
-            )  # copy out of the mmap
-            for name, lg in logits.items():
-                for key, t in (("before_ts", 1.0), ("after_ts", temps[name])):
-                    out[name][key].setdefault(corruption, {})[str(s + 1)] = {
-                        "ece": 100 * ece(lg / t, y),
-                        "top1": 100 * topk_accuracy(lg, y),
-                    }
-    for result in out.values():
-        for key in ("before_ts", "after_ts"):
-            per = list(result[key].values())
-            result[key]["mean"] = {
-                str(s): {m: float(np.mean([p[str(s)][m] for p in per])) for m in ("ece", "top1")}
-                for s in range(1, 6)
-            }
-    return out
-
-
 def measure(cfg: Config, folders: dict[str, Path]):
-    """({name: evaluation dict}, {name: test logits}, real/test) for every run and the ensemble.
+    """({name: evaluation dict}, {name: test logits}, {name: test probabilities after the best
+    post-hoc calibrator}, real/test) for every run and the ensemble.
     Test, val and the OOD set are decoded into memory or streamed (`data_path`, stages/data.py);
     each run's logits are one in-order pass over them either way."""
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     names = list(folders)
     real = cfg.root / "real"
-    ood = [evals.ood_folder(cfg.ood)] if cfg.ood else []
-    path = datapath.choose_path(cfg, [real / "test", real / "val", *ood], torch.device("cpu"))
+    ood = evals.ood_folders(cfg.ood)
+    folders_read = [real / "test", real / "val", *ood.values()]
+    path = datapath.choose_path(cfg, folders_read, torch.device("cpu"))
 
     def split(folder: Path) -> RealSplit:  # workers start here, before the models are loaded
         return datapath.sequential(datapath.open_split(folder, path, "cpu"), cfg.batch_size, cfg)
 
     test, val = split(real / "test"), split(real / "val")
-    ood_split = split(ood[0]) if ood else None
+    ood_splits = {name: split(folder) for name, folder in ood.items()}
     log.info("evaluate: %s", path.describe())
     try:
-        return _measure(cfg, folders, names, device, test, val, ood_split)
+        return _measure(cfg, folders, names, device, test, val, ood_splits)
     finally:
-        datapath.close(test, val, ood_split)
+        datapath.close(test, val, *ood_splits.values())
 
 
 def _measure(
@@ -180,7 +153,7 @@ def _measure(
     device: torch.device,
     test: RealSplit,
     val: RealSplit,
-    ood_split: RealSplit | None,
+    ood_splits: dict[str, RealSplit],
 ):
     check_same_classes("real/val", val.class_names, test.class_names, "real/test")
     models = {n: load_model(folders[n], device, test.class_names) for n in names}
@@ -220,10 +193,14 @@ def _measure(
                 "fit is degenerate, read the after-TS numbers with care",
                 *(n, t, cfg.ts_criterion),
             )
-    results = {}
+    # 3. Every post-hoc calibrator fitted on val (models/posthoc.py), applied to test.
+    posthoc = {n: fit_posthoc(val_logits[n], val.labels) for n in test_logits}
+    results, best_probs = {}, {}
     for n, lg in test_logits.items():
         t = temps[n]
         meta = models[n][1] if n in models else {}
+        test_probs = posthoc[n].probs(lg)
+        best_probs[n] = test_probs[posthoc[n].best]
         results[n] = {
             "run": n,
             "stage": folders[n].parent.name if n in folders else ENSEMBLE,
@@ -233,27 +210,23 @@ def _measure(
             "temperature_on_edge": temperature_on_edge(t, cfg.ts_criterion),
             "before_ts": calibration_metrics(lg, test.labels),
             "after_ts": calibration_metrics(lg / t, test.labels),
+            "posthoc": posthoc_section(posthoc[n], test_probs, test.labels),
             "code_version": code_version(),
         }
-    # 3. Optional OOD set and corruptions.
-    if cfg.ood:
-        folder = evals.ood_folder(cfg.ood)
-        assert ood_split is not None  # opened by measure
+    # 4. Optional OOD sets and corruptions.
+    for set_name, ood_split in ood_splits.items():
         ood_logits = logits_of(ood_split.images)
         for n, r in results.items():
-            t = temps[n]
-            r["ood"] = {
-                "set": str(
-                    folder.parent.parent.name if folder.parent.name == "real" else folder.name
-                ),
-                "before_ts": ood_scores(test_logits[n], ood_logits[n]),
-                "after_ts": ood_scores(test_logits[n] / t, ood_logits[n] / t),
-            }
+            r.setdefault("ood", {})[set_name] = ood_section(
+                test_logits[n], ood_logits[n], temps[n], n in models
+            )
+    arrays: dict[str, dict[str, np.ndarray]] = {n: {} for n in results}
     if cfg.corruptions:
         sets, labels = evals.corruption_sets(cfg.corruptions)
-        for n, c in corruption_metrics(sets, labels, logits_of, temps).items():
+        shift, arrays = corruption_metrics(sets, labels, logits_of, temps, posthoc)
+        for n, c in shift.items():
             results[n]["corruptions"] = c
-    return results, test_logits, test
+    return results, test_logits, best_probs, test, arrays
 
 
 # ---------------------------------------------------------------- 3. evaluation folders
@@ -266,8 +239,8 @@ def data_upstream(cfg: Config) -> dict[str, str]:
         "real/test": manifest_digest(real / "test"),
         "real/val": manifest_digest(real / "val"),
     }
-    if cfg.ood:
-        upstream["ood"] = manifest_digest(evals.ood_folder(cfg.ood))
+    for name, folder in evals.ood_folders(cfg.ood).items():
+        upstream[f"ood/{name}"] = manifest_digest(folder)
     if cfg.corruptions:
         upstream["corruptions"] = evals.corruptions_digest(cfg.corruptions)
     return upstream
@@ -307,12 +280,17 @@ def write_evaluation(
     out: Output,
     result: dict[str, Any],
     logits: torch.Tensor,
+    posthoc_probs: torch.Tensor,
     labels: torch.Tensor,
     class_names: tuple[str, ...],
     settings: dict[str, Any],
     extra: dict[str, Any],
+    more_arrays: dict[str, np.ndarray],
 ) -> None:
-    """metrics.json, predictions.npz, reliability.png, then the manifest; renamed into place."""
+    """metrics.json, predictions.npz, reliability.png, then the manifest; renamed into place.
+    predictions.npz also holds the test probabilities after the best post-hoc calibrator
+    (`posthoc_probs`, float32, the method in `posthoc_method`) and `more_arrays` (the
+    corruptions' logits, stages/evaluate_metrics.py corruption_metrics)."""
     t = result["temperature"]
     panels = {
         "before TS": panel(logits, labels),
@@ -325,6 +303,9 @@ def write_evaluation(
             "labels": labels.numpy().astype(np.int64),
             "temperature": np.float64(t),
             "class_names": np.array(class_names, dtype=str),
+            "posthoc_probs": posthoc_probs.float().numpy(),
+            "posthoc_method": np.array(result["posthoc"]["best"], dtype=str),
+            **more_arrays,
         }
         atomic_write_bytes(tmp / evals.PREDICTIONS, evals.npz_bytes(arrays))
         reliability_diagram(panels, tmp / evals.RELIABILITY, title=result["run"])
@@ -377,9 +358,9 @@ def run(cfg: Config) -> Path:
             "evaluate %s: up to date (same run and data digests); nothing to do", ", ".join(outputs)
         )
     else:
-        # 2-3. Logits, temperatures and metrics of every run (an ensemble needs all members).
-        results, test_logits, test = measure(cfg, folders)
-        # 4. One folder per stale evaluation, each complete before it gets its name.
+        # 2-4. Logits, calibrators and metrics of every run (an ensemble needs all members).
+        results, test_logits, posthoc_probs, test, arrays = measure(cfg, folders)
+        # 5. One folder per stale evaluation, each complete before it gets its name.
         for n in stale:
             extra = {}
             if n not in folders:
@@ -387,16 +368,19 @@ def run(cfg: Config) -> Path:
                 extra = {"ensemble": {"members": names, "folders": rel}}
             r = results[n]
             write_evaluation(
-                outputs[n], r, test_logits[n], test.labels, test.class_names, settings, extra
+                *(outputs[n], r, test_logits[n], posthoc_probs[n], test.labels),
+                *(test.class_names, settings, extra, arrays[n]),
             )
             b, a = r["before_ts"], r["after_ts"]
+            best = r["posthoc"]["best"]
+            p = r["posthoc"]["after"][best]
             log.info(
                 "%s: top-1 %.2f %%, NLL %.4f, ECE %.2f %% -> after TS (T = %.2f): NLL %.4f, "
-                "ECE %.2f %% -> %s",
+                "ECE %.2f %%; best post-hoc on val: %s, NLL %.4f, ECE %.2f %% -> %s",
                 *(n, b["top1"], b["nll"], b["ece"], r["temperature"], a["nll"], a["ece"]),
-                outputs[n].folder,
+                *(best, p["nll"], p["ece"], outputs[n].folder),
             )
-    # 5. eval/report.md from every complete evaluation of a user run (unchanged bytes are not
+    # 6. eval/report.md from every complete evaluation of a user run (unchanged bytes are not
     #    rewritten).
     report = write_report(cfg.root, left_out(cfg))
     procs.barrier()

@@ -21,6 +21,7 @@ import numpy as np
 
 from core.io import atomic_write_bytes, read_json
 from core.logs import log
+from models.posthoc import POSTHOC
 from shards import evals
 from shards.manifest import ShardError
 from stages.configs.evaluate import Config
@@ -39,6 +40,16 @@ REPORT_COLUMNS = [
     ("classwise_ece", "cw-ECE", 3),
     ("oece", "O-ECE", 2),
     ("uece", "U-ECE", 2),
+]
+# Beside ECE (docs/evaluate.md): smooth, debiased and l2 calibration errors, selective risk.
+MORE_COLUMNS = [
+    ("smece", "smECE"),
+    ("debiased_ece", "debiased ECE"),
+    ("l2_ece", "l2-ECE"),
+    ("classwise_l2_ece", "cw-l2-ECE"),
+    ("aurc", "AURC"),
+    ("augrc", "AUGRC"),
+    ("risk_at_80", "risk@80"),
 ]
 SEED_RUN = re.compile(r"^(?P<pre>.+?)-s(?P<seed>\d+)(?P<post>-.+)?$")  # e.g. csm-s2, ce-s0-maccal
 SUMMARY_COLUMNS = [
@@ -174,21 +185,25 @@ def render(
                 "| " + " | ".join([name, stage, ev.get("loss", "") or "-", *cells, *t]) + " |"
             )
         lines_.append("")
-    lines_ += seed_summary(rows)
+    lines_ += more_metrics(rows) + posthoc_table(rows) + seed_summary(rows)
     ood = [(s, n, ev) for s, n, ev in rows if "ood" in ev]
     if ood:
         lines_ += [
             "## OOD detection (ID = positive)",
             "",
-            "| run | stage | OOD set | MSP AUROC | FPR95 | entropy AUROC | MSP AUROC after TS |",
-            "|---|---|---|---|---|---|---|",
+            "| run | stage | OOD set | MSP AUROC | FPR95 | entropy AUROC | MSP AUROC after TS "
+            "| MSP AUPR-in / out | max-logit AUROC | energy AUROC |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for s, n, ev in ood:
-            b, a = ev["ood"]["before_ts"], ev["ood"]["after_ts"]
-            lines_.append(
-                f"| {n} | {s} | {ev['ood']['set']} | {b['msp_auroc']:.2f} | {b['msp_fpr95']:.2f} "
-                f"| {b['entropy_auroc']:.2f} | {a['msp_auroc']:.2f} |"
-            )
+            for set_name, section in ev["ood"].items():
+                b, a = section["before_ts"], section["after_ts"]
+                aupr = f"{_cell(b, 'msp_aupr_in')} / {_cell(b, 'msp_aupr_out')}"
+                lines_.append(
+                    f"| {n} | {s} | {set_name} | {b['msp_auroc']:.2f} | {b['msp_fpr95']:.2f} "
+                    f"| {b['entropy_auroc']:.2f} | {a['msp_auroc']:.2f} | {aupr} "
+                    f"| {_cell(b, 'maxlogit_auroc')} | {_cell(b, 'energy_auroc')} |"
+                )
         lines_.append("")
     corr = [(s, n, ev) for s, n, ev in rows if "corruptions" in ev]
     if corr:
@@ -203,7 +218,81 @@ def render(
             cells = [f"{b[str(i)]['ece']:.2f} / {a[str(i)]['ece']:.2f}" for i in range(1, 6)]
             lines_.append(f"| {n} | {s} | " + " | ".join(cells) + " |")
         lines_.append("")
+        lines_ += corruption_nll(corr)
     return "\n".join(lines_)
+
+
+def _cell(metrics: dict[str, Any], key: str, digits: int = 2) -> str:
+    """One number, or "-" where an older evaluation did not record it."""
+    return f"{metrics[key]:.{digits}f}" if key in metrics else "-"
+
+
+def more_metrics(rows: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
+    """Smooth/debiased/l2 calibration errors and selective risk, before / after TS."""
+    rows = [r for r in rows if "smece" in r[2]["before_ts"]]
+    if not rows:
+        return []
+    lines_ = [
+        "## More metrics (before / after TS)",
+        "",
+        "smECE: smooth ECE (relplot); debiased ECE: debiased l2 top-label error; l2-ECE, "
+        "cw-l2-ECE: plug-in l2 top-label and classwise errors; AURC, AUGRC: areas under the "
+        "(generalised) risk-coverage curve; risk@80: error of the 80 % most confident. All x100.",
+        "",
+        "| run | stage | " + " | ".join(c[1] for c in MORE_COLUMNS) + " |",
+        "|---|---|" + "---|" * len(MORE_COLUMNS),
+    ]
+    for stage, name, ev in rows:
+        b, a = ev["before_ts"], ev["after_ts"]
+        cells = [f"{_cell(b, k)} / {_cell(a, k)}" for k, _ in MORE_COLUMNS]
+        lines_.append(f"| {name} | {stage} | " + " | ".join(cells) + " |")
+    return [*lines_, ""]
+
+
+def posthoc_table(rows: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
+    """Test NLL / ECE after each post-hoc calibrator; the one chosen on val marked *."""
+    rows = [r for r in rows if "posthoc" in r[2]]
+    if not rows:
+        return []
+    seen = {m for r in rows for m in r[2]["posthoc"]["after"]}
+    methods = [m for m in POSTHOC if m in seen] + sorted(seen - set(POSTHOC))  # registry order
+    lines_ = [
+        "## Post-hoc calibrators (fitted on val): test NLL / ECE",
+        "",
+        f"* = the best by {rows[0][2]['posthoc']['criterion']} (models/posthoc.py).",
+        "",
+        "| run | stage | " + " | ".join(methods) + " |",
+        "|---|---|" + "---|" * len(methods),
+    ]
+    for stage, name, ev in rows:
+        after, best = ev["posthoc"]["after"], ev["posthoc"]["best"]
+        cells = [
+            f"{after[m]['nll']:.4f} / {after[m]['ece']:.2f}{'*' if m == best else ''}"
+            if m in after
+            else "-"
+            for m in methods
+        ]
+        lines_.append(f"| {name} | {stage} | " + " | ".join(cells) + " |")
+    return [*lines_, ""]
+
+
+def corruption_nll(corr: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
+    """Mean NLL per severity, before / after TS / after the best post-hoc calibrator."""
+    corr = [r for r in corr if "after_posthoc" in r[2]["corruptions"]]
+    if not corr:
+        return []
+    lines_ = [
+        "## Corruptions: mean NLL per severity (before / after TS / after the best post-hoc)",
+        "",
+        "| run | stage | post-hoc | " + " | ".join(f"s{i}" for i in range(1, 6)) + " |",
+        "|---|---|---|" + "---|" * 5,
+    ]
+    for s, n, ev in corr:
+        c = ev["corruptions"]
+        b, a, p = (c[w]["mean"] for w in ("before_ts", "after_ts", "after_posthoc"))
+        cells = [" / ".join(f"{m[str(i)]['nll']:.3f}" for m in (b, a, p)) for i in range(1, 6)]
+        lines_.append(f"| {n} | {s} | {c['posthoc_method']} | " + " | ".join(cells) + " |")
+    return [*lines_, ""]
 
 
 def write_report(root: Path, leave_out: Callable[[str], bool] = lambda name: False) -> Path:

@@ -51,6 +51,7 @@ from core.runtime import (
     Processes,
     code_version,
     derive_seed,
+    launcher_precision,
     make_accelerator,
     make_generator,
     share_from_main,
@@ -164,7 +165,12 @@ def lr_factor(cfg: Config, step: int) -> float:
 
 def resolve_precision(choice: str, cpu: bool) -> str:
     """mixed_precision=auto: bf16 where the device computes it natively (a bf16 GPU; a CPU with
-    AVX512-BF16 or AMX), else fp32 ("no"). A GPU without bf16 gets fp32, never fp16 silently."""
+    AVX512-BF16 or AMX), else fp32 ("no"). A GPU without bf16 gets fp32, never fp16 silently.
+    Under `accelerate launch`, auto follows accelerate's value (core.runtime.launcher_precision)."""
+    return launcher_precision("mixed_precision", choice, _own_precision(choice, cpu))
+
+
+def _own_precision(choice: str, cpu: bool) -> str:
     if choice != "auto":
         return choice
     if not cpu:

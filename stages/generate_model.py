@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from core.config import given_folder
 from core.io import sha256_file
 from core.logs import log
 from models.generators import (
@@ -52,19 +53,11 @@ def check_inputs(cfg: Config) -> Inputs:
     size = cfg.image_size or int(real_m.info.get("image_size", 0))
     if size < 1:
         raise ShardError(f"{real}: the manifest names no image_size; set image_size=N")
-    if cfg.backend == "edm" and not edm_model(cfg).exists():
-        where = EDM_CHECKPOINTS.get(cfg.preset, "the EDM checkpoint of your dataset")
-        raise GenerationError(
-            f"EDM network {edm_model(cfg)} not found: download {where} and set model=<the .pkl>, "
-            "or convert it once with `python -m pipeline convert-edm --set source=<the .pkl> "
-            f"dest={edm_model(cfg)}`"
-        )
+    if cfg.backend == "edm":
+        check_edm_model(cfg)
     if cfg.backend != "unet":
         return Inputs(real, real_m.class_names, size, None, {})
-    folder = Path(cfg.model) if cfg.model else cfg.root / "generator"
-    remake = remake_command(cfg.root / "generator")
-    command = remake[1] if remake else f"python -m pipeline fit-generator --preset {cfg.preset}"
-    hint = f"run fit-generator first: `{command}` (or set model=<folder>)"
+    folder, hint = generator_folder(cfg)
     if not (folder / "manifest.json").is_file():
         raise GenerationError(f"no trained generator in {folder} (no manifest.json): {hint}")
     gen_m = read_manifest(folder)
@@ -82,6 +75,31 @@ def check_inputs(cfg: Config) -> Inputs:
             "set image_size= or retrain"
         )
     return Inputs(real, real_m.class_names, size, folder, gen_m.info)
+
+
+def check_edm_model(cfg: Config) -> None:
+    """The edm backend's network must be there. No command in the hint: the .pkl's path is the
+    user's to know, and a command a hint quotes must run as printed."""
+    model, default = edm_model(cfg), cfg.root / "edm"
+    if not model.exists():
+        where = EDM_CHECKPOINTS.get(cfg.preset, "the EDM checkpoint of your dataset")
+        raise GenerationError(
+            f"EDM network {model} not found: download {where} and set model=<the .pkl>, or "
+            f"convert it once into {default} (convert-edm with source=<the .pkl>)"
+        )
+
+
+def generator_folder(cfg: Config) -> tuple[Path, str]:
+    """(the unet backend's fit-generator folder, what to do if it is not complete). A folder
+    named by model= must exist (a typo is named as missing); the run root's own gets the
+    command that makes it."""
+    default = cfg.root / "generator"
+    if cfg.model:
+        hint = f"point model= at a folder fit-generator completed, or unset it for {default}"
+        return given_folder("model", cfg.model, hint), hint
+    remake = remake_command(default)
+    how = f": `{remake[1]}`" if remake else ""
+    return default, f"run fit-generator first{how} (or set model=<folder>)"
 
 
 def check_generator_weights(folder: Path, manifest: Manifest) -> None:

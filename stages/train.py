@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from core.config import given_folder
 from core.io import atomic_write_json
 from core.logs import log
 from core.plots import lines
@@ -60,7 +61,11 @@ OTHER_RUN = "choose another run=<name> (or remove the folder to retrain it)"
 
 
 def mixed_folder(cfg: Config) -> Path:
-    return Path(cfg.mixed) if cfg.mixed else cfg.root / "mixed"
+    default = cfg.root / "mixed"
+    if not cfg.mixed:
+        return default
+    hint = f"point it at a complete mixed folder (annotate's or pull's), or unset it for {default}"
+    return given_folder("mixed", cfg.mixed, hint)
 
 
 def load_mixed(cfg: Config, train: RealSplit, path: DataPathChoice, device: torch.device) -> Mixed:

@@ -1,4 +1,6 @@
-"""Metrics of METHODS §7 on constructed cases with known answers, and against torchmetrics."""
+"""Metrics (docs/evaluate.md) on constructed cases with known answers, and against torchmetrics.
+The checks against torch-uncertainty, relplot, netcal, the `calibration` package and sklearn are
+the reference tier: tests/test_reference_metrics.py (make test-reference)."""
 
 from __future__ import annotations
 
@@ -11,25 +13,31 @@ import torch
 from torch.nn import functional as F
 
 from models.calibration import (
+    METRIC_KEYS,
+    NLL_FLOOR,
     aece,
-    auroc,
     brier,
     calibration_metrics,
     classwise_ece,
+    classwise_l2_ce,
     ece,
     ensemble_logits,
     fit_temperature,
-    fpr_at_tpr,
+    l2_ce,
     mce,
     nll,
+    nll_of_probs,
     oece,
-    ood_scores,
+    probability_metrics,
     reliability_bins,
     temperature_grid,
     temperature_on_edge,
     topk_accuracy,
     uece,
 )
+from models.ood import auroc, average_precision, fpr_at_tpr, ood_scores
+from models.selective import augrc, aurc, risk_at_coverage, risk_curves
+from models.smooth_ece import smooth_ece, smooth_ece_at, smooth_ece_bandwidth
 
 
 def two_class(conf: float, n: int, n_correct: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,9 +218,122 @@ def test_ood_scores_separable_and_identical():
     id_logits = 10.0 * F.one_hot(torch.arange(40) % 5, 5).float()
     ood_logits = torch.randn(30, 5, generator=torch.Generator().manual_seed(0)) * 0.1
     scores = ood_scores(id_logits, ood_logits)
-    assert scores == {"msp_auroc": 100.0, "msp_fpr95": 0.0, "entropy_auroc": 100.0}
+    names = ("msp", "entropy", "maxlogit", "energy")
+    stats = ("auroc", "fpr95", "aupr_in", "aupr_out")
+    assert list(scores) == [f"{n}_{s}" for n in names for s in stats]
+    assert all(scores[f"{n}_{s}"] == v for n in names for s, v in zip(stats, (100, 0, 100, 100)))
     same = ood_scores(ood_logits, ood_logits.clone())
-    assert same["msp_auroc"] == pytest.approx(50.0) and same["entropy_auroc"] == pytest.approx(50.0)
+    assert all(same[f"{n}_auroc"] == pytest.approx(50.0) for n in names)
+    # an ensemble's logits are log mean softmax: no max-logit or energy scores
+    assert set(ood_scores(id_logits, ood_logits, logit_scores=False)) == {
+        f"{n}_{s}" for n in ("msp", "entropy") for s in stats
+    }
+
+
+def test_energy_and_max_logit_scores_read_the_raw_logits():
+    # two ID samples with large logits, two OOD samples with the same softmax, logits shifted
+    # down: MSP cannot tell them apart, max-logit and energy (logsumexp) can
+    base = torch.tensor([[3.0, 0.0, 0.0], [0.0, 2.0, 1.0]], dtype=torch.float64)
+    scores = ood_scores(base + 5.0, base - 5.0)
+    assert scores["msp_auroc"] == 50.0 and scores["entropy_auroc"] == 50.0
+    assert scores["maxlogit_auroc"] == 100.0 and scores["energy_auroc"] == 100.0
+    assert scores["energy_fpr95"] == 0.0 and scores["energy_aupr_out"] == 100.0
+
+
+def test_average_precision_hand_cases():
+    # ranking +, -, +, -: precision 1 at recall 1/2, 2/3 at recall 1 -> AP = (1 + 2/3) / 2
+    pos, neg = torch.tensor([4.0, 2.0]), torch.tensor([3.0, 1.0])
+    assert average_precision(pos, neg) == pytest.approx((1 + 2 / 3) / 2)
+    # the other way round (AUPR-out): -1 (+), -2 (-), -3 (+), -4 (-): the same ranks
+    assert average_precision(neg.neg(), pos.neg()) == pytest.approx((1 + 2 / 3) / 2)
+    # -, +, +: precision 1/2 at recall 1/2, 2/3 at recall 1
+    assert average_precision(torch.tensor([2.0, 1.0]), torch.tensor([3.0])) == pytest.approx(
+        (1 / 2 + 2 / 3) / 2
+    )
+    # a tie is one threshold: {+, -} at 1.0 then + at 0.5 -> (1/2)(1/2) + (1/2)(2/3)
+    pos, neg = torch.tensor([1.0, 0.5]), torch.tensor([1.0])
+    assert average_precision(pos, neg) == pytest.approx(0.5 * 0.5 + 0.5 * 2 / 3)
+    assert average_precision(torch.ones(3), torch.zeros(5)) == 1.0
+
+
+def test_risk_coverage_hand_case():
+    # most confident first: right, wrong, right, wrong -> E_k = 0, 1, 1, 2
+    conf = torch.tensor([0.7, 0.9, 0.6, 0.8])
+    correct = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    r, g = risk_curves(conf, correct)
+    assert r.tolist() == pytest.approx([0, 1 / 2, 1 / 3, 1 / 2])
+    assert g.tolist() == pytest.approx([0, 1 / 4, 1 / 4, 2 / 4])
+    assert aurc(conf, correct) == pytest.approx((0 + 1 / 2 + 1 / 3 + 1 / 2) / 4)
+    assert augrc(conf, correct) == pytest.approx(1 / 4)
+    assert risk_at_coverage(conf, correct, 0.8) == pytest.approx(1 / 2)  # k = ceil(3.2) = 4
+    assert risk_at_coverage(conf, correct, 0.5) == pytest.approx(1 / 2)  # k = 2
+    assert risk_at_coverage(conf, correct, 0.25) == 0.0
+    n = 10  # all wrong: r = 1, g = k/N, AUGRC = (N + 1)/(2N)
+    assert aurc(torch.rand(n), torch.zeros(n)) == 1.0
+    assert augrc(torch.rand(n), torch.zeros(n)) == pytest.approx((n + 1) / (2 * n))
+    assert aurc(torch.rand(n), torch.ones(n)) == 0.0
+    # a perfect ranking (every error least confident) has the lowest AURC of its accuracy
+    ranked = aurc(torch.arange(8.0), torch.tensor([0.0, 0, 1, 1, 1, 1, 1, 1]))
+    assert ranked < aurc(torch.arange(8.0), torch.tensor([1.0, 1, 1, 1, 1, 1, 0, 0]))
+    with pytest.raises(ValueError, match="coverage"):
+        risk_at_coverage(conf, correct, 0.0)
+
+
+def test_smooth_ece_of_constant_confidence_and_of_calibrated_predictions():
+    # every prediction 0.8 confident and right: the residual is -0.2 wherever there is mass
+    n = 4000
+    conf, correct = torch.full((n,), 0.8, dtype=torch.float64), torch.ones(n)
+    assert smooth_ece(conf, correct) == pytest.approx(0.2, abs=1e-6)
+    # its bandwidth is the fixed point σ* = smECE_σ*, to relplot's bisection step 2^-10
+    sigma = smooth_ece_bandwidth(conf, correct)
+    assert abs(sigma - smooth_ece_at(conf, correct, sigma)) <= 2**-10
+    # hits drawn with probability c: calibrated, a small error (sampling noise only); drawn
+    # with probability c - 0.1: overconfident by 0.1
+    g = torch.Generator().manual_seed(0)
+    c = 0.5 + 0.5 * torch.rand(n, generator=g, dtype=torch.float64)
+    u = torch.rand(n, generator=g, dtype=torch.float64)
+    assert smooth_ece(c, (u < c).double()) < 0.025
+    assert smooth_ece(c, (u < c - 0.1).double()) == pytest.approx(0.1, abs=0.02)
+
+
+def test_l2_calibration_errors_two_bin_hand_case():
+    # bin of conf 0.9 with acc 0.5 (20 samples), bin of conf 0.6 with acc 0.7 (20 samples)
+    la, ya = two_class(0.9, 20, 10)
+    lb, yb = two_class(0.6, 20, 14)
+    logits, labels = torch.cat([la, lb]), torch.cat([ya, yb])
+    assert l2_ce(logits, labels) == pytest.approx(math.sqrt(0.5 * 0.4**2 + 0.5 * 0.1**2))
+    debiased = 0.5 * (0.4**2 - 0.25 / 19) + 0.5 * (0.1**2 - 0.21 / 19)
+    assert l2_ce(logits, labels, debias=True) == pytest.approx(math.sqrt(debiased))
+    # classwise: class 0 has p_0 = 0.9 (freq 0.5), 0.6 (freq 0.7); class 1 has p_1 = 0.1
+    # (freq 0.5), 0.4 (freq 0.3): the same gaps, so the root mean square over classes is l2
+    assert classwise_l2_ce(logits, labels) == pytest.approx(l2_ce(logits, labels))
+    # the debiased error of a calibrated bin is ~0 where the plug-in one is not
+    lc, yc = two_class(0.7, 10, 7)
+    assert l2_ce(lc, yc) == pytest.approx(0.0, abs=1e-12)
+    assert l2_ce(lc, yc, debias=True) == 0.0  # 0 - 0.21/9 < 0, clipped
+    lone, y1 = two_class(0.9, 1, 0)  # one sample: no variance estimate, the bin adds 0
+    assert l2_ce(lone, y1, debias=True) == 0.0 and l2_ce(lone, y1) == pytest.approx(0.9)
+
+
+def test_probability_metrics_equal_calibration_metrics_of_the_softmax():
+    logits, labels = random_case(6, n=400, c=6)
+    from_logits = calibration_metrics(logits, labels)
+    from_probs = probability_metrics(F.softmax(logits.double(), 1), labels)
+    assert list(from_logits) == list(from_probs) == list(METRIC_KEYS)
+    assert from_probs == pytest.approx(from_logits, rel=1e-9)
+    only = calibration_metrics(logits, labels, keys=("nll", "ece", "top1"))
+    assert list(only) == ["top1", "ece", "nll"] and only["ece"] == from_logits["ece"]
+    assert from_logits["debiased_ece"] == pytest.approx(100 * l2_ce(logits, labels, debias=True))
+    assert from_logits["classwise_l2_ece"] == pytest.approx(100 * classwise_l2_ce(logits, labels))
+    with pytest.raises(ValueError, match="unknown metric"):
+        probability_metrics(F.softmax(logits, 1), labels, keys=("ece", "ecce"))
+
+
+def test_nll_of_probabilities_floors_a_zero_label_probability():
+    p = torch.tensor([[1.0, 0.0], [0.25, 0.75]], dtype=torch.float64)
+    labels = torch.tensor([1, 1])
+    assert nll_of_probs(p, labels) == pytest.approx((-math.log(NLL_FLOOR) - math.log(0.75)) / 2)
+    assert -math.log(NLL_FLOOR) == pytest.approx(36.04, abs=0.01)
 
 
 def test_ensemble_logits_softmax_is_mean_softmax():
@@ -261,3 +382,15 @@ def test_temperature_edges_are_flagged():
     assert not temperature_on_edge(1.3, "ece")
     with pytest.raises(ValueError, match="criterion"):
         fit_temperature(z, labels, criterion="brier")
+
+
+def test_the_study_numpy_debiased_ece_is_the_same_estimator():
+    """pipeline/study_stats.py keeps a numpy copy (for its bootstraps) of the debiased l2 error:
+    the same number, so one of the two can go."""
+    from pipeline.study_stats import Predictions
+
+    logits, labels = random_case(7, n=1500)
+    study = Predictions.from_logits(logits.double().numpy(), labels.numpy(), 1.7)
+    assert study.debiased_ece() == pytest.approx(
+        l2_ce(logits.double() / 1.7, labels, debias=True), abs=1e-12
+    )

@@ -252,14 +252,14 @@ def hub_env(monkeypatch):
     """No offline switch, no proxy; hub_offline's cached probe forgotten before and after."""
     import huggingface_hub.constants
 
-    from core import runtime
+    from core import hub
 
     for key in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    runtime.hub_reachable.cache_clear()
-    yield runtime
-    runtime.hub_reachable.cache_clear()
+    hub.hub_reachable.cache_clear()
+    yield hub
+    hub.hub_reachable.cache_clear()
 
 
 def test_hub_offline_when_the_endpoint_does_not_answer(hub_env, monkeypatch):

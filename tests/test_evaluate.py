@@ -17,6 +17,7 @@ from conftest import snapshot
 from torchmetrics.classification import MulticlassCalibrationError
 
 from core.io import atomic_write_json
+from models.calibration import ece
 from models.classifiers import build_classifier
 from pipeline.cli import main
 from pipeline.registry import run_stage
@@ -115,6 +116,36 @@ def test_metrics_match_torchmetrics_and_ts_does_not_hurt_an_overconfident_model(
     assert a["top1"] == b["top1"]
 
 
+def test_new_metrics_and_every_posthoc_calibrator_fitted_on_val(tmp_path):
+    from models.calibration import METRIC_KEYS, probability_metrics
+    from models.posthoc import POSTHOC
+
+    root = constructed_root(tmp_path)
+    evaluate(root, "run=over")
+    folder = root / "eval" / "train" / "over"
+    ev = json.loads((folder / "metrics.json").read_text())["evaluation"]
+    assert set(ev["before_ts"]) == set(ev["after_ts"]) == set(METRIC_KEYS)  # json sorts keys
+    post = ev["posthoc"]
+    assert set(post["after"]) == set(post["val_nll"]) == set(POSTHOC)
+    assert post["folds"] == 5 and "cross-validated" in post["criterion"]
+    assert post["best"] == min(post["val_nll"], key=post["val_nll"].__getitem__)
+    # the post-hoc temperature is the NLL criterion's T: the same numbers as after TS
+    assert post["after"]["temperature"] == pytest.approx(ev["after_ts"], rel=1e-6)
+    for name, metrics in post["after"].items():
+        assert set(metrics) == set(METRIC_KEYS), name
+        assert metrics["top1"] == pytest.approx(ev["before_ts"]["top1"], abs=15), name
+    # the overconfident run: every calibrator, fitted on val (= test here), lowers the NLL
+    assert all(m["nll"] < ev["before_ts"]["nll"] for m in post["after"].values())
+    with np.load(folder / "predictions.npz", allow_pickle=False) as npz:
+        probs, labels = torch.from_numpy(npz["posthoc_probs"]), torch.from_numpy(npz["labels"])
+        assert str(npz["posthoc_method"]) == post["best"]
+    again = probability_metrics(probs.double() / probs.double().sum(1, keepdim=True), labels)
+    assert again["ece"] == pytest.approx(post["after"][post["best"]]["ece"], abs=1e-4)
+    report = (root / "eval" / "report.md").read_text()
+    assert "## More metrics" in report and "## Post-hoc calibrators" in report
+    assert f"{post['after'][post['best']]['ece']:.2f}*" in report  # the best one marked
+
+
 def test_ood_corruptions_and_finetune_runs(tmp_path):
     root = constructed_root(tmp_path)
     # OOD: a prepared root of other images; corruptions: CIFAR-C layout, 5 severities x N
@@ -133,16 +164,31 @@ def test_ood_corruptions_and_finetune_runs(tmp_path):
     evaluate(root, "run=ft", f"ood={tmp_path / 'other'}", f"corruptions={corr}")
     ev = json.loads((root / "eval" / "finetune" / "ft" / "metrics.json").read_text())["evaluation"]
     assert ev["stage"] == "finetune"
+    scores = ("msp", "entropy", "maxlogit", "energy")  # one network: all four
+    stats = ("auroc", "fpr95", "aupr_in", "aupr_out")
     for key in ("before_ts", "after_ts"):
-        assert set(ev["ood"][key]) == {"msp_auroc", "msp_fpr95", "entropy_auroc"}
-        assert all(0 <= v <= 100 for v in ev["ood"][key].values())
+        assert set(ev["ood"]["other"][key]) == {f"{n}_{s}" for n in scores for s in stats}
+        assert all(0 <= v <= 100 for v in ev["ood"]["other"][key].values())
+    assert ev["corruptions"]["posthoc_method"] == ev["posthoc"]["best"]
+    for key in ("before_ts", "after_ts", "after_posthoc"):
         assert set(ev["corruptions"][key]) == {"noise", "mean"}
         assert set(ev["corruptions"][key]["noise"]) == {"1", "2", "3", "4", "5"}
         assert ev["corruptions"][key]["mean"]["3"] == ev["corruptions"][key]["noise"]["3"]
+        assert set(ev["corruptions"][key]["noise"]["2"]) == {"ece", "nll", "brier", "top1"}
+    before, after = (ev["corruptions"][k]["noise"]["4"] for k in ("before_ts", "after_ts"))
+    assert after["top1"] == before["top1"]  # TS keeps the ranking
+    # the corrupted images' logits are kept, for statistics paired by image: they give the numbers
+    with np.load(root / "eval" / "finetune" / "ft" / "predictions.npz") as z:
+        shifted, y = (
+            torch.from_numpy(z["corruption_logits"]),
+            torch.from_numpy(z["corruption_labels"]),
+        )
+        assert shifted.shape == (1, 5, 30, 4) and list(z["corruption_names"]) == ["noise"]
+    assert 100 * ece(shifted[0, 3].double(), y) == pytest.approx(before["ece"], abs=1e-4)
     report = (root / "eval" / "report.md").read_text()
     assert "OOD detection" in report and "Corruptions" in report
     upstream = read_manifest(root / "eval" / "finetune" / "ft").upstream
-    assert set(upstream) == {"finetune/ft", "real/test", "real/val", "ood", "corruptions"}
+    assert set(upstream) == {"finetune/ft", "real/test", "real/val", "ood/other", "corruptions"}
     with pytest.raises(ValueError, match="no trained weights"):
         evaluate(root, "run=ft", "stage_dir=train")
 
@@ -195,7 +241,7 @@ def test_evaluate_leaves_trained_runs_byte_identical_and_writes_eval_folders(dig
     ens = torch.softmax(torch.from_numpy(np.load(evals["a+b"] / "predictions.npz")["logits"]), 1)
     assert torch.allclose(ens, mean, atol=1e-5)
     rows = [line for line in report.read_text().splitlines() if line.startswith("| a")]
-    assert len(rows) == 4  # a and a+b, before and after TS
+    assert len(rows) == 8  # a and a+b: before TS, after TS, more metrics, post-hoc
     assert "| a+b | ensemble | ensemble |" in report.read_text()
 
 

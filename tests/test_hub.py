@@ -118,7 +118,8 @@ def offline_hub(monkeypatch, tmp_path):
 
 
 def publish_cli(tmp_path, *sets):
-    return main(["publish", "--set", f"out={tmp_path / 'runs'}", f"repo={REPO}", *sets])
+    sets = ("--set", f"out={tmp_path / 'runs'}", f"repo={REPO}", *sets)
+    return main(["publish", "--preset", "digits", *sets])
 
 
 def fake_hub(monkeypatch, remote_files=(".gitattributes",), remote_manifest=None, private=True):
@@ -451,7 +452,8 @@ def fake_snapshot(monkeypatch, source: Path, corrupt: str = "", edit=None):
 
 
 def pull_cli(tmp_path, *sets):
-    return main(["pull", "--set", f"out={tmp_path / 'pulled'}", f"repo={REPO}", *sets])
+    sets = ("--set", f"out={tmp_path / 'pulled'}", f"repo={REPO}", *sets)
+    return main(["pull", "--preset", "digits", *sets])
 
 
 def test_pull_verifies_and_installs_a_usable_folder(mixed, tmp_path, monkeypatch, capsys):

@@ -456,7 +456,7 @@ def test_unranked_accelerate_process_is_refused(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
     with pytest.raises(LaunchError, match="gave it no rank"):
         check_launcher()
-    code = main(["prepare", "--set", f"out={tmp_path}"])
+    code = main(["prepare", "--preset", "digits", "--set", f"out={tmp_path}"])
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1 and "torchrun --nnodes N" in err
     assert not any(tmp_path.iterdir())

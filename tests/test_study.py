@@ -12,7 +12,7 @@ from core.config import ConfigError
 from models.calibration import ece
 from pipeline.study import plan, run_study
 from pipeline.study_config import StudyConfig, comparison_pairs, run_name
-from pipeline.study_stats import Predictions, bootstrap_difference
+from pipeline.study_stats import Predictions, paired_bootstrap
 from shards import evals
 
 
@@ -49,18 +49,20 @@ def test_bootstrap_interval_separates_a_clear_difference_and_covers_none(tmp_pat
     labels = g.integers(0, 3, 2000)
     runs = {}
     for name, scale in (("ce", 6.0), ("same", 6.0), ("calm", 1.0)):
-        runs[name] = []
+        runs[name] = {}
         for seed in range(3):
             logits = g.normal(size=(2000, 3))
             logits[np.arange(2000), labels] += 1.0  # ~55 % accurate whatever the scale
             _save_predictions(tmp_path / f"{name}{seed}.npz", logits * scale, labels)
-            runs[name].append(_load(tmp_path / f"{name}{seed}.npz"))
-    boot = bootstrap_difference(runs, "ce", n=300, rng=np.random.default_rng(0))
+            runs[name][seed] = _load(tmp_path / f"{name}{seed}.npz")
+    boot = paired_bootstrap(runs, "ce", n=300, rng=np.random.default_rng(0))
     # scale 6 is wildly overconfident, scale 1 much less: the interval lies below 0
     assert boot["calm"]["ci95"][1] < 0 < -boot["calm"]["relative"]
     # the same distribution: the interval covers 0
     assert boot["same"]["ci95"][0] < 0 < boot["same"]["ci95"][1]
-    point = np.mean([p.ece() for p in runs["calm"]]) - np.mean([p.ece() for p in runs["ce"]])
+    point = np.mean([p.ece() for p in runs["calm"].values()]) - np.mean(
+        [p.ece() for p in runs["ce"].values()]
+    )
     assert boot["calm"]["difference"] == pytest.approx(100 * point)
 
 
@@ -93,7 +95,9 @@ def _run_and_evaluation(root, stage, run, criterion, digest=None):
 
 
 def test_the_verdicts_methods_run_every_seed_and_the_others_the_first_few(tmp_path):
-    cfg = StudyConfig(methods=("ce", "ls", "ce+maccal"), seeds=(0, 1, 2, 3, 4), tune=False)
+    cfg = StudyConfig(
+        methods=("ce", "ls", "ce+maccal"), seeds=(0, 1, 2, 3, 4), tune=False, robustness=False
+    )
     names = [t.name for t in plan(cfg, "digits", [], tmp_path)]
     assert names == [
         *(f"ce-s{k}" for k in range(5)), *(f"ls-s{k}" for k in range(3)),
@@ -113,7 +117,9 @@ def test_every_method_meets_ce_and_the_verdicts_pairs_meet_theirs():
 
 
 def test_plan_orders_tasks_by_what_they_need_and_skips_evaluated_runs(tmp_path):
-    cfg = StudyConfig(methods=("ce", "ls", "csm-ratio", "ce+maccal"), seeds=(0,), tune=False)
+    cfg = StudyConfig(
+        methods=("ce", "ls", "csm-ratio", "ce+maccal"), seeds=(0,), tune=False, robustness=False
+    )
     tasks = {t.name: t for t in plan(cfg, "digits", ["train.epochs=1"], tmp_path)}
     assert list(tasks) == ["chain", "ce-s0", "ls-s0", "csm-ratio-s0", "ce-s0-maccal"]
     # only methods that read mixed/ wait for the chain; a fine-tuning waits for its source run
@@ -127,9 +133,8 @@ def test_plan_orders_tasks_by_what_they_need_and_skips_evaluated_runs(tmp_path):
     )
     assert "epochs=1" in tasks["ls-s0"].steps[0][1]  # train. overrides reach train only
     assert not any(s.startswith("epochs") for s in evaluate[1])
-    assert plan(StudyConfig(methods=("ce", "ls"), seeds=(0,)), "digits", [], tmp_path)[0].name == (
-        "ce-s0"
-    )  # no method reads mixed/: no chain task
+    no_mixed = StudyConfig(methods=("ce", "ls"), seeds=(0,), robustness=False)
+    assert plan(no_mixed, "digits", [], tmp_path)[0].name == "ce-s0"  # no chain task
     # a complete evaluation of the run as it is, with the study's criterion, marks the task
     # done; another criterion, a run retrained since (other digest), or an evaluation without
     # its manifest (killed mid-write) does not
@@ -189,12 +194,19 @@ def test_study_runs_reports_and_resumes_only_what_is_missing(digits_root, tmp_pa
     host = json.loads((report.parent / "host.json").read_text())
     assert not any("seconds" in key for key in study)
     assert set(host["task_seconds_this_invocation"]) == {
-        "ce-s0", "ce-s1", "ce-s0-maccal", "ce-s1-maccal",
+        "shift", "ood", "ce-s0", "ce-s1", "ce-s0-maccal", "ce-s1-maccal",
     }  # fmt: skip
     for r in study["records"]:  # each record is the run's own evaluation
         ev = json.loads((tmp_path / "digits" / "eval" / r["run"] / "metrics.json").read_text())
         assert r["before_ts"]["ece"] == ev["evaluation"]["before_ts"]["ece"]
         assert r["temperature"] == ev["evaluation"]["temperature"] and r["ts_criterion"] == "nll"
+        # the robustness table: under shift per severity, and on the OOD set (digits: noise)
+        mean = ev["evaluation"]["corruptions"]["after_ts"]["mean"]
+        assert r["shift"]["after_ts"] == mean and set(mean) == {"1", "2", "3", "4", "5"}
+        assert set(r["ood"]) == {"uniform"} and 0 <= r["ood"]["uniform"]["auroc"] <= 100
+    shift = study["shift_paired"]["after_ts"]["ece"]["ce"]["ce+maccal"]
+    assert shift["seeds"] == [0, 1] and shift["n_test"] == 359  # the digits test split
+    assert (report.parent / "shift.png").is_file() and "Under shift" in report.read_text()
     ce = [r["before_ts"]["ece"] for r in study["records"] if r["method"] == "ce"]
     assert study["summary"]["ce"]["before_ts.ece"]["mean"] == pytest.approx(np.mean(ce))
     assert study["summary"]["ce"]["before_ts.ece"]["std"] == pytest.approx(np.std(ce, ddof=1))
@@ -271,7 +283,7 @@ def test_csm3_plan_trains_on_the_kway_set_after_its_chain(tmp_path):
     from pipeline.study import plan
 
     root = tmp_path / "digits"
-    cfg = StudyConfig(methods=("ce", "csm", "csm3"), seeds=(0, 1), tune=False)
+    cfg = StudyConfig(methods=("ce", "csm", "csm3"), seeds=(0, 1), tune=False, robustness=False)
     tasks = {t.name: t for t in plan(cfg, "digits", [f"out={tmp_path}"], root)}
     assert tasks["chain-k3"].after == {"chain"} and tasks["chain-k3"].prepare is not None
     chain_sets = tasks["chain-k3"].steps[0][1]
@@ -291,7 +303,7 @@ def test_csm_redraw_plan_trains_on_its_own_checked_set_after_its_chain(tmp_path)
     from pipeline.study_kway import prepare_redraw
 
     root = tmp_path / "digits"
-    cfg = StudyConfig(methods=("ce", "csm", "csm-redraw"), seeds=(0,), tune=False)
+    cfg = StudyConfig(methods=("ce", "csm", "csm-redraw"), seeds=(0,), tune=False, robustness=False)
     tasks = {t.name: t for t in plan(cfg, "digits", [f"out={tmp_path}"], root)}
     chain = tasks["chain-redraw"]
     assert chain.after == {"chain"} and "name=digits-redraw" in chain.steps[0][1]

@@ -15,7 +15,6 @@ from pipeline.study_stats import (
     METRICS,
     Predictions,
     _bca,
-    bootstrap_difference,
     compare,
     paired_bootstrap,
     paired_difference,
@@ -88,10 +87,8 @@ def test_pairing_by_seed_removes_the_seed_effect():
         assert lo < paired["difference"] < hi < 0 and hi - lo < 2.0
     assert paired["verdict"] == "better"
 
-    lists = {m: [runs[m][s] for s in range(5)] for m in runs}
-    unpaired = bootstrap_difference(lists, "ref", 1000, np.random.default_rng(0))["method"]
-    lo, hi = unpaired["ci95"]
-    assert lo < 0 < hi and hi - lo > 5 * (paired["ci95"][1] - paired["ci95"][0])
+    # pairing by seed cancels the initialisation each seed shares: far narrower than the spread
+    assert paired["ci95"][1] - paired["ci95"][0] < spread / 5
 
 
 @pytest.mark.parametrize(

@@ -66,7 +66,7 @@ def test_a_choice_on_the_edge_steps_out_geometrically_once(values, chosen, param
 
 def test_plan_gives_every_method_the_same_grid_at_the_tuning_seed(tmp_path):
     root = tmp_path / "digits"
-    cfg = StudyConfig(methods=("ce", "ls", "focal", "ce+maccal"), seeds=(0,))
+    cfg = StudyConfig(methods=("ce", "ls", "focal", "ce+maccal"), seeds=(0,), robustness=False)
     tasks = {t.name: t for t in plan(cfg, "digits", ["train.epochs=1"], root)}
     tune = {n for n in tasks if n.startswith("tune-")}
     grids = {
@@ -110,7 +110,7 @@ def test_plan_gives_every_method_the_same_grid_at_the_tuning_seed(tmp_path):
     assert not tasks["ce-s0"].after and tasks["ce-s0"].prepare is None
     names = list(tasks)  # a grid joins the list just before its method's runs
     assert names.index("tune-ls-ext-a") < names.index("ls-s0") < names.index("tune-focal-g1")
-    untuned = StudyConfig(methods=cfg.methods, seeds=(0,), tune=False)
+    untuned = StudyConfig(methods=cfg.methods, seeds=(0,), tune=False, robustness=False)
     assert not any(t.name.startswith("tune-") for t in plan(untuned, "digits", [], root))
 
 
@@ -142,7 +142,7 @@ def _finetune_run(root, run: str, val_nll: float) -> None:
 
 
 def _tasks(root, methods):
-    cfg = StudyConfig(methods=methods, seeds=(0,))
+    cfg = StudyConfig(methods=methods, seeds=(0,), robustness=False)
     return cfg, {t.name: t for t in plan(cfg, "digits", [], root)}
 
 
@@ -265,7 +265,7 @@ def test_a_tiny_grid_runs_chooses_on_val_and_is_not_run_again(digits_root, tmp_p
     shutil.copytree(digits_root / "real", tmp_path / "digits" / "real")
     root = tmp_path / "digits"
     sets = [f"out={tmp_path}", "train.epochs=1", "train.milestones=", "finetune.maccal_epochs=1"]
-    cfg = StudyConfig(methods=("ce", "ls", "ce+maccal"), seeds=(0,))
+    cfg = StudyConfig(methods=("ce", "ls", "ce+maccal"), seeds=(0,), robustness=False)
     tune = [t for t in plan(cfg, "digits", sets, root) if t.name.startswith("tune-")]
     assert len(tune) == 1 + 4 + 1 + 4 + 2  # tune-ce, ls's grid + ext, MaC-Cal's grid + exts
     execute(tune, "digits", 2, tmp_path / "logs")

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from core.runtime import hub_offline
+from core.hub import hub_offline
 
 from .base import ImageEncoder, center_crop, file_sha256, resize
 

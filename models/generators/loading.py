@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from core.runtime import hub_offline
+from core.hub import hub_offline
 
 
 class ModelNotFoundError(OSError):

@@ -132,6 +132,9 @@ class UNetGenerator(Generator):
             row_multiple=row_multiple,
         )
         self.guidance = float(guidance)
+        # Lin et al. (2024) §3.4: the guided prediction's std pulled back towards the conditional
+        # one's by this fraction; 0 = plain guidance (bench/bench_levers.py measures it)
+        self.guidance_rescale = 0.0
         self.torch_compile = torch_compile
         if not lazy:
             self.load()
@@ -213,5 +216,11 @@ class UNetGenerator(Generator):
             if guided:
                 eps_c, eps_null = eps.chunk(2)
                 eps = eps_null + self.guidance * (eps_c - eps_null)
+                if self.guidance_rescale:
+                    from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import (
+                        rescale_noise_cfg,
+                    )
+
+                    eps = rescale_noise_cfg(eps, eps_c, self.guidance_rescale)
             x = sched.step(eps, t, x).prev_sample
         return x

@@ -31,7 +31,9 @@ class Config(StageConfig):
     ensemble_name: str = (
         ""  # folder under runs/<classes>/eval/ensemble/; "" = members joined by "+"
     )
-    ood: str = ""  # another prepared real/ root, runs/<name>/ root or split folder (MSP, FPR95)
+    # OOD sets (OOD=a,b): each a prepared split folder, real/ root or runs/<name>/ root, e.g. the
+    # `ood` stage's runs/<classes>/ood/<set>; scored against real/test (AUROC, FPR95, AUPR)
+    ood: tuple[str, ...] = ()
     corruptions: str = ""  # CIFAR-C layout: <corruption>.npy (5 severities x N) + labels.npy
     # temperature scaling: "nll" minimises val NLL (Guo et al. 2017); "ece" = lowest val ECE
     # on the grid 0.1..10 (the focal-calibration code)

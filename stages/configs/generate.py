@@ -159,7 +159,7 @@ def _edm(steps: int) -> dict:
 
 
 PRESETS = {
-    # the in-house UNet of fit-generator; 45 pairs x 6 = 270 series, 2160 images (~1 min, 2 cores)
+    # the in-house UNet of fit-generator; 45 pairs x 6 = 270 series, 2160 images (~1.5 min, 2 cores)
     # DDIM 15: on the fresh-clone chain as faithful as 25 (99.1 % vs 95.9 % of the pure images
     # their digit, the fit's own check chose w = 2) in 60 % of the time (docs/generate.md)
     "digits": dict(

@@ -1,0 +1,304 @@
+"""Post-hoc calibrators, fitted on validation logits only, and the choice of the best one
+(docs/evaluate.md, "Post-hoc calibrators").
+
+Every calibrator has `fit(val_logits, val_labels) -> self` and `probs(logits) -> p [N, C]`
+(float64, rows summing to 1); POSTHOC is the registry name -> class. The three parametric ones
+act on x = log softmax(s), which does not depend on the logits' arbitrary per-sample offset
+(so they apply as they are to an ensemble's log mean softmax), and return softmax(z(x)):
+
+    temperature  z = x / T                 T minimises the val NLL (fit_temperature_nll)
+    vector       z = w ⊙ x + b             Guo et al. 2017 (they scale the raw logits s: for a
+                                           network's logits x = s − logsumexp(s), so the two
+                                           differ by −logsumexp(s)·w, zero when w is constant)
+    dirichlet    z = W x + b, + ODIR       Kull et al. 2019, Dirichlet calibration with the
+                 λ/(C(C−1))·Σ_{i≠j} W_ij² + μ/C·Σ_j b_j²   (off-diagonal and intercept penalty)
+
+fitted by minimising the mean val NLL (+ the penalty) with L-BFGS (strong Wolfe line search) in
+float64 from the identity (w = 1, W = I, b = 0): no random draw, so a fit is deterministic.
+L-BFGS stops at a gradient below 1e-7 or after LBFGS_ITERATIONS = 300 iterations; C ≤ 10
+converges well before, while the C² weights of dirichlet for C = 100 reach the cap (the fit is
+then stopped early, still deterministically).
+The two non-parametric ones calibrate each class's probability p_k one-vs-rest on the 0/1
+targets 1[y = k] and renormalise the C outputs (a row of zeros becomes uniform):
+
+    histogram    15 equal-width bins ((m−1)/15, m/15] of p_k, each mapped to the frequency of
+                 y = k among the val samples in it (an empty bin: its centre); Zadrozny & Elkan
+                 2001
+    isotonic     the non-decreasing fit of 1[y = k] on p_k (pool adjacent violators; p_k equal
+                 to 1e-15 pooled first), interpolated linearly between the fitted points and
+                 constant beyond them, as sklearn's IsotonicRegression(out_of_bounds="clip");
+                 Zadrozny & Elkan 2002
+
+Their probabilities may be exactly 0, so every NLL here is `calibration.nll_of_probs` (p_y
+floored at float64's epsilon). `fit_posthoc` fits every calibrator and picks the one with the
+lowest val NLL, cross-validated: K stratified folds of val (round robin within each class, in
+index order, no random draw), each held-out fold scored by the calibrator fitted on the other
+K − 1. An in-sample val NLL would favour the flexible methods (isotonic regression fitted and
+scored on the same samples is close to a lookup table); ties go to the earlier registry entry.
+The calibrators of the result are refitted on all of val.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from torch.nn import functional as F
+
+from models.calibration import N_BINS, NLL_FLOOR, fit_temperature_nll
+
+CV_FOLDS = 5
+CRITERION = f"val NLL, {CV_FOLDS}-fold cross-validated (stratified round robin)"
+ODIR_LAMBDA = 0.1  # GUESS: Kull et al. choose both on a grid by cross-validation
+ODIR_MU = 0.1
+LBFGS_ITERATIONS = 300  # a cap: many classes (C = 100) stop here, see docs/evaluate.md
+TIE = 1e-15  # sklearn's isotonic regression pools inputs closer than float64's resolution
+
+
+def _log_probs(logits: torch.Tensor) -> torch.Tensor:
+    return F.log_softmax(logits.detach().to("cpu", torch.float64), dim=1)
+
+
+def _labels(labels: torch.Tensor) -> torch.Tensor:
+    return labels.detach().cpu().long()
+
+
+def _minimise(params: list[torch.Tensor], objective: Callable[[], torch.Tensor]) -> None:
+    """L-BFGS with a strong Wolfe line search, float64, until the gradient is ~0."""
+    opt = torch.optim.LBFGS(
+        params,
+        lr=1.0,
+        max_iter=LBFGS_ITERATIONS,
+        tolerance_grad=1e-7,
+        tolerance_change=1e-12,
+        history_size=20,
+        line_search_fn="strong_wolfe",
+    )
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = objective()
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():  # evaluate may call this under no_grad
+        opt.step(closure)
+
+
+def _renormalise(q: torch.Tensor) -> torch.Tensor:
+    total = q.sum(dim=1, keepdim=True)
+    uniform = torch.full_like(q, 1.0 / q.shape[1])
+    return torch.where(total > 0, q / total.clamp_min(1e-300), uniform)
+
+
+class Temperature:
+    """softmax(x / T), T minimising the val NLL (Guo et al. 2017)."""
+
+    def __init__(self) -> None:
+        self.t = 1.0
+
+    def fit(self, logits: torch.Tensor, labels: torch.Tensor) -> Temperature:
+        self.t = fit_temperature_nll(logits, labels)
+        return self
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return F.softmax(_log_probs(logits) / self.t, dim=1)
+
+
+class VectorScaling:
+    """softmax(w ⊙ x + b): a scale and a bias per class, unregularised."""
+
+    def __init__(self) -> None:
+        self.w: torch.Tensor | None = None
+        self.b: torch.Tensor | None = None
+
+    def fit(self, logits: torch.Tensor, labels: torch.Tensor) -> VectorScaling:
+        x, y = _log_probs(logits), _labels(labels)
+        w = torch.ones(x.shape[1], dtype=torch.float64, requires_grad=True)
+        b = torch.zeros(x.shape[1], dtype=torch.float64, requires_grad=True)
+        _minimise([w, b], lambda: F.cross_entropy(x * w + b, y))
+        self.w, self.b = w.detach(), b.detach()
+        return self
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return F.softmax(_log_probs(logits) * self.w + self.b, dim=1)
+
+
+class DirichletScaling:
+    """softmax(W x + b) with the ODIR penalty (Kull et al. 2019): the NLL plus
+    λ/(C(C−1))·Σ_{i≠j} W_ij² + μ/C·Σ_j b_j²; the diagonal is free."""
+
+    def __init__(self, lam: float = ODIR_LAMBDA, mu: float = ODIR_MU) -> None:
+        self.lam, self.mu = lam, mu
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+
+    def fit(self, logits: torch.Tensor, labels: torch.Tensor) -> DirichletScaling:
+        x, y = _log_probs(logits), _labels(labels)
+        c = x.shape[1]
+        off = 1.0 - torch.eye(c, dtype=torch.float64)
+        weight = torch.eye(c, dtype=torch.float64, requires_grad=True)
+        bias = torch.zeros(c, dtype=torch.float64, requires_grad=True)
+
+        def objective() -> torch.Tensor:
+            penalty = self.lam * ((weight * off) ** 2).sum() / max(c * (c - 1), 1)
+            return F.cross_entropy(x @ weight.T + bias, y) + penalty + self.mu * (bias**2).mean()
+
+        _minimise([weight, bias], objective)
+        self.weight, self.bias = weight.detach(), bias.detach()
+        return self
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return F.softmax(_log_probs(logits) @ self.weight.T + self.bias, dim=1)
+
+
+class HistogramBinning:
+    """One-vs-rest histogram binning on N_BINS equal-width bins of each p_k, renormalised."""
+
+    def __init__(self, n_bins: int = N_BINS) -> None:
+        self.n_bins = n_bins
+        self.values: torch.Tensor | None = None  # [C, n_bins]
+
+    def _bins(self, p: torch.Tensor) -> torch.Tensor:
+        inner = torch.linspace(0.0, 1.0, self.n_bins + 1, dtype=torch.float64)[1:-1]
+        return torch.bucketize(p, inner, right=False)  # right-closed, as ECE's bins
+
+    def fit(self, logits: torch.Tensor, labels: torch.Tensor) -> HistogramBinning:
+        p = _log_probs(logits).exp()
+        c = p.shape[1]
+        idx = self._bins(p) + torch.arange(c) * self.n_bins  # [N, C]: class k's bins at k·n_bins
+        hit = F.one_hot(_labels(labels), c).to(torch.float64)
+        count = torch.bincount(idx.flatten(), minlength=c * self.n_bins).to(torch.float64)
+        freq = torch.bincount(idx.flatten(), weights=hit.flatten(), minlength=c * self.n_bins)
+        centre = (torch.arange(self.n_bins, dtype=torch.float64) + 0.5) / self.n_bins
+        self.values = torch.where(count > 0, freq / count.clamp_min(1), centre.repeat(c)).view(
+            c, self.n_bins
+        )
+        return self
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        p = _log_probs(logits).exp()
+        q = self.values.T.gather(0, self._bins(p))  # q_ik = values[k, bin(p_ik)]
+        return _renormalise(q)
+
+
+def isotonic_fit(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(knots, values): the non-decreasing least-squares fit of y on x at the distinct x (runs
+    closer than TIE pooled first, keeping their smallest x, y averaged), by pool adjacent
+    violators."""
+    order = torch.argsort(x, stable=True)
+    xs, ys = x[order].tolist(), y[order].tolist()
+    knots, sums, weights = [xs[0]], [0.0], [0.0]
+    for xi, yi in zip(xs, ys):
+        if xi - knots[-1] >= TIE:
+            knots.append(xi)
+            sums.append(0.0)
+            weights.append(0.0)
+        sums[-1] += yi
+        weights[-1] += 1.0
+    means, sizes, counts = [], [], []  # the blocks: mean, weight, number of knots
+    for s, w in zip(sums, weights):
+        means.append(s / w)
+        sizes.append(w)
+        counts.append(1)
+        while len(means) > 1 and means[-2] > means[-1]:  # a violation: pool the last two
+            m, w2, k = means.pop(), sizes.pop(), counts.pop()
+            total = sizes[-1] + w2
+            means[-1] = (means[-1] * sizes[-1] + m * w2) / total
+            sizes[-1], counts[-1] = total, counts[-1] + k
+    values = torch.repeat_interleave(
+        torch.tensor(means, dtype=torch.float64), torch.tensor(counts, dtype=torch.long)
+    )
+    return torch.tensor(knots, dtype=torch.float64), values
+
+
+def isotonic_predict(knots: torch.Tensor, values: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The fit at x: linear between knots, constant beyond the first and the last."""
+    if knots.numel() == 1:
+        return values.expand_as(x).clone()
+    x = x.clamp(float(knots[0]), float(knots[-1]))
+    i = torch.searchsorted(knots, x, right=True).clamp(1, knots.numel() - 1)
+    lo, hi = knots[i - 1], knots[i]
+    frac = (x - lo) / (hi - lo)
+    return values[i - 1] + frac * (values[i] - values[i - 1])
+
+
+class IsotonicRegression:
+    """One-vs-rest isotonic regression of 1[y = k] on p_k, renormalised."""
+
+    def __init__(self) -> None:
+        self.fits: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def fit(self, logits: torch.Tensor, labels: torch.Tensor) -> IsotonicRegression:
+        p, y = _log_probs(logits).exp(), _labels(labels)
+        self.fits = [isotonic_fit(p[:, k], (y == k).to(torch.float64)) for k in range(p.shape[1])]
+        return self
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        p = _log_probs(logits).exp()
+        q = torch.stack([isotonic_predict(*f, p[:, k]) for k, f in enumerate(self.fits)], dim=1)
+        return _renormalise(q)
+
+
+Calibrator = Temperature | VectorScaling | DirichletScaling | HistogramBinning | IsotonicRegression
+POSTHOC: dict[str, type[Calibrator]] = {
+    "temperature": Temperature,
+    "vector": VectorScaling,
+    "dirichlet": DirichletScaling,
+    "histogram": HistogramBinning,
+    "isotonic": IsotonicRegression,
+}
+
+
+def cv_folds(labels: torch.Tensor, k: int = CV_FOLDS) -> torch.Tensor:
+    """Fold of every sample: within each class, samples in index order get folds 0, 1, ..,
+    k − 1, 0, 1, ... (stratified, deterministic)."""
+    y = _labels(labels)
+    order = torch.argsort(y, stable=True)
+    first = torch.searchsorted(y[order], y[order], right=False)  # where each class starts
+    fold = torch.empty_like(y)
+    fold[order] = (torch.arange(y.numel()) - first) % k
+    return fold
+
+
+def cross_validated_nll(
+    name: str, logits: torch.Tensor, labels: torch.Tensor, k: int = CV_FOLDS
+) -> float:
+    """Mean held-out NLL of POSTHOC[name] over the k folds of `cv_folds` (each sample scored
+    once, by the calibrator fitted on the folds it is not in)."""
+    y = _labels(labels)
+    fold = cv_folds(y, k)
+    p_y = torch.empty(y.numel(), dtype=torch.float64)
+    for f in fold.unique().tolist():
+        held = fold == f
+        calibrator = POSTHOC[name]().fit(logits[~held], y[~held])
+        p_y[held] = calibrator.probs(logits[held]).gather(1, y[held][:, None]).squeeze(1)
+    return float(-p_y.clamp_min(NLL_FLOOR).log().mean())  # = calibration.nll_of_probs
+
+
+@dataclasses.dataclass(frozen=True)
+class PosthocFit:
+    """Every calibrator fitted on all of val, their cross-validated val NLLs, the best name."""
+
+    calibrators: dict[str, Calibrator]
+    val_nll: dict[str, float]
+    best: str
+
+    def probs(self, logits: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{name: calibrated probabilities of `logits`} for every calibrator."""
+        return {name: c.probs(logits) for name, c in self.calibrators.items()}
+
+
+def fit_posthoc(
+    val_logits: torch.Tensor, val_labels: torch.Tensor, k: int = CV_FOLDS
+) -> PosthocFit:
+    """Fit every calibrator of POSTHOC on val; the best has the lowest `cross_validated_nll`."""
+    logits = val_logits.detach().to("cpu", torch.float64)
+    y = _labels(val_labels)
+    if y.numel() < 2 * k:
+        raise ValueError(f"post-hoc calibration needs >= {2 * k} val samples, got {y.numel()}")
+    val_nll = {name: cross_validated_nll(name, logits, y, k) for name in POSTHOC}
+    best = min(val_nll, key=val_nll.__getitem__)  # min keeps the first of equal values
+    calibrators = {name: cls().fit(logits, y) for name, cls in POSTHOC.items()}
+    return PosthocFit(calibrators, val_nll, best)

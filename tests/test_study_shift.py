@@ -1,0 +1,111 @@
+"""The study's robustness table (pipeline/study_shift.py): its plan, its records and its
+statistics paired by image, on constructed inputs with a known answer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline import study_shift
+from pipeline.study_shift import SEVERE, ShiftPredictions, comparisons, record
+from pipeline.study_stats import Predictions, paired_difference
+
+
+def _npz(path, logits, labels):
+    np.savez(path, corruption_logits=logits.astype(np.float32), corruption_labels=labels)
+    return path
+
+
+def test_shift_metrics_are_the_mean_over_the_severe_sets(tmp_path):
+    g = np.random.default_rng(0)
+    logits, labels = g.normal(size=(3, 5, 400, 4)) * 3, g.integers(0, 4, 400)
+    p = ShiftPredictions.load(_npz(tmp_path / "p.npz", logits, labels), temperature=1.7)
+    sets = [
+        Predictions.from_logits(logits[c, s - 1].astype(np.float32), labels, 1.7)
+        for c in range(3)
+        for s in SEVERE
+    ]
+    idx = g.integers(0, 400, 400)
+    for i in (None, idx):
+        assert p.ece(i) == pytest.approx(np.mean([q.ece(i) for q in sets]), abs=1e-12)
+        assert p.nll(i) == pytest.approx(np.mean([q.nll(i) for q in sets]), abs=1e-12)
+
+
+def test_paired_bootstrap_under_shift_separates_a_calmer_method(tmp_path):
+    """Seed k of both methods shares its logits' noise; the calm one is 4x less confident:
+    better calibrated (these logits are far overconfident), by an interval below 0."""
+    g = np.random.default_rng(1)
+    labels = g.integers(0, 3, 300)
+    runs: dict[str, dict[int, ShiftPredictions]] = {"ce": {}, "calm": {}}
+    for seed in range(3):
+        logits = g.normal(size=(2, 5, 300, 3))
+        logits[..., np.arange(300), labels] += 1.0
+        for name, scale in (("ce", 8.0), ("calm", 2.0)):
+            path = _npz(tmp_path / f"{name}{seed}.npz", logits * scale, labels)
+            runs[name][seed] = ShiftPredictions.load(path, 1.0)
+    r = paired_difference(runs, "calm", "ce", 300, np.random.default_rng(0), "ece")  # type: ignore[arg-type]
+    assert r["ci95"][1] < 0 and r["verdict"] == "better" and r["relative"] < -0.2
+
+
+def test_record_reads_the_evaluations_shift_and_ood_sections():
+    sev = {str(s): {"ece": s, "nll": 0.1 * s, "brier": 0.0, "top1": 90 - s} for s in range(1, 6)}
+    ev = {
+        "corruptions": {
+            w: {"noise": sev, "blur": sev, "mean": sev} for w in ("before_ts", "after_ts")
+        },
+        "ood": {
+            "uniform": {
+                "before_ts": {
+                    "msp_auroc": 80.0,
+                    "msp_fpr95": 50.0,
+                    "msp_aupr_in": 1,
+                    "msp_aupr_out": 2,
+                },
+                "after_ts": {"msp_auroc": 81.0},
+            }
+        },
+    }
+    r = record(ev)
+    assert r["shift"]["after_ts"]["3"]["ece"] == 3
+    assert set(r["shift"]["per_corruption"]["before_ts"]) == {"noise", "blur"}
+    assert r["ood"]["uniform"] == {
+        "auroc": 80.0, "fpr95": 50.0, "aupr_in": 1, "aupr_out": 2, "auroc_after_ts": 81.0
+    }  # fmt: skip
+
+
+def test_the_plan_builds_the_sets_first_and_every_evaluation_reads_them(tmp_path):
+    tasks, reads = study_shift.robustness_tasks(
+        tmp_path / "fashion-mnist", "fashion-mnist", {"chain"}
+    )
+    assert [t.name for t in tasks] == ["shift", "ood"] and all(t.after == {"chain"} for t in tasks)
+    assert tasks[0].steps == [("shift", [f"limit={study_shift.SHIFT_IMAGES}"])]
+    assert tasks[1].steps == [("ood", ["sets=digits,uniform"])]
+    assert reads[0].endswith("shift/test-c") and reads[1].count(",") == 1
+    # scikit-learn's digits is no OOD set for the digits preset
+    assert study_shift.ood_sets("digits") == ("uniform",)
+    assert comparisons(["ce", "csm", "ls"]) == [
+        ("after_ts", "ece", "csm", "ce"), ("after_ts", "nll", "csm", "ce"),
+        ("after_ts", "ece", "ls", "ce"), ("after_ts", "nll", "ls", "ce"),
+        ("before_ts", "ece", "csm", "ce"),
+    ]  # fmt: skip
+
+
+def test_every_run_waits_for_the_sets_and_is_redone_until_it_read_them(tmp_path):
+    from test_study import _run_and_evaluation
+
+    from pipeline.study import plan
+    from pipeline.study_config import StudyConfig
+
+    cfg = StudyConfig(methods=("ce", "csm-ratio"), seeds=(0,), tune=False)
+    tasks = {t.name: t for t in plan(cfg, "digits", [], tmp_path)}
+    assert list(tasks) == ["chain", "shift", "ood", "ce-s0", "csm-ratio-s0"]
+    assert tasks["ce-s0"].after == {"shift", "ood"}
+    assert tasks["csm-ratio-s0"].after == {"chain", "shift", "ood"}
+    evaluate = tasks["ce-s0"].steps[1][1]
+    assert f"corruptions={tmp_path / 'shift' / 'test-c'}" in evaluate
+    assert f"ood={tmp_path / 'ood' / 'uniform'}" in evaluate
+    # an evaluation of the clean test split only is not done: its evaluate step runs again
+    _run_and_evaluation(tmp_path, "train", "ce-s0", "nll")
+    assert not next(t for t in plan(cfg, "digits", [], tmp_path) if t.name == "ce-s0").done
+    quiet = StudyConfig(methods=("ce", "csm-ratio"), seeds=(0,), tune=False, robustness=False)
+    assert next(t for t in plan(quiet, "digits", [], tmp_path) if t.name == "ce-s0").done
