@@ -41,6 +41,7 @@ from pipeline.registry import resolve_stage_config
 from pipeline.study_config import (
     METHODS,
     METRICS,
+    POSTHOC,
     StudyConfig,
     StudyError,
     Task,
@@ -242,6 +243,11 @@ def collect(cfg: StudyConfig, root: Path) -> list[dict[str, Any]]:
                     "temperature_on_edge": ev["temperature_on_edge"],
                     "before_ts": {k: ev["before_ts"][k] for k in METRICS},
                     "after_ts": {k: ev["after_ts"][k] for k in METRICS},
+                    # the best post-hoc calibrator on val (models/posthoc.py), for ce + it
+                    "posthoc_method": ev["posthoc"]["best"],
+                    "after_posthoc": {
+                        k: ev["posthoc"]["after"][ev["posthoc"]["best"]][k] for k in METRICS
+                    },
                     **(study_shift.record(ev) if cfg.robustness else {}),
                 }
             )
@@ -296,11 +302,6 @@ def pair_rng(*key: str) -> np.random.Generator:
     return np.random.default_rng(derive_seed(0, "study-paired", *key))
 
 
-def shift_rng(*key: str) -> np.random.Generator:
-    """The generator of one comparison under shift: (when, metric, method, reference)."""
-    return np.random.default_rng(derive_seed(0, "study-shift", *key))
-
-
 def run_study(preset: str, sets: Sequence[str]) -> Path:
     # 0. The study's config, the run root, and the plan, every run's config resolved.
     cfg, root, tasks = setup(preset, sets)
@@ -321,21 +322,31 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
     for r in records:
         path = root / evals.EVAL / r["run"] / evals.PREDICTIONS  # r["run"] = <stage>/<run>
         with np.load(path, allow_pickle=False) as z:
-            logits, labels = z["logits"], z["labels"]
+            logits, labels, probs = z["logits"], z["labels"], z["posthoc_probs"]
         for when, t in (("before_ts", 1.0), ("after_ts", r["temperature"])):
             p = Predictions.from_logits(logits, labels, t)
             by_seed[when].setdefault(r["method"], {})[r["seed"]] = p
+        if r["method"] == "ce":  # the baseline "ce + the best post-hoc calibrator on val"
+            by_seed["after_ts"].setdefault(POSTHOC, {})[r["seed"]] = Predictions.from_probs(
+                probs, labels
+            )
     # paired by seed and test image, BCa intervals, verdicts against the margins fixed in
     # pipeline/study_stats.py (MARGINS) before any run
     pairs = comparison_pairs(cfg.methods)
+    pairs += [(m, POSTHOC) for m in ("ce", "csm") if m in cfg.methods]  # after TS only
     paired = {
-        when: compare(p, pairs, cfg.bootstrap, functools.partial(pair_rng, when))
+        when: compare(
+            p,
+            [pair for pair in pairs if POSTHOC not in pair or when == "after_ts"],
+            cfg.bootstrap,
+            functools.partial(pair_rng, when),
+        )
         for when, p in by_seed.items()
     }
     shift = None
     if cfg.robustness:
         wanted = study_shift.comparisons(cfg.methods)
-        shift = study_shift.shift_paired(root, records, wanted, cfg.bootstrap, shift_rng)
+        shift = study_shift.shift_paired(root, records, wanted, cfg.bootstrap, study_shift.rng)
     tuning = tuning_report(cfg, root, sets) if cfg.tune else {}
     variants = sorted({METHODS[m].variant for m in cfg.methods if METHODS[m].variant})
     images = mixed_images(root, variants) if variants else None

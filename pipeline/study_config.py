@@ -64,6 +64,9 @@ DEFAULT_METHODS = (
 VERDICT_METHODS = ("ce", "csm", "csm3", "csm-redraw", "ce+maccal", "csm+maccal")
 # the comparisons the verdict reads, beside every method against ce: (method, reference)
 VERDICT_PAIRS = (("csm3", "csm"), ("csm-redraw", "csm"), ("csm+maccal", "ce+maccal"))
+# the baseline "ce + the best post-hoc calibrator on val" (models/posthoc.py), a pseudo-method of
+# the paired comparisons after TS (its probabilities are in ce's predictions.npz)
+POSTHOC = "ce+posthoc"
 METRICS = ("top1", "ece", "aece", "classwise_ece", "oece", "uece", "mce", "nll", "brier")
 
 

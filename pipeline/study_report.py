@@ -237,6 +237,13 @@ def write_report(
             if t_col:
                 cells.append(_pm(stats["temperature"], 2))
             lines.append(f"| {method} | " + " | ".join(cells) + " |")
+        if when == "after_ts" and "after_posthoc.ece" in summary.get("ce", {}):
+            ce = summary["ce"]  # the baseline: ce + the best post-hoc calibrator on val
+            cells = [_pm(ce[f"after_posthoc.{k}"], d) for k, _, d in COLUMNS]
+            methods = sorted({r["posthoc_method"] for r in records if r["method"] == "ce"})
+            lines.append(
+                f"| ce + best post-hoc ({', '.join(methods)}) | " + " | ".join(cells) + " | - |"
+            )
         lines.append("")
     lines += _differences(summary, paired, "ce", "Difference to ce")
     if "csm" in summary:

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from core.runtime import derive_seed
 from pipeline.chain import split_sets
 from pipeline.study_config import Task
 from pipeline.study_stats import N_BINS, Predictions, paired_difference
@@ -143,6 +144,11 @@ def comparisons(methods: Sequence[str]) -> list[tuple[str, str, str, str]]:
     post-hoc fix is what shift undoes), and csm against ce before TS too."""
     out = [("after_ts", k, m, "ce") for m in methods if m != "ce" for k in SHIFT_METRICS]
     return out + ([("before_ts", "ece", "csm", "ce")] if "csm" in methods else [])
+
+
+def rng(*key: str) -> np.random.Generator:
+    """The generator of one comparison under shift: (when, metric, method, reference)."""
+    return np.random.default_rng(derive_seed(0, "study-shift", *key))
 
 
 def shift_paired(

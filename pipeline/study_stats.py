@@ -53,6 +53,12 @@ class Predictions:
     FIELDS = ("bins", "gap", "logits", "labels", "nlls", "correct")
 
     @classmethod
+    def from_probs(cls, probs: np.ndarray, labels: np.ndarray) -> Predictions:
+        """Predictions from calibrated probabilities (a post-hoc calibrator's): their logs are
+        logits whose softmax gives them back (floored at float64's eps, as sklearn's log_loss)."""
+        return cls.from_logits(np.log(np.clip(probs, np.finfo(np.float64).eps, 1.0)), labels)
+
+    @classmethod
     def from_logits(
         cls, logits: np.ndarray, labels: np.ndarray, temperature: float = 1.0
     ) -> Predictions:
@@ -294,13 +300,14 @@ def summarize(
     records: list[dict[str, Any]], metrics: Sequence[str]
 ) -> dict[str, dict[str, dict[str, float]]]:
     """{method: {"before_ts.ece": {mean, std (sample), n}, ..., "temperature": {...}}} over the
-    records' seeds; `metrics` names the keys of each record's before_ts / after_ts."""
+    records' seeds; `metrics` names the keys of each record's before_ts / after_ts (and
+    after_posthoc, the best post-hoc calibrator on val, where the records have it)."""
     out: dict[str, dict[str, dict[str, float]]] = {}
     for method in dict.fromkeys(r["method"] for r in records):
         rows = [r for r in records if r["method"] == method]
         stats = {}
-        for when in ("before_ts", "after_ts"):
-            for metric in metrics:
+        for when in ("before_ts", "after_ts", "after_posthoc"):
+            for metric in metrics if when in rows[0] else ():
                 v = np.array([r[when][metric] for r in rows], dtype=float)
                 std = float(v.std(ddof=1)) if len(v) > 1 else 0.0
                 stats[f"{when}.{metric}"] = {"mean": float(v.mean()), "std": std, "n": len(v)}

@@ -233,3 +233,14 @@ def test_acceleration_of_a_mean_is_the_skewness_of_its_block_means():
     expected = (d**3).sum() / (6 * (d**2).sum() ** 1.5)
     assert expected > 0.005
     assert r["bca"]["acceleration"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_predictions_from_calibrated_probabilities_equal_those_from_their_logits():
+    """The baseline ce + best post-hoc stores probabilities: their logs give the same metrics."""
+    g = np.random.default_rng(3)
+    logits, labels = g.normal(size=(300, 5)) * 2, g.integers(0, 5, 300)
+    a = Predictions.from_logits(logits, labels)
+    b = Predictions.from_probs(softmax(logits), labels)
+    idx = g.integers(0, 300, 300)
+    for metric in ("ece", "debiased_ece", "nll"):
+        assert getattr(a, metric)(idx) == pytest.approx(getattr(b, metric)(idx), abs=1e-9)
