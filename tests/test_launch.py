@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 from conftest import subprocess_env
-from test_multinode import DEADLINE, free_port, launch_each, node_dirs, torchrun_nodes
+from test_multinode import (
+    DEADLINE,
+    accelerate_nodes,
+    free_port,
+    launch_each,
+    node_dirs,
+    torchrun_nodes,
+)
 
 from core.config import ConfigError
 from core.runtime import launcher_precision
@@ -63,6 +70,20 @@ def test_rerun_of_complete_work_on_two_nodes_exits_0_every_time(digits_root, tmp
     dirs = node_dirs(tmp_path)
     for attempt in range(RERUNS):
         argvs = [[*cmd, *_prepare(root)] for cmd in torchrun_nodes(free_port(), dirs)]
+        nodes = launch_each(argvs, dirs)
+        assert all(n.rc == 0 for n in nodes), (attempt, [n.err[-400:] for n in nodes])
+
+
+@pytest.mark.slow
+def test_rerun_of_complete_work_under_accelerate_on_two_machines_exits_0_every_time(
+    digits_root, tmp_path
+):
+    """accelerate's torch launcher, 2 machines x 1 process on loopback (on a CPU machine
+    accelerate needs one process per machine for --multi_gpu)."""
+    root = _complete_root(digits_root, tmp_path)
+    dirs = node_dirs(tmp_path)
+    for attempt in range(RERUNS):
+        argvs = [[*cmd, *_prepare(root)] for cmd in accelerate_nodes(free_port())]
         nodes = launch_each(argvs, dirs)
         assert all(n.rc == 0 for n in nodes), (attempt, [n.err[-400:] for n in nodes])
 
