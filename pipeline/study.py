@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from core.config import describe_fields, parse_sets
-from core.io import atomic_write_json, read_json
+from core.io import atomic_write_json
 from core.logs import log, progress
 from core.runtime import derive_seed
 from pipeline import study_shift
@@ -50,10 +50,10 @@ from pipeline.study_config import (
     run_name,
 )
 from pipeline.study_kway import mixed_images, prepare_kway, prepare_redraw, variant_root
+from pipeline.study_records import collect, seed_predictions
 from pipeline.study_report import figures, write_report
 from pipeline.study_stats import (
     MARGINS,
-    Predictions,
     compare,
     summarize,
 )
@@ -225,42 +225,6 @@ def execute(tasks: list[Task], preset: str, jobs: int, logs: Path) -> dict[str, 
 # ---------------------------------------------------------------- report
 
 
-def collect(cfg: StudyConfig, root: Path) -> list[dict[str, Any]]:
-    records = []
-    for method in cfg.methods:
-        stage_dir = "finetune" if METHODS[method].stage == "finetune" else "train"
-        for seed in cfg.seeds_of(method):
-            folder = evals.eval_dir(root, stage_dir, run_name(method, seed))
-            ev = evals.read_metrics(folder)["evaluation"]
-            records.append(
-                {
-                    "method": method,
-                    "seed": seed,
-                    "run": f"{stage_dir}/{folder.name}",
-                    "labelled_train_images": recorded_budget(root / stage_dir / folder.name),
-                    "temperature": ev["temperature"],
-                    "ts_criterion": ev["ts_criterion"],
-                    "temperature_on_edge": ev["temperature_on_edge"],
-                    "before_ts": {k: ev["before_ts"][k] for k in METRICS},
-                    "after_ts": {k: ev["after_ts"][k] for k in METRICS},
-                    # the best post-hoc calibrator on val (models/posthoc.py), for ce + it
-                    "posthoc_method": ev["posthoc"]["best"],
-                    "after_posthoc": {
-                        k: ev["posthoc"]["after"][ev["posthoc"]["best"]][k] for k in METRICS
-                    },
-                    **(study_shift.record(ev) if cfg.robustness else {}),
-                }
-            )
-    return records
-
-
-def recorded_budget(run: Path) -> int | None:
-    """The labelled images a run recorded when it was made (metrics.json, shards/budget.py);
-    None for a run made before runs recorded it (a fine-tuning then read all of real/train)."""
-    section = "finetune" if run.parent.name == "finetune" else "train"
-    return read_json(run / "metrics.json")[section].get("labelled_train_images")
-
-
 def setup(preset: str, sets: Sequence[str]) -> tuple[StudyConfig, Path, list[Task]]:
     """Study fields (`study.key=value`), the run root, and the plan. Every run's config is
     resolved up front (the chain validates its own), so a misspelt field fails now, not an
@@ -318,22 +282,12 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
     records = collect(cfg, root)
     budget = check_budget(records)
     summary = summarize(records, METRICS)
-    by_seed: dict[str, dict[str, dict[int, Predictions]]] = {"before_ts": {}, "after_ts": {}}
-    for r in records:
-        path = root / evals.EVAL / r["run"] / evals.PREDICTIONS  # r["run"] = <stage>/<run>
-        with np.load(path, allow_pickle=False) as z:
-            logits, labels, probs = z["logits"], z["labels"], z["posthoc_probs"]
-        for when, t in (("before_ts", 1.0), ("after_ts", r["temperature"])):
-            p = Predictions.from_logits(logits, labels, t)
-            by_seed[when].setdefault(r["method"], {})[r["seed"]] = p
-        if r["method"] == "ce":  # the baseline "ce + the best post-hoc calibrator on val"
-            by_seed["after_ts"].setdefault(POSTHOC, {})[r["seed"]] = Predictions.from_probs(
-                probs, labels
-            )
+    by_seed = seed_predictions(root, records)
     # paired by seed and test image, BCa intervals, verdicts against the margins fixed in
     # pipeline/study_stats.py (MARGINS) before any run
     pairs = comparison_pairs(cfg.methods)
-    pairs += [(m, POSTHOC) for m in ("ce", "csm") if m in cfg.methods]  # after TS only
+    if POSTHOC in by_seed["after_ts"]:  # after TS only
+        pairs += [(m, POSTHOC) for m in ("ce", "csm") if m in cfg.methods]
     paired = {
         when: compare(
             p,

@@ -307,7 +307,7 @@ def summarize(
         rows = [r for r in records if r["method"] == method]
         stats = {}
         for when in ("before_ts", "after_ts", "after_posthoc"):
-            for metric in metrics if when in rows[0] else ():
+            for metric in metrics if all(when in r for r in rows) else ():
                 v = np.array([r[when][metric] for r in rows], dtype=float)
                 std = float(v.std(ddof=1)) if len(v) > 1 else 0.0
                 stats[f"{when}.{metric}"] = {"mean": float(v.mean()), "std": std, "n": len(v)}

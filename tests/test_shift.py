@@ -286,23 +286,14 @@ def test_ood_digits_set_is_sklearns_digits_at_the_roots_size(tmp_path, capsys):
 
 
 def test_evaluate_scores_the_shift_and_ood_sets(digits_root, tmp_path):
+    from test_evaluate import save_run
+
     from models.classifiers import build_classifier
-    from shards.runs import finish_run, save_weights
 
     root = copy_root(digits_root, tmp_path / "runs")
     torch.manual_seed(0)
-    model = build_classifier("digits-cnn", 10, 3)
     names = list(read_manifest(root / "real" / "test").class_names)
-    meta = {
-        "arch": model.arch_config(),
-        "class_names": names,
-        "image_size": 16,
-        "normalize": {"mean": [0.5] * 3, "std": [0.25] * 3},
-        "loss": "ce",
-    }
-    save_weights(root / "train" / "r", model.state_dict(), meta)
-    atomic_write_json(root / "train" / "r" / "metrics.json", {"train": {"finished": True}})
-    finish_run(root / "train" / "r", names, {})
+    save_run(root / "train" / "r", build_classifier("digits-cnn", 10, 3), names)
     corr = shift(root, "corruptions=impulse_noise,pixelate")
     sets = ood(root, "sets=uniform,gaussian", "noise_images=30")
     both = f"ood={sets / 'uniform'},{sets / 'gaussian'}"

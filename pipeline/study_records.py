@@ -1,0 +1,85 @@
+"""What a study reads from its runs' folders: one record per (method, seed) from its evaluation
+(eval/<stage>/<run>/metrics.json, the run's labelled budget, the best post-hoc calibrator, the
+robustness entries), and each record's test predictions for the paired statistics.
+
+Split from `pipeline.study` (which plans and runs the study) so each reads top to bottom.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from core.io import read_json
+from pipeline import study_shift
+from pipeline.study_config import METHODS, METRICS, POSTHOC, StudyConfig, run_name
+from pipeline.study_stats import Predictions
+from shards import evals
+
+
+def collect(cfg: StudyConfig, root: Path) -> list[dict[str, Any]]:
+    records = []
+    for method in cfg.methods:
+        stage_dir = "finetune" if METHODS[method].stage == "finetune" else "train"
+        for seed in cfg.seeds_of(method):
+            folder = evals.eval_dir(root, stage_dir, run_name(method, seed))
+            ev = evals.read_metrics(folder)["evaluation"]
+            records.append(
+                {
+                    "method": method,
+                    "seed": seed,
+                    "run": f"{stage_dir}/{folder.name}",
+                    "labelled_train_images": recorded_budget(root / stage_dir / folder.name),
+                    "temperature": ev["temperature"],
+                    "ts_criterion": ev["ts_criterion"],
+                    "temperature_on_edge": ev["temperature_on_edge"],
+                    "before_ts": {k: ev["before_ts"][k] for k in METRICS},
+                    "after_ts": {k: ev["after_ts"][k] for k in METRICS},
+                    **posthoc_entries(ev),
+                    **(study_shift.record(ev) if cfg.robustness else {}),
+                }
+            )
+    return records
+
+
+def posthoc_entries(ev: dict[str, Any]) -> dict[str, Any]:
+    """The best post-hoc calibrator on val (models/posthoc.py), for the baseline ce + it; {} for
+    an evaluation made before evaluate fitted them."""
+    if "posthoc" not in ev:
+        return {}
+    best = ev["posthoc"]["best"]
+    return {
+        "posthoc_method": best,
+        "after_posthoc": {k: ev["posthoc"]["after"][best][k] for k in METRICS},
+    }
+
+
+def recorded_budget(run: Path) -> int | None:
+    """The labelled images a run recorded when it was made (metrics.json, shards/budget.py);
+    None for a run made before runs recorded it (a fine-tuning then read all of real/train)."""
+    section = "finetune" if run.parent.name == "finetune" else "train"
+    return read_json(run / "metrics.json")[section].get("labelled_train_images")
+
+
+def seed_predictions(
+    root: Path, records: list[dict[str, Any]]
+) -> dict[str, dict[str, dict[int, Predictions]]]:
+    """{"before_ts"|"after_ts": {method: {seed: Predictions}}} from each record's
+    predictions.npz; after TS also POSTHOC, the baseline "ce + the best post-hoc calibrator on
+    val", from ce's calibrated probabilities (where its evaluation stored them)."""
+    by_seed: dict[str, dict[str, dict[int, Predictions]]] = {"before_ts": {}, "after_ts": {}}
+    for r in records:
+        path = root / evals.EVAL / r["run"] / evals.PREDICTIONS  # r["run"] = <stage>/<run>
+        with np.load(path, allow_pickle=False) as z:
+            logits, labels = z["logits"], z["labels"]
+            probs = z["posthoc_probs"] if "posthoc_probs" in z.files else None
+        for when, t in (("before_ts", 1.0), ("after_ts", r["temperature"])):
+            p = Predictions.from_logits(logits, labels, t)
+            by_seed[when].setdefault(r["method"], {})[r["seed"]] = p
+        if r["method"] == "ce" and probs is not None:
+            by_seed["after_ts"].setdefault(POSTHOC, {})[r["seed"]] = Predictions.from_probs(
+                probs, labels
+            )
+    return by_seed
