@@ -111,7 +111,10 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
 
     train_sets, ft_sets = split_sets(sets, "train"), split_sets(sets, "finetune")
     tuned = tuning_tasks(cfg, root, sets) if cfg.tune else {}
-    eval_sets = [*split_sets(sets, "evaluate"), f"ts_criterion={cfg.ts_criterion}"]
+    # evaluate pinned to 1 CPU thread unless the command line says otherwise: `jobs` runs fill
+    # the cores, and torch's default (every core in each) oversubscribes them (4-8x slower
+    # here); pinned, the numbers do not depend on the machine's core count either
+    eval_sets = ["cpu_threads=1", *split_sets(sets, "evaluate"), f"ts_criterion={cfg.ts_criterion}"]
     robust: set[str] = set()  # the tasks every evaluation waits for: the shift and OOD sets
     if cfg.robustness:
         after = {"chain"} if needs_chain else set()
@@ -297,10 +300,17 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
         )
         for when, p in by_seed.items()
     }
-    shift = None
+    robust: dict[str, Any] = {"shift": None, "ood": None}
     if cfg.robustness:
         wanted = study_shift.comparisons(cfg.methods)
-        shift = study_shift.shift_paired(root, records, wanted, cfg.bootstrap, study_shift.rng)
+        robust = {
+            "shift": study_shift.shift_paired(
+                root, records, wanted, cfg.bootstrap, study_shift.rng
+            ),
+            "ood": study_shift.ood_paired(
+                root, records, cfg.methods, cfg.bootstrap, study_shift.rng
+            ),
+        }
     tuning = tuning_report(cfg, root, sets) if cfg.tune else {}
     variants = sorted({METHODS[m].variant for m in cfg.methods if METHODS[m].variant})
     images = mixed_images(root, variants) if variants else None
@@ -317,7 +327,8 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
             "margins": MARGINS,
             "tuning": tuning,
             "mixed_images": images,
-            "shift_paired": shift,
+            "shift_paired": robust["shift"],
+            "ood_paired": robust["ood"],
         },
     )
     # what this machine took, apart: study.json is the same bytes wherever the study ran
@@ -329,8 +340,11 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
         },
     )
     figures(cfg, root, out, {m: list(p.values()) for m, p in by_seed["before_ts"].items()}, summary)
-    report = write_report(cfg, root, out, records, summary, paired, tuning, images, shift)
-    if shift is not None:
+    report = write_report(
+        cfg, root, out, records, summary, paired, tuning, images,
+        robust if cfg.robustness else None,
+    )  # fmt: skip
+    if cfg.robustness:
         study_shift.figure(records, out / "shift.png", f"{root.name}: under corruption, after TS")
     return report
 

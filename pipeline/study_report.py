@@ -207,7 +207,8 @@ def write_report(
     image-paired comparisons with their non-inferiority verdicts. `tuning`: {group: the val grid
     and its choice} (pipeline/study_tune.py). `images`: {mixed folder: generated images} when
     the study has methods on other mixed sets than csm's. `shift`: the paired comparisons
-    under shift (pipeline/study_shift.py); with it, the records carry `shift` and `ood`."""
+    under shift and on the OOD sets ({"shift": ..., "ood": ...}, pipeline/study_shift.py); with
+    it, the records carry `shift` and `ood`."""
     others = cfg.seeds[: cfg.other_seeds]
     lines = [
         f"# Study: {root.name}",
@@ -266,7 +267,7 @@ def write_report(
     if shift is not None:
         from pipeline.study_shift import report_lines
 
-        lines += report_lines(records, shift)
+        lines += report_lines(records, shift["shift"], shift.get("ood"))
     lines += [
         "## Every run",
         "",

@@ -29,7 +29,7 @@ import numpy as np
 from core.runtime import derive_seed
 from pipeline.chain import split_sets
 from pipeline.study_config import Task
-from pipeline.study_stats import N_BINS, Predictions, paired_difference
+from pipeline.study_stats import MARGINS, N_BINS, Predictions, paired_difference, softmax
 from shards import evals
 from shards.manifest import read_manifest
 
@@ -79,8 +79,13 @@ def robustness_tasks(
 
 def read_them(folder: Path, preset: str) -> bool:
     """The evaluation in `folder` read the shift and OOD sets (its manifest's upstream)."""
-    upstream = read_manifest(folder).upstream
-    return "corruptions" in upstream and all(f"ood/{s}" in upstream for s in ood_sets(preset))
+    manifest = read_manifest(folder)
+    upstream, settings = manifest.upstream, manifest.info.get("settings", {})
+    return (
+        "corruptions" in upstream
+        and all(f"ood/{s}" in upstream for s in ood_sets(preset))
+        and settings.get("predictions_format") == evals.PREDICTIONS_FORMAT  # has the OOD logits
+    )
 
 
 def record(ev: dict[str, Any]) -> dict[str, Any]:
@@ -139,6 +144,69 @@ class ShiftPredictions:
         return float((self.nlls if idx is None else self.nlls[:, idx]).mean())
 
 
+@dataclass(frozen=True)
+class OODPredictions:
+    """One run's max-softmax scores (before TS) on the test split and one OOD set, as one
+    sample of N_test + N_ood images (ID first) that the paired bootstrap resamples like test
+    images: every run scores the same images in the same order. `auroc_shortfall(idx)` is
+    1 − AUROC (ID = positive, ties counted half) on the images `idx`, counted with their
+    multiplicity, in O(N) from tie groups sorted once."""
+
+    group: np.ndarray  # [N] rank of each image's score among the distinct scores (ascending)
+    is_id: np.ndarray  # [N] 1.0 for a test image, 0.0 for an OOD one
+    labels: np.ndarray  # [N] test labels, then −1 for the OOD images (pairing check only)
+
+    @classmethod
+    def load(cls, path: Path, ood_set: str) -> OODPredictions:
+        with np.load(path, allow_pickle=False) as z:
+            test, ood, labels = z["logits"], z[evals.ood_logits_key(ood_set)], z["labels"]
+        scores = np.concatenate([softmax(test).max(axis=1), softmax(ood).max(axis=1)])
+        _, group = np.unique(scores, return_inverse=True)
+        is_id = np.concatenate([np.ones(len(test)), np.zeros(len(ood))])
+        return cls(group, is_id, np.concatenate([labels, np.full(len(ood), -1)]))
+
+    def auroc_shortfall(self, idx: np.ndarray | None = None) -> float:
+        n = len(self.group)
+        w = np.ones(n) if idx is None else np.bincount(idx, minlength=n).astype(float)
+        g = int(self.group.max()) + 1
+        pos = np.bincount(self.group, weights=w * self.is_id, minlength=g)
+        neg = np.bincount(self.group, weights=w * (1.0 - self.is_id), minlength=g)
+        below = np.cumsum(neg) - neg  # OOD weight strictly below each score
+        auroc = float(pos @ (below + 0.5 * neg)) / float(pos.sum() * neg.sum())
+        return 1.0 - auroc
+
+
+def ood_paired(
+    root: Path,
+    records: list[dict[str, Any]],
+    methods: Sequence[str],
+    n: int,
+    rng: Callable[..., np.random.Generator],
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """{set: {method: paired_difference}} of 1 − AUROC (max softmax, before TS), each method
+    against ce on each OOD set, paired by seed and by image (test and OOD images resampled
+    together); `rng("ood", set, method, "ce")` as the other comparisons'."""
+    sets = list(dict.fromkeys(s for r in records for s in r.get("ood", {})))
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for ood_set in sets:
+        runs: dict[str, dict[int, OODPredictions]] = {}
+        for r in records:
+            path = root / evals.EVAL / r["run"] / evals.PREDICTIONS
+            runs.setdefault(r["method"], {})[r["seed"]] = OODPredictions.load(path, ood_set)
+        for m in methods:
+            if m != "ce" and m in runs and "ce" in runs:
+                g = rng("ood", ood_set, m, "ce")
+                out.setdefault(ood_set, {})[m] = paired_difference(
+                    runs,
+                    m,
+                    "ce",
+                    n,
+                    g,
+                    "auroc_shortfall",  # type: ignore[arg-type]
+                )
+    return out
+
+
 def comparisons(methods: Sequence[str]) -> list[tuple[str, str, str, str]]:
     """(when, metric, method, reference): every method against ce after TS (ECE and NLL: the
     post-hoc fix is what shift undoes), and csm against ce before TS too."""
@@ -177,9 +245,11 @@ def shift_paired(
 # ---------------------------------------------------------------- report and figure
 
 
-def report_lines(summary_records: list[dict[str, Any]], paired: dict) -> list[str]:
+def report_lines(
+    summary_records: list[dict[str, Any]], paired: dict, ood_paired: dict | None = None
+) -> list[str]:
     """The robustness section of report.md: mean ECE / NLL per severity and method, the paired
-    comparisons under severe shift, the goal, and the OOD table."""
+    comparisons under severe shift, the goal, the OOD table and its paired comparisons."""
     methods = list(dict.fromkeys(r["method"] for r in summary_records))
     by = {m: [r for r in summary_records if r["method"] == m] for m in methods}
 
@@ -246,6 +316,23 @@ def report_lines(summary_records: list[dict[str, Any]], paired: dict) -> list[st
                     v = [r["ood"][s][key] for r in by[m]]
                     cells.append(f"{np.mean(v):.1f} ± {np.std(v, ddof=1) if len(v) > 1 else 0:.1f}")
             lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    if ood_paired:
+        lines += [
+            "",
+            "AUROC, method − ce, paired by seed and image (test and OOD images resampled "
+            "together; the verdict on 1 − AUROC against a margin of "
+            f"{MARGINS['auroc_shortfall']:g} AUROC point, fixed before the run):",
+            "",
+            "| OOD set | method − ce | AUROC difference | 95 % BCa | verdict |",
+            "|---|---|---|---|---|",
+        ]
+        for ood_set, by_method in ood_paired.items():
+            for method, r in by_method.items():
+                lo, hi = (-v for v in r["ci95"])  # AUROC = 100 − shortfall: the signs flip
+                lines.append(
+                    f"| {ood_set} | {method} − ce | {-r['difference']:+.2f} | "
+                    f"[{hi:+.2f}, {lo:+.2f}] | {r['verdict']} |"
+                )
     return [*lines, ""]
 
 

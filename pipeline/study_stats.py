@@ -18,10 +18,15 @@ import numpy as np
 
 N_BINS = 15  # equal-width bins ((m-1)/15, m/15], as evaluate uses
 METRICS = ("ece", "debiased_ece", "nll")  # each the name of a Predictions method
-SCALE = {"ece": 100.0, "debiased_ece": 100.0, "nll": 1.0}  # ECEs in points (x100), NLL in nats
+# OOD detection, lower is better like every metric here: 1 − AUROC of the max softmax (ID =
+# positive), a method of pipeline.study_shift.OODPredictions
+OOD_METRICS = ("auroc_shortfall",)
+# ECEs and 1 − AUROC in points (x100), NLL in nats
+SCALE = {"ece": 100.0, "debiased_ece": 100.0, "nll": 1.0, "auroc_shortfall": 100.0}
 # Non-inferiority margins of (method − reference), in the units of SCALE. Fixed before any run:
-# changing one after seeing results invalidates every verdict built on it.
-MARGINS = {"ece": 0.3, "debiased_ece": 0.3, "nll": 0.005}
+# changing one after seeing results invalidates every verdict built on it. (auroc_shortfall's,
+# one AUROC point, was fixed on 2026-11-26 before any OOD interval was computed.)
+MARGINS = {"ece": 0.3, "debiased_ece": 0.3, "nll": 0.005, "auroc_shortfall": 1.0}
 LEVEL = 0.95  # two-sided level of every interval (the "ci95" fields)
 # Test-image blocks of the jackknife that gives BCa's acceleration. Its sampling error is about
 # 0.41 / blocks (the skewness of `blocks` values has sd sqrt(6 / blocks), a = skewness /
@@ -106,8 +111,8 @@ class Predictions:
 
 
 def check_metric(metric: str) -> None:
-    if metric not in METRICS:
-        raise ValueError(f"metric {metric!r}: choose one of {', '.join(METRICS)}")
+    if metric not in (*METRICS, *OOD_METRICS):
+        raise ValueError(f"metric {metric!r}: choose one of {', '.join(METRICS + OOD_METRICS)}")
 
 
 def metric_value(p: Predictions, metric: str, idx: np.ndarray | None = None) -> float:

@@ -44,6 +44,16 @@ REPORT = "report.md"
 ZIP_TIME = (1980, 1, 1, 0, 0, 0)  # the earliest time a zip can hold: no clock in the bytes
 
 
+# The layout of predictions.npz, in every evaluation's settings: one written with an older
+# layout is stale and redone. 2: the OOD sets' logits too (ood_logits_key).
+PREDICTIONS_FORMAT = 2
+
+
+def ood_logits_key(ood_set: str) -> str:
+    """predictions.npz's array of the logits on the OOD set `ood_set`, [N_ood, C]."""
+    return f"ood_logits_{ood_set}"
+
+
 def eval_dir(root: Path, stage: str, name: str) -> Path:
     """Where the evaluation of `stage/name` lives (stage: train | finetune | ensemble)."""
     return Path(root) / EVAL / stage / name

@@ -213,19 +213,20 @@ def _measure(
             "posthoc": posthoc_section(posthoc[n], test_probs, test.labels),
             "code_version": code_version(),
         }
-    # 4. Optional OOD sets and corruptions.
-    for set_name, ood_split in ood_splits.items():
-        ood_logits = logits_of(ood_split.images)
-        for n, r in results.items():
-            r.setdefault("ood", {})[set_name] = ood_section(
-                test_logits[n], ood_logits[n], temps[n], n in models
-            )
+    # 4. Optional OOD sets and corruptions; their logits are kept for paired statistics.
     arrays: dict[str, dict[str, np.ndarray]] = {n: {} for n in results}
     if cfg.corruptions:
         sets, labels = evals.corruption_sets(cfg.corruptions)
         shift, arrays = corruption_metrics(sets, labels, logits_of, temps, posthoc)
         for n, c in shift.items():
             results[n]["corruptions"] = c
+    for set_name, ood_split in ood_splits.items():
+        ood_logits = logits_of(ood_split.images)
+        for n, r in results.items():
+            r.setdefault("ood", {})[set_name] = ood_section(
+                test_logits[n], ood_logits[n], temps[n], n in models
+            )
+            arrays[n][evals.ood_logits_key(set_name)] = ood_logits[n].float().numpy()
     return results, test_logits, best_probs, test, arrays
 
 
@@ -351,7 +352,7 @@ def run(cfg: Config) -> Path:
     names = cfg.run_names()
     folders = {n: find_run(cfg.root, n, cfg.stage_dir) for n in names}
     outputs = plan_outputs(cfg, folders)
-    settings = {"ts_criterion": cfg.ts_criterion}
+    settings = {"ts_criterion": cfg.ts_criterion, "predictions_format": evals.PREDICTIONS_FORMAT}
     stale = [n for n, o in outputs.items() if not evals.is_current(o.folder, o.upstream, settings)]
     if not stale:
         log.info(

@@ -190,37 +190,79 @@ class FidelityCheck:
         class_names: Sequence[str],
         seed: int,
         per_class: int,
+        clip_choice: bool = False,
     ) -> None:
         self.judges, self.guidance = list(judges), tuple(guidance)
         self.class_names, self.seed, self.per_class = tuple(class_names), seed, per_class
+        self.clip_choice = clip_choice
 
     def __call__(self, gen: Generator, step: int) -> dict[str, Any]:
-        """One point of the curve at fit step ``step``, logged as it comes."""
+        """One point of the curve at fit step ``step``, logged as it comes: {"step", "guidance":
+        {w: {judge: stats}}} with the sampler's saved x̂₀ clipping; with ``clip_choice`` also
+        "clip": {"on" | "off": {w: ...}} (both settings, the saved one's the same as "guidance")
+        and "clip_saved"."""
         start = time.perf_counter()
-        point = endpoint_fidelity(
-            gen, self.guidance, self.judges, self.class_names, seed=self.seed,
-            per_class=self.per_class,
-        )  # fmt: skip
-        cells = " | ".join(
-            f"w={w}: " + ", ".join(f"{j} {st['accuracy']:.1f} %" for j, st in by_judge.items())
-            for w, by_judge in point.items()
+        saved = "on" if gen.scheduler.config.get("clip_sample", False) else "off"
+        point: dict[str, Any] = {"step": step}
+        for clip in ("on", "off") if self.clip_choice else (None,):
+            if clip is not None:
+                gen.set_clip_sample(clip == "on")  # type: ignore[attr-defined]
+            cells = endpoint_fidelity(
+                gen, self.guidance, self.judges, self.class_names, seed=self.seed,
+                per_class=self.per_class,
+            )  # fmt: skip
+            if clip is None or clip == saved:
+                point["guidance"] = cells
+            if clip is not None:
+                point.setdefault("clip", {})[clip] = cells
+        if self.clip_choice:
+            gen.set_clip_sample(None)  # type: ignore[attr-defined]
+            point["clip_saved"] = saved
+        text = " | ".join(
+            f"{'' if c is None else f'clip {c}, '}w={w}: "
+            + ", ".join(f"{j} {st['accuracy']:.1f} %" for j, st in by_judge.items())
+            for c, by_w in point.get("clip", {None: point["guidance"]}).items()
+            for w, by_judge in by_w.items()
         )
         log.info(
             "fit-generator: step %d endpoint fidelity %s (%.0f s)",
-            step, cells, time.perf_counter() - start,
+            step, text, time.perf_counter() - start,
         )  # fmt: skip
-        return {"step": step, "guidance": point}
+        return point
 
-    def choose(self, curve: list[dict[str, Any]]) -> tuple[float, dict[str, float]]:
+    def choose(self, curve: list[dict[str, Any]]) -> tuple[float, bool | None, dict[str, float]]:
         """The best w of the last point by the first judge (the chooser: judge_run's CNN, else
-        the probe), and the fidelity at that w by every judge."""
-        last = curve[-1]["guidance"]
-        w = best_guidance(last, self.judges[0].name)
-        return w, {name: round(st["accuracy"], 2) for name, st in last[f"{w:g}"].items()}
+        the probe), with the best x̂₀ clipping when the point has both (ties: the saved
+        setting, then the smaller w; None: the saved setting, not chosen), and the fidelity
+        there by every judge."""
+        last, chooser = curve[-1], self.judges[0].name
+        if "clip" not in last:
+            w = best_guidance(last["guidance"], chooser)
+            cells = last["guidance"][f"{w:g}"]
+            return w, None, {name: round(st["accuracy"], 2) for name, st in cells.items()}
+        clip, w = min(
+            ((c, w) for c, by_w in last["clip"].items() for w in by_w),
+            key=lambda cw: (
+                -last["clip"][cw[0]][cw[1]][chooser]["accuracy"],
+                cw[0] != last["clip_saved"],
+                float(cw[1]),
+            ),
+        )
+        cells = last["clip"][clip][w]
+        summary = {name: round(st["accuracy"], 2) for name, st in cells.items()}
+        return float(w), clip == "on", summary
 
-    def write(self, folder: Path, curve: list[dict[str, Any]], guidance: float) -> None:
-        """fidelity.json (every point, w and judge, per class) and fidelity.png (fidelity vs
-        step, one line per w and judge), then the chosen w's per-class numbers in the log."""
+    def write(
+        self,
+        folder: Path,
+        curve: list[dict[str, Any]],
+        guidance: float,
+        clip_sample: bool | None = None,
+    ) -> None:
+        """fidelity.json (every point, w and judge, per class; the chosen w, and the chosen x̂₀
+        clipping when it was chosen) and fidelity.png (fidelity vs step, one line per w and
+        judge; a w checked at the last point only is a dot), then the chosen cell's per-class
+        numbers in the log."""
         judges = {
             j.name: {
                 "real_test_accuracy": j.real_test_accuracy,
@@ -229,28 +271,46 @@ class FidelityCheck:
             }
             for i, j in enumerate(self.judges)
         }
+        chosen = {} if clip_sample is None else {"clip_sample": clip_sample}
         atomic_write_json(
-            folder / "fidelity.json", {"guidance": guidance, "judges": judges, "curve": curve}
+            folder / "fidelity.json",
+            {"guidance": guidance, **chosen, "judges": judges, "curve": curve},
         )
-        steps = [point["step"] for point in curve]
-        lines = {
-            f"{j.name}, w={w}": (steps, [p["guidance"][w][j.name]["accuracy"] for p in curve])
-            for j in self.judges
-            for w in curve[-1]["guidance"]
-        }
+        last = curve[-1]
+        by_clip = last.get("clip", {None: last["guidance"]})
+
+        def cells_of(point: dict[str, Any], clip: str | None) -> dict[str, Any]:
+            """{w: {judge: stats}} of `point` with clipping `clip` (an earlier point checked
+            only the saved setting, under "guidance"); {} when the point lacks it."""
+            if clip is not None and "clip" in point:
+                return point["clip"][clip]
+            return point["guidance"] if clip in (None, last.get("clip_saved")) else {}
+
+        lines = {}
+        shown = self.judges[:1] if "clip" in last else self.judges  # both settings: the chooser
+        for clip, by_w in by_clip.items():
+            for j in shown:
+                for w in by_w:
+                    points = [p for p in curve if w in cells_of(p, clip)]
+                    label = f"{j.name}, w={w}" + (f", clip {clip}" if clip else "")
+                    lines[label] = (
+                        [p["step"] for p in points],
+                        [cells_of(p, clip)[w][j.name]["accuracy"] for p in points],
+                    )
+        what = f"w={guidance:g}"
+        what += "" if clip_sample is None else f", clip {'on' if clip_sample else 'off'}"
         curves(
             lines, folder / "fidelity.png", xlabel="fit step", ylabel="endpoint fidelity (%)",
-            title=f"generator fidelity (chosen guidance w={guidance:g})",
+            title=f"generator fidelity (chosen: {what})",
         )  # fmt: skip
-        for name, st in curve[-1]["guidance"][f"{guidance:g}"].items():
+        cell = by_clip[None if clip_sample is None else ("on" if clip_sample else "off")]
+        for name, st in cell[f"{guidance:g}"].items():
             per_class = ", ".join(
                 f"{c} {v['accuracy']:.0f}"
                 + "".join(f" ({k}: {share:.0f})" for k, share in v.get("taken_for", {}).items())
                 for c, v in st["per_class"].items()
             )
-            log.info(
-                "fit-generator: w=%g %s per class in %% (taken for): %s", guidance, name, per_class
-            )
+            log.info("fit-generator: %s %s per class in %% (taken for): %s", what, name, per_class)
 
 
 def fidelity_scalars(point: dict[str, Any]) -> dict[str, float]:
@@ -273,11 +333,15 @@ def sample_grid(
     steps: int,
     per_class: int,
     seed: int,
+    clip_sample: bool | None = None,
 ) -> Path:
     """sample_grid.png of a fitted generator folder (the generate stage's loading path) at the
-    recorded guidance: one row per class, `per_class` columns; column j shares one noise across
-    classes, so rows differ only in the class."""
-    gen = load_generator("unet", model=folder, steps=steps, device=device, guidance=guidance)
+    recorded guidance and x̂₀ clipping: one row per class, `per_class` columns; column j shares
+    one noise across classes, so rows differ only in the class."""
+    gen = load_generator(
+        "unet", model=folder, steps=steps, device=device, guidance=guidance,
+        clip_sample=clip_sample,
+    )  # fmt: skip
     n = per_class
     seeds = [derive_seed(seed, "fit-grid", j) for j in range(n)]
     specs = [

@@ -70,6 +70,7 @@ from shards.reader import load_split
 from shards.writer import write_config
 from stages.configs.fit_generator import Config
 from stages.fidelity import FidelityCheck, fidelity_scalars, make_judges, sample_grid
+from stages.fidelity_recheck import recheck, recheck_fields
 
 WEIGHTS = Path("unet") / "diffusion_pytorch_model.safetensors"
 CHECKPOINTS = "checkpoints"
@@ -339,6 +340,8 @@ def run(cfg: Config) -> Path:
     # one writer (the other ranks only compare): ranks writing config.json at once share its
     # temp file, and one's rename fails once another's has moved it
     procs = Processes(cpu=cfg.device == "cpu" or not torch.cuda.is_available())
+    if recheck_fields(folder, config):  # a finished fit, another check grid: redo the check
+        return recheck(cfg, folder, config, split.class_names, procs)
     if procs.is_main or (folder / "config.json").is_file():
         write_config(folder, config)
     if (folder / MANIFEST).is_file():
@@ -363,20 +366,23 @@ def run(cfg: Config) -> Path:
         judges = make_judges(
             cfg.root, cfg.judge_run, procs.device, cfg.train_limit, cfg.report_judges
         )
-        check = FidelityCheck(judges, cfg.grid, names, cfg.seed, cfg.fidelity_per_class)
+        check = FidelityCheck(
+            judges, cfg.grid, names, cfg.seed, cfg.fidelity_per_class, cfg.clip_choice
+        )
     unet, curve = train(cfg, folder, images, labels, names, check)
     state = PartialState()
     if not state.is_main_process:
         return folder
 
     # 3. Weights, the fidelity curve and the chosen guidance, the sample grid at that guidance
-    guidance, summary = check.choose(curve)
+    guidance, clip, summary = check.choose(curve)
     with writing(folder / "unet"):  # diffusers' writes lose the file name: name the folder
         save_unet(folder, unet, noise_scheduler(cfg))
-    check.write(folder, curve, guidance)
+    check.write(folder, curve, guidance, clip)
     sample_grid(
-        folder, names, state.device, guidance, cfg.sample_steps, cfg.samples_per_class, cfg.seed
-    )
+        folder, names, state.device, guidance, cfg.sample_steps, cfg.samples_per_class, cfg.seed,
+        clip,
+    )  # fmt: skip
 
     # 4. Manifest last, then the training checkpoints go
     info = {
@@ -391,6 +397,7 @@ def run(cfg: Config) -> Path:
         "mixed_precision": precision,
         "null_class": cfg.label_dropout > 0,
         "guidance": guidance,
+        **({} if clip is None else {"clip_sample": clip}),
         "fidelity": summary,
         "weights_sha256": sha256_file(folder / WEIGHTS),
         "parameters": sum(p.numel() for p in unet.parameters()),

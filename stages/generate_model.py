@@ -157,6 +157,8 @@ def _unet_kwargs(cfg: Config, inputs: Inputs) -> dict[str, Any]:
         "model": inputs.generator,
         "revision": inputs.generator_info.get("weights_sha256"),
         "guidance": w,
+        # x̂₀ clipping as fit-generator chose it with w (absent in older fits: the saved config's)
+        "clip_sample": inputs.generator_info.get("clip_sample"),
     }
 
 

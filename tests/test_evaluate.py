@@ -21,6 +21,7 @@ from models.calibration import ece
 from models.classifiers import build_classifier
 from pipeline.cli import main
 from pipeline.registry import run_stage
+from shards import evals
 from shards.manifest import read_manifest
 from shards.runs import save_weights
 from shards.writer import ShardFolder
@@ -184,6 +185,14 @@ def test_ood_corruptions_and_finetune_runs(tmp_path):
             torch.from_numpy(z["corruption_labels"]),
         )
         assert shifted.shape == (1, 5, 30, 4) and list(z["corruption_names"]) == ["noise"]
+        test_logits, ood_logits = z["logits"], z[evals.ood_logits_key("other")]
+    # and the OOD set's, which give its AUROC (max softmax, test images positive)
+    from sklearn.metrics import roc_auc_score
+
+    msp = torch.softmax(torch.from_numpy(np.concatenate([test_logits, ood_logits])), 1).amax(1)
+    is_test = np.r_[np.ones(len(test_logits)), np.zeros(len(ood_logits))]
+    want = 100 * roc_auc_score(is_test, msp.numpy())
+    assert ev["ood"]["other"]["before_ts"]["msp_auroc"] == pytest.approx(want, abs=1e-4)
     assert 100 * ece(shifted[0, 3].double(), y) == pytest.approx(before["ece"], abs=1e-4)
     report = (root / "eval" / "report.md").read_text()
     assert "OOD detection" in report and "Corruptions" in report
@@ -276,7 +285,8 @@ def test_rerun_only_reads_and_a_retrained_run_is_redone(tmp_path, read_only, mon
     evaluate(root, "run=over", "ts_criterion=ece")
     ev = json.loads((folder / "metrics.json").read_text())["evaluation"]
     assert ev["ts_criterion"] == "ece" and read_manifest(folder).info["settings"] == {
-        "ts_criterion": "ece"
+        "ts_criterion": "ece",
+        "predictions_format": evals.PREDICTIONS_FORMAT,
     }
     assert sorted(p.name for p in (root / "eval" / "train").iterdir()) == ["over"]  # no leftovers
 

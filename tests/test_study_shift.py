@@ -109,3 +109,56 @@ def test_every_run_waits_for_the_sets_and_is_redone_until_it_read_them(tmp_path)
     assert not next(t for t in plan(cfg, "digits", [], tmp_path) if t.name == "ce-s0").done
     quiet = StudyConfig(methods=("ce", "csm-ratio"), seeds=(0,), tune=False, robustness=False)
     assert next(t for t in plan(quiet, "digits", [], tmp_path) if t.name == "ce-s0").done
+
+
+def _ood_npz(path, test, ood, labels):
+    np.savez(path, logits=test.astype(np.float32), labels=labels, ood_logits_noise=ood)
+    return path
+
+
+def test_auroc_shortfall_is_one_minus_sklearns_auroc_with_ties_and_resampled_images(tmp_path):
+    from sklearn.metrics import roc_auc_score
+
+    g = np.random.default_rng(2)
+    labels = g.integers(0, 3, 60)
+    test = np.round(g.normal(size=(60, 3)) * 2, 1)  # rounded: tied scores, counted half
+    ood = np.round(g.normal(size=(25, 3)), 1).astype(np.float32)
+    p = study_shift.OODPredictions.load(_ood_npz(tmp_path / "p.npz", test, ood, labels), "noise")
+    msp = np.concatenate([
+        study_shift.softmax(test.astype(np.float32)).max(axis=1), study_shift.softmax(ood).max(axis=1)
+    ])  # fmt: skip
+    is_id = np.r_[np.ones(60), np.zeros(25)]
+    assert len(np.unique(msp)) < len(msp)  # the case has ties
+    assert p.auroc_shortfall() == pytest.approx(1 - roc_auc_score(is_id, msp), abs=1e-12)
+    idx = g.integers(0, 85, 85)  # a bootstrap resample: repeated images count their multiplicity
+    want = 1 - roc_auc_score(is_id[idx], msp[idx])
+    assert p.auroc_shortfall(idx) == pytest.approx(want, abs=1e-12)
+
+
+def test_ood_paired_finds_the_method_that_separates_the_sets_better(tmp_path):
+    """Seed k of both methods shares its test logits; the sharp method is confident on test
+    images and not on OOD ones, the blunt one equally on both: AUROC higher, interval apart."""
+    g = np.random.default_rng(3)
+    labels = g.integers(0, 4, 200)
+    records = []
+    for seed in range(3):
+        test = g.normal(size=(200, 4))
+        test[np.arange(200), labels] += 3.0
+        ood = g.normal(size=(80, 4))
+        for method, ood_scale in (("ce", 3.0), ("sharp", 0.5)):
+            run = f"train/{method}-s{seed}"
+            folder = tmp_path / "eval" / run
+            folder.mkdir(parents=True)
+            _ood_npz(folder / "predictions.npz", test, (ood * ood_scale).astype(np.float32), labels)
+            records.append({"run": run, "method": method, "seed": seed, "ood": {"noise": {}}})
+    out = study_shift.ood_paired(tmp_path, records, ["ce", "sharp"], 300, study_shift.rng)
+    r = out["noise"]["sharp"]
+    assert r["metric"] == "auroc_shortfall" and r["seeds"] == [0, 1, 2] and r["n_test"] == 280
+    assert r["difference"] < 0 and r["ci95"][1] < 0 and r["verdict"] == "better"
+    lines = "\n".join(study_shift.report_lines(
+        [{"method": m, "shift": {"after_ts": {str(s): {"ece": 1, "nll": 1, "top1": 1}
+                                              for s in range(1, 6)}}, "ood": {}}
+         for m in ("ce", "sharp")], {}, out,
+    ))  # fmt: skip
+    row = next(line for line in lines.splitlines() if line.startswith("| noise | sharp − ce"))
+    assert f"{-r['difference']:+.2f}" in row and "| better |" in row  # AUROC up

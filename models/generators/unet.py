@@ -117,6 +117,7 @@ class UNetGenerator(Generator):
         row_multiple: int = 8,
         torch_compile: bool = False,
         guidance: float = 1.0,
+        clip_sample: bool | None = None,
         lazy: bool = False,
     ) -> None:
         if guidance < 0:
@@ -135,6 +136,9 @@ class UNetGenerator(Generator):
         # Lin et al. (2024) §3.4: the guided prediction's std pulled back towards the conditional
         # one's by this fraction; 0 = plain guidance (bench/bench_levers.py measures it)
         self.guidance_rescale = 0.0
+        # DDIM's x̂₀ clipping: None = the saved scheduler config's (clip_sample); True / False
+        # override it (fit-generator chooses it like w: stages/fidelity.py)
+        self.clip_sample = clip_sample
         self.torch_compile = torch_compile
         if not lazy:
             self.load()
@@ -177,9 +181,28 @@ class UNetGenerator(Generator):
         self.num_classes = self.num_embeds - int(self.null_class)
         size = unet.config.sample_size
         self.image_size = int(size if isinstance(size, int) else size[0])
-        self.scheduler = make_scheduler(self.sampler, config)
+        self.scheduler_config = config
+        self.scheduler = self._scheduler()
         self.unet = unet.to(self.device).eval()  # SDPA attention by default
         self._forward = torch.compile(self.unet) if self.torch_compile else self.unet
+
+    def _scheduler(self) -> Any:
+        config = self.scheduler_config
+        if self.clip_sample is not None:
+            config = {**dict(config), "clip_sample": self.clip_sample}
+        return make_scheduler(self.sampler, config)
+
+    def set_clip_sample(self, clip: bool | None) -> None:
+        """Sample with x̂₀ clipping on / off (None: the saved config's) from now on."""
+        self.clip_sample = clip
+        if self._loaded:
+            self.scheduler = self._scheduler()
+
+    def metadata(self) -> dict[str, Any]:
+        meta = super().metadata()
+        if self.clip_sample is not None:  # recorded only when chosen: older series keep their bytes
+            meta["clip_sample"] = self.clip_sample
+        return meta
 
     @property
     def noise_shape(self) -> tuple[int, ...]:
