@@ -1,6 +1,7 @@
 # semix front door. `make help` lists every target.
-# Variables: CLASSES (preset or classes .txt), OUT (runs root), RUN, LOSS, METHOD, RUNS,
-# MIXED, REPO, REVISION, PRIVATE, DRY_RUN, SET (extra key=value overrides), FORCE (clean).
+# Variables: CLASSES (preset or classes .txt), RECIPE (a preset whose recipe runs on CLASSES'
+# data), OUT (runs root), RUN, LOSS, METHOD, RUNS, MIXED, REPO, REVISION, PRIVATE, DRY_RUN,
+# SET (extra key=value overrides), FORCE (clean).
 
 SHELL      := /bin/bash
 ROOT       := $(patsubst %/,%,$(dir $(abspath $(lastword $(MAKEFILE_LIST)))))
@@ -18,6 +19,8 @@ SETS := out=$(OUT) \
 	$(if $(REVISION),revision=$(REVISION)) $(if $(PRIVATE),private=$(PRIVATE)) \
 	$(if $(DRY_RUN),dry_run=$(DRY_RUN)) $(SET)
 SEMIX := $(PY) -m pipeline
+# the preset: CLASSES, with RECIPE's recipe when given (its run root: $(OUT)/CLASSES+RECIPE)
+PRESET := --preset $(CLASSES) $(if $(RECIPE),--recipe $(RECIPE))
 
 # Fashion-MNIST comes offline from Debian's package dataset-fashion-mnist (MIT); targets that
 # read it install it first when it is missing and apt-get is usable (root).
@@ -26,8 +29,8 @@ DATA := $(if $(filter fashion-mnist,$(CLASSES)),fashion-mnist-data)
 
 .DEFAULT_GOAL := help
 .PHONY: help setup test test-all test-gpu test-trackers test-reference lint format prepare fit-generator \
-	generate annotate train evaluate finetune publish pull demo study bench clean fashion-mnist-data \
-	shift ood
+	chain generate annotate train evaluate finetune publish pull demo study bench clean \
+	fashion-mnist-data shift ood
 
 help: ## list every target
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -87,43 +90,46 @@ format: $(STAMP) ## ruff fix + format
 	$(VENV)/bin/ruff check --fix . && $(VENV)/bin/ruff format .
 
 prepare: $(STAMP) $(DATA) ## real dataset -> $(OUT)/<classes>/real/
-	$(SEMIX) prepare --preset $(CLASSES) --set $(SETS)
+	$(SEMIX) prepare $(PRESET) --set $(SETS)
 
 fit-generator: $(STAMP) ## train the in-house class-conditional UNet -> generator/
-	$(SEMIX) fit-generator --preset $(CLASSES) --set $(SETS)
+	$(SEMIX) fit-generator $(PRESET) --set $(SETS)
 
-generate: $(STAMP) $(DATA) ## the whole generation chain (default: digits, offline) -> mixed/
-	$(SEMIX) chain --preset $(CLASSES) --set $(SETS)
+chain: $(STAMP) $(DATA) ## the whole generation chain, prepare to annotate (default: digits, offline) -> mixed/
+	$(SEMIX) chain $(PRESET) --set $(SETS)
+
+# The README's first command, kept: it runs the whole chain, not only the generate stage.
+generate: chain ## the whole generation chain, as make chain (the generate stage alone: semix generate)
 
 annotate: $(STAMP) ## soft labels for series/ -> mixed/
-	$(SEMIX) annotate --preset $(CLASSES) --set $(SETS)
+	$(SEMIX) annotate $(PRESET) --set $(SETS)
 
 train: $(STAMP) $(DATA) ## train a classifier (RUN=name LOSS=ce|ls|focal|...|csm) -> train/<run>/
-	$(SEMIX) train --preset $(CLASSES) --set $(SETS)
+	$(SEMIX) train $(PRESET) --set $(SETS)
 
 evaluate: $(STAMP) ## metrics, reliability diagram, report.md (RUN=name or RUNS=a,b,c)
-	$(SEMIX) evaluate --preset $(CLASSES) --set $(SETS)
+	$(SEMIX) evaluate $(PRESET) --set $(SETS)
 
 shift: $(STAMP) ## real/test corrupted at 5 severities, CIFAR-C layout (docs/shift.md) -> shift/test-c/
-	$(SEMIX) shift --preset $(CLASSES) --set $(SETS)
+	$(SEMIX) shift $(PRESET) --set $(SETS)
 
 ood: $(STAMP) ## far-OOD test sets: digits, uniform and gaussian noise (docs/shift.md) -> ood/<set>/
-	$(SEMIX) ood --preset $(CLASSES) --set $(SETS)
+	$(SEMIX) ood $(PRESET) --set $(SETS)
 
 finetune: $(STAMP) ## MaC-Cal or FeDLaS on a trained run (RUN=name METHOD=maccal|fedlas-ls|fedlas-mbls)
-	$(SEMIX) finetune --preset $(CLASSES) --set $(SETS)
+	$(SEMIX) finetune $(PRESET) --set $(SETS)
 
 publish: $(STAMP) ## upload mixed/ to the Hub (REPO=user/name [PRIVATE=1] [DRY_RUN=1])
-	$(SEMIX) publish --preset $(CLASSES) --set $(SETS)
+	$(SEMIX) publish $(PRESET) --set $(SETS)
 
 pull: $(STAMP) ## download a published dataset (REPO=user/name [REVISION=...])
-	$(SEMIX) pull --preset $(CLASSES) --set $(SETS)
+	$(SEMIX) pull $(PRESET) --set $(SETS)
 
 demo: $(STAMP) $(DATA) ## digits: ce vs csm (3 seeds each) and calibration fine-tuning, report.md
-	$(SEMIX) demo --preset $(CLASSES) --set $(SETS)
+	$(SEMIX) demo $(PRESET) --set $(SETS)
 
 study: $(STAMP) $(DATA) ## every method x 3 seeds, mean ± std + bootstrap (CLASSES=fashion-mnist) -> study/
-	$(SEMIX) study --preset $(CLASSES) --set $(SETS)
+	$(SEMIX) study $(PRESET) --set $(SETS)
 
 bench: $(STAMP) ## benchmarks -> bench/RESULTS.md
 	$(PY) -m bench

@@ -1,10 +1,11 @@
 """Typed stage configs, named presets and `--set key=value` overrides.
 
 Each stage has one frozen dataclass in `stages/configs/<stage>.py` deriving from
-`StageConfig`, plus a `PRESETS` dict mapping a preset name to the field values that
-differ from the dataclass defaults. Resolution order: dataclass defaults < preset <
-`--set`. A preset may hold `when={"field=value": {...}}`: values that apply only when the field
-resolves to that value. The resolved config is what a stage writes into its folder as config.json.
+`StageConfig`, plus `PRESETS`: its values of every preset (stages/presets/, the one place that
+names them), the field values that differ from the dataclass defaults. Resolution order:
+dataclass defaults < preset < `--set`. A preset may hold `when={"field=value": {...}}`: values
+that apply only when the field resolves to that value. The resolved config is what a stage writes
+into its folder as config.json.
 
 A field's description is the `# comment` at the end of its line (else the comment lines right
 above it): `--fields` reads them from the source (`field_docs`), so they live in one place.
@@ -27,12 +28,16 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
-PRESET_NAMES = (
-    "digits", "fashion-mnist", "cifar10", "cifar100", "tiny-imagenet", "imagefolder", "imagenet",
-)  # fmt: skip
-DEFAULT_PRESET = "digits"  # what a command line without --preset runs (the CLI says so once)
+# The preset names, as stages/presets registers them when it is imported: core sits below the
+# presets and names none. For the layers below the stages, which cannot import them
+# (shards.manifest tells a run root named after a preset by it).
+PRESET_NAMES: list[str] = []
+
+
+def register_preset_names(names: Sequence[str]) -> None:
+    PRESET_NAMES[:] = names
 
 
 class ConfigError(ValueError):
@@ -41,9 +46,10 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class StageConfig:
-    """Fields every stage shares: where the run root is and the seed everything derives from."""
+    """Fields every stage shares: where the run root is and the seed everything derives from.
+    `preset` is what --preset named (`resolve` sets it; stages/presets holds every preset)."""
 
-    preset: str = DEFAULT_PRESET
+    preset: str = ""
     out: str = "runs"  # parent of every run root
     name: str = ""  # run root folder name; defaults to the preset (or the classes-file stem)
     classes_file: str = ""  # custom dataset: a text file with one class name per line
@@ -193,40 +199,33 @@ def _unknown_field(key: str, valid: Sequence[str], spell: Callable[[str], str]) 
 C = TypeVar("C", bound=StageConfig)
 
 
-def preset_name(preset: str) -> tuple[str, dict[str, Any]]:
-    """(the preset's name, the fields a classes .txt file sets); unknown presets refused."""
-    classes_path = Path(preset)
-    if preset not in PRESET_NAMES and classes_path.suffix == ".txt":
-        if not classes_path.is_file():
-            raise ConfigError(f"classes file {preset} does not exist")
-        return "imagefolder", dict(name=classes_path.stem, classes_file=str(classes_path))
-    if preset not in PRESET_NAMES:
-        raise ConfigError(
-            f"unknown preset {preset!r}; {did_you_mean(preset, PRESET_NAMES)}choose one of: "
-            f"{', '.join(PRESET_NAMES)} (or a .txt file with one class name per line)"
-        )
-    return preset, {}
+class Presets(Protocol):
+    """A stage's presets (stages/presets builds them): what a --preset value gives the stage."""
+
+    def lookup(self, preset: str) -> tuple[str, dict[str, Any]]:
+        """(the preset's name, the stage's field values it sets: a `when` entry included);
+        a ConfigError for a preset that does not exist."""
+        ...
 
 
 def resolve(
     config_cls: type[C],
-    presets: Mapping[str, Mapping[str, Any]],
+    presets: Presets,
     preset: str,
     sets: Sequence[str] = (),
     spell: Callable[[str], str] = _unscoped,
 ) -> C:
-    """defaults < preset < --set. `preset` may also be a path to a class-names text file.
-    `spell`: how the command line names a field (parse_sets)."""
-    preset, values = preset_name(preset)
-    chosen = dict(presets.get(preset, {}))
+    """defaults < preset < --set. `preset`: whatever --preset takes (stages/presets: a name, a
+    class-names text file, DATA+RECIPE). `spell`: how the command line names a field
+    (parse_sets)."""
+    preset, values = presets.lookup(preset)
     sets_values = parse_sets(config_cls, sets, spell)
     # "when": {"backend=edm": {...}} = preset values that apply when that field (after --set)
     # has that value, e.g. the paper's steps once `--set backend=edm` picks its generator
-    for condition, overrides in chosen.pop("when", {}).items():
+    for condition, overrides in values.pop("when", {}).items():
         field, _, value = condition.partition("=")
-        if str(sets_values.get(field, chosen.get(field))) == value:
-            chosen.update(overrides)
-    values.update(chosen)
+        if str(sets_values.get(field, values.get(field))) == value:
+            values.update(overrides)
     values.update(sets_values)
     values["preset"] = preset
     try:
@@ -365,7 +364,7 @@ def _with_choices(doc: str, choices: Sequence[Any]) -> str:
 
 def describe_fields(
     config_cls: type,
-    presets: Mapping[str, Mapping[str, Any]] | None = None,
+    presets: Presets | None = None,
     preset: str | None = None,
     spell: Callable[[str], str] = _unscoped,
     skip: Sequence[str] = (),
@@ -377,10 +376,8 @@ def describe_fields(
     docs, sections = field_docs(config_cls), field_sections(config_cls)
     chosen: dict[str, Any] = {}
     label = ""
-    if preset is not None:
-        label, from_file = preset_name(preset)
-        chosen = dict((presets or {}).get(label, {}))
-        chosen.update(from_file)
+    if preset is not None and presets is not None:
+        label, chosen = presets.lookup(preset)
     when = chosen.pop("when", {})
     choices = field_choices(config_cls, {**chosen, **({"preset": label} if label else {})})
     rows = []

@@ -129,6 +129,8 @@ def read_json(path: Path) -> Any:
 
 
 def sha256_file(path: Path) -> str:
+    """sha256 of a file, read 1 MiB at a time: the one file digest of semix (manifests,
+    checkpoints, a local encoder's weights)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):

@@ -19,25 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# Sharpening s of METHODS §2. digits (10 classes, our embedded default) and imagefolder take
-# CIFAR-10's 4.0: the paper used 2.3 only for the 100-class set, where prototypes crowd closer.
-SHARPENING: dict[str, float] = {
-    "cifar10": 4.0,
-    "cifar100": 2.3,
-    "tiny-imagenet": 4.0,
-    "digits": 4.0,
-    "fashion-mnist": 4.0,
-    "imagefolder": 4.0,
-    "imagenet": 4.0,  # GUESS: the papers give none; Tiny-ImageNet's value
-}
-
-
-def default_sharpening(dataset: str) -> float:
-    if dataset not in SHARPENING:
-        raise ValueError(f"no default sharpening for '{dataset}'; known: {sorted(SHARPENING)}")
-    return SHARPENING[dataset]
-
-
 # ---------------------------------------------------------------------------------------------
 # 1. Prototypes: per-class mean of unnormalised features of the real training images.
 

@@ -324,16 +324,6 @@ def fedlas_mbls_loss(logits: Tensor, labels: Tensor, r: Tensor, margin: float) -
     return ((1.0 - r) * ce).mean() + (r * gaps).mean()
 
 
-# Per-preset defaults from METHODS §5, ready to splat: FeDLaSCriterion(C, variant=v, **defaults).
-FEDLAS_DEFAULTS: dict[tuple[str, str], dict[str, float]] = {
-    ("ls", "cifar10"): {"alpha": 0.05, "beta": 4.0, "theta": 0.95},
-    ("ls", "cifar100"): {"alpha": 0.1, "beta": 4.0, "theta": 0.5},
-    ("ls", "tiny-imagenet"): {"alpha": 0.05, "beta": 4.0, "theta": 0.5},
-    ("mbls", "cifar10"): {"alpha": 0.1, "beta": 0.5, "theta": 0.95, "margin": 6.0},
-    ("mbls", "cifar100"): {"alpha": 0.1, "beta": 1.0, "theta": 0.5, "margin": 6.0},
-    ("mbls", "tiny-imagenet"): {"alpha": 0.05, "beta": 0.5, "theta": 0.5, "margin": 10.0},
-}
-
 FEDLAS_LOSSES: dict[str, Callable[..., Tensor]] = {"ls": fedlas_ls_loss, "mbls": fedlas_mbls_loss}
 
 # Order of stats["mode_share"].

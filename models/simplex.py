@@ -250,13 +250,6 @@ def similarity_shares(f: Tensor, p: Tensor) -> Tensor:
     return torch.where(total > 0, cos / total.clamp(min=1e-300), uniform).float()
 
 
-def ternary_xy(w: Tensor) -> Tensor:
-    """Barycentric [N, 3] -> 2-D points of the equilateral triangle with vertices class 1 at
-    (0, 0), class 2 at (1, 0), class 3 at (1/2, √3/2)."""
-    w = w.double()
-    return torch.stack([w[:, 1] + w[:, 2] / 2, w[:, 2] * math.sqrt(3) / 2], dim=1)
-
-
 # ---------------------------------------------------------------------------------------------
 # k-way re-annotation (METHODS §2 generalised) and its statistics
 

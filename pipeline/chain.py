@@ -1,8 +1,9 @@
 """Whole chains of stages, run one after another in this process.
 
-`chain` is what `make generate` runs: everything from the real dataset to the shareable
-mixed/ folder. Each stage resumes on its own (complete shards are skipped), so rerunning
-a chain after an interruption only does the missing work.
+`chain` is what `make chain` (and the README's `make generate`) runs: everything from the real
+dataset to the shareable mixed/ folder, in the steps the preset names (stages/presets).
+Each stage resumes on its own (complete shards are skipped), so rerunning a chain after an
+interruption only does the missing work.
 """
 
 from __future__ import annotations
@@ -19,37 +20,7 @@ from typing import Any
 from core.config import ConfigError, StageConfig, describe_fields, every_field, parse_sets
 from core.logs import log
 from pipeline.registry import STAGES, check_out, config_module, resolve_stage_config, run_stage
-
-# a measuring judge: a real-only CNN on all of real/train (never inside a study's budget)
-_JUDGE = ("loss=ce", "train_limit=0", "epochs=8", "milestones=4,7", "crop_pad=2")
-
-# preset -> [(stage, extra --set values)]. The digits chain trains a quick real-only
-# classifier first: its features are the annotation space (CLIP means nothing on 8x8 digits).
-CHAINS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
-    "digits": [
-        ("prepare", ()),
-        ("train", ("run=encoder", "loss=ce")),
-        ("fit-generator", ()),
-        ("generate", ()),
-        ("annotate", ()),
-    ],
-    # Fashion-MNIST, fair to every study method (docs/study.md): the annotation encoder and the
-    # generator see only the 5k labelled images the study's classifiers see (the train preset's
-    # train_limit; fit-generator's too), and the 5k encoder chooses the generator's guidance.
-    # Two judges trained on all 54k (8 epochs, crops; one with flips, one without: every shoe
-    # points one way) only measure generator fidelity and feed nothing into any method.
-    "fashion-mnist": [
-        ("prepare", ()),
-        ("train", ("run=judge", *_JUDGE)),
-        ("train", ("run=judge-noflip", *_JUDGE, "flip=false")),
-        ("train", ("run=encoder", "loss=ce")),
-        ("fit-generator", ()),
-        ("generate", ()),
-        ("annotate", ()),
-    ],
-    "default": [("prepare", ()), ("generate", ()), ("annotate", ())],
-}
-
+from stages.presets import chain_steps
 
 SHARED_FIELDS = ("out", "name", "seed", "classes_file", "verify_sha256")
 
@@ -119,13 +90,13 @@ def check_chain(preset: str, sets: Sequence[str]) -> None:
     in one line now, not after minutes of the stages before the one it belongs to. Fields
     scoped to stages outside the chain (the demo's train./finetune./evaluate.) are checked by
     name and type; an unknown scope is refused."""
-    steps = CHAINS.get(preset, CHAINS["default"])
     for key in (item.partition("=")[0] for item in sets):
         scope, dot, _ = key.rpartition(".")
         if dot and scope not in STAGES:
             raise ConfigError(
                 f"{key!r}: unknown stage {scope!r}; choose one of {', '.join(STAGES)}"
             )
+    steps = chain_steps(preset)
     for stage, extra in steps:
         with scoped_errors(stage):
             sets_here = [*extra, *split_sets(sets, stage)]
@@ -182,8 +153,8 @@ def run_step(stage: str, preset: str, sets: Sequence[str]) -> Any:
 
 
 def chain(preset: str, sets: Sequence[str]) -> None:
-    steps = CHAINS.get(preset, CHAINS["default"])
     check_chain(preset, sets)
+    steps = chain_steps(preset)
     out = None
     for i, (stage, extra) in enumerate(steps, 1):
         log.info("chain %s: step %d/%d: %s", preset, i, len(steps), stage)
@@ -210,7 +181,7 @@ def shared_section() -> list[str]:
 
 def chain_fields(preset: str, more: Sequence[str] = ()) -> list[str]:
     """--fields of a chain (and of the stages in `more`, that a demo or study runs after it)."""
-    steps = CHAINS.get(preset, CHAINS["default"])
+    steps = chain_steps(preset)
     lines = shared_section()
     for stage in dict.fromkeys([*(s for s, _ in steps), *more]):  # each once, in order
         fixed = [" ".join(extra) for s, extra in steps if s == stage and extra]
@@ -227,7 +198,7 @@ def fields_text(preset: str) -> str:
 def chain_configs(preset: str, sets: Sequence[str]) -> list[dict[str, Any]]:
     """Every step's resolved config, in order (each checked as `chain` checks them)."""
     check_chain(preset, sets)
-    steps = CHAINS.get(preset, CHAINS["default"])
+    steps = chain_steps(preset)
     return [
         {
             "stage": stage,

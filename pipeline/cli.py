@@ -26,10 +26,13 @@ from typing import NoReturn
 
 from safetensors import SafetensorError
 
-from core.config import DEFAULT_PRESET, PRESET_NAMES, ConfigError, did_you_mean, every_field
+from core.config import ConfigError, did_you_mean, every_field
 from core.logs import log, setup_logging
 from pipeline.registry import STAGES, describe_stage, resolve_stage_config, run_stage
 from pipeline.usage import COMMANDS, help_text, overview
+from stages.presets import DEFAULT as DEFAULT_PRESET
+from stages.presets import NAMES as PRESET_NAMES
+from stages.presets import compose
 
 # what `semix NAME` runs: a stage, or a command (COMMANDS: whole chains, stage after stage in
 # one process; each module has `fields_text(preset)` and `resolved(preset, sets)` for --fields
@@ -123,6 +126,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,  # None: not given, which the log says (DEFAULT_PRESET is used)
         help=f"{', '.join(PRESET_NAMES)}, or a classes .txt file (default: {DEFAULT_PRESET})",
     )
+    # a recipe apart from the data: `--preset DATA --recipe NAME` is the preset DATA+NAME
+    # (stages/presets), which is what the chain's and the study's commands pass on; not a config
+    # field, so no config.json of a run without a recipe changes
+    parser.add_argument(
+        "--recipe",
+        metavar="NAME",
+        default=None,
+        help="a preset whose recipe (every value but the data source) runs on --preset's data; "
+        "its run root is <preset>+<recipe>",
+    )
     parser.add_argument(
         "--set",
         dest="sets",
@@ -176,7 +189,6 @@ def show(text: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    preset = args.preset or DEFAULT_PRESET
     sets = [s for s in args.sets if s]  # Makefile variables expand to empty strings
     is_main = os.environ.get("RANK", "0") == "0"  # under a launcher: global rank 0
     who = f"semix {args.stage}" if args.stage in NAMES else "semix"  # how its lines start
@@ -185,6 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.epilog = overview()
             return show(parser.format_help().rstrip())
         check_name(args.stage)
+        preset = compose(args.preset or DEFAULT_PRESET, args.recipe)  # an unknown recipe: here
         if args.help:
             return show(help_text(args.stage, preset))
         if args.fields or args.print_config:  # on every command: describe, never start work

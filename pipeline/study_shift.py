@@ -45,8 +45,10 @@ def shift_folder(root: Path) -> Path:
 
 
 def ood_sets(preset: str) -> tuple[str, ...]:
-    """The OOD sets of a root: scikit-learn's digits is no OOD set for the digits preset."""
-    return tuple(s for s in OOD_SETS if not (s == "digits" and preset == "digits"))
+    """The OOD sets of a root: scikit-learn's digits is no OOD set for the digits data (the
+    digits preset, or digits+<recipe>: the data is the part before the +)."""
+    data = preset.partition("+")[0]
+    return tuple(s for s in OOD_SETS if not (s == "digits" and data == "digits"))
 
 
 def robustness_tasks(

@@ -14,16 +14,18 @@ import importlib.util
 import re
 from pathlib import Path
 
-from core.config import DEFAULT_PRESET, PRESET_NAMES, StageConfig, describe_fields, preset_name
-from pipeline.chain import CHAINS, SHARED_FIELDS
+from core.config import StageConfig, describe_fields
+from pipeline.chain import SHARED_FIELDS
 from pipeline.registry import STAGES, config_module
+from stages.presets import DEFAULT, NAMES, chain_steps
 
 # whole runs of several stages: command -> its module (pipeline/cli.py runs them)
 COMMANDS = {"chain": "pipeline.chain", "demo": "pipeline.demo", "study": "pipeline.study"}
 USAGE = "[--preset NAME] [--set KEY=VALUE ...] [--fields | --print-config | --help]"
 PRESETS_LINE = (
-    f"presets (--preset): {', '.join(PRESET_NAMES)} (default: {DEFAULT_PRESET}), or a .txt "
-    "file with one class name per line (a custom dataset)"
+    f"presets (--preset): {', '.join(NAMES)} (default: {DEFAULT}), or a .txt "
+    "file with one class name per line (a custom dataset); --recipe NAME: that preset's recipe "
+    "on --preset's data"
 )
 EXAMPLES = 2
 
@@ -56,10 +58,10 @@ def examples(name: str) -> list[str]:
         for line in module_docstring(module_of(name)).splitlines()
         if re.search(rf"-m pipeline {re.escape(name)}(\s|$)", line)
     ]
-    describe = f"python -m pipeline {name} --preset {DEFAULT_PRESET} --print-config"
+    describe = f"python -m pipeline {name} --preset {DEFAULT} --print-config"
     made = [f"{describe}   # what it would run; runs nothing"]
     if name in COMMANDS:
-        made.insert(0, f"python -m pipeline {name} --preset {DEFAULT_PRESET}")
+        made.insert(0, f"python -m pipeline {name} --preset {DEFAULT}")
     else:
         made.append(f"python -m pipeline {name} --fields   # every field; runs nothing")
     return [*own, *made][:EXAMPLES]
@@ -102,10 +104,8 @@ def stage_help(stage: str, preset: str) -> str:
 def command_help(command: str, preset: str) -> str:
     """`semix chain|demo|study --help`: purpose, usage, examples, presets, the chain's steps for
     this preset and how its --set keys are scoped."""
-    label, _ = preset_name(preset)  # an unknown preset is refused here too (a .txt: imagefolder)
-    steps = [
-        f"{stage} ({' '.join(extra)})" if extra else stage
-        for stage, extra in CHAINS.get(label, CHAINS["default"])
+    steps = [  # an unknown preset is refused here too
+        f"{stage} ({' '.join(extra)})" if extra else stage for stage, extra in chain_steps(preset)
     ]
     chain = f"the chain for --preset {preset}: {' -> '.join(steps)}"
     if command != "chain":  # demo and study run the chain first, then their runs

@@ -25,14 +25,6 @@ MODEL_LICENSES = {
     "dit-xl-2": "cc-by-nc-4.0",  # facebook/DiT-XL-2-256, -512
 }
 BACKEND_LICENSES = {"dit": "cc-by-nc-4.0"}  # every released DiT checkpoint is CC BY-NC 4.0
-# The in-house UNet learns only from the real training set, so its images carry that license.
-UNET_DATA_LICENSES = {
-    "fashion-mnist": ("mit", "Zalando's Fashion-MNIST (MIT licence)"),
-    "digits": (
-        "cc-by-4.0",
-        "scikit-learn's handwritten digits (UCI Optical Recognition of Handwritten Digits)",
-    ),
-}
 _SIZES = ((1_000, "n<1K"), (10_000, "1K<n<10K"), (100_000, "10K<n<100K"))
 _SIZES += ((1_000_000, "100K<n<1M"), (10_000_000, "1M<n<10M"), (100_000_000, "10M<n<100M"))
 
@@ -45,11 +37,15 @@ def size_category(n: int) -> str:
     return next((name for bound, name in _SIZES if n < bound), "100M<n<1B")
 
 
-def license_for(generator: Mapping[str, Any], dataset: str, override: str = "") -> tuple[str, str]:
+def license_for(
+    generator: Mapping[str, Any], data_license: tuple[str, str] | None, override: str = ""
+) -> tuple[str, str]:
     """(Hub license id, one plain sentence for the card saying where it comes from).
 
     Order: the publisher's override, the license the generate stage recorded, known model ids,
-    the in-house UNet's training data, the backend; otherwise `other`, said plainly.
+    the in-house UNet's training data (`data_license`: (its license id, what the data is), where
+    the preset knows it: the UNet learns only from the real training set, so its images carry
+    that license), the backend; otherwise `other`, said plainly.
     """
     model, backend = str(generator.get("model_id", "")), str(generator.get("backend", ""))
     if override:
@@ -60,8 +56,8 @@ def license_for(generator: Mapping[str, Any], dataset: str, override: str = "") 
     for pattern, lic in MODEL_LICENSES.items():
         if pattern in model.lower():
             return lic, f"`{lic}`, the license of the generator `{model}`."
-    if backend == "unet" and dataset in UNET_DATA_LICENSES:
-        lic, source = UNET_DATA_LICENSES[dataset]
+    if backend == "unet" and data_license is not None:
+        lic, source = data_license
         return lic, f"`{lic}`: semix's in-house UNet was trained only on {source}, licensed {lic}."
     if backend in BACKEND_LICENSES:
         lic = BACKEND_LICENSES[backend]

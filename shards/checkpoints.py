@@ -57,6 +57,13 @@ from shards.manifest import ShardError
 from shards.runs import load_safetensors
 
 MARKER = "semix_state.json"  # written last: the checkpoint's own completion record
+
+
+class CheckpointError(ShardError):
+    """A checkpoint is missing, incomplete, damaged or does not load: named for what failed (the
+    fix is the checkpoint's), a ShardError for every `except ShardError` and the CLI's exit 1."""
+
+
 FILES = "files"  # in the marker: {name: {"bytes", "sha256"}} of every other file
 _HEX = re.compile(r"[0-9a-f]{64}")
 PREFIX = "checkpoint_"
@@ -82,11 +89,13 @@ def check_checkpoint(folder: Path, marker: str = MARKER, ours: tuple[str, ...] =
     load without unpickling: accelerate's own, and `ours` (semix's safetensors / JSON files)."""
     folder = Path(folder)
     if not (folder / marker).is_file():
-        raise ShardError(f"{folder} is not a complete semix checkpoint (no {marker}); use another")
+        raise CheckpointError(
+            f"{folder} is not a complete semix checkpoint (no {marker}); use another"
+        )
     allowed = re.compile("|".join([*_ACCELERATE, *map(re.escape, (marker, *ours))]))
     for path in sorted(folder.iterdir()):
         if not path.is_file() or not allowed.fullmatch(path.name):
-            raise ShardError(
+            raise CheckpointError(
                 f"{path}: not a file semix checkpoints hold (pickled state is never loaded); "
                 f"remove it, or start over without this checkpoint"
             )
@@ -98,17 +107,19 @@ def verify_checkpoint(
 ) -> tuple[dict[str, Any], bool]:
     """(the state the marker holds, whether it carries a file record) of a complete checkpoint
     whose files are all its record's: each listed file present with its size and (`hashes`)
-    its sha256, none unlisted, names as `check_checkpoint` allows. Raises ShardError naming the
-    first file that is not. A marker without a record (written before semix kept one) passes:
-    (state, False), its files unverified."""
+    its sha256, none unlisted, names as `check_checkpoint` allows. Raises CheckpointError naming
+    the first file that is not. A marker without a record (written before semix kept one)
+    passes: (state, False), its files unverified."""
     folder = check_checkpoint(folder, MARKER, ours)
     marker = folder / MARKER
     try:
         saved = read_json(marker)
     except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ShardError(f"{marker}: unreadable ({str(e)[:80]}); the checkpoint is damaged") from e
+        raise CheckpointError(
+            f"{marker}: unreadable ({str(e)[:80]}); the checkpoint is damaged"
+        ) from e
     if not isinstance(saved, dict):
-        raise ShardError(f"{marker}: not a JSON object; the checkpoint is damaged")
+        raise CheckpointError(f"{marker}: not a JSON object; the checkpoint is damaged")
     record = saved.pop(FILES, None)
     if record is None:
         return saved, False
@@ -121,25 +132,25 @@ def verify_checkpoint(
         and _HEX.fullmatch(str(entry.get("sha256", "")))
         for name, entry in record.items()
     ):
-        raise ShardError(f"{marker}: malformed file record; the checkpoint is damaged")
+        raise CheckpointError(f"{marker}: malformed file record; the checkpoint is damaged")
     present = {p.name for p in folder.iterdir()} - {MARKER}
     unlisted = sorted(present - set(record))
     if unlisted:
-        raise ShardError(
+        raise CheckpointError(
             f"{folder / unlisted[0]}: not in the checkpoint's record (added after it was written)"
         )
     for name, entry in sorted(record.items()):
         path = folder / name
         if name not in present:
-            raise ShardError(f"{path}: missing (the checkpoint's record lists it)")
+            raise CheckpointError(f"{path}: missing (the checkpoint's record lists it)")
         size = path.stat().st_size
         if size != entry["bytes"]:
-            raise ShardError(
+            raise CheckpointError(
                 f"{path}: {size} bytes, the checkpoint's record says {entry['bytes']} "
                 "(truncated or damaged)"
             )
         if hashes and sha256_file(path) != entry["sha256"]:
-            raise ShardError(f"{path}: sha256 differs from the checkpoint's record (damaged)")
+            raise CheckpointError(f"{path}: sha256 differs from the checkpoint's record (damaged)")
     return saved, True
 
 
@@ -247,7 +258,7 @@ class Checkpointer:
                 answer = ("error", str(e))
         kind, value = self.share(answer)
         if kind == "error":
-            raise ShardError(value)
+            raise CheckpointError(value)
         return None if value is None else Path(value)
 
     def _choose(self, resume: str, verify: bool) -> Path | None:
@@ -256,16 +267,18 @@ class Checkpointer:
         complete = self.complete()
         if resume in ("auto", "latest"):
             if not complete and resume == "latest":
-                raise ShardError(f"resume=latest: {self.folder} holds no complete checkpoint")
+                raise CheckpointError(f"resume=latest: {self.folder} holds no complete checkpoint")
             if not complete:
                 return None
             return self._newest_intact(complete) if verify else complete[max(complete)]
         path = Path(resume)
         if not path.is_dir() or checkpoint_number(path) is None:
-            raise ShardError(f"resume={resume}: not a checkpoint_<n> folder (or {RESUME_HELP})")
+            raise CheckpointError(
+                f"resume={resume}: not a checkpoint_<n> folder (or {RESUME_HELP})"
+            )
         if not verify:
             if not (path / MARKER).is_file():
-                raise ShardError(f"{path} is not a complete semix checkpoint (no {MARKER})")
+                raise CheckpointError(f"{path} is not a complete semix checkpoint (no {MARKER})")
             return path
         self._accept(path)
         return path
@@ -277,7 +290,7 @@ class Checkpointer:
         for n in sorted(complete, reverse=True):
             try:
                 self._accept(complete[n])
-            except ShardError as e:
+            except CheckpointError as e:
                 log.warning("damaged checkpoint, not resumed from: %s", e)
                 damage = damage or e
                 continue
@@ -288,10 +301,10 @@ class Checkpointer:
                     complete[n],
                 )
             return complete[n]
-        raise ShardError(f"{damage}; {self.folder} holds no intact checkpoint: {START_OVER}")
+        raise CheckpointError(f"{damage}; {self.folder} holds no intact checkpoint: {START_OVER}")
 
     def _accept(self, path: Path) -> None:
-        """Verify `path` as a whole (raises ShardError) and keep its state for `load`."""
+        """Verify `path` as a whole (raises CheckpointError) and keep its state for `load`."""
         state, recorded = verify_checkpoint(path, self.files)
         if not recorded:
             log.warning(
@@ -321,14 +334,14 @@ class Checkpointer:
         except (*_LOAD_ERRORS, SafetensorError) as e:
             if is_peer_failure(e):  # another rank left: not this checkpoint's fault
                 raise
-            raise ShardError(
+            raise CheckpointError(
                 f"{path}: this checkpoint does not load ({_why(e)}); {START_OVER}"
             ) from e
-        tensors = {
-            name: load_safetensors(path / name, device)
-            for name in self.files
-            if (path / name).is_file()
-        }
+        present = [name for name in self.files if (path / name).is_file()]
+        try:
+            tensors = {name: load_safetensors(path / name, device) for name in present}
+        except ShardError as e:  # a file that is no safetensors: the checkpoint is what failed
+            raise CheckpointError(str(e)) from e
         return state, tensors
 
     # ------------------------------------------------------------ writing

@@ -35,13 +35,25 @@ from typing import Any
 import numpy as np
 
 from core.io import canonical_json, read_json, sha256_bytes, sha256_file
-from shards.manifest import MANIFEST, Manifest, ShardError, read_manifest, write_manifest
+from shards.manifest import (
+    MANIFEST,
+    Manifest,
+    ShardError,
+    is_complete,
+    read_manifest,
+    write_manifest,
+)
 
 EVAL = "eval"
 KIND = "eval"
 METRICS, PREDICTIONS, RELIABILITY = "metrics.json", "predictions.npz", "reliability.png"
 REPORT = "report.md"
 ZIP_TIME = (1980, 1, 1, 0, 0, 0)  # the earliest time a zip can hold: no clock in the bytes
+
+
+class EvalError(ShardError):
+    """An evaluation folder is incomplete or damaged: named for what failed, a ShardError for
+    every `except ShardError` (a damaged evaluation is redone or left out of the report)."""
 
 
 # The layout of predictions.npz, in every evaluation's settings: one written with an older
@@ -95,9 +107,9 @@ def building(dest: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if not (tmp / MANIFEST).is_file():
+    if not is_complete(tmp):
         shutil.rmtree(tmp, ignore_errors=True)
-        raise ShardError(f"{dest}: built without a {MANIFEST}; nothing was installed")
+        raise EvalError(f"{dest}: built without a {MANIFEST}; nothing was installed")
     old = dest.with_name(f".{dest.name}.old")
     shutil.rmtree(old, ignore_errors=True)
     if dest.exists():
@@ -137,27 +149,27 @@ def finish(
 
 
 def read_eval(folder: Path) -> Manifest:
-    """The manifest of a complete evaluation folder whose files match it; else a ShardError."""
+    """The manifest of a complete evaluation folder whose files match it; else an EvalError."""
     manifest = read_manifest(folder)
     if manifest.kind != KIND:
-        raise ShardError(f"{folder} holds a {manifest.kind!r} folder, not an evaluation")
+        raise EvalError(f"{folder} holds a {manifest.kind!r} folder, not an evaluation")
     files = manifest.info.get("files", {})
     for name in (METRICS, PREDICTIONS):
         if name not in files:
-            raise ShardError(f"{folder}/{MANIFEST} lists no {name}; rerun evaluate")
+            raise EvalError(f"{folder}/{MANIFEST} lists no {name}; rerun evaluate")
     for name, rec in files.items():
         path = Path(folder) / name
         if not path.is_file() or path.stat().st_size != rec["bytes"]:
-            raise ShardError(f"{path}: missing or of another size than {MANIFEST} says")
+            raise EvalError(f"{path}: missing or of another size than {MANIFEST} says")
         if sha256_file(path) != rec["sha256"]:
-            raise ShardError(f"{path}: sha256 mismatch with {MANIFEST}; rerun evaluate")
+            raise EvalError(f"{path}: sha256 mismatch with {MANIFEST}; rerun evaluate")
     return manifest
 
 
 def is_current(folder: Path, upstream: Mapping[str, str], settings: Mapping[str, Any]) -> bool:
     """True when `folder` is a complete, undamaged evaluation of exactly this upstream and these
     settings: a rerun may skip it. Missing, incomplete, stale or damaged: False (redo it)."""
-    if not (Path(folder) / MANIFEST).is_file():
+    if not is_complete(folder):
         return False
     try:
         manifest = read_eval(folder)
@@ -168,7 +180,7 @@ def is_current(folder: Path, upstream: Mapping[str, str], settings: Mapping[str,
 
 def read_metrics(folder: Path) -> dict[str, Any] | None:
     """metrics.json of a complete evaluation folder (checked against its manifest), else None."""
-    if not (Path(folder) / MANIFEST).is_file():
+    if not is_complete(folder):
         return None
     read_eval(folder)
     return read_json(Path(folder) / METRICS)
@@ -182,11 +194,7 @@ def evaluated(root: Path, stages: tuple[str, ...]) -> Iterator[tuple[str, str, P
         if not base.is_dir():
             continue
         for folder in sorted(base.iterdir()):
-            if (
-                folder.is_dir()
-                and not folder.name.startswith(".")
-                and (folder / MANIFEST).is_file()
-            ):
+            if folder.is_dir() and not folder.name.startswith(".") and is_complete(folder):
                 yield stage, folder.name, folder
 
 
@@ -197,7 +205,7 @@ def ood_folder(path: str) -> Path:
     """A split folder, a real/ root or a runs/<name>/ root -> the split folder to score."""
     p = Path(path)
     for candidate in (p, p / "test", p / "real" / "test"):
-        if (candidate / MANIFEST).is_file():
+        if is_complete(candidate):
             return candidate
     raise ShardError(
         f"ood={path}: no prepared split there (looked for {MANIFEST} in ., test/, real/test/)"

@@ -25,7 +25,16 @@ MANIFEST = "manifest.json"
 
 
 class ShardError(ValueError):
-    """A shard folder is missing, incomplete, corrupt or inconsistent."""
+    """A shard folder is missing, incomplete, corrupt or inconsistent (the base of every error
+    about what semix keeps on disk: `except ShardError` catches the narrower ones too)."""
+
+
+def is_complete(folder: Path) -> bool:
+    """Whether `folder` is a complete output: its manifest exists. Every stage writes the
+    manifest last (and nothing in the folder changes after it), so this is the one completion
+    rule of every output folder (docs/architecture.md); whether the folder is also the right
+    one (its config, its upstream digests, its files' sha256) is each reader's own check."""
+    return (Path(folder) / MANIFEST).is_file()
 
 
 # manifest kind -> the stage that writes such a folder: what a user reruns when one is damaged
@@ -227,7 +236,7 @@ def read_manifest(folder: Path) -> Manifest:
     path = folder / MANIFEST
     if not folder.is_dir():
         raise ShardError(f"{folder} does not exist: {_make_hint(folder)}")
-    if not path.is_file():
+    if not is_complete(folder):
         remake = remake_command(folder)
         how = f"rerun {remake[0]} to complete it: `{remake[1]}`" if remake else "rerun it"
         raise ShardError(
@@ -254,10 +263,9 @@ def read_manifest(folder: Path) -> Manifest:
 
 def manifest_digest(folder: Path) -> str:
     """sha256 of the manifest bytes: how downstream stages pin the exact upstream folder."""
-    path = Path(folder) / MANIFEST
-    if not path.is_file():
+    if not is_complete(folder):
         read_manifest(folder)  # raises the helpful "incomplete" error
-    return sha256_bytes(path.read_bytes())
+    return sha256_bytes((Path(folder) / MANIFEST).read_bytes())
 
 
 def verify_shards(folder: Path, manifest: Manifest | None = None) -> Manifest:

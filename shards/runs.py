@@ -45,6 +45,7 @@ from shards.manifest import (
     MANIFEST,
     Manifest,
     ShardError,
+    is_complete,
     manifest_digest,
     read_manifest,
     remake_command,
@@ -58,6 +59,11 @@ RUN_KIND = "run"
 # outputs, never pinned by the manifest, so a run's identity does not depend on where it ran.
 HOST = "host.json"
 HOST_FIELDS = ("seconds", "images_per_s")  # per-epoch history entries that go to HOST
+
+
+class RunError(ShardError):
+    """A run folder is missing, incomplete, damaged, not a run, or made from other inputs: named
+    for what failed, a ShardError for every `except ShardError` and the CLI's exit 1."""
 
 
 def split_history(
@@ -113,7 +119,7 @@ def finish_run(
         if p.is_file() and p.name not in (MANIFEST, HOST) and not p.name.startswith(".")
     }
     if WEIGHTS not in files or META not in files:
-        raise ShardError(f"{folder}: no {WEIGHTS} + {META} to finish the run with")
+        raise RunError(f"{folder}: no {WEIGHTS} + {META} to finish the run with")
     manifest = Manifest(
         kind=RUN_KIND,
         class_names=tuple(class_names),
@@ -144,14 +150,14 @@ def run_complete(folder: Path, upstream: Mapping[str, str]) -> bool:
     reads); False if it is not complete. A complete run made from other inputs is refused in
     one line: it is never rewritten."""
     folder = Path(folder)
-    if not (folder / MANIFEST).is_file():
+    if not is_complete(folder):
         return False
     made_from = read_manifest(folder).upstream
     changed = sorted(
         k for k in made_from.keys() | upstream.keys() if made_from.get(k) != upstream.get(k)
     )
     if changed:
-        raise ShardError(
+        raise RunError(
             f"{folder} is complete but was made from other inputs ({', '.join(changed)} changed "
             "since); remove the folder or choose another run name"
         )
@@ -192,12 +198,12 @@ class Run:
         try:
             state = load(data)
         except (SafetensorError, OSError) as e:
-            raise ShardError(
+            raise RunError(
                 f"{path} is not a readable safetensors file ({str(e).strip()[:80]}); "
                 "it is damaged or of another format: rerun the stage that wrote it"
             ) from e
         if sha256_bytes(data) != self.manifest.info.get("weights_sha256"):
-            raise ShardError(
+            raise RunError(
                 f"{path}: sha256 differs from the run's manifest (modified after the run "
                 "finished); remove the run folder and rerun its stage"
             )
@@ -211,23 +217,23 @@ def read_run(folder: Path) -> Run:
     remake = remake_command(folder)
     if not (folder / META).is_file() or not (folder / WEIGHTS).is_file():
         how = f"`{remake[1]}`" if remake else "make train RUN=..."
-        raise ShardError(
+        raise RunError(
             f"{folder} has no trained weights ({WEIGHTS} + {META}): check the run name, or "
             f"make the run first: {how}"
         )
-    if not (folder / MANIFEST).is_file():
+    if not is_complete(folder):
         how = f": `{remake[1]}`" if remake else ""
-        raise ShardError(
+        raise RunError(
             f"{folder} is incomplete: it has no {MANIFEST} (its stage did not finish); rerun "
             f"the stage to complete it{how}"
         )
     manifest = read_manifest(folder)
     if manifest.kind != RUN_KIND:
-        raise ShardError(f"{folder} holds a {manifest.kind!r} folder, not a trained run")
+        raise RunError(f"{folder} holds a {manifest.kind!r} folder, not a trained run")
     meta = read_json(folder / META)
     missing = [k for k in ("arch", "class_names", "image_size", "normalize") if k not in meta]
     if missing:
-        raise ShardError(f"{folder / META} lacks {missing}; retrain the run with this version")
+        raise RunError(f"{folder / META} lacks {missing}; retrain the run with this version")
     return Run(folder, manifest, meta)
 
 
@@ -253,7 +259,5 @@ def load_model(
         model.load_state_dict(state)
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0]
-        raise ShardError(
-            f"{folder}: weights do not fit the architecture in {META} ({first})"
-        ) from e
+        raise RunError(f"{folder}: weights do not fit the architecture in {META} ({first})") from e
     return model.to(device), meta

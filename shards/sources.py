@@ -4,10 +4,11 @@ Every source yields uint8 HxWx3 RGB arrays and integer labels, plus its class na
 its official splits ("train", and "test" where the dataset has one). The prepare stage
 derives val (and test, where missing) from train deterministically, then writes shards.
 
-Supported: scikit-learn's bundled digits (offline), Fashion-MNIST (IDX files: a folder, Debian's
-`dataset-fashion-mnist` package, or Hugging Face `datasets`), CIFAR-10/100 python archives or
-Hugging Face `datasets`; image files in class folders (any ImageFolder, Tiny-ImageNet, ImageNet-1k)
-are in shards/image_folders.py.
+Supported: scikit-learn's bundled digits (offline), the MNIST family's IDX files, the CIFAR python
+archives, Hugging Face `datasets`; image files in class folders (any ImageFolder, Tiny-ImageNet,
+ImageNet-1k) are in shards/image_folders.py. Which dataset reads which, and from where (class
+names, archive layouts, a Debian package's folder), is the presets' to say (stages/presets/):
+they pass it in.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -45,7 +47,7 @@ class Source:
     splits: dict[str, SplitSource]  # "train" always; "test" when the dataset has one
 
 
-# ---------------------------------------------------------------- digits (offline default)
+# ---------------------------------------------------------------- scikit-learn's digits (offline)
 
 
 def digits_source(_: str = "") -> Source:
@@ -60,15 +62,8 @@ def digits_source(_: str = "") -> Source:
     return Source(class_names=tuple(str(k) for k in range(10)), splits={"train": split})
 
 
-# ---------------------------------------------------------------- Fashion-MNIST (IDX files)
+# ---------------------------------------------------------------- IDX files (the MNIST family)
 
-FASHION_MNIST_CLASSES = (
-    "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
-    "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
-)  # fmt: skip
-# Where Debian's `dataset-fashion-mnist` (MIT licence) installs the four gz files.
-DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
-FASHION_MNIST_HF = "zalando-datasets/fashion_mnist"
 _IDX_FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
@@ -129,21 +124,9 @@ def idx_source(folder: Path, class_names: Sequence[str]) -> Source:
     return Source(class_names=tuple(class_names), splits=splits)
 
 
-def fashion_mnist_source(data_dir: str = "", hf_dataset: str = FASHION_MNIST_HF) -> Source:
-    """Fashion-MNIST from, in order: `data_dir` (the four IDX gz files), Debian's
-    `dataset-fashion-mnist` package, Hugging Face `datasets` (needs network)."""
-    if data_dir:
-        return idx_source(Path(data_dir), FASHION_MNIST_CLASSES)
-    if _idx_file(DEBIAN_FASHION_MNIST, _IDX_FILES["train"][0]) is not None:
-        return idx_source(DEBIAN_FASHION_MNIST, FASHION_MNIST_CLASSES)
-    try:
-        return hf_source("fashion-mnist", hf_dataset)
-    except ShardError:
-        raise ShardError(
-            "Fashion-MNIST not found: pass data_dir=<folder with the four IDX .gz files>, or "
-            "install Debian's package (apt-get install dataset-fashion-mnist), or go online "
-            f"for Hugging Face datasets ({hf_dataset})"
-        ) from None
+def has_idx_files(folder: Path) -> bool:
+    """Whether `folder` holds the training images of the MNIST layout (.gz or not)."""
+    return _idx_file(folder, _IDX_FILES["train"][0]) is not None
 
 
 # ---------------------------------------------------------------- CIFAR python archives
@@ -180,29 +163,32 @@ def _load_pickled(data: bytes, where: str) -> dict:
     return {(k.decode() if isinstance(k, bytes) else k): v for k, v in obj.items()}
 
 
-_CIFAR = {
-    # variant: (archive name, train members, test member, meta member, label key, names key)
-    "cifar10": (
-        "cifar-10-python.tar.gz",
-        [f"data_batch_{i}" for i in range(1, 6)],
-        "test_batch",
-        "batches.meta",
-        "labels",
-        "label_names",
-    ),
-    "cifar100": (
-        "cifar-100-python.tar.gz",
-        ["train"],
-        "test",
-        "meta",
-        "fine_labels",
-        "fine_label_names",
-    ),
-}
+class CifarLayout(NamedTuple):
+    """What one of the CIFAR python archives holds, and the columns of its Hub copy."""
+
+    name: str  # how the errors name the dataset
+    archive: str  # the official file name
+    train_members: tuple[str, ...]
+    test_member: str
+    meta_member: str
+    label_key: str
+    names_key: str
+    hf_columns: tuple[str, str]  # (image, label) of its Hugging Face `datasets` copy
 
 
-def cifar_archive_source(variant: str, path: str) -> Source:
-    archive_name, train_members, test_member, meta_member, label_key, names_key = _CIFAR[variant]
+def cifar_source(layout: CifarLayout, data_dir: str, hf_dataset: str) -> Source:
+    """The archive at `data_dir` (the file or its folder), else the `datasets` copy."""
+    if data_dir:
+        return cifar_archive_source(layout, data_dir)
+    if hf_dataset:
+        return hf_source(hf_dataset, *layout.hf_columns)
+    raise ShardError(
+        f"{layout.name}: set data_dir=/path/to/the/python-archive or hf_dataset=<id or folder>"
+    )
+
+
+def cifar_archive_source(layout: CifarLayout, path: str) -> Source:
+    variant, archive_name, train_members, test_member, meta_member, label_key, names_key, _ = layout
     archive = Path(path)
     if archive.is_dir():
         archive = archive / archive_name
@@ -250,14 +236,11 @@ def cifar_archive_source(variant: str, path: str) -> Source:
 # ---------------------------------------------------------------- Hugging Face datasets
 
 
-_HF_COLUMNS = {"cifar10": ("img", "label"), "cifar100": ("img", "fine_label")}
-
-
-def hf_source(variant: str, dataset_id: str) -> Source:
-    """A Hub dataset id (needs network) or a local folder `datasets` can load."""
+def hf_source(dataset_id: str, image_col: str = "image", label_col: str = "label") -> Source:
+    """A Hub dataset id (needs network) or a local folder `datasets` can load; the label column
+    is a ClassLabel (its names are the class names)."""
     import datasets
 
-    image_col, label_col = _HF_COLUMNS.get(variant, ("image", "label"))
     offline = not Path(dataset_id).exists() and hub_offline()
     if offline:  # the local cache only: no timeouts and retries before the one line
         datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True

@@ -37,10 +37,10 @@ from core.io import (
 )
 from shards.datapath import DATA_FIELDS
 from shards.manifest import (
-    MANIFEST,
     Manifest,
     ShardError,
     ShardRecord,
+    is_complete,
     read_manifest,
     write_manifest,
 )
@@ -250,7 +250,7 @@ def completed(
     folders, or without a config.json of ours (e.g. pulled), is not complete for this run.
     """
     folder = Path(folder)
-    if not (folder / MANIFEST).is_file():
+    if not is_complete(folder):
         return False
     if config is not None:
         if not (folder / "config.json").is_file():

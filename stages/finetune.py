@@ -35,7 +35,6 @@ from core.io import atomic_write_json, read_json
 from core.logs import log
 from core.plots import lines
 from core.runtime import code_version, make_generator
-from core.tracking import Tracking
 from models.classifiers import Classifier
 from models.finetuning import arch_with_head, build_model, require_separable_head
 from models.heads import GATE_MODES, MaskedSGD, RetentionSchedule
@@ -45,19 +44,11 @@ from shards.budget import labelled_images
 from shards.datapath import DataPathChoice
 from shards.datasets import check_same_classes
 from shards.manifest import manifest_digest
-from shards.runs import Run, read_run, run_complete, split_history, write_host
-from shards.writer import write_config
+from shards.runs import Run, read_run, split_history
 from stages import data as datapath
 from stages.configs.finetune import Config
-from stages.loop import (
-    Data,
-    LoopState,
-    Recipe,
-    check_resume,
-    fit,
-    make_accelerator,
-    write_run,
-)
+from stages.loop import Data, LoopState, write_run
+from stages.training_run import TrainingRun
 
 SECTION = "finetune"  # metrics.json section and the first key of every draw
 Method = tuple[Objective, torch.optim.Optimizer, float, list[Callable[[Path], Any]]]
@@ -188,28 +179,20 @@ def describe(stats: dict[str, Any]) -> str:
 def run(cfg: Config) -> Path:
     """Fine-tune one trained run (see the module docstring); returns the output folder."""
     # 1. Inputs: bad input fails here, before anything is written; a complete output only reads.
-    run_dir = cfg.root / SECTION / cfg.output
-    tracking = Tracking.of(cfg.tracker, run_dir, cfg.root)  # tracker=: outside the run's files
-    accelerator = make_accelerator(cfg.precision, **tracking.accelerator_kwargs())
-    main, dev = accelerator.is_main_process, accelerator.device
+    run = TrainingRun.open(cfg, SECTION, cfg.output)
+    accelerator, dev = run.accelerator, run.device
     source, model = load_source(cfg)
     real = cfg.root / "real"
     made_from = {f"real/{s}": manifest_digest(real / s) for s in ("train", "val")}
     made_from["init"] = source.digest
-    if run_complete(run_dir, made_from):
-        write_config(run_dir, cfg.record())  # refuses another config under the same name
-        log.info(
-            "finetune %s: already finished (%s is complete); nothing to do", cfg.output, run_dir
-        )
-        return run_dir
-    check_resume(run_dir, cfg.resume)
+    if run.complete(made_from):
+        return run.folder
+    run.check_resume()
     meta = source.meta
     data, path = load_data(cfg, source, accelerator)
     model.load_state_dict(source.state_dict())  # sha256 checked against the run's manifest
     model.to(dev)
-    if main:
-        write_config(run_dir, cfg.record())
-    accelerator.wait_for_everyone()
+    run.write_config()
 
     # 2. The method: a fresh head or gate from (seed, method, purpose), its optimizer.
     objective, optimizer, lr, plots = METHODS[cfg.method](cfg, model, data)
@@ -222,20 +205,9 @@ def run(cfg: Config) -> Path:
         *(len(data.train), len(data.val), accelerator.num_processes, dev),
     )
 
-    # 3. The loop: constant lr, the last epoch's weights.
-    recipe = Recipe(
-        key=(cfg.seed, SECTION, cfg.method),
-        epochs=cfg.epochs,
-        batch_size=cfg.batch_size,
-        lr=lambda epoch: lr,
-        clip_norm=cfg.clip_norm,  # FeDLaS: the classifier only; MaC-Cal clips nothing
-        crop_pad=cfg.crop_pad,
-        flip=cfg.flip,
-        keep="last",
-        eval_batch_size=cfg.eval_batch_size,
-        checkpoint_limit=cfg.checkpoint_limit,
-        resume=cfg.resume,
-    )
+    # 3. The loop: constant lr, the last epoch's weights (FeDLaS clips the classifier only;
+    #    MaC-Cal clips nothing).
+    recipe = run.recipe(key=(cfg.seed, SECTION, cfg.method), lr=lambda epoch: lr, keep="last")
     source_info = {
         "run": cfg.run,
         "folder": f"train/{cfg.run}",
@@ -258,23 +230,11 @@ def run(cfg: Config) -> Path:
             "labelled_train_images": budget,
         }
 
-    def progress_metrics(state: LoopState) -> None:
-        atomic_write_json(run_dir / "metrics.json", {SECTION: section(state, False)})
-        write_host(run_dir, path.record(), state.history)
-
-    name = f"finetune {cfg.output}"
-    tracking.start(accelerator, cfg.to_dict())  # the trackers close before the outputs
-    try:
-        result = fit(
-            run_dir, recipe, module, optimizer, data, accelerator, name, progress_metrics, describe
-        )
-    finally:
-        datapath.close(data.pixels, data.val)
-        tracking.finish(accelerator)
+    result = run.fit(recipe, module, optimizer, data, path, section, describe)
 
     # 4. Outputs (main): weights with what evaluate needs to rebuild them, metrics, plots,
     #    the manifest last.
-    if main:
+    if run.main:
         history = result.state.history
         out_meta = {
             "arch": arch_with_head(model) if cfg.method == "maccal" else meta["arch"],
@@ -288,14 +248,6 @@ def run(cfg: Config) -> Path:
             "epochs": cfg.epochs,
             "code_version": code_version(),
         }
-        curves = {
-            "val acc (%)": [h["val_acc"] for h in history],
-            "val ECE (%)": [h["val_ece"] for h in history],
-        }
-
-        def curves_png(folder: Path) -> None:
-            title = f"{cfg.output} ({out_meta['loss']})"
-            lines(curves, folder / "curves.png", xlabel="epoch", title=title)
 
         def gate_png(folder: Path) -> None:
             series = {f"ψ = {m}": [h["mode_share"][m] for h in history] for m in GATE_MODES}
@@ -303,14 +255,13 @@ def run(cfg: Config) -> Path:
             title = f"FeDLaS gate ({cfg.output})"
             lines(series, folder / "gate.png", xlabel="epoch", title=title)
 
+        curves_png = run.curves(history, f"{cfg.output} ({out_meta['loss']})")
         plots = [curves_png, *(plots or [gate_png])]
-        metrics = {SECTION: section(result.state, True)}
-        write_host(run_dir, path.record(), result.state.history)
-        write_run(run_dir, result.weights, out_meta, metrics, plots, made_from)
+        metrics = run.final_metrics(result, path, section)  # host.json too
+        write_run(run.folder, result.weights, out_meta, metrics, plots, made_from)
         last = history[-1]
         log.info(
             "finetune %s: val acc %.2f %%, val ECE %.2f %% -> %s",
-            *(cfg.output, last["val_acc"], last["val_ece"], run_dir),
+            *(cfg.output, last["val_acc"], last["val_ece"], run.folder),
         )
-    accelerator.wait_for_everyone()
-    return run_dir
+    return run.done()

@@ -20,7 +20,6 @@ from core.config import given_folder
 from core.io import sha256_file
 from core.logs import log
 from models.generators import (
-    EDM_CHECKPOINTS,
     Generator,
     ModelNotFoundError,
     NonFiniteImageError,
@@ -30,6 +29,7 @@ from models.generators import (
 from shards.manifest import Manifest, ShardError, manifest_digest, read_manifest, remake_command
 from stages.configs.generate import Config
 from stages.generate_plan import GenerationError
+from stages.presets import edm_checkpoint
 
 UNET_WEIGHTS = Path("unet") / "diffusion_pytorch_model.safetensors"  # save_unet's layout
 
@@ -82,7 +82,7 @@ def check_edm_model(cfg: Config) -> None:
     user's to know, and a command a hint quotes must run as printed."""
     model, default = edm_model(cfg), cfg.root / "edm"
     if not model.exists():
-        where = EDM_CHECKPOINTS.get(cfg.preset, "the EDM checkpoint of your dataset")
+        where = edm_checkpoint(cfg.preset) or "the EDM checkpoint of your dataset"
         raise GenerationError(
             f"EDM network {model} not found: download {where} and set model=<the .pkl>, or "
             f"convert it once into {default} (convert-edm with source=<the .pkl>)"

@@ -16,50 +16,13 @@ import numpy as np
 import torch
 from PIL import Image
 
-from core.config import read_class_names
 from core.logs import log, progress
 from core.runtime import code_version, make_generator
-from shards.image_folders import imagefolder_source, imagenet_source, tiny_imagenet_source
 from shards.manifest import ShardError
-from shards.sources import (
-    Source,
-    SplitSource,
-    cifar_archive_source,
-    digits_source,
-    fashion_mnist_source,
-    hf_source,
-)
+from shards.sources import Source, SplitSource
 from shards.writer import ShardFolder, completed, write_config
 from stages.configs.prepare import Config
-
-
-def _cifar(variant: str):
-    def load(cfg: Config) -> Source:
-        if cfg.data_dir:
-            return cifar_archive_source(variant, cfg.data_dir)
-        if cfg.hf_dataset:
-            return hf_source(variant, cfg.hf_dataset)
-        raise ShardError(
-            f"{variant}: set data_dir=/path/to/the/python-archive or hf_dataset=<id or folder>"
-        )
-
-    return load
-
-
-SOURCES = {
-    "digits": lambda cfg: digits_source(),
-    "fashion-mnist": lambda cfg: fashion_mnist_source(
-        cfg.data_dir, cfg.hf_dataset or "zalando-datasets/fashion_mnist"
-    ),
-    "cifar10": _cifar("cifar10"),
-    "cifar100": _cifar("cifar100"),
-    "tiny-imagenet": lambda cfg: tiny_imagenet_source(cfg.data_dir),
-    "imagenet": lambda cfg: imagenet_source(cfg.data_dir),
-    "imagefolder": lambda cfg: imagefolder_source(
-        cfg.data_dir, read_class_names(cfg.classes_file) if cfg.classes_file else ()
-    ),
-}
-
+from stages.presets import reader
 
 SPLITS = ("train", "val", "test")
 
@@ -154,7 +117,7 @@ def run(cfg: Config) -> Path:
     if already_complete(cfg, real):
         return real
     # 1. Load the source (may fail with a one-line message naming what is missing).
-    source = SOURCES[cfg.source](cfg)
+    source: Source = reader(cfg.source)(cfg)  # each preset says how its data are read
     write_config(real, cfg.to_dict())
     splits = plan_splits(source, cfg)
     log.info(

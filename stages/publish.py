@@ -23,6 +23,7 @@ from shards.datasets import check_mixed_sample
 from shards.manifest import ShardError, manifest_digest, verify_shards
 from shards.reader import iter_folder
 from stages.configs.publish import Config
+from stages.presets import data_license
 
 CARD_BANNER = f"--- {hub.CARD} (the dataset card, uploaded from memory) ---"
 
@@ -49,7 +50,8 @@ def run(cfg: Config) -> Path:
     annotation = read_json(report) if report.is_file() else None
 
     # 2. The dataset card, in memory (mixed/ is complete: nothing is written into it).
-    license_id, note = license_for(manifest.info.get("generator", {}), cfg.preset, cfg.license)
+    generator = manifest.info.get("generator", {})
+    license_id, note = license_for(generator, data_license(cfg.preset), cfg.license)
     files = [name for name in hub.EXTRAS if (folder / name).is_file()]
     card = build_card(
         manifest, annotation, repo=cfg.repo, license_id=license_id, license_note=note, files=files

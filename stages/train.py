@@ -25,11 +25,8 @@ from typing import Any
 import torch
 
 from core.config import given_folder
-from core.io import atomic_write_json
 from core.logs import log
-from core.plots import lines
 from core.runtime import code_version, derive_seed, make_generator
-from core.tracking import Tracking
 from models.annotation import soft_targets
 from models.classifiers import build_classifier
 from models.objectives import TrainingModule, build_objective
@@ -39,20 +36,11 @@ from shards.budget import train_run_images
 from shards.datapath import DataPathChoice
 from shards.datasets import RealSplit, check_same_classes
 from shards.manifest import ShardError, manifest_digest, read_manifest
-from shards.runs import run_complete, split_history, write_host
-from shards.writer import write_config
+from shards.runs import split_history
 from stages import data as datapath
 from stages.configs.train import Config
-from stages.loop import (
-    Data,
-    LoopState,
-    Mixed,
-    Recipe,
-    check_resume,
-    fit,
-    make_accelerator,
-    write_run,
-)
+from stages.loop import Data, LoopState, Mixed, write_run
+from stages.training_run import TrainingRun
 
 # a run name taken by another config: the run's own name is the way out
 OTHER_RUN = "choose another run=<name> (or remove the folder to retrain it)"
@@ -129,30 +117,25 @@ def upstream(cfg: Config, needs_mixed: bool) -> dict[str, str]:
 def run(cfg: Config) -> Path:
     """Train one run (see the module docstring); returns the run folder."""
     # 1. Accelerator, the run folder, what it is made from; a complete run only reads.
-    run_dir = cfg.root / "train" / cfg.run
-    tracking = Tracking.of(cfg.tracker, run_dir, cfg.root)  # tracker=: outside the run's files
-    accelerator = make_accelerator(cfg.precision, **tracking.accelerator_kwargs())
-    main, dev = accelerator.is_main_process, accelerator.device
+    run = TrainingRun.open(cfg, "train", cfg.run, OTHER_RUN)
     classes = read_manifest(cfg.root / "real" / "train").class_names
     probe = build_objective(cfg.loss, len(classes), torch.Generator(), **cfg.loss_params())
     needs_mixed = probe.needs_mixed
     made_from = upstream(cfg, needs_mixed)
-    if run_complete(run_dir, made_from):
-        write_config(run_dir, cfg.record(), OTHER_RUN)  # refuses another config under the name
-        log.info("train %s: already finished (%s is complete); nothing to do", cfg.run, run_dir)
-        return run_dir
+    if run.complete(made_from):
+        return run.folder
+    run.check_resume()
 
-    check_resume(run_dir, cfg.resume)
     # 2. Data, decoded into device memory or opened for streaming (bad input fails here, before
     #    anything is written); DataLoader workers start now, before the model exists.
+    accelerator, dev = run.accelerator, run.device
     path = datapath.choose_path(cfg, data_folders(cfg, needs_mixed), dev, accelerator)
     train, val = load_data(cfg, path, dev)
     mixed = load_mixed(cfg, train, path, dev) if needs_mixed else None
     budget = train_run_images(cfg.root, cfg.train_limit, mixed_folder(cfg) if needs_mixed else None)
-    if main:
+    if run.main:
         log.info("train %s: %s", cfg.run, path.describe())
-        write_config(run_dir, cfg.record(), OTHER_RUN)
-    accelerator.wait_for_everyone()
+    run.write_config()
     mean, std = datapath.statistics(train, cfg.in_channels, cfg)  # normalisation: real/train
     val = datapath.sequential(val, cfg.eval_batch_size, cfg)
     series = mixed.images if mixed else None
@@ -185,35 +168,20 @@ def run(cfg: Config) -> Path:
     )
 
     # 4. The loop: train, validate, checkpoint every epoch; keep the best validation epoch.
-    recipe = Recipe(
+    recipe = run.recipe(
         key=(cfg.seed, "train"),
-        epochs=cfg.epochs,
-        batch_size=cfg.batch_size,
         lr=lambda e: multistep_lr(e, cfg.lr, cfg.milestones, cfg.lr_gamma),
-        clip_norm=cfg.clip_norm,  # the classifier only: FeDLaS' gate is left out (METHODS §5)
-        crop_pad=cfg.crop_pad,
-        flip=cfg.flip,
         keep="best",
-        eval_batch_size=cfg.eval_batch_size,
-        checkpoint_limit=cfg.checkpoint_limit,
-        resume=cfg.resume,
     )
 
-    def progress_metrics(state: LoopState) -> None:
-        atomic_write_json(run_dir / "metrics.json", {"train": _section(cfg, state, False, budget)})
-        write_host(run_dir, path.record(), state.history)
+    def section(state: LoopState, finished: bool) -> dict[str, Any]:
+        return _section(cfg, state, finished, budget)
 
-    tracking.start(accelerator, cfg.to_dict())  # the trackers close before the outputs
-    try:
-        name = f"train {cfg.run}"
-        result = fit(run_dir, recipe, module, optimizer, data, accelerator, name, progress_metrics)
-    finally:
-        datapath.close(pixels, val)
-        tracking.finish(accelerator)
+    result = run.fit(recipe, module, optimizer, data, path, section)
 
     # 5. Outputs (main): the best epoch's weights with what a reader needs, metrics, curves,
     #    the manifest last.
-    if main:
+    if run.main:
         state, net = result.state, accelerator.unwrap_model(module).model
         meta = {
             "arch": net.arch_config(),
@@ -226,23 +194,14 @@ def run(cfg: Config) -> Path:
             "best_val_acc": state.best_val_acc,
             "code_version": code_version(),
         }
-        curves = {
-            "val acc (%)": [h["val_acc"] for h in state.history],
-            "val ECE (%)": [h["val_ece"] for h in state.history],
-        }
-
-        def plot(folder: Path) -> None:
-            lines(curves, folder / "curves.png", xlabel="epoch", title=f"{cfg.run} ({cfg.loss})")
-
-        metrics = {"train": _section(cfg, state, True, budget)}
-        write_host(run_dir, path.record(), state.history)
-        write_run(run_dir, result.weights, meta, metrics, [plot], made_from)
+        metrics = run.final_metrics(result, path, section)  # host.json too
+        plots = [run.curves(state.history, f"{cfg.run} ({cfg.loss})")]
+        write_run(run.folder, result.weights, meta, metrics, plots, made_from)
         log.info(
             "train %s: best epoch %d of %d, val acc %.2f %% -> %s",
-            *(cfg.run, state.best_epoch, cfg.epochs, state.best_val_acc, run_dir),
+            *(cfg.run, state.best_epoch, cfg.epochs, state.best_val_acc, run.folder),
         )
-    accelerator.wait_for_everyone()
-    return run_dir
+    return run.done()
 
 
 def _section(cfg: Config, state: LoopState, finished: bool, budget: int | None) -> dict[str, Any]:

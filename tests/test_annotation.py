@@ -10,12 +10,10 @@ import torch
 
 from models.annotation import (
     ANNOTATORS,
-    SHARPENING,
     PrototypeAccumulator,
     annotate,
     annotation_stats,
     class_prototypes,
-    default_sharpening,
     fidelity_stats,
     monotone_share,
     project_lambda,
@@ -204,22 +202,16 @@ def test_annotate_rejects_bad_input():
 
 
 def test_sharpening_reaches_the_annotate_config_of_every_preset():
-    """The annotate stage of each preset uses that preset's s unless --set; METHODS §2 fixes
-    s = 2.3 for CIFAR-100 and 4.0 for CIFAR-10 and Tiny-ImageNet."""
-    from core.config import PRESET_NAMES
+    """The annotate stage of each preset uses that preset's s (stages/presets) unless --set;
+    METHODS §2 fixes s = 2.3 for CIFAR-100 and 4.0 for CIFAR-10 and Tiny-ImageNet."""
     from pipeline.registry import resolve_stage_config
+    from stages.presets import NAMES
 
-    for preset in PRESET_NAMES:
-        cfg = resolve_stage_config("annotate", preset)
-        assert cfg.sharpening == default_sharpening(preset) == SHARPENING[preset] > 0, preset
+    for preset in NAMES:
+        assert resolve_stage_config("annotate", preset).sharpening > 0, preset
         assert resolve_stage_config("annotate", preset, ["sharpening=1.5"]).sharpening == 1.5
     paper = {"cifar10": 4.0, "cifar100": 2.3, "tiny-imagenet": 4.0}
     assert {p: resolve_stage_config("annotate", p).sharpening for p in paper} == paper
-    with pytest.raises(ValueError, match="cifar100"):
-        default_sharpening("mnist")
-
-
-# -- statistics --------------------------------------------------------------------------------
 
 
 def test_rankdata_and_spearman_with_ties():

@@ -140,8 +140,8 @@ def test_the_first_judge_chooses_and_the_others_only_report(tmp_path):
         "1": {"cnn:encoder": stats(70.0), "cnn:judge": stats(50.0)},
         "2": {"cnn:encoder": stats(60.0), "cnn:judge": stats(95.0)},
     }}]  # fmt: skip
-    w, summary = check.choose(curve)
-    assert w == 1.0 and summary == {"cnn:encoder": 70.0, "cnn:judge": 50.0}
+    w, clip, summary = check.choose(curve)
+    assert w == 1.0 and clip is None and summary == {"cnn:encoder": 70.0, "cnn:judge": 50.0}
     torch.manual_seed(0)
     check.write(tmp_path, curve, w)
     judges = json.loads((tmp_path / "fidelity.json").read_text())["judges"]

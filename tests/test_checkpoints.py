@@ -16,9 +16,10 @@ import torch
 from conftest import Killed, KillPoints
 from safetensors.torch import load_file
 
-from shards.checkpoints import MARKER, Checkpointer
+from shards.checkpoints import MARKER, Checkpointer, CheckpointError
 from shards.manifest import ShardError
 from shards.runs import (
+    RunError,
     finish_run,
     load_weights,
     read_run,
@@ -344,3 +345,23 @@ def test_accelerate_alone_ignores_a_damaged_rng_file_the_record_does_not(tmp_pat
         lambda p: accelerator.load_state(str(p), load_kwargs=LOAD_KWARGS),
     )
     assert state == {"n": 0}
+
+
+def test_errors_are_named_for_what_failed(tmp_path):
+    """A checkpoint that fails is a CheckpointError and a run folder a RunError, in one line;
+    both are ShardErrors, so every `except ShardError` and the CLI's exit 1 still hold."""
+    assert issubclass(CheckpointError, ShardError) and issubclass(RunError, ShardError)
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep=1, files=("ema.safetensors",))
+    with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
+        ckpt.choose("latest")
+    folder = tmp_path / "checkpoints" / "checkpoint_1"
+    folder.mkdir(parents=True)
+    with pytest.raises(CheckpointError, match="not a complete semix checkpoint"):
+        ckpt.choose(str(folder))
+    # an older checkpoint (no record: loaded unverified) whose tensors are no safetensors file
+    (folder / MARKER).write_text(json.dumps({"step": 1}))
+    (folder / "ema.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(CheckpointError, match="ema.safetensors is not a readable safetensors"):
+        ckpt.load(folder, lambda p: None)
+    with pytest.raises(RunError, match="has no trained weights"):
+        read_run(tmp_path / "run")

@@ -27,6 +27,7 @@ from core.config import field_docs
 from pipeline.chain import scope_fields
 from pipeline.cli import main
 from pipeline.registry import resolve_stage_config
+from stages.presets import chain_steps
 
 # ---------------------------------------------------------------- --set
 
@@ -114,7 +115,7 @@ def test_chain_print_config_resolves_every_step(tmp_path, capsys):
     sets = ["--set", f"out={tmp_path}", "generate.limit=3", "--set", "train.epochs=2"]
     assert main(["chain", "--print-config", *sets]) == 0
     steps = json.loads(capsys.readouterr().out)["chain"]
-    assert [s["stage"] for s in steps] == [s for s, _ in pipeline.chain.CHAINS["digits"]]
+    assert [s["stage"] for s in steps] == [s for s, _ in chain_steps("digits")]
     by_stage = {s["stage"]: s["config"] for s in steps}
     assert by_stage["generate"]["limit"] == 3 and by_stage["train"]["epochs"] == 2
     assert by_stage["train"]["run"] == "encoder"  # the chain's own value

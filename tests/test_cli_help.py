@@ -15,9 +15,9 @@ import sys
 import pytest
 from conftest import REPO, subprocess_env
 
-from core.config import PRESET_NAMES
 from pipeline.cli import COMMANDS, STAGES, main
 from pipeline.registry import config_module
+from stages.presets import NAMES as PRESET_NAMES
 
 NAMES = [*STAGES, *COMMANDS]
 

@@ -1,5 +1,6 @@
-"""Fashion-MNIST: the IDX reader on files written here, the three-way source lookup, and the
-real Debian files when the machine has them."""
+"""Fashion-MNIST: the IDX reader on files written here, the three-way source lookup (the
+fashion-mnist preset's reader, stages/presets), and the real Debian files when the machine has
+them."""
 
 import gzip
 
@@ -7,11 +8,14 @@ import numpy as np
 import pytest
 
 import shards.sources as sources
+import stages.presets.fashion_mnist as fashion_mnist
 from pipeline.cli import main
 from pipeline.registry import run_stage
 from shards.manifest import ShardError
 from shards.reader import load_split
-from shards.sources import DEBIAN_FASHION_MNIST, FASHION_MNIST_CLASSES, idx_source, read_idx
+from shards.sources import idx_source, read_idx
+from stages.presets.fashion_mnist import CLASSES as FASHION_MNIST_CLASSES
+from stages.presets.fashion_mnist import DEBIAN as DEBIAN_FASHION_MNIST
 
 
 def write_idx(path, array: np.ndarray, gz: bool = True) -> None:
@@ -84,9 +88,9 @@ def test_prepare_from_data_dir_is_exact(tmp_path):
 
 
 def test_missing_everywhere_names_all_three_ways(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(sources, "DEBIAN_FASHION_MNIST", tmp_path / "nowhere")
+    monkeypatch.setattr(fashion_mnist, "DEBIAN", tmp_path / "nowhere")
 
-    def offline(variant, dataset_id):
+    def offline(dataset_id, *columns):
         raise ShardError("could not load (offline)")
 
     monkeypatch.setattr(sources, "hf_source", offline)

@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 from models.heads import (
-    FEDLAS_DEFAULTS,
     NCI,
     EpochAccConf,
     FeDLaSCriterion,
@@ -270,10 +269,24 @@ def test_fedlas_ls_with_beta_zero_is_label_smoothing():
     torch.testing.assert_close(loss, F.cross_entropy(logits, labels, label_smoothing=alpha))
 
 
-@pytest.mark.parametrize("key", sorted(FEDLAS_DEFAULTS))
-def test_criterion_defaults_stats_and_gradients(key):
-    variant, _ = key
-    crit = FeDLaSCriterion(4, variant, **FEDLAS_DEFAULTS[key], generator=_gen(0))
+def _preset_fedlas() -> list[tuple[str, dict[str, float]]]:
+    """(variant, FeDLaSCriterion kwargs) of every preset's finetune config (stages/presets:
+    METHODS §5's values per dataset, CIFAR-10's as the defaults), each distinct set once."""
+    from pipeline.registry import resolve_stage_config
+    from stages.presets import NAMES
+
+    found: dict[str, tuple[str, dict[str, float]]] = {}
+    for preset in NAMES:
+        for method in ("fedlas-ls", "fedlas-mbls"):
+            cfg = resolve_stage_config("finetune", preset, ["run=x", f"method={method}"])
+            params = cfg.method_params()
+            found.setdefault(f"{method}{sorted(params.items())}", (method[7:], params))
+    return list(found.values())
+
+
+@pytest.mark.parametrize(("variant", "params"), _preset_fedlas())
+def test_criterion_defaults_stats_and_gradients(variant, params):
+    crit = FeDLaSCriterion(4, variant, **params, generator=_gen(0))
     features = torch.randn(6, 8, generator=_gen(1), requires_grad=True)
     logits = torch.randn(6, 4, generator=_gen(2), requires_grad=True)
     labels = torch.randint(0, 4, (6,), generator=_gen(3))

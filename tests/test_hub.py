@@ -29,6 +29,7 @@ from shards import card
 from shards.manifest import MANIFEST, Manifest, ShardRecord
 from shards.reader import load_split
 from shards.writer import ShardFolder, write_config
+from stages.presets import data_license
 from stages.publish import CARD_BANNER
 
 REPO = "someone/semix-digits"
@@ -244,7 +245,7 @@ LICENSE_CASES = [  # backend, model id, dataset, recorded license, override -> e
 )
 def test_license_logic(backend, model, dataset, recorded, override, want):
     generator = {"backend": backend, "model_id": model, "license": recorded}
-    lic, note = card.license_for(generator, dataset, override)
+    lic, note = card.license_for(generator, data_license(dataset), override)
     assert lic == want and f"`{want}`" in note
     assert ("does not know the license" in note) == (want == "other")
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 from conftest import snapshot
 
-from shards.manifest import ShardError, manifest_digest, verify_shards
+from shards.evals import EvalError, read_eval
+from shards.manifest import ShardError, is_complete, manifest_digest, verify_shards
 from shards.reader import iter_folder, iter_shard, load_split, stream
 from shards.writer import ShardFolder, write_config
 
@@ -194,3 +195,15 @@ def test_png_bytes_pass_through_unchanged(tmp_path):
     assert read_raw_shard(sf.path(0))[0]["png"] == png
     with pytest.raises(ValueError, match="not a PNG"):
         sf.write(1, [{"__key__": "k", "png": b"GIF89a....", "cls": 1}])
+
+
+def test_a_folder_is_complete_when_its_manifest_is_there(tmp_path):
+    """The one completion rule (shards.manifest.is_complete): every writer writes the manifest
+    last, so its presence is what "complete" means, for shard, run and eval folders alike."""
+    sf = ShardFolder(tmp_path / "p", "part")
+    sf.write(0, _samples(3))
+    assert not is_complete(tmp_path / "p") and not is_complete(tmp_path / "missing")
+    sf.finish(1, kind="mixed", class_names=["a", "b", "c"])
+    assert is_complete(tmp_path / "p")
+    with pytest.raises(EvalError, match="holds a 'mixed' folder, not an evaluation"):
+        read_eval(tmp_path / "p")  # complete, but not what the reader asked for

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import PRECISIONS, ImageEncoder, default_device, file_sha256
+from .base import PRECISIONS, ImageEncoder, default_device
 from .clip import CHECKPOINT_SUFFIXES, HFCLIPEncoder, OpenCLIPEncoder, check_safetensors
 from .module import ModuleFeatureEncoder
 
@@ -41,5 +41,4 @@ __all__ = [
     "build_encoder",
     "check_safetensors",
     "default_device",
-    "file_sha256",
 ]

@@ -9,10 +9,8 @@ preprocessing); the annotate stage compares it to decide whether saved prototype
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,15 +23,6 @@ INTERPOLATIONS = ("bicubic", "bilinear")  # torch modes that support antialias=T
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def file_sha256(path: str | Path) -> str:
-    """Digest of a weights file: the identity of weights that have no tag."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _pair(size: int | Sequence[int]) -> tuple[int, int]:

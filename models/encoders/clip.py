@@ -16,8 +16,9 @@ import torch
 from torch import Tensor
 
 from core.hub import hub_offline
+from core.io import sha256_file
 
-from .base import ImageEncoder, center_crop, file_sha256, resize
+from .base import ImageEncoder, center_crop, resize
 
 PIL_RESAMPLE = {2: "bilinear", 3: "bicubic"}  # codes used in HF preprocessor configs
 CHECKPOINT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
@@ -57,7 +58,7 @@ def _resolve_openclip_weights(
         raise ValueError(f"checkpoint {path.name}: suffix must be one of {CHECKPOINT_SUFFIXES}")
     if path.suffix == ".safetensors":
         check_safetensors(path)
-    return str(path), {}, {"checkpoint_sha256": file_sha256(path)}
+    return str(path), {}, {"checkpoint_sha256": sha256_file(path)}
 
 
 def check_safetensors(path: Path) -> None:
@@ -227,7 +228,7 @@ class HFCLIPEncoder(ImageEncoder):
         if folder.is_dir():  # a local folder: named by its last part, pinned by its weights
             files = sorted(p for s in CHECKPOINT_SUFFIXES for p in folder.glob(f"*{s}"))
             name = folder.name
-            weights_id = {"weights_sha256": {p.name: file_sha256(p) for p in files}}
+            weights_id = {"weights_sha256": {p.name: sha256_file(p) for p in files}}
         else:
             name = source
             weights_id = {"revision": getattr(model.config, "_commit_hash", None)}

@@ -18,7 +18,7 @@ from .base import (
     make_scheduler,
 )
 from .loading import ModelNotFoundError
-from .registry import EDM_CHECKPOINTS, EDM_SAMPLERS, GENERATORS, load_generator
+from .registry import EDM_SAMPLERS, GENERATORS, load_generator
 from .spec import MixSpec, SeriesSpec
 from .unet_presets import UNET_PRESETS, UNetPreset
 
@@ -60,7 +60,6 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "EDM_CHECKPOINTS",
     "EDM_SAMPLERS",
     "GENERATORS",
     "SAMPLERS",

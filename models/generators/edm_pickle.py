@@ -1,6 +1,6 @@
 """Read EDM network pickles without executing them, and convert them once to safetensors + config.
 
-The published EDM checkpoints (``edm-cifar10-32x32-cond-vp.pkl`` ...) are ``pickle.dump`` of a dict
+The published EDM checkpoints (``edm-<dataset>-32x32-cond-vp.pkl``) are ``pickle.dump`` of a dict
 ``{ema, loss_fn, augment_pipe, dataset_kwargs}`` whose networks were pickled by EDM's
 ``torch_utils.persistence``: every network object becomes a call
 ``_reconstruct_persistent_obj(meta)`` with ``meta = {type, version, module_src, class_name, state}``,

@@ -24,15 +24,6 @@ GENERATORS: dict[str, str] = {
 # the edm backend's samplers (the others take base.SAMPLERS)
 EDM_SAMPLERS = {"heun": "EDM Algorithm 1, 2nd order", "euler": "1st order"}
 
-# Where the paper's networks are published (EDM: CC BY-NC-SA 4.0)
-EDM_CHECKPOINTS = {
-    "cifar10": "https://nvlabs-fi-cdn.nvidia.com/edm/pretrained/edm-cifar10-32x32-cond-vp.pkl",
-    "cifar100": "https://huggingface.co/wzekai99/DM-Improves-AT/resolve/main/others/"
-    "edm-cifar100-cond-32x32-cond-vp.pkl",
-    "tiny-imagenet": "the Tiny-ImageNet 64x64 cond-vp EDM of DM-Improves-AT "
-    "(https://huggingface.co/wzekai99/DM-Improves-AT, folder others/)",
-}
-
 
 def generator_class(backend: str) -> type[Generator]:
     """The class of backend ``backend``; its module is imported here, on first use."""

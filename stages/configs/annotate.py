@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.config import ConfigError, StageConfig, check_choice, check_range
-from models.annotation import ANNOTATORS, SHARPENING
+from models.annotation import ANNOTATORS
 from models.encoders import ENCODERS
+from stages.presets import stage_presets
 
 # encoder= -> its kind in the one encoder registry, models.encoders.ENCODERS. `classifier` is the
 # `module` kind over the pooled features of a semix classifier trained in
@@ -71,28 +72,4 @@ class Config(StageConfig):
             raise ConfigError("text_templates must each contain '{}' (the class name)")
 
 
-_CLIP = dict(encoder="openclip", encoder_model="ViT-B-32", encoder_pretrained="openai")
-
-PRESETS = {
-    # digits: CLIP means nothing on 16x16 handwritten digits; the real-only classifier's
-    # pooled features (train run "encoder") are the annotation space (ARCHITECTURE §6).
-    # workers=0: on the few CPU cores digits targets, decode processes would fight the encoder.
-    "digits": dict(
-        encoder="classifier", sharpening=SHARPENING["digits"], workers=0, fidelity_run="encoder"
-    ),
-    # Fashion-MNIST: the same reasoning as digits (grey 28x28; CLIP's photo features are a poor
-    # fit): the real-only classifier on the study's 5k images ("encoder") is the annotation
-    # space; fidelity is judged by the chain's separate 54k classifier ("judge").
-    "fashion-mnist": dict(
-        encoder="classifier",
-        sharpening=SHARPENING["fashion-mnist"],
-        workers=0,
-        fidelity_run="judge",
-        train_limit=5000,
-    ),
-    "cifar10": dict(_CLIP, sharpening=SHARPENING["cifar10"]),
-    "cifar100": dict(_CLIP, sharpening=SHARPENING["cifar100"]),
-    "tiny-imagenet": dict(_CLIP, sharpening=SHARPENING["tiny-imagenet"]),
-    "imagefolder": dict(_CLIP, sharpening=SHARPENING["imagefolder"]),
-    "imagenet": dict(_CLIP, sharpening=SHARPENING["imagenet"]),
-}
+PRESETS = stage_presets("annotate")

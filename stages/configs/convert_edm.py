@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.config import StageConfig
+from stages.presets import stage_presets
 
 
 @dataclass(frozen=True)
@@ -13,4 +14,4 @@ class Config(StageConfig):
     dest: str = ""  # "" = runs/<classes>/edm, where `generate --set backend=edm` looks first
 
 
-PRESETS: dict[str, dict] = {}  # converting is the same for every dataset
+PRESETS = stage_presets("convert-edm")  # converting is the same for every dataset

@@ -19,6 +19,7 @@ from shards.datapath import (
     DEFAULT_STREAM_WORKERS,
     check_data_fields,
 )
+from stages.presets import stage_presets
 
 STAGE_DIRS = ("", "train", "finetune")  # "": look in train/ first, then finetune/
 
@@ -66,4 +67,4 @@ class Config(StageConfig):
         return list(dict.fromkeys([*([self.run] if self.run else []), *self.runs]))
 
 
-PRESETS: dict[str, dict] = {}  # evaluation is the same for every dataset
+PRESETS = stage_presets("evaluate")  # evaluation is the same for every dataset

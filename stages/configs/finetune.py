@@ -14,7 +14,6 @@ from typing import Any
 
 from core.config import ConfigError, StageConfig, check_choice, check_range
 from core.tracking import parse_trackers
-from models.heads import FEDLAS_DEFAULTS
 from shards.datapath import (
     DEFAULT_DATA_PATH,
     DEFAULT_MEMORY_BUDGET_GB,
@@ -22,7 +21,8 @@ from shards.datapath import (
     DEFAULT_STREAM_WORKERS,
     check_data_fields,
 )
-from stages.configs.train import LOSS_FIELDS, NOT_RECORDED, PRECISIONS, fedlas_fields
+from stages.configs.train import FEDLAS_LS, FEDLAS_MBLS, LOSS_FIELDS, NOT_RECORDED, PRECISIONS
+from stages.presets import stage_presets
 
 METHODS = ("maccal", "fedlas-ls", "fedlas-mbls")
 # method -> {FeDLaSCriterion parameter: config field}; the same field names as the train stage
@@ -61,12 +61,12 @@ class Config(StageConfig):
     fedlas_epochs: int = 10  # GUESS: METHODS gives no fine-tuning length
     fedlas_lr: float = 0.001  # constant; GUESS: the last lr of the CIFAR Stage-I recipe
     clip_norm: float = 2.0  # grad-norm clip of the classifier only (not the gate); 0 = off
-    fedlas_ls_alpha: float = FEDLAS_DEFAULTS[("ls", "cifar10")]["alpha"]
-    fedlas_ls_beta: float = FEDLAS_DEFAULTS[("ls", "cifar10")]["beta"]
-    fedlas_mbls_alpha: float = FEDLAS_DEFAULTS[("mbls", "cifar10")]["alpha"]
-    fedlas_mbls_beta: float = FEDLAS_DEFAULTS[("mbls", "cifar10")]["beta"]
-    fedlas_margin: float = FEDLAS_DEFAULTS[("mbls", "cifar10")]["margin"]
-    fedlas_theta: float = FEDLAS_DEFAULTS[("ls", "cifar10")]["theta"]
+    fedlas_ls_alpha: float = FEDLAS_LS["alpha"]
+    fedlas_ls_beta: float = FEDLAS_LS["beta"]
+    fedlas_mbls_alpha: float = FEDLAS_MBLS["alpha"]
+    fedlas_mbls_beta: float = FEDLAS_MBLS["beta"]
+    fedlas_margin: float = FEDLAS_MBLS["margin"]
+    fedlas_theta: float = FEDLAS_LS["theta"]
     # how real/train and real/val are read (stages/data.py); not part of the run's identity
     data_path: str = DEFAULT_DATA_PATH  # auto | memory | stream
     memory_budget_gb: float = DEFAULT_MEMORY_BUDGET_GB  # auto's budget; 0 = from free memory
@@ -127,24 +127,4 @@ class Config(StageConfig):
         return {param: getattr(self, field) for param, field in fields.items()}
 
 
-PRESETS = {
-    # Seconds on 2 CPU cores. The digits train recipe's augmentation (crop pad 2, no flips) and
-    # its last lr (0.05 / 100) for FeDLaS; MaC-Cal keeps METHODS' lr 0.1 and batch 128 but runs
-    # 20 epochs (its q schedule scales with the epoch count). FeDLaS: CIFAR-10 values.
-    "digits": dict(
-        crop_pad=2,
-        flip=False,
-        maccal_epochs=20,
-        fedlas_epochs=5,
-        fedlas_lr=0.0005,
-        cpu_threads=1,
-    ),
-    # Fashion-MNIST study: the train preset's augmentation (flips, no crops); MaC-Cal 20 epochs
-    # on the same 5k training images as Stage I (stages/finetune.py reads the source run's
-    # train_limit from its config.json: the fine-tuning set is the run's own).
-    "fashion-mnist": dict(crop_pad=0, flip=True, maccal_epochs=20, fedlas_epochs=5, cpu_threads=1),
-    "cifar10": {},
-    "cifar100": fedlas_fields("cifar100"),
-    "tiny-imagenet": fedlas_fields("tiny-imagenet"),
-    "imagefolder": {},
-}
+PRESETS = stage_presets("finetune")

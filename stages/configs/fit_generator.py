@@ -8,6 +8,7 @@ from core.config import ConfigError, StageConfig, check_choice, check_range
 from core.tracking import parse_trackers
 from models.generators import UNET_PRESETS
 from models.generators.objective import PREDICTION_TYPES
+from stages.presets import stage_presets
 
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 MIXED_PRECISION = ("auto", "no", "bf16", "fp16")  # auto: bf16 where the device has it, else no
@@ -115,80 +116,4 @@ class Config(StageConfig):
             )
 
 
-# The digits recipe fits on 2 CPU cores in about 5 minutes (fp32: ~0.31 s per step at batch 128;
-# for this ~1 M-parameter net at 16 px bf16 autocast's casts cost what its kernels save: 0.42 s
-# a step on an Intel Xeon with AMX, bench/RESULTS.md); a high learning rate because the run is
-# short. Linear betas: with the
-# cosine schedule the same 500 steps leave colour casts (the digits are grey) in the samples.
-# The CIFAR recipe follows DDPM (Ho et al. 2020) on EDM's DDPM++ capacity ("cifar" UNet): linear
-# betas, lr 2e-4 after 5k warm-up steps, EMA 0.9999, flips, bf16; 400k steps at batch 128 per
-# GPU (about a day on 8 GPUs); not run on the development machine.
-_CIFAR = dict(
-    unet="cifar",
-    steps=400_000,
-    batch_size=128,
-    lr=2e-4,
-    warmup_steps=5000,
-    ema_decay=0.9999,
-    beta_schedule="linear",
-    hflip=True,
-    mixed_precision="bf16",
-    checkpoint_every=5000,
-    log_every=500,
-)
-
-PRESETS = {
-    # 800 steps with label dropout, a cosine lr decay and Min-SNR-5 weighting: the chain's
-    # encoder takes 99.5 % of the endpoints for their digit at w = 2 (DDIM 15, fp32; 95.5 % at
-    # w = 1.5 with DDIM 25 in bf16; the constant-lr recipe without Min-SNR: 90 % at 750 steps,
-    # 94 % at 1,000; w = 3 collapses to ~37 %); ~4.5 min on 2 cores (docs/generate.md, "Guidance")
-    "digits": dict(
-        unet="digits-tiny",
-        steps=800,
-        batch_size=128,
-        lr=2e-3,
-        lr_schedule="cosine",
-        min_snr_gamma=5.0,
-        ema_decay=0.995,
-        judge_run="encoder",
-        guidance_grid=(1.0, 1.5, 2.0),
-        fidelity_every=0,  # one check, at the end: `make generate` within 8 min on 2 cores
-        sample_steps=15,  # the fidelity check and sample grid sample as generate does (DDIM 15)
-        mixed_precision="no",  # fp32: faster than bf16 autocast for this tiny net (above)
-    ),
-    # Fashion-MNIST 28x28, the fair study's generator: only the 5k training images the study's
-    # classifiers see (train_limit), no flips (every Fashion-MNIST shoe points the same way:
-    # a flipped sneaker is an image the data never has), the digits recipe's guidance, cosine lr
-    # and Min-SNR-5. w is chosen by the 5k "encoder" (inside the budget); the chain's 54k judges
-    # ("judge", with flips; "judge-noflip") only report.
-    # v-prediction: the judge takes 90.0 % of the endpoints for their class at w = 1.5 (Sneaker
-    # 90 %); the same fit predicting ε reached 72.5 % (Sneaker 0 %): its x̂_0 at high noise is
-    # noise (docs/generate.md, "Sampler, steps and the prediction target"). 2,500 steps at
-    # ~0.75-1.2 s a step in bf16 on 2 cores: 31-50 min (docs/study.md has the curve).
-    "fashion-mnist": dict(
-        unet="fashion-28",
-        prediction_type="v_prediction",
-        steps=2500,
-        batch_size=128,
-        lr=2e-3,
-        lr_schedule="cosine",
-        min_snr_gamma=5.0,
-        warmup_steps=50,
-        ema_decay=0.998,
-        hflip=False,
-        train_limit=5000,
-        judge_run="encoder",
-        report_judges=("judge", "judge-noflip"),
-        # w and DDIM's x̂₀ clipping chosen together by the encoder (clipping on, the scheduler's
-        # default, injects guidance's out-of-range x̂₀ error at every step: bench/RESULTS.md,
-        # "the guided sampler's levers"); the grid extended once past 2.5, where the choice sat
-        # on its edge (bench/RESULTS.md, "x̂₀ clipping chosen like w")
-        guidance_grid=(1.0, 1.5, 2.0, 2.5, 3.0, 3.5),
-        clip_choice=True,
-        fidelity_every=625,
-        checkpoint_every=250,
-        log_every=100,
-    ),
-    "cifar10": _CIFAR,
-    "cifar100": _CIFAR,
-}
+PRESETS = stage_presets("fit-generator")

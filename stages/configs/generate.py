@@ -7,6 +7,7 @@ from typing import Any
 
 from core.config import ConfigError, StageConfig, check_choice, check_range
 from models.generators import EDM_SAMPLERS, GENERATORS, SAMPLERS
+from stages.presets import stage_presets
 
 ENDPOINT_CHECKS = ("off", "redraw", "drop")
 DTYPES = ("", "float32", "bfloat16", "float16")  # "" = float32 on the CPU, bfloat16 on a GPU
@@ -144,48 +145,4 @@ K_WAY_DEFAULTS = {"mix_classes": 2, "lattice": 0, "tuples": 0, "series_per_tuple
 ENDPOINT_FIELDS = ("endpoint_check", "endpoint_judge", "endpoint_tries")
 
 
-# Pretrained text-to-image model of the photo presets; a local save_pretrained folder works too
-# (model=/path). Generated at 512x512 and resized to the dataset's resolution (METHODS §1).
-SD15 = "stable-diffusion-v1-5/stable-diffusion-v1-5"
-DIT_XL_256 = "facebook/DiT-XL-2-256"  # the imagenet preset's class-conditional generator
-_SD = dict(backend="sd", model=SD15, steps=25, guidance=7.5, batch_size=16)
-
-
-def _edm(steps: int) -> dict:
-    """`--set backend=edm` on a photo preset: the paper's EDM sampling (METHODS §1): Heun,
-    σ 0.002..80, ρ 7, no guidance; the EDM networks are CC BY-NC-SA 4.0."""
-    edm = dict(model="", sampler="heun", steps=steps, guidance=1.0, batch_size=256)
-    return {"backend=edm": edm | dict(license="cc-by-nc-sa-4.0")}
-
-
-PRESETS = {
-    # the in-house UNet of fit-generator; 45 pairs x 6 = 270 series, 2160 images (~1.5 min, 2 cores)
-    # DDIM 15: on the fresh-clone chain as faithful as 25 (99.1 % vs 95.9 % of the pure images
-    # their digit, the fit's own check chose w = 2) in 60 % of the time (docs/generate.md)
-    "digits": dict(
-        backend="unet", steps=15, series_per_pair=6, batch_size=64, endpoint_judge="encoder"
-    ),
-    # METHODS §1 reference budgets: 444 / 4 / 2 series per pair (about 160k / 158k / 318k images)
-    # the in-house 28x28 UNet; 45 pairs x 16 = 720 series, 5,760 images (~15 CPU minutes)
-    "fashion-mnist": dict(
-        backend="unet", steps=25, series_per_pair=16, batch_size=64, endpoint_judge="encoder"
-    ),
-    # `--set backend=edm` switches to the paper's EDM networks with its 20 / 25 / 25 Heun steps
-    "cifar10": dict(_SD, series_per_pair=444, when=_edm(20)),
-    "cifar100": dict(_SD, series_per_pair=4, when=_edm(25)),
-    "tiny-imagenet": dict(_SD, series_per_pair=2, when=_edm(25)),
-    "imagefolder": dict(_SD, series_per_pair=4),
-    # ImageNet-1k: DiT-XL/2 is class-conditional on these very 1,000 classes (our class i, the
-    # i-th sorted wnid, is its label i), 256 px, stored at real/'s resolution. CSM's budget of
-    # ~3x the real training set: 1 series per pair = 499,500 series, 3,996,000 images. No
-    # guidance, as CSM (DiT's usual 1.5-4 is `--set guidance=...`); DDIM 50 steps.
-    "imagenet": dict(
-        backend="dit",
-        model=DIT_XL_256,
-        dit_class_ids=tuple(range(1000)),
-        steps=50,
-        guidance=1.0,
-        series_per_pair=1,
-        batch_size=64,
-    ),
-}
+PRESETS = stage_presets("generate")

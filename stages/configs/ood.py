@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.config import ConfigError, StageConfig, check_range
+from stages.presets import FAR_OOD_SETS, stage_presets
 
-# digits: scikit-learn's 1,797 real handwritten digits resized to the root's image size;
-# uniform, gaussian: i.i.d. pixel noise (docs/shift.md)
-SETS = ("digits", "uniform", "gaussian")
+# the real images of a preset (stages/presets FAR_OOD_SETS: scikit-learn's 1,797 real handwritten
+# digits) resized to the root's image size; uniform, gaussian: i.i.d. pixel noise (docs/shift.md)
+SETS = (*FAR_OOD_SETS, "uniform", "gaussian")
 
 
 @dataclass(frozen=True)
@@ -34,4 +35,4 @@ class Config(StageConfig):
         check_range("shard_size", self.shard_size, 1)
 
 
-PRESETS: dict[str, dict] = {}  # the root's real/test says the image size and channels
+PRESETS = stage_presets("ood")  # the root's real/test says the image size and channels

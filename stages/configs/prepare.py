@@ -6,16 +6,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.config import StageConfig, check_choice, check_range
+from stages.presets import DEFAULT, SOURCES, stage_presets
 
-SOURCES = (
-    "digits", "fashion-mnist", "cifar10", "cifar100", "tiny-imagenet", "imagefolder", "imagenet",
-)  # fmt: skip
 RESIZE = ("squash", "center-crop")
 
 
 @dataclass(frozen=True)
 class Config(StageConfig):
-    source: str = "digits"
+    source: str = DEFAULT
     data_dir: str = ""  # local archive file / dataset folder; takes precedence over hf_dataset
     hf_dataset: str = ""  # Hugging Face datasets id or local folder (cifar10/cifar100)
     image_size: int = 0  # square side in pixels; 0 keeps the native size
@@ -43,17 +41,4 @@ class Config(StageConfig):
         return d
 
 
-PRESETS = {
-    # digits: 8x8 originals upsampled to 16x16, the size the tiny in-house UNet works at.
-    "digits": dict(source="digits", image_size=16, shard_size=128),
-    # the full 60k/10k set at its native 28x28 (Debian's dataset-fashion-mnist, offline)
-    "fashion-mnist": dict(source="fashion-mnist", image_size=28, shard_size=2000),
-    "cifar10": dict(source="cifar10", hf_dataset="uoft-cs/cifar10", image_size=32),
-    "cifar100": dict(source="cifar100", hf_dataset="uoft-cs/cifar100", image_size=32),
-    "tiny-imagenet": dict(source="tiny-imagenet", image_size=64),
-    "imagefolder": dict(source="imagefolder", image_size=32),
-    # ImageNet-1k (ILSVRC-2012 class folders, data_dir=): 1,000 classes at the 256 px of the
-    # imagenet generator (DiT-XL/2-256), shorter side then centre crop as DiT's training data;
-    # image_size= sets another resolution (generate follows real/'s)
-    "imagenet": dict(source="imagenet", image_size=256, resize="center-crop"),
-}
+PRESETS = stage_presets("prepare")

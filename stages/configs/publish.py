@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from core.config import ConfigError, StageConfig, check_choice
 from shards.card import HUB_LICENSES
+from stages.presets import stage_presets
 
 # "namespace/name" as the Hub spells it: letters, digits, - _ . ; no "--" or "..".
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
@@ -33,4 +34,4 @@ class Config(StageConfig):
             check_choice("license", self.license, HUB_LICENSES)
 
 
-PRESETS: dict[str, dict] = {}  # publishing is the same for every dataset
+PRESETS = stage_presets("publish")  # publishing is the same for every dataset

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from core.config import StageConfig
 from stages.configs.publish import check_repo
+from stages.presets import stage_presets
 
 
 @dataclass(frozen=True)
@@ -18,4 +19,4 @@ class Config(StageConfig):
         check_repo(self.repo)
 
 
-PRESETS: dict[str, dict] = {}  # pulling is the same for every dataset
+PRESETS = stage_presets("pull")  # pulling is the same for every dataset

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from core.config import ConfigError, StageConfig, check_range
 from models.corruptions import CORRUPTIONS
+from stages.presets import stage_presets
 
 
 @dataclass(frozen=True)
@@ -34,4 +35,4 @@ class Config(StageConfig):
             raise ConfigError(f"corruptions: a name is repeated in {','.join(self.corruptions)}")
 
 
-PRESETS: dict[str, dict] = {}  # the split's manifest says the image size and channels
+PRESETS = stage_presets("shift")  # the split's manifest says the image size and channels

@@ -2,9 +2,9 @@
 
 One `loss` field picks the objective (models/training.OBJECTIVES); each loss reads its own
 parameter fields (LOSS_FIELDS), so `--set loss=focal focal_gamma=2` does what it says.
-Recipes: CIFAR presets follow the CSM reference (METHODS §3: ResNet-50, SGD 0.1, momentum 0.9,
-wd 5e-4, batch 128, 200 epochs, lr ÷10 at 80 and 120, clip 2, crop(pad 4) + flip); digits is a
-one-minute recipe on 2 CPU cores.
+The defaults are the CSM reference recipe (METHODS §3: ResNet-50, SGD 0.1, momentum 0.9, wd 5e-4,
+batch 128, 200 epochs, lr ÷10 at 80 and 120, clip 2, crop(pad 4) + flip); each preset's own
+recipe is in stages/presets/.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from typing import Any
 from core.config import ConfigError, StageConfig, check_choice, check_range
 from core.tracking import parse_trackers
 from models.classifiers import CLASSIFIERS, TIMM_PREFIX
-from models.heads import FEDLAS_DEFAULTS
 from models.losses import MMCE_NORMALIZATIONS
 from models.objectives import MIXED_LOSSES
 from shards.datapath import (
@@ -25,6 +24,7 @@ from shards.datapath import (
     DEFAULT_STREAM_WORKERS,
     check_data_fields,
 )
+from stages.presets import stage_presets
 
 # loss -> {objective parameter: config field}
 LOSS_FIELDS: dict[str, dict[str, str]] = {
@@ -46,6 +46,9 @@ LOSS_FIELDS: dict[str, dict[str, str]] = {
     },
 }
 PRECISIONS = ("auto", "fp32", "bf16")  # auto: bf16 on GPU, fp32 on CPU
+# FeDLaS's defaults: METHODS §5's CIFAR-10 values (the presets give the other datasets' theirs)
+FEDLAS_LS = {"alpha": 0.05, "beta": 4.0, "theta": 0.95}
+FEDLAS_MBLS = {"alpha": 0.1, "beta": 0.5, "theta": 0.95, "margin": 6.0}
 # fields left out of config.json: how to continue, not what to train
 NOT_RECORDED = ("resume",)
 # fields added after runs were published: config.json holds them only off their default, so a
@@ -89,12 +92,12 @@ class Config(StageConfig):
     # soft-target cross-entropy instead of L2
     csm_targets: str = "soft"  # soft | ratio
     csm_mixed_loss: str = "l2"  # l2 | ce
-    fedlas_ls_alpha: float = FEDLAS_DEFAULTS[("ls", "cifar10")]["alpha"]
-    fedlas_ls_beta: float = FEDLAS_DEFAULTS[("ls", "cifar10")]["beta"]
-    fedlas_mbls_alpha: float = FEDLAS_DEFAULTS[("mbls", "cifar10")]["alpha"]
-    fedlas_mbls_beta: float = FEDLAS_DEFAULTS[("mbls", "cifar10")]["beta"]
-    fedlas_margin: float = FEDLAS_DEFAULTS[("mbls", "cifar10")]["margin"]
-    fedlas_theta: float = FEDLAS_DEFAULTS[("ls", "cifar10")]["theta"]
+    fedlas_ls_alpha: float = FEDLAS_LS["alpha"]
+    fedlas_ls_beta: float = FEDLAS_LS["beta"]
+    fedlas_mbls_alpha: float = FEDLAS_MBLS["alpha"]
+    fedlas_mbls_beta: float = FEDLAS_MBLS["beta"]
+    fedlas_margin: float = FEDLAS_MBLS["margin"]
+    fedlas_theta: float = FEDLAS_LS["theta"]
     # data
     mixed: str = ""  # mixed folder for loss=csm; "" = runs/<classes>/mixed
     train_limit: int = 0  # use only the first N training images (smoke tests); 0 = all
@@ -163,61 +166,4 @@ def _timm_has(name: str) -> bool:
     return bool(timm.is_model(name))
 
 
-def fedlas_fields(dataset: str) -> dict[str, float]:
-    """FeDLaS config fields (train and finetune) from models.heads.FEDLAS_DEFAULTS (METHODS §5)."""
-    ls, mb = FEDLAS_DEFAULTS[("ls", dataset)], FEDLAS_DEFAULTS[("mbls", dataset)]
-    return dict(
-        fedlas_ls_alpha=ls["alpha"],
-        fedlas_ls_beta=ls["beta"],
-        fedlas_mbls_alpha=mb["alpha"],
-        fedlas_mbls_beta=mb["beta"],
-        fedlas_margin=mb["margin"],
-        fedlas_theta=ls["theta"],
-    )
-
-
-PRESETS = {
-    # well under a minute on 2 CPU cores, > 90 % test accuracy; grey 16x16 digits, no flips (a
-    # mirrored digit is another symbol). One CPU thread: this tiny net gains little from a second
-    # one and runs ~3-7x slower when the cores are shared with other jobs (OpenMP spin-waits).
-    # FeDLaS uses the CIFAR-10 values (the dataclass defaults).
-    "digits": dict(
-        model="digits-cnn",
-        in_channels=1,
-        epochs=30,
-        batch_size=64,
-        lr=0.05,
-        milestones=(20, 26),
-        crop_pad=2,
-        flip=False,
-        cpu_threads=1,
-    ),
-    # Fashion-MNIST study recipe (docs/study.md): a LeNet-style net on 28x28 grey, 5k of the 54k
-    # training images, 20 epochs. Long enough that CE fits its training set and turns
-    # overconfident on test (ECE ~6 %, what calibration methods are for); short enough that the
-    # whole study (10 methods x 3 seeds) runs on 2 CPU cores. Flips yes (clothes are mirror
-    # symmetric), no crops. (A GAP-only CNN of this size underfits and stays calibrated.)
-    "fashion-mnist": dict(
-        model="conv-mlp",
-        in_channels=1,
-        epochs=20,
-        batch_size=128,
-        lr=0.05,
-        milestones=(10, 16),
-        crop_pad=0,
-        flip=True,
-        train_limit=5000,
-        cpu_threads=1,
-    ),
-    "cifar10": dict(model="resnet50"),
-    "cifar100": dict(model="resnet50", **fedlas_fields("cifar100")),
-    "tiny-imagenet": dict(
-        model="resnet50", mbls_margin=10.0, mbls_lam=0.05, **fedlas_fields("tiny-imagenet")
-    ),
-    "imagefolder": dict(model="resnet50"),
-    # ImageNet-1k: the ImageNet ResNet-50 (timm's, 7x7 stem for 224-256 px) and its standard
-    # recipe (90 epochs, lr ÷10 at 30 and 60, wd 1e-4, batch 256)
-    "imagenet": dict(
-        model="timm:resnet50", epochs=90, milestones=(30, 60), weight_decay=1e-4, batch_size=256
-    ),
-}
+PRESETS = stage_presets("train")

@@ -1,0 +1,70 @@
+"""What a preset is, and the pieces several presets share.
+
+A preset is a dataset and a recipe for it: for each stage the config fields that differ from the
+stage's defaults (`stages/configs/<stage>.py`), the steps of its chain (`make chain`), and what
+it knows of its data (how prepare reads it, where the paper's EDM network for its classes is
+published, the license its images carry). Nothing below the stages names a preset: where a
+model or a shard needs one of these values, a stage passes it in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+Step = tuple[str, tuple[str, ...]]  # (stage, the --set values the chain gives it)
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    # stage -> {field: value} where the preset differs from the stage config's defaults; a
+    # "when" entry {"field=value": {...}} holds values that apply only when that field resolves
+    # to that value (core.config.resolve)
+    stages: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # the preset whose recipe this one starts from: its stage values (this preset's own win,
+    # field by field) and its chain, never its data (the three fields below)
+    extends: str = ""
+    chain: tuple[Step, ...] | None = None  # None: the extended preset's, else DEFAULT_CHAIN
+    # prepare's reader of `source=<name>`: (prepare config) -> shards.sources.Source; None: the
+    # preset reads no data of its own
+    reads: Callable[[Any], Any] | None = None
+    edm_checkpoint: str = ""  # where the paper's EDM network for these classes is published
+    # (Hub license id, what the data is): the in-house UNet learns only from the real training
+    # set, so the images it makes carry the data's license (shards.card.license_for)
+    data_license: tuple[str, str] | None = None
+
+
+# the chain of a preset that names none: a pretrained generator, CLIP features
+DEFAULT_CHAIN: tuple[Step, ...] = (("prepare", ()), ("generate", ()), ("annotate", ()))
+
+# ---------------------------------------------------------------- what the photo presets share
+
+# annotate: OpenCLIP's ViT-B-32 (OpenAI weights) as the annotation space
+CLIP = dict(encoder="openclip", encoder_model="ViT-B-32", encoder_pretrained="openai")
+
+# Pretrained text-to-image model of the photo presets; a local save_pretrained folder works too
+# (model=/path). Generated at 512x512 and resized to the dataset's resolution (METHODS §1).
+SD15 = "stable-diffusion-v1-5/stable-diffusion-v1-5"
+SD = dict(backend="sd", model=SD15, steps=25, guidance=7.5, batch_size=16)
+
+
+def edm(steps: int) -> dict:
+    """`--set backend=edm` on a photo preset: the paper's EDM sampling (METHODS §1): Heun,
+    σ 0.002..80, ρ 7, no guidance; the EDM networks are CC BY-NC-SA 4.0."""
+    values = dict(model="", sampler="heun", steps=steps, guidance=1.0, batch_size=256)
+    return {"backend=edm": values | dict(license="cc-by-nc-sa-4.0")}
+
+
+def fedlas(ls: Mapping[str, float], mbls: Mapping[str, float]) -> dict[str, float]:
+    """The FeDLaS fields of train and finetune from METHODS §5's per-dataset values of the
+    -LS and -MbLS variants (the gate's θ is the LS variant's)."""
+    return dict(
+        fedlas_ls_alpha=ls["alpha"],
+        fedlas_ls_beta=ls["beta"],
+        fedlas_mbls_alpha=mbls["alpha"],
+        fedlas_mbls_beta=mbls["beta"],
+        fedlas_margin=mbls["margin"],
+        fedlas_theta=ls["theta"],
+    )

@@ -1,0 +1,32 @@
+"""imagefolder: your own images in class folders (data_dir=; `<class>/` folders, or `train/<class>/`
+and `test/<class>/`), or the classes a .txt file names (`--preset classes.txt`).
+
+Alone it runs the photo chain (Stable Diffusion, OpenCLIP) at 32x32; with `--recipe NAME` the
+data stay these folders and every other value is the recipe's (`make study CLASSES=imagefolder
+RECIPE=fashion-mnist`: the fair in-house chain of the study on small images).
+"""
+
+from __future__ import annotations
+
+from core.config import read_class_names
+from stages.presets.base import CLIP, SD, Preset
+
+
+def _read(cfg):
+    from shards.image_folders import imagefolder_source
+
+    names = read_class_names(cfg.classes_file) if cfg.classes_file else ()
+    return imagefolder_source(cfg.data_dir, names)
+
+
+PRESET = Preset(
+    name="imagefolder",
+    stages={
+        "prepare": dict(source="imagefolder", image_size=32),
+        "train": dict(model="resnet50"),
+        "finetune": {},
+        "generate": dict(SD, series_per_pair=4),
+        "annotate": dict(CLIP, sharpening=4.0),  # CIFAR-10's s (METHODS §2)
+    },
+    reads=_read,
+)
