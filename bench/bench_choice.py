@@ -21,10 +21,10 @@ import time
 
 import torch
 
-from bench import run_root
+from bench import fitted_generator, run_root
 from models.generators import load_generator, make_scheduler
 from shards.datasets import load_real
-from stages.fidelity import endpoint_fidelity, make_judges
+from stages.fidelity import endpoint_fidelity
 
 CLIP = (True, False)  # in order of preference on a tie: the setting in use first
 
@@ -44,13 +44,7 @@ def run() -> dict | None:
         print("bench choice: no fitted generator (runs/fashion-mnist/generator/fidelity.json): "
               "run `make generate CLASSES=fashion-mnist` first; section kept")  # fmt: skip
         return None
-    config = json.loads((root / "generator" / "config.json").read_text())
-    fidelity = json.loads((root / "generator" / "fidelity.json").read_text())
-    judges = make_judges(
-        root, config.get("judge_run", ""), "cpu", int(config.get("train_limit", 0)),
-        report=[n.removeprefix("cnn:") for n, j in fidelity["judges"].items()
-                if j["role"] == "reports only" and n.startswith("cnn:")],
-    )  # fmt: skip
+    config, fidelity, judges = fitted_generator(root)
     names = load_real(root / "real" / "test").class_names
     per_class, seed, steps = (
         int(config["fidelity_per_class"]),
