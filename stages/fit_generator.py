@@ -112,12 +112,13 @@ def batch_indices(n: int, seed: int, step: int, batch: int, rank: int, world: in
 
 
 def noise_scheduler(cfg: Config) -> DDPMScheduler:
-    """The training noise schedule; "trailing" spacing lets DDIM start from pure noise at t = T−1."""
+    """The noise schedule (saved for the sampler): DDIM starts at t = T−1 ("trailing")."""
     return DDPMScheduler(
         num_train_timesteps=cfg.num_train_timesteps,
         beta_schedule=cfg.beta_schedule,
         prediction_type=cfg.prediction_type,
         timestep_spacing="trailing",
+        rescale_betas_zero_snr=cfg.zero_terminal_snr,
     )
 
 

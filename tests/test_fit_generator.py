@@ -104,6 +104,30 @@ def test_a_v_prediction_generator_records_it_and_samples_with_it(runs):
         assert images.shape == (1, 3, 16, 16, 3) and images.float().std() > 0
 
 
+def test_zero_terminal_snr_ends_the_schedule_in_pure_noise_and_the_sampler_follows(runs):
+    folder = run_stage(
+        "fit-generator", "digits",
+        [f"out={runs}", *QUICK, "prediction_type=v_prediction", "zero_terminal_snr=true"],
+    )  # fmt: skip
+    assert json.loads((folder / "config.json").read_text())["zero_terminal_snr"] is True
+    for sampler in ("ddim", "dpmsolver++"):
+        gen = load_generator("unet", model=folder, steps=2, sampler=sampler)
+        assert gen.scheduler.config.rescale_betas_zero_snr is True
+        assert float(gen.scheduler.alphas_cumprod[-1]) < 1e-7  # DPM-Solver keeps 2^-24 (no inf)
+        images = gen.generate_series([SeriesSpec(0, 3, 8, (1.0, 0.5, 0.0), seed=1)])
+        assert torch.isfinite(images.float()).all() and images.float().std() > 0
+    plain = fit.noise_scheduler(fit.Config(prediction_type="v_prediction"))
+    assert float(plain.alphas_cumprod[-1]) > 0  # off: the linear schedule's ᾱ_T ≈ 4e-5
+    assert "zero_terminal_snr" not in fit.Config().recorded()  # off: earlier fits keep their bytes
+
+
+def test_zero_terminal_snr_needs_v_prediction(runs, capsys):
+    assert main(["fit-generator", "--preset", "digits", "--set", f"out={runs}",
+                 "zero_terminal_snr=true", "prediction_type=epsilon"]) != 0  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "zero_terminal_snr=true needs prediction_type=v_prediction" in err[-1]
+
+
 def test_saved_weights_are_the_ema(runs):
     """ema_decay=0 saves the raw weights; the default EMA of the same run saves other ones."""
     for name in ("raw", "ema"):

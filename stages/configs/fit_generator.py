@@ -31,6 +31,10 @@ class Config(StageConfig):
     ema_decay: float = 0.995  # the EMA weights are what is saved
     num_train_timesteps: int = 1000  # DDPM noise schedule
     beta_schedule: str = "linear"  # DDPM betas 1e-4..0.02
+    # rescale the betas so the last step is pure noise, ᾱ_T = 0 (Lin et al., 2024; diffusers'
+    # rescale_betas_zero_snr): with "trailing" spacing the sampler then starts from what training
+    # saw at t = T − 1; needs v_prediction (ε is undefined where the image has no signal)
+    zero_terminal_snr: bool = False
     hflip: bool = False  # random horizontal flips (never for digits: a flipped 3 is no digit)
     # accelerate autocast: auto (bf16 on a CPU with native bf16 or a bf16 GPU, else fp32) | no |
     # bf16 | fp16 (GPU)
@@ -77,8 +81,9 @@ class Config(StageConfig):
         out = {k: v for k, v in self.to_dict().items() if k not in skip}
         if out.get("prediction_type") == "epsilon":
             del out["prediction_type"]
-        if not out.get("clip_choice"):  # recorded when on: earlier fits keep their config.json
-            out.pop("clip_choice", None)
+        for name in ("clip_choice", "zero_terminal_snr"):  # recorded when on: earlier fits
+            if not out.get(name):  # keep their config.json
+                out.pop(name, None)
         return out
 
     @property
@@ -109,6 +114,11 @@ class Config(StageConfig):
         parse_trackers(self.tracker)
         if not self.guidance_grid or min(self.guidance_grid) < 0:
             raise ConfigError(f"guidance_grid={self.guidance_grid}: give weights w >= 0, e.g. 1,2")
+        if self.zero_terminal_snr and self.prediction_type != "v_prediction":
+            raise ConfigError(
+                "zero_terminal_snr=true needs prediction_type=v_prediction: at ᾱ_T = 0 the "
+                "image has no signal left, and ε-prediction cannot recover x_0 from it"
+            )
         if self.judge_run and self.judge_run in self.report_judges:
             raise ConfigError(
                 f"report_judges names judge_run={self.judge_run!r}: it chooses already; "
