@@ -74,6 +74,30 @@ def test_the_clipping_override_reaches_the_sampler_and_the_metadata(runs):
     assert off.scheduler.config.clip_sample is True
 
 
+def test_the_clipping_override_reaches_a_live_fits_sampler_too():
+    """fit-generator checks the EMA weights in memory, with the training scheduler's config
+    object: an override must reach that sampler as it does one read from a folder."""
+    import torch
+
+    from models.generators import SeriesSpec, UNetGenerator, unet_from_preset
+    from stages.configs.fit_generator import Config
+    from stages.fit_generator import noise_scheduler
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        unet = unet_from_preset("digits-tiny", 10, null_class=True)
+    config = noise_scheduler(Config(prediction_type="v_prediction")).config
+    gen = UNetGenerator.from_model(unet.eval(), config, steps=3, guidance=3.0)
+    spec = [SeriesSpec(0, 1, 1, (1.0,), seed=1)]
+    on = gen.generate_series(spec)
+    gen.set_clip_sample(False)
+    assert gen.scheduler.config.clip_sample is False
+    assert gen.scheduler.config.timestep_spacing == "trailing"  # the config's values, kept
+    assert not torch.equal(gen.generate_series(spec), on)  # random weights: x̂₀ leaves [-1, 1]
+    gen.set_clip_sample(None)
+    assert gen.scheduler.config.clip_sample is True and torch.equal(gen.generate_series(spec), on)
+
+
 def _point(on: dict[str, float], off: dict[str, float]) -> dict:
     def cells(acc):
         return {w: {"j": {"accuracy": a}} for w, a in acc.items()}

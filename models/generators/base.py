@@ -92,7 +92,13 @@ SAMPLERS: dict[str, Callable[[Any], SchedulerMixin]] = {"ddim": _ddim, "dpmsolve
 
 
 def make_scheduler(sampler: str, config: Any) -> SchedulerMixin:
-    """Build the deterministic sampler ``sampler`` from a (training) scheduler config."""
+    """Build the deterministic sampler ``sampler`` from a (training) scheduler config.
+
+    A config in memory lists the fields its scheduler left at their defaults
+    (``_use_default_values``), and diffusers' from_config drops those, overrides included: a
+    live fit's ``clip_sample=False`` would be ignored. Dropping the list builds the sampler from
+    the values the config holds, as from a scheduler_config.json (which never has the list)."""
+    config = {k: v for k, v in dict(config).items() if k != "_use_default_values"}
     if sampler not in SAMPLERS:
         raise ValueError(
             f"unknown or non-deterministic sampler {sampler!r}; choose one of {sorted(SAMPLERS)} "
