@@ -24,7 +24,7 @@ from core.io import atomic_write_json, canonical_json, read_json
 from core.logs import log
 from core.runtime import code_version
 from models.generators import load_generator
-from shards.manifest import MANIFEST, Manifest, read_manifest, write_manifest
+from shards.manifest import MANIFEST, Manifest, is_complete, read_manifest, write_manifest
 from shards.writer import NOT_IDENTITY
 from stages.fidelity import FidelityCheck, make_judges, sample_grid
 
@@ -36,7 +36,7 @@ def recheck_fields(folder: Path, config: dict[str, Any]) -> set[str] | None:
     """The fields in which `config` differs from the finished fit in `folder` when they are all
     RECHECK_FIELDS (then a recheck makes the folder this config's); None otherwise (no
     finished fit, the same config, or another difference: the usual config check decides)."""
-    if not (folder / MANIFEST).is_file() or not (folder / "config.json").is_file():
+    if not is_complete(folder) or not (folder / "config.json").is_file():
         return None
     old = read_json(folder / "config.json")
     new = json.loads(canonical_json({k: v for k, v in config.items() if k not in NOT_IDENTITY}))

@@ -64,8 +64,8 @@ from models.generators import (
     unet_from_preset,
 )
 from models.generators.objective import denoising_loss, denoising_target
-from shards.checkpoints import LOAD_KWARGS, MARKER, Checkpointer
-from shards.manifest import MANIFEST, Manifest, ShardError, manifest_digest, write_manifest
+from shards.checkpoints import LOAD_KWARGS, MARKER, CheckpointError, Checkpointer
+from shards.manifest import Manifest, ShardError, is_complete, manifest_digest, write_manifest
 from shards.reader import load_split
 from shards.writer import write_config
 from stages.configs.fit_generator import Config
@@ -148,7 +148,7 @@ def load_checkpoint(
     )
     shadow = tensors[EMA]
     if sorted(shadow, key=int) != [str(i) for i in range(len(ema.shadow_params))]:
-        raise ShardError(f"{path / EMA}: EMA weights of another model; start over (resume=)")
+        raise CheckpointError(f"{path / EMA}: EMA weights of another model; start over (resume=)")
     ema.load_state_dict(
         {**saved["ema"], "shadow_params": [shadow[str(i)] for i in range(len(shadow))]}
     )
@@ -345,7 +345,7 @@ def run(cfg: Config) -> Path:
         return recheck(cfg, folder, config, split.class_names, procs)
     if procs.is_main or (folder / "config.json").is_file():
         write_config(folder, config)
-    if (folder / MANIFEST).is_file():
+    if is_complete(folder):
         log.info("fit-generator: %s is complete already", folder)
         return folder
     names = split.class_names

@@ -74,12 +74,13 @@ PRESET = Preset(
         # v-prediction: the judge takes 90.0 % of the endpoints for their class at w = 1.5
         # (Sneaker 90 %); the same fit predicting ε reached 72.5 % (Sneaker 0 %): its x̂_0 at
         # high noise is noise (docs/generate.md, "Sampler, steps and the prediction target").
-        # 2,500 steps at ~0.75-1.2 s a step in bf16 on 2 cores: 31-50 min (docs/study.md has
-        # the curve).
+        # 1,875 steps: the 2,500-step fit's curve is flat after 1,875 (docs/study.md), and the
+        # fit takes ~22 min in bf16 on 2 idle cores (one check, at the end: the intermediate
+        # ones would add ~2 min each with clip_choice's 12 cells)
         "fit-generator": dict(
             unet="fashion-28",
             prediction_type="v_prediction",
-            steps=2500,
+            steps=1875,
             batch_size=128,
             lr=2e-3,
             lr_schedule="cosine",
@@ -96,7 +97,7 @@ PRESET = Preset(
             # where the choice sat on its edge (bench/RESULTS.md, "x̂₀ clipping chosen like w")
             guidance_grid=(1.0, 1.5, 2.0, 2.5, 3.0, 3.5),
             clip_choice=True,
-            fidelity_every=625,
+            fidelity_every=0,
             checkpoint_every=250,
             log_every=100,
         ),
