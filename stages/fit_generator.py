@@ -64,7 +64,7 @@ from models.generators import (
     unet_from_preset,
 )
 from models.generators.objective import denoising_loss, denoising_target
-from shards.checkpoints import LOAD_KWARGS, MARKER, CheckpointError, Checkpointer
+from shards.checkpoints import LOAD_KWARGS, MARKER, Checkpointer, CheckpointError
 from shards.manifest import Manifest, ShardError, is_complete, manifest_digest, write_manifest
 from shards.reader import load_split
 from shards.writer import write_config
