@@ -44,14 +44,36 @@ class ConfigError(ValueError):
     """Unknown preset, field or bad value. The CLI prints it as one line and exits 2."""
 
 
+# What config.json holds (an output's identity, which a rerun is compared on) is said once, at each
+# field, in its metadata (`StageConfig.recorded` reads it): every field, unless its default says
+# `not_recorded` (how or where an output is made, not what it holds), `recorded_off_default` (a
+# field added after outputs were written: theirs keep their bytes and resume) or
+# `recorded_along` (recorded exactly when another field is: an option of that one).
+IDENTITY, SKIP, OFF_DEFAULT, ALONG = "identity", "skip", "off-default", "along"
+
+
+def not_recorded(default: Any) -> Any:
+    return dataclasses.field(default=default, metadata={IDENTITY: SKIP})
+
+
+def recorded_off_default(default: Any) -> Any:
+    return dataclasses.field(default=default, metadata={IDENTITY: OFF_DEFAULT})
+
+
+def recorded_along(default: Any, other: str) -> Any:
+    return dataclasses.field(default=default, metadata={IDENTITY: ALONG, ALONG: other})
+
+
 @dataclass(frozen=True)
 class StageConfig:
     """Fields every stage shares: where the run root is and the seed everything derives from.
     `preset` is what --preset named (`resolve` sets it; stages/presets holds every preset)."""
 
     preset: str = ""
-    out: str = "runs"  # parent of every run root
-    name: str = ""  # run root folder name; defaults to the preset (or the classes-file stem)
+    out: str = not_recorded("runs")  # parent of every run root
+    # run root folder name; defaults to the preset
+    # (or the classes-file stem)
+    name: str = not_recorded("")
     classes_file: str = ""  # custom dataset: a text file with one class name per line
     seed: int = 0
     # torch intra-op threads on a CPU-only machine; 0 = torch's default. CPU kernels (oneDNN)
@@ -60,7 +82,7 @@ class StageConfig:
     cpu_threads: int = 0
     # hash every shard read against its manifest's sha256 (sizes and counts are always checked);
     # 0 skips the hash for storage you trust. Not part of an output's identity.
-    verify_sha256: bool = True
+    verify_sha256: bool = not_recorded(True)
 
     @property
     def root(self) -> Path:
@@ -68,14 +90,26 @@ class StageConfig:
         return Path(self.out) / (self.name or self.preset)
 
     def to_dict(self) -> dict[str, Any]:
-        """What the stage records as its config.json (a stage may leave out fields at their
-        default, so that folders made before the field existed keep their bytes)."""
+        """Every field (what the trackers are given); config.json holds `recorded()`."""
         return every_field(self)
+
+    def recorded(self) -> dict[str, Any]:
+        """What the stage writes as its config.json: the fields as their metadata says."""
+        fields = {f.name: f for f in dataclasses.fields(self)}
+
+        def kept(f: dataclasses.Field) -> bool:
+            rule = f.metadata.get(IDENTITY)
+            if rule == ALONG:
+                return kept(fields[f.metadata[ALONG]])
+            off = rule == OFF_DEFAULT and getattr(self, f.name) == _default(f)
+            return rule != SKIP and not off
+
+        return {n: _jsonable(getattr(self, n)) for n, f in fields.items() if kept(f)}
 
 
 def every_field(config: Any) -> dict[str, Any]:
     """Every field of a config, default-valued ones included: what --print-config shows, so it
-    agrees with --fields (a stage's `to_dict` may leave some out)."""
+    agrees with --fields (config.json, `recorded`, leaves some out)."""
     return {f.name: _jsonable(getattr(config, f.name)) for f in dataclasses.fields(config)}
 
 
@@ -164,17 +198,16 @@ def _coerce(field: str, text: str, annotation: Any) -> Any:
     return text
 
 
-def _unscoped(key: str) -> str:
-    return key
-
-
 def parse_sets(
-    config_cls: type, sets: Sequence[str], spell: Callable[[str], str] = _unscoped
+    config_cls: type, sets: Sequence[str], spell: Callable[[str], str] = str, known=None
 ) -> dict[str, Any]:
     """--set values -> {field: typed value}; a later value of a field wins. `spell(field)` is how
-    the command line names a field (a chain: `generate.steps`), for the error messages."""
+    the command line names a field (a chain: `generate.steps`), for the error messages. A
+    config's SECTIONS spell dotted keys (`loss.gamma=2`; `known`: the preset's values)."""
     hints = typing.get_type_hints(config_cls)
     valid = [f.name for f in dataclasses.fields(config_cls)]
+    for section in getattr(config_cls, "SECTIONS", ()):
+        sets = section.unnest(sets, known or {}, spell)
     values: dict[str, Any] = {}
     for item in sets:
         key, sep, text = item.partition("=")
@@ -213,13 +246,13 @@ def resolve(
     presets: Presets,
     preset: str,
     sets: Sequence[str] = (),
-    spell: Callable[[str], str] = _unscoped,
+    spell: Callable[[str], str] = str,
 ) -> C:
     """defaults < preset < --set. `preset`: whatever --preset takes (stages/presets: a name, a
     class-names text file, DATA+RECIPE). `spell`: how the command line names a field
     (parse_sets)."""
     preset, values = presets.lookup(preset)
-    sets_values = parse_sets(config_cls, sets, spell)
+    sets_values = parse_sets(config_cls, sets, spell, values)
     # "when": {"backend=edm": {...}} = preset values that apply when that field (after --set)
     # has that value, e.g. the paper's steps once `--set backend=edm` picks its generator
     for condition, overrides in values.pop("when", {}).items():
@@ -246,21 +279,6 @@ def given_folder(field: str, value: str, hint: str) -> Path:
     if not Path(value).exists():
         raise ConfigError(f"{field}={value}: no such file or folder; {hint}")
     return Path(value)
-
-
-def read_class_names(path: str | Path) -> tuple[str, ...]:
-    """One class name per line; blank lines and '#' comments ignored; duplicates refused."""
-    names = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line:
-            names.append(line)
-    if not names:
-        raise ConfigError(f"classes file {path} lists no class names")
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        raise ConfigError(f"classes file {path} repeats class names: {', '.join(dupes)}")
-    return tuple(names)
 
 
 # ---------------------------------------------------------------- --fields
@@ -317,7 +335,8 @@ def _comments(config_cls: type) -> dict[str, tuple[str, str]]:
     for cls in reversed(config_cls.__mro__):
         if cls is not object and dataclasses.is_dataclass(cls):
             found.update(_class_comments(cls))
-    return {f.name: found.get(f.name, ("", "")) for f in dataclasses.fields(config_cls)}
+    fields = dataclasses.fields(config_cls)  # one with no source line says it (core/parts.py)
+    return {f.name: found.get(f.name, f.metadata.get("comment", ("", ""))) for f in fields}
 
 
 def field_docs(config_cls: type) -> dict[str, str]:
@@ -366,7 +385,7 @@ def describe_fields(
     config_cls: type,
     presets: Presets | None = None,
     preset: str | None = None,
-    spell: Callable[[str], str] = _unscoped,
+    spell: Callable[[str], str] = str,
     skip: Sequence[str] = (),
 ) -> list[str]:
     """One line per field (except `preset`, which --preset sets, and `skip`): its name as --set

@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -97,7 +98,10 @@ def writing(path: Path, tmp: Path | None = None) -> Iterator[None]:
 
 
 def tmp_path_for(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp")
+    """The hidden sibling `path` is written through: one per process and thread, so writers
+    racing to one file (the study's parallel evaluations each rebuild eval/report.md) never
+    rename each other's temporary file away."""
+    return path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

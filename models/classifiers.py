@@ -24,13 +24,17 @@ bottleneck net, which we do not copy. wrn-26-10 follows that calibration code's 
 (ResNet-style blocks, depth counted as 6n+2); wrn-28-10 is the original WRN (6n+4).
 
 A model is rebuilt from `arch_config()` (JSON-able) with `classifier_from_config`, so a stage can
-save config.json + safetensors and load them back without pickles.
+save config.json + safetensors and load them back without pickles. The config holds every
+constructor argument (its `family`, the class in FAMILIES, and the widths and depths), so a
+saved model rebuilds as it was even if the registry's entry for its name changes; a config of
+the name alone (written before, or a class of no family) is rebuilt through CLASSIFIERS.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,8 +43,15 @@ from torch.nn import functional as F
 TIMM_PREFIX = "timm:"
 
 
+NAME_KEYS = ("arch", "num_classes", "in_channels")  # what every arch config holds
+
+
 class Classifier(nn.Module):
-    """Base class: subclasses define `forward_features`; the head is shared logic."""
+    """Base class: subclasses define `forward_features`; the head is shared logic. A subclass
+    with a `family` (its FAMILIES name) sets `args`, its other constructor arguments (JSON-able),
+    so that `arch_config()` rebuilds it without the registry."""
+
+    family = ""
 
     def __init__(self, arch: str, num_classes: int, in_channels: int, feature_dim: int) -> None:
         super().__init__()
@@ -49,6 +60,7 @@ class Classifier(nn.Module):
         self.in_channels = in_channels
         self.feature_dim = feature_dim
         self.head: nn.Module = nn.Linear(feature_dim, num_classes)
+        self.args: dict[str, Any] = {}
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Pooled pre-classifier features h, shape [B, feature_dim]."""
@@ -59,7 +71,8 @@ class Classifier(nn.Module):
 
     def arch_config(self) -> dict:
         """JSON-able dict that `classifier_from_config` turns back into this architecture."""
-        return {"arch": self.arch, "num_classes": self.num_classes, "in_channels": self.in_channels}
+        names = {key: getattr(self, key) for key in NAME_KEYS}
+        return {**names, "family": self.family, **self.args} if self.family else names
 
 
 def _init_weights(module: nn.Module) -> None:
@@ -141,7 +154,11 @@ class PreActBlock(nn.Module):
         return out + (self.shortcut(a) if self.shortcut is not None else x)
 
 
-Block = type[BasicBlock] | type[Bottleneck] | type[PreActBlock]
+BLOCKS: dict[str, type[BasicBlock] | type[Bottleneck] | type[PreActBlock]] = {
+    "basic": BasicBlock,
+    "bottleneck": Bottleneck,
+    "preact": PreActBlock,
+}
 
 
 class CifarResNet(Classifier):
@@ -151,19 +168,27 @@ class CifarResNet(Classifier):
     BN-ReLU follows the last stage, because pre-activation blocks end on a bare conv.
     """
 
+    family = "cifar-resnet"
+
     def __init__(
         self,
         arch: str,
         num_classes: int,
         in_channels: int,
-        block: Block,
+        block: str,
         blocks_per_stage: list[int],
         widths: list[int],
         stem_width: int,
     ) -> None:
-        feature_dim = widths[-1] * block.expansion
-        super().__init__(arch, num_classes, in_channels, feature_dim)
-        pre_activation = block is PreActBlock
+        unit = BLOCKS[block]
+        super().__init__(arch, num_classes, in_channels, widths[-1] * unit.expansion)
+        self.args = dict(
+            block=block,
+            blocks_per_stage=list(blocks_per_stage),
+            widths=list(widths),
+            stem_width=stem_width,
+        )
+        pre_activation = unit is PreActBlock
         stem: list[nn.Module] = [_conv3x3(in_channels, stem_width)]
         if not pre_activation:
             stem += [nn.BatchNorm2d(stem_width), nn.ReLU(inplace=True)]
@@ -172,8 +197,8 @@ class CifarResNet(Classifier):
         for i, (n, w) in enumerate(zip(blocks_per_stage, widths, strict=True)):
             blocks = []
             for j in range(n):
-                blocks.append(block(c, w, 2 if (i > 0 and j == 0) else 1))
-                c = w * block.expansion
+                blocks.append(unit(c, w, 2 if (i > 0 and j == 0) else 1))
+                c = w * unit.expansion
             stages.append(nn.Sequential(*blocks))
         self.stages = nn.Sequential(*stages)
         self.final = (
@@ -197,8 +222,11 @@ class DigitsCNN(Classifier):
     the annotation space for digits (ARCHITECTURE §6).
     """
 
+    family = "digits-cnn"
+
     def __init__(self, arch: str, num_classes: int, in_channels: int, width: int = 32) -> None:
         super().__init__(arch, num_classes, in_channels, feature_dim=4 * width)
+        self.args = dict(width=width)
 
         def unit(c_in: int, c_out: int) -> list[nn.Module]:
             return [_conv3x3(c_in, c_out), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True)]
@@ -225,10 +253,13 @@ class ConvMLP(Classifier):
     parameters and ~2.4 M multiply-adds per image, so the Fashion-MNIST study runs on 2 CPU cores.
     """
 
+    family = "conv-mlp"
+
     def __init__(
         self, arch: str, num_classes: int, in_channels: int, width: int = 32, hidden: int = 256
     ) -> None:
         super().__init__(arch, num_classes, in_channels, feature_dim=hidden)
+        self.args = dict(width=width, hidden=hidden)
 
         def unit(c_in: int, c_out: int) -> list[nn.Module]:
             return [_conv3x3(c_in, c_out), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True)]
@@ -244,7 +275,11 @@ class ConvMLP(Classifier):
 
 
 class TimmClassifier(Classifier):
-    """Any timm model; `num_classes=0` makes timm return its pooled pre-logits features."""
+    """Any timm model; `num_classes=0` makes timm return its pooled pre-logits features. Its
+    arch config is timm's name: the architecture is timm's, and `pretrained` only says where the
+    first weights came from (a saved model loads its own on top)."""
+
+    family = "timm"
 
     def __init__(
         self, arch: str, num_classes: int, in_channels: int, pretrained: bool = False
@@ -279,42 +314,42 @@ ClassifierFactory = Callable[[str, int, int], Classifier]
 CLASSIFIERS: dict[str, ClassifierFactory] = {
     "resnet18": partial(
         CifarResNet,
-        block=BasicBlock,
+        block="basic",
         blocks_per_stage=[2, 2, 2, 2],
         widths=[64, 128, 256, 512],
         stem_width=64,
     ),
     "resnet34": partial(
         CifarResNet,
-        block=BasicBlock,
+        block="basic",
         blocks_per_stage=[3, 4, 6, 3],
         widths=[64, 128, 256, 512],
         stem_width=64,
     ),
     "resnet50": partial(
         CifarResNet,
-        block=Bottleneck,
+        block="bottleneck",
         blocks_per_stage=[3, 4, 6, 3],
         widths=[64, 128, 256, 512],
         stem_width=64,
     ),
     "resnet110": partial(
         CifarResNet,
-        block=BasicBlock,
+        block="basic",
         blocks_per_stage=[18, 18, 18],
         widths=[16, 32, 64],
         stem_width=16,
     ),
     "wrn-26-10": partial(
         CifarResNet,
-        block=BasicBlock,
+        block="basic",
         blocks_per_stage=[4, 4, 4],
         widths=[160, 320, 640],
         stem_width=16,
     ),
     "wrn-28-10": partial(
         CifarResNet,
-        block=PreActBlock,
+        block="preact",
         blocks_per_stage=[4, 4, 4],
         widths=[160, 320, 640],
         stem_width=16,
@@ -348,14 +383,31 @@ def build_classifier(
     return CLASSIFIERS[name](name, num_classes, in_channels)
 
 
+# family -> its class: what a full arch config (`family` and its constructor arguments) names
+FAMILIES = {c.family: c for c in (CifarResNet, DigitsCNN, ConvMLP, TimmClassifier)}
+
+
 def classifier_from_config(config: dict) -> Classifier:
     """Inverse of `Classifier.arch_config()`: same architecture, freshly initialised weights.
+    A config with a `family` is built from its own arguments; one of the name alone (model.json
+    of runs written before, or a registered class of no family) through CLASSIFIERS. Keys a
+    caller adds for itself (`head`: models.finetuning) are not the classifier's.
 
     Weights are never fetched here (load the saved state dict on top), so this works offline.
     """
-    missing = {"arch", "num_classes", "in_channels"} - set(config)
+    missing = set(NAME_KEYS) - set(config)
     if missing:
         raise ValueError(
             f"classifier config lacks {sorted(missing)}; expected keys arch, num_classes, in_channels"
         )
-    return build_classifier(config["arch"], int(config["num_classes"]), int(config["in_channels"]))
+    name, shape = config["arch"], (int(config["num_classes"]), int(config["in_channels"]))
+    family = config.get("family")
+    if not family:
+        return build_classifier(name, *shape)
+    if family not in FAMILIES:
+        raise ValueError(f"unknown classifier family {family!r}; valid: {', '.join(FAMILIES)}")
+    args = {k: v for k, v in config.items() if k not in (*NAME_KEYS, "family", "head")}
+    try:
+        return FAMILIES[family](name, *shape, **args)
+    except (TypeError, KeyError) as e:  # an argument the family does not take, an unknown block
+        raise ValueError(f"arch config of {name!r} ({family}) does not build: {e}") from None

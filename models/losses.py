@@ -2,9 +2,11 @@
 
 Notation: logits s [N, C], p = softmax(s), labels y [N] (int64), c_i = max_k p_ik.
 
-The registry `LOSSES` maps a flag to a factory `factory(num_classes: int, **params) -> nn.Module`
-whose `forward(logits, labels) -> scalar` is the mean over the batch. `build_loss` checks the
-params against the factory's signature. Defaults (METHODS §6, CIFAR values):
+Each loss is one class, `cls(num_classes, params)`, whose `forward(logits, labels) -> scalar` is
+the mean over the batch; its parameters are its own frozen dataclass `cls.Params` (defaults,
+bounds and choices stated once: core/parts.py), which the train config's fields derive from. The
+registry `LOSSES` maps a flag to the class; `build_loss(name, C, **params)` builds one. Defaults
+(METHODS §6, CIFAR values):
 
 | name   | params (default)                  | loss                                                   |
 |--------|-----------------------------------|--------------------------------------------------------|
@@ -16,30 +18,30 @@ params against the factory's signature. Defaults (METHODS §6, CIFAR values):
 | mmce   | lam=2.0, width=0.4                | NLL + λ·MMCE_m (unweighted, no root), Laplacian kernel  |
 | mmce_weighted | lam=2.0, width=0.4, normalization="paper" | NLL + λ·sqrt(MMD_w + 1e-10), correct/incorrect weighted |
 
-(`lam` stands for λ: `lambda` is a Python keyword.) The LS α is a GUESS (METHODS leaves it open;
+(`lam` stands for λ: `lambda` is a Python keyword; MMCE's kernel width and FLSD-53's threshold
+are part of the methods' definitions, not parameters.) The LS α is a GUESS (METHODS leaves it open;
 0.05 matches FeDLaS-LS's CIFAR-10 value); MMCE's λ is the low end of METHODS' 2-4.
 `mmce_weighted`'s normalization="focal_calibration" is the MMD_w of the baselines later papers
 report (torrvision/focal_calibration), which divides its pair sums differently (`mmd_weighted`).
 
-Losses with another call signature are the trainer's business: it may register e.g. `csm`
-(CE on real + w·`soft_l2` on synthetic, separate forward passes) or `fedlas-*` (models/heads.py)
-as further LOSSES entries; `mixup` is a batch transform (`mixup_batch`) plus `mixup_loss`.
+Every class here is also a train loss (models/objectives.OBJECTIVES wraps each in a
+`CriterionObjective`); losses that need more than (logits, labels) are objectives there: `csm`
+(CE on real + w·`soft_l2` on synthetic, separate forward passes), `mixup` (a batch transform,
+`mixup_batch`, plus `mixup_loss`) and `fedlas-*` (models/heads.py's criterion).
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, get_args
 
 import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-
-def _check(name: str, value: float, low: float, high: float = float("inf")) -> None:
-    if not low <= value <= high:
-        raise ValueError(f"{name} must lie in [{low}, {high}], got {value}")
+from core.config import OFF_DEFAULT, ConfigError
+from core.parts import Params, param
 
 
 def _focal(logits: torch.Tensor, labels: torch.Tensor, gamma: torch.Tensor | float) -> torch.Tensor:
@@ -51,7 +53,11 @@ def _focal(logits: torch.Tensor, labels: torch.Tensor, gamma: torch.Tensor | flo
 class CrossEntropy(nn.Module):
     """Plain CE (the NLL of the logits)."""
 
-    def __init__(self, num_classes: int) -> None:
+    @dataclass(frozen=True)
+    class Params(Params):
+        pass
+
+    def __init__(self, num_classes: int, params: Params | None = None) -> None:
         super().__init__()
         self.num_classes = num_classes
 
@@ -62,10 +68,13 @@ class CrossEntropy(nn.Module):
 class LabelSmoothing(nn.Module):
     """CE against the target (1-α)·onehot(y) + α/C, written as (1-α)·CE + α·uniform-CE."""
 
-    def __init__(self, num_classes: int, alpha: float = 0.05) -> None:
+    @dataclass(frozen=True)
+    class Params(Params):
+        alpha: float = param(0.05, low=0.0, high=1.0, doc="ls: α of (1-α)·CE + α·uniform CE")
+
+    def __init__(self, num_classes: int, params: Params | None = None) -> None:
         super().__init__()
-        _check("alpha", alpha, 0.0, 1.0)
-        self.num_classes, self.alpha = num_classes, alpha
+        self.num_classes, self.alpha = num_classes, (params or self.Params()).alpha
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         log_p = F.log_softmax(logits, dim=1)
@@ -77,10 +86,13 @@ class LabelSmoothing(nn.Module):
 class FocalLoss(nn.Module):
     """Focal loss with fixed γ (METHODS §6: γ = 3)."""
 
-    def __init__(self, num_classes: int, gamma: float = 3.0) -> None:
+    @dataclass(frozen=True)
+    class Params(Params):
+        gamma: float = param(3.0, low=0.0, doc="focal: γ of -(1-p_y)^γ log p_y")
+
+    def __init__(self, num_classes: int, params: Params | None = None) -> None:
         super().__init__()
-        _check("gamma", gamma, 0.0)
-        self.num_classes, self.gamma = num_classes, gamma
+        self.num_classes, self.gamma = num_classes, (params or self.Params()).gamma
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return _focal(logits, labels, self.gamma)
@@ -92,15 +104,20 @@ class FLSD53(nn.Module):
     The schedule is piecewise constant in p_y, so it is chosen on detached probabilities.
     """
 
-    def __init__(
-        self, num_classes: int, gamma_below: float = 5.0, gamma: float = 3.0, threshold: float = 0.2
-    ) -> None:
+    threshold = 0.2  # the "53" of the name: γ = 5 below p_y = 0.2, else 3
+
+    @dataclass(frozen=True)
+    class Params(Params):
+        gamma_below: float = param(
+            5.0, low=0.0, field="flsd_gamma_below", doc="FLSD-53: γ where p_y < 0.2"
+        )
+        gamma: float = param(3.0, low=0.0, field="flsd_gamma", doc="FLSD-53: γ elsewhere")
+
+    def __init__(self, num_classes: int, params: Params | None = None) -> None:
         super().__init__()
-        _check("gamma_below", gamma_below, 0.0)
-        _check("gamma", gamma, 0.0)
-        _check("threshold", threshold, 0.0, 1.0)
+        params = params or self.Params()
         self.num_classes = num_classes
-        self.gamma_below, self.gamma, self.threshold = gamma_below, gamma, threshold
+        self.gamma_below, self.gamma = params.gamma_below, params.gamma
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -116,11 +133,15 @@ class MarginLabelSmoothing(nn.Module):
     left alone (unlike LS, which pulls every logit towards equality).
     """
 
-    def __init__(self, num_classes: int, m: float = 6.0, lam: float = 0.1) -> None:
+    @dataclass(frozen=True)
+    class Params(Params):
+        m: float = param(6.0, low=0.0, field="mbls_margin", doc="MbLS: the logit-gap margin m")
+        lam: float = param(0.1, low=0.0, doc="MbLS: λ of the margin term")
+
+    def __init__(self, num_classes: int, params: Params | None = None) -> None:
         super().__init__()
-        _check("m", m, 0.0)
-        _check("lam", lam, 0.0)
-        self.num_classes, self.m, self.lam = num_classes, m, lam
+        params = params or self.Params()
+        self.num_classes, self.m, self.lam = num_classes, params.m, params.lam
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         gaps = logits.max(dim=1, keepdim=True).values - logits
@@ -139,7 +160,8 @@ def mmce_squared(logits: torch.Tensor, labels: torch.Tensor, width: float = 0.4)
     return (r[:, None] * r[None, :] * kernel).sum() / c.numel() ** 2
 
 
-MMCE_NORMALIZATIONS = ("paper", "focal_calibration")
+Normalization = Literal["paper", "focal_calibration"]
+MMCE_NORMALIZATIONS: tuple[str, ...] = get_args(Normalization)
 FOCAL_CALIBRATION_EPS = 1e-5  # the constant torrvision/focal_calibration adds to its denominators
 
 
@@ -193,12 +215,15 @@ def mmd_weighted(
 class MMCELoss(nn.Module):
     """NLL + λ·MMCE_m (METHODS §6, the unweighted form, no square root)."""
 
-    def __init__(self, num_classes: int, lam: float = 2.0, width: float = 0.4) -> None:
+    width = 0.4  # the Laplacian kernel's width (Kumar et al.; METHODS §6)
+
+    @dataclass(frozen=True)
+    class Params(Params):
+        lam: float = param(2.0, low=0.0, doc="mmce, mmce_weighted: λ of the MMCE term")
+
+    def __init__(self, num_classes: int, params: Params | None = None) -> None:
         super().__init__()
-        _check("lam", lam, 0.0)
-        if width <= 0:
-            raise ValueError(f"width must be > 0, got {width}")
-        self.num_classes, self.lam, self.width = num_classes, lam, width
+        self.num_classes, self.lam = num_classes, (params or self.Params()).lam
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits, labels) + self.lam * mmce_squared(logits, labels, self.width)
@@ -208,12 +233,22 @@ class WeightedMMCELoss(MMCELoss):
     """NLL + λ·sqrt(MMD_w + 1e-10) (METHODS §6, the form the CIFAR-10 recipe uses); the MMCE
     term is 0 when all or none of the batch is correct. `normalization`: see `mmd_weighted`."""
 
-    def __init__(
-        self, num_classes: int, lam: float = 2.0, width: float = 0.4, normalization: str = "paper"
-    ) -> None:
-        super().__init__(num_classes, lam, width)
-        _check_normalization(normalization)
-        self.normalization = normalization
+    prefix = "mmce"  # its train fields: mmce_lam (mmce's too) and mmce_normalization
+
+    @dataclass(frozen=True)
+    class Params(MMCELoss.Params):
+        # recorded only off its default: it came after the first runs (docs/train.md)
+        normalization: Normalization = param(
+            "paper",
+            identity=OFF_DEFAULT,
+            doc="mmce_weighted's pair-sum normalisation: paper (Kumar et al.) | focal_calibration "
+            "(the torrvision/focal_calibration code later baselines use; docs/train.md)",
+        )
+
+    def __init__(self, num_classes: int, params: Params | None = None) -> None:
+        params = params or self.Params()
+        super().__init__(num_classes, params)
+        self.normalization = params.normalization
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         mmd = mmd_weighted(logits, labels, self.width, self.normalization)
@@ -221,9 +256,8 @@ class WeightedMMCELoss(MMCELoss):
         return F.cross_entropy(logits, labels) + self.lam * term
 
 
-LossFactory = Callable[..., nn.Module]
-
-LOSSES: dict[str, LossFactory] = {
+# flag -> the loss's class (train's `loss=`: models/objectives.OBJECTIVES takes each as it is)
+LOSSES: dict[str, type[nn.Module]] = {
     "ce": CrossEntropy,
     "ls": LabelSmoothing,
     "focal": FocalLoss,
@@ -235,19 +269,11 @@ LOSSES: dict[str, LossFactory] = {
 
 
 def build_loss(name: str, num_classes: int, **params: float) -> nn.Module:
-    """Instantiate `LOSSES[name](num_classes=num_classes, **params)` with checked params."""
+    """`LOSSES[name](num_classes, its Params(**params))`: params checked, unknown ones refused."""
     if name not in LOSSES:
-        raise ValueError(f"unknown loss {name!r}; valid: {', '.join(LOSSES)}")
-    factory = LOSSES[name]
-    sig = inspect.signature(factory).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.values())
-    accepted = [
-        k for k in sig if k != "num_classes" and sig[k].kind is not inspect.Parameter.VAR_KEYWORD
-    ]
-    unknown = sorted(set(params) - set(accepted))
-    if unknown and not takes_any:
-        raise ValueError(f"loss {name!r} takes params {accepted or 'none'}; got unknown {unknown}")
-    return factory(num_classes=num_classes, **params)
+        raise ConfigError(f"unknown loss {name!r}; valid: {', '.join(LOSSES)}")
+    cls = LOSSES[name]
+    return cls(num_classes, cls.Params.build(f"loss {name!r}", **params))
 
 
 def soft_l2(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

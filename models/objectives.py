@@ -8,8 +8,9 @@ computes and what an epoch adds around it:
     objective.observe(batch, logits)                # per-step statistics, no host sync
     stats = objective.end_epoch(epoch, model, reduce)
 
-Train's losses (`OBJECTIVES`, one per `loss=`) compute the loss from the model and a batch dict
-inside one forward call, so DDP sees a single forward per step even when CSM runs the real and
+Train's losses (`OBJECTIVES`, one entry per `loss=`: its parameters, a frozen dataclass, and how
+to build its objective; `register_loss` adds one from outside semix) compute the loss from the
+model and a batch dict inside one forward call, so DDP sees a single forward per step even when CSM runs the real and
 the synthetic images separately (METHODS §3), and FeDLaS' gate parameters (§5) are synchronised
 with the model's. Fine-tuning is the same loop with another start and objective: FeDLaS
 fine-tuning = `FeDLaSObjective` on a trained model, MaC-Cal (§4) = `MacCalObjective`, which
@@ -19,16 +20,19 @@ freezes the backbone and trains a masked bottleneck head.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from core.config import ConfigError
+from core.parts import Params, param
 from models.classifiers import Classifier
 from models.finetuning import GateTracker, require_separable_head
 from models.heads import EpochAccConf, FeDLaSCriterion, MaskedBottleneckHead, RetentionSchedule
-from models.losses import build_loss, mixup_batch, mixup_loss, soft_l2
+from models.losses import LOSSES, mixup_batch, mixup_loss, soft_l2
 
 Reduce = Callable[[Tensor], Tensor]  # sum over processes (accelerator.reduce); identity alone
 
@@ -90,11 +94,15 @@ class MixupObjective(Objective):
 
     mixes_rows = True
 
-    def __init__(self, alpha: float = 1.0) -> None:
+    @dataclass(frozen=True)
+    class Params(Params):
+        alpha: float = param(1.0, doc="Beta(α, α); GUESS (Zhang et al.'s CIFAR value)")
+
+    def __init__(self, params: Params | None = None) -> None:
         super().__init__()
-        if alpha <= 0:
-            raise ValueError(f"mixup alpha must be > 0, got {alpha}")
-        self.alpha = alpha
+        self.alpha = (params or self.Params()).alpha
+        if self.alpha <= 0:  # Beta(0, 0) is no distribution; an open bound, so checked here
+            raise ValueError(f"mixup alpha must be > 0, got {self.alpha}")
 
     def prepare(self, batch: dict[str, Any], generator: torch.Generator) -> dict[str, Any]:
         x, y_a, y_b, lam = mixup_batch(batch["x"], batch["y"], self.alpha, generator)
@@ -105,7 +113,11 @@ class MixupObjective(Objective):
         return mixup_loss(logits, batch["y"], batch["y_b"], batch["lam"]), logits
 
 
-MIXED_LOSSES = ("l2", "ce")
+# the heading --fields shows above csm's targets
+ABLATIONS = (
+    'the paper\'s ablations: targets "ratio" = t_a = α (no re-annotation); mixed loss "ce" = '
+    "soft-target cross-entropy instead of L2"
+)
 
 
 class CSMObjective(Objective):
@@ -113,18 +125,30 @@ class CSMObjective(Objective):
 
     Real and synthetic images take separate forward passes, so BatchNorm normalises each with
     its own batch statistics, as the reference code does. `mixed_loss="ce"` is the paper's
-    ablation: soft-target cross-entropy −Σ_k t_k log p_k instead of the L2 term.
+    ablation: soft-target cross-entropy −Σ_k t_k log p_k instead of the L2 term. `sharpening`
+    and `targets` say how the train stage makes the targets t when it loads mixed/.
     """
 
     needs_mixed = True
 
-    def __init__(self, weight: float = 1.0, mixed_loss: str = "l2") -> None:
+    @dataclass(frozen=True)
+    class Params(Params):
+        weight: float = param(1.0, low=0.0, doc="w of the synthetic term (reference: 1)")
+        sharpening: float = param(
+            0.0,
+            low=0.0,
+            data=True,
+            doc="s > 0: t_a = sigmoid(s(λ̂ − 0.5)) at load; 0: the stored soft",
+        )
+        targets: Literal["soft", "ratio"] = param(
+            "soft", data=True, doc="soft | ratio", section=ABLATIONS
+        )
+        mixed_loss: Literal["l2", "ce"] = param("l2", doc="l2 | ce")
+
+    def __init__(self, params: Params | None = None) -> None:
         super().__init__()
-        if weight < 0:
-            raise ValueError(f"csm weight must be >= 0, got {weight}")
-        if mixed_loss not in MIXED_LOSSES:
-            raise ValueError(f"csm mixed_loss must be one of {MIXED_LOSSES}, got {mixed_loss!r}")
-        self.weight, self.mixed_loss = weight, mixed_loss
+        params = params or self.Params()
+        self.weight, self.mixed_loss = params.weight, params.mixed_loss
 
     def forward(self, model: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
         logits = model(batch["x"])
@@ -134,6 +158,27 @@ class CSMObjective(Objective):
         else:  # F.cross_entropy takes probability targets: −Σ_k t_k log p_k, batch mean
             mixed = F.cross_entropy(synthetic, batch["t_syn"])
         return F.cross_entropy(logits, batch["y"]) + self.weight * mixed, logits
+
+
+THETA = "FeDLaS (both variants): the NCI's EMA weight θ"
+
+
+@dataclass(frozen=True)
+class FeDLaSLS(Params):
+    """FeDLaS-LS' parameters; the defaults are METHODS §5's CIFAR-10 values (the presets give
+    the other datasets' theirs)."""
+
+    alpha: float = param(0.05, low=0.0, doc="FeDLaS-LS: α of r_i = 2α·sigmoid(β·ψ_i·γ_i)")
+    beta: float = param(4.0, doc="FeDLaS-LS: β of r_i")
+    theta: float = param(0.95, field="fedlas_theta", doc=THETA)
+
+
+@dataclass(frozen=True)
+class FeDLaSMbLS(Params):
+    alpha: float = param(0.1, low=0.0, doc="FeDLaS-MbLS: α of r_i = 2α·sigmoid(β·ψ_i·γ_i)")
+    beta: float = param(0.5, doc="FeDLaS-MbLS: β of r_i")
+    margin: float = param(6.0, field="fedlas_margin", doc="FeDLaS-MbLS: the logit-gap margin m")
+    theta: float = param(0.95, field="fedlas_theta", doc=THETA)
 
 
 class FeDLaSObjective(Objective):
@@ -266,29 +311,62 @@ def maccal(
     return MacCalObjective(schedule, features)
 
 
-def _criterion(name: str) -> Callable[..., Objective]:
-    return lambda num_classes, generator=None, num_samples=0, **p: CriterionObjective(
-        build_loss(name, num_classes, **p)
+# ---------------------------------------------------------------- the registry
+
+Build = Callable[[Any, int, "torch.Generator | None", int], Objective]
+
+
+@dataclass(frozen=True)
+class LossEntry:
+    """One train loss: `params`, its frozen Params dataclass (the train config's fields derive
+    from it: core/parts.py), and `build(params, num_classes, generator, num_samples)`, its
+    objective (`generator`: initial draws such as FeDLaS' gate; `num_samples`: the training set's
+    size, for per-sample statistics). `prefix`: its fields' `<prefix>_<param>`; `every_run`:
+    see core.parts.Part."""
+
+    params: type[Params]
+    build: Build
+    prefix: str
+    every_run: bool = False
+
+
+def criterion(loss: type[nn.Module]) -> Build:
+    """The builder of a (logits, labels) loss class `loss(num_classes, params)`: it runs on the
+    real batch (CriterionObjective)."""
+    return lambda params, num_classes, generator, num_samples: CriterionObjective(
+        loss(num_classes, params)
     )
 
 
-def _fedlas(variant: str) -> Callable[..., Objective]:
-    return lambda num_classes, generator=None, num_samples=0, **p: FeDLaSObjective(
-        FeDLaSCriterion(num_classes, variant, generator=generator, **p), num_samples
+def _fedlas(variant: str) -> Build:
+    return lambda params, num_classes, generator, num_samples: FeDLaSObjective(
+        FeDLaSCriterion(num_classes, variant, generator=generator, **asdict(params)), num_samples
     )
 
 
-# loss name -> factory(num_classes, generator=None, num_samples=0, **params). Params: docs/train.md.
-OBJECTIVES: dict[str, Callable[..., Objective]] = {
+# loss name -> its entry, in the order --help lists them. These are the losses config.json has
+# recorded from the first runs (every_run): a loss added since records its fields only off their
+# defaults, so no run recorded before changes its identity. Parameters: docs/train.md.
+OBJECTIVES: dict[str, LossEntry] = {
     **{
-        name: _criterion(name)
-        for name in ("ce", "ls", "focal", "flsd53", "mbls", "mmce", "mmce_weighted")
+        name: LossEntry(cls.Params, criterion(cls), getattr(cls, "prefix", name), True)
+        for name, cls in LOSSES.items()
     },
-    "mixup": lambda num_classes, generator=None, num_samples=0, **p: MixupObjective(**p),
-    "csm": lambda num_classes, generator=None, num_samples=0, **p: CSMObjective(**p),
-    "fedlas-ls": _fedlas("ls"),
-    "fedlas-mbls": _fedlas("mbls"),
+    "mixup": LossEntry(MixupObjective.Params, lambda p, *_: MixupObjective(p), "mixup", True),
+    "csm": LossEntry(CSMObjective.Params, lambda p, *_: CSMObjective(p), "csm", True),
+    "fedlas-ls": LossEntry(FeDLaSLS, _fedlas("ls"), "fedlas_ls", True),
+    "fedlas-mbls": LossEntry(FeDLaSMbLS, _fedlas("mbls"), "fedlas_mbls", True),
 }
+
+
+def register_loss(name: str, params: type[Params], build: Build, prefix: str = "") -> None:
+    """Add a train loss from your own module (docs/contributing.md): `loss=<name>` then trains
+    with it, its parameters are train fields `<prefix>_<param>` (prefix: the name, `-` as `_`)
+    and `loss.<param>=` sets them. Register when your module is imported, which SEMIX_PLUGINS
+    does before any config is built (pipeline/plugins.py)."""
+    if name in OBJECTIVES:
+        raise ValueError(f"loss {name!r} is registered already")
+    OBJECTIVES[name] = LossEntry(params, build, prefix or name.replace("-", "_"))
 
 
 def build_objective(
@@ -298,11 +376,13 @@ def build_objective(
     num_samples: int = 0,
     **params: Any,
 ) -> Objective:
-    """`generator`: initial draws (FeDLaS' gate); `num_samples`: training-set size, for
-    objectives that keep per-sample statistics (FeDLaS' gate flips)."""
+    """The objective of loss `name`, its parameters checked (unknown ones refused)."""
     if name not in OBJECTIVES:
-        raise ValueError(f"unknown loss {name!r}; valid: {', '.join(OBJECTIVES)}")
-    return OBJECTIVES[name](num_classes, generator=generator, num_samples=num_samples, **params)
+        raise ConfigError(f"unknown loss {name!r}; valid: {', '.join(OBJECTIVES)}")
+    entry = OBJECTIVES[name]
+    return entry.build(
+        entry.params.build(f"loss {name!r}", **params), num_classes, generator, num_samples
+    )
 
 
 class TrainingModule(nn.Module):

@@ -20,6 +20,7 @@ from typing import Any
 from core.config import ConfigError, StageConfig, describe_fields, every_field, parse_sets
 from core.logs import log
 from pipeline.registry import STAGES, check_out, config_module, resolve_stage_config, run_stage
+from shards.manifest import is_complete
 from stages.presets import chain_steps
 
 SHARED_FIELDS = ("out", "name", "seed", "classes_file", "verify_sha256")
@@ -41,7 +42,7 @@ def split_sets(sets: Sequence[str], stage: str) -> list[str]:
     mine = []
     for item in sets:
         key = item.partition("=")[0]
-        scope, dot, _ = key.rpartition(".")
+        scope, dot, _ = key.partition(".")  # train.loss.gamma: train's loss.gamma (core/parts.py)
         if dot and scope == stage:
             mine.append(item[len(scope) + 1 :])
         elif not dot and key in SHARED_FIELDS:
@@ -91,7 +92,7 @@ def check_chain(preset: str, sets: Sequence[str]) -> None:
     scoped to stages outside the chain (the demo's train./finetune./evaluate.) are checked by
     name and type; an unknown scope is refused."""
     for key in (item.partition("=")[0] for item in sets):
-        scope, dot, _ = key.rpartition(".")
+        scope, dot, _ = key.partition(".")
         if dot and scope not in STAGES:
             raise ConfigError(
                 f"{key!r}: unknown stage {scope!r}; choose one of {', '.join(STAGES)}"
@@ -139,7 +140,7 @@ def run_step(stage: str, preset: str, sets: Sequence[str]) -> Any:
     torchrun with one process per core; returns the step's output folder."""
     n = cpu_processes() if stage in SPREAD else 1
     folder = resolve_stage_config(stage, preset, sets).root / SPREAD.get(stage, "")
-    if n == 1 or (folder / "manifest.json").is_file():  # complete: the stage only says so
+    if n == 1 or is_complete(folder):  # complete: the stage only says so
         return run_stage(stage, preset, sets)
     log.info("chain: %s in %d processes (one per core)", stage, n)
     cmd = [

@@ -28,10 +28,11 @@ from safetensors import SafetensorError
 
 from core.config import ConfigError, did_you_mean, every_field
 from core.logs import log, setup_logging
+from pipeline.plugins import load_plugins
 from pipeline.registry import STAGES, describe_stage, resolve_stage_config, run_stage
 from pipeline.usage import COMMANDS, help_text, overview
+from stages import presets
 from stages.presets import DEFAULT as DEFAULT_PRESET
-from stages.presets import NAMES as PRESET_NAMES
 from stages.presets import compose
 
 # what `semix NAME` runs: a stage, or a command (COMMANDS: whole chains, stage after stage in
@@ -91,7 +92,7 @@ def describe(command: str, preset: str, sets: Sequence[str], print_config: bool)
         if print_config:
             return json.dumps(module.resolved(preset, sets), indent=2)
         return module.fields_text(preset)
-    if print_config:  # every field, as --fields lists them (a stage's to_dict may skip some)
+    if print_config:  # every field, as --fields lists them (config.json, recorded(), skips some)
         return json.dumps(every_field(resolve_stage_config(command, preset, sets)), indent=2)
     return describe_stage(command, preset)
 
@@ -124,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--preset",
         metavar="NAME",
         default=None,  # None: not given, which the log says (DEFAULT_PRESET is used)
-        help=f"{', '.join(PRESET_NAMES)}, or a classes .txt file (default: {DEFAULT_PRESET})",
+        help=f"{', '.join(presets.NAMES)}, or a classes .txt file (default: {DEFAULT_PRESET})",
     )
     # a recipe apart from the data: `--preset DATA --recipe NAME` is the preset DATA+NAME
     # (stages/presets), which is what the chain's and the study's commands pass on; not a config
@@ -187,6 +188,10 @@ def show(text: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:  # first: a plugin's loss or preset is in every config and help (pipeline/plugins.py)
+        load_plugins()
+    except ConfigError as e:
+        return _fail("semix", str(e), EXIT_CONFIG, e)
     parser = build_parser()
     args = parser.parse_args(argv)
     sets = [s for s in args.sets if s]  # Makefile variables expand to empty strings

@@ -65,7 +65,7 @@ from pipeline.study_tune import (
     tuning_tasks,
 )
 from shards import evals
-from shards.manifest import ShardError, read_manifest
+from shards.manifest import ShardError, is_complete, read_manifest
 from shards.writer import check_config
 
 RUNS = ("train", "finetune", "evaluate")  # the stages a study runs after the chain
@@ -75,13 +75,13 @@ def _evaluated(folder: Path, criterion: str) -> bool:
     """A complete evaluation (eval/<stage>/<run>/, shards/evals.py) with this TS criterion, made
     from the run as it is now (same run digest). Otherwise the task runs: train/finetune skip a
     finished run and evaluate redoes only what is stale."""
-    from stages.evaluate import run_digest, run_is_complete
+    from stages.evaluate import run_digest
 
     key = f"{folder.parent.name}/{folder.name}"  # <stage>/<run>, as evaluate names it
     run = folder.parent.parent.parent / key
     try:
         metrics = evals.read_metrics(folder)  # checked against its manifest; None: not there
-        if not metrics or not run_is_complete(run):
+        if not metrics or not is_complete(run):
             return False
         made_from = read_manifest(folder).upstream.get(key)
     except ShardError:  # damaged: the task's evaluate step redoes it
@@ -96,13 +96,13 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
     needs_chain = any(METHODS[m].needs_mixed for m in cfg.methods)
     chain_sets = [s for s in sets if not s.startswith("study.")]
     if needs_chain:
-        done = (root / "mixed" / "manifest.json").is_file()
+        done = is_complete(root / "mixed")
         tasks.append(Task("chain", [("chain", chain_sets)], done=done))
 
     def variant_chain(variant: str) -> Task:
         v_root = variant_root(root, variant)
         v_sets = [*(s for s in chain_sets if not s.startswith("name=")), f"name={v_root.name}"]
-        done = (v_root / "mixed" / "manifest.json").is_file()
+        done = is_complete(v_root / "mixed")
         if variant == "redraw":
             prepare = functools.partial(prepare_redraw, root)
         else:

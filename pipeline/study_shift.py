@@ -31,7 +31,7 @@ from pipeline.chain import split_sets
 from pipeline.study_config import Task
 from pipeline.study_stats import MARGINS, N_BINS, Predictions, paired_difference, softmax
 from shards import evals
-from shards.manifest import read_manifest
+from shards.manifest import is_complete, read_manifest
 
 SHIFT_IMAGES = 2000  # test images under each corruption and severity (x 5 x 11 per run)
 SEVERE = (3, 4, 5)  # the severities the verdict reads (MaC-Cal's Fig. 5 separates methods there)
@@ -63,13 +63,13 @@ def robustness_tasks(
             "shift",
             [("shift", [*split_sets(study_sets, "shift"), f"limit={SHIFT_IMAGES}"])],
             set(after),
-            (shift_folder(root) / "manifest.json").is_file(),
+            is_complete(shift_folder(root)),
         ),
         Task(
             "ood",
             [("ood", [*split_sets(study_sets, "ood"), f"sets={','.join(sets)}"])],
             set(after),
-            all((root / "ood" / s / "manifest.json").is_file() for s in sets),
+            all(is_complete(root / "ood" / s) for s in sets),
         ),
     ]
     evaluate = [

@@ -41,6 +41,7 @@ from core.io import read_json
 from pipeline.chain import split_sets
 from pipeline.study_config import METHODS, StudyConfig, Task
 from pipeline.study_kway import link_complete, variant_root
+from shards.manifest import is_complete
 
 TUNE_SEED = 100  # no study seed: a tuning run is never a study run
 POINTS = 4  # every group's grid size: the same tuning budget for every method (METHODS §8)
@@ -269,7 +270,7 @@ def _prepare_finetune(
 
 def _extension_done(root: Path, tasks: list[TuneTask], task: TuneTask) -> bool:
     """Its run is complete, or its grid is and chose an interior value (nothing to run)."""
-    if (root / task.stage_dir / task.name / "manifest.json").is_file():
+    if is_complete(root / task.stage_dir / task.name):
         return True
     if not all(t.done for t in tasks if t.role == "grid"):
         return False
@@ -304,7 +305,7 @@ def _group_tasks(
     elif stage == "finetune":  # a base run of its own at TUNE_SEED: ce has nothing to tune
         base = f"tune-{m.base}"
         sets = [*train_sets, *METHODS[m.base].sets, f"run={base}", f"seed={TUNE_SEED}"]
-        done = (root / "train" / base / "manifest.json").is_file()
+        done = is_complete(root / "train" / base)
         tasks.append(TuneTask(base, [("train", sets)], set(), done, group=group, role="base"))
         after.add(base)
 
@@ -315,7 +316,7 @@ def _group_tasks(
             prepare = functools.partial(_prepare_finetune, root, tuned, group, run, prepare)
         else:
             sets = [*train_sets, *m.sets, *extra, *values, f"run={name}", f"seed={TUNE_SEED}"]
-        done = (root / stage / name / "manifest.json").is_file()
+        done = is_complete(root / stage / name)
         return TuneTask(
             name, [(stage, sets)], set(after), done, prepare,
             group=group, role=role, stage_dir=stage, **kw,

@@ -17,17 +17,22 @@ from pathlib import Path
 from core.config import StageConfig, describe_fields
 from pipeline.chain import SHARED_FIELDS
 from pipeline.registry import STAGES, config_module
-from stages.presets import DEFAULT, NAMES, chain_steps
+from stages import presets
+from stages.presets import DEFAULT, chain_steps
 
 # whole runs of several stages: command -> its module (pipeline/cli.py runs them)
 COMMANDS = {"chain": "pipeline.chain", "demo": "pipeline.demo", "study": "pipeline.study"}
 USAGE = "[--preset NAME] [--set KEY=VALUE ...] [--fields | --print-config | --help]"
-PRESETS_LINE = (
-    f"presets (--preset): {', '.join(NAMES)} (default: {DEFAULT}), or a .txt "
-    "file with one class name per line (a custom dataset); --recipe NAME: that preset's recipe "
-    "on --preset's data"
-)
 EXAMPLES = 2
+
+
+def presets_line() -> str:
+    """Read when help is asked for: a plugin's presets are among them (pipeline/plugins.py)."""
+    return (
+        f"presets (--preset): {', '.join(presets.NAMES)} (default: {DEFAULT}), or a .txt "
+        "file with one class name per line (a custom dataset); --recipe NAME: that preset's "
+        "recipe on --preset's data"
+    )
 
 
 def module_docstring(module: str) -> str:
@@ -131,7 +136,7 @@ def _head(name: str) -> list[str]:
         "examples:",
         *(f"  {line}" for line in examples(name)),
         "",
-        PRESETS_LINE,
+        presets_line(),
         "",
     ]
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from core.io import read_json
-from shards.manifest import MANIFEST, ShardError, read_manifest
+from shards.manifest import MANIFEST, ShardError, is_complete, read_manifest
 
 PRETRAINED_BACKENDS = ("sd", "dit", "edm")  # generators fitted outside semix
 
@@ -58,7 +58,7 @@ def _run(root: Path, stage: str, name: str, seen: set[Path]) -> int:
     cfg = _config(folder)
     if stage == "finetune":  # the source run's images, and no others (finetune inherits them)
         return _run(root, "train", cfg["run"], seen)
-    if not (folder / MANIFEST).is_file():
+    if not is_complete(folder):
         raise ShardError(f"{folder}: not a complete run (no {MANIFEST}); finish it first")
     reads_mixed = "mixed" in read_manifest(folder).upstream
     mixed = Path(cfg["mixed"]) if cfg.get("mixed") else root / "mixed"

@@ -38,7 +38,14 @@ from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, Revi
 from safetensors import safe_open
 
 from shards.card import DATA_GLOB
-from shards.manifest import MANIFEST, Manifest, ShardError, read_manifest, verify_shards
+from shards.manifest import (
+    MANIFEST,
+    Manifest,
+    ShardError,
+    is_complete,
+    read_manifest,
+    verify_shards,
+)
 
 CARD = "README.md"
 # Optional files uploaded when present. Never uploaded: config.json (it holds local paths: the
@@ -225,7 +232,7 @@ def count_samples(path: Path) -> int:
 
 def verify_download(folder: Path) -> Manifest:
     """A downloaded mixed/ folder is usable only if every shard matches the manifest."""
-    if not (folder / MANIFEST).is_file():
+    if not is_complete(folder):
         raise ShardError(f"no {MANIFEST}: not a semix dataset, or its upload never finished")
     manifest = read_manifest(folder)
     if manifest.kind != "mixed":

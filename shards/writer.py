@@ -185,7 +185,8 @@ class ShardFolder:
 # out=, keeps an output resumable (ARCHITECTURE §2), and so is turning shard hashing off or
 # switching between the in-memory and the streaming data path (same bytes either way), or
 # experiment tracking on or off (`tracker`, core/tracking.py: its files live in a subfolder no
-# manifest lists).
+# manifest lists). A config says this at the field (core.config.not_recorded), and its
+# `recorded()` leaves them out; this list also keeps them out of a dict that still holds them.
 NOT_IDENTITY = ("out", "name", "verify_sha256", "tracker", *DATA_FIELDS)
 
 

@@ -92,7 +92,7 @@ def upstream_digests(series: Path, real: Path | None) -> dict[str, str]:
 def already_complete(cfg: Config, mixed: Path, series: Path, real: Path | None, encoder) -> bool:
     """mixed/ is complete for this config, these upstream folders and this encoder: a rerun
     only reads (it also works on read-only media)."""
-    if not completed(mixed, cfg.to_dict(), upstream_digests(series, real)):
+    if not completed(mixed, cfg.recorded(), upstream_digests(series, real)):
         return False
     done = read_manifest(mixed).info.get("annotation", {}).get("encoder")
     if encoder is not None and done != json.loads(json.dumps(encoder.identity)):
@@ -132,7 +132,7 @@ def run(cfg: Config) -> Path:
     if already_complete(cfg, mixed, series, real, encoder):
         return mixed
     if procs.is_main or (mixed / "config.json").is_file():
-        write_config(mixed, cfg.to_dict())  # other ranks only compare (rank 0 writes)
+        write_config(mixed, cfg.recorded())  # other ranks only compare (rank 0 writes)
     folder = ShardFolder(mixed, prefix="mixed")
     n_shards = len(series_m.shards)
     log.info(

@@ -23,7 +23,7 @@ from core.io import atomic_write_json, read_json, sha256_file, tmp_path_for, wri
 from core.logs import log, progress
 from models.annotation import PrototypeAccumulator
 from models.annotation import text_prototypes as encode_text_prototypes
-from models.classifiers import classifier_from_config
+from models.classifiers import NAME_KEYS, classifier_from_config
 from models.encoders import ImageEncoder
 from models.encoders import build_encoder as build_encoder_kind
 from shards.manifest import ShardError, manifest_digest, read_manifest
@@ -40,7 +40,10 @@ PROTOTYPES_META = "prototypes.json"
 
 def _classifier_args(cfg: Config) -> dict[str, Any]:
     """The `module` kind over runs/<classes>/train/<encoder_run>/: its pooled pre-classifier
-    features at its own input size and normalisation, named by run, architecture and weights."""
+    features at its own input size and normalisation, named by run, architecture and weights.
+    The architecture by its name only: the weights' sha256 pins its widths (each one a tensor's
+    shape), and so an encoder's identity, mixed/ with it, stays what it was before model.json
+    held the whole arch config."""
     folder = cfg.root / "train" / cfg.encoder_run
     try:
         model, meta = load_model(folder, classifier_from_config)
@@ -48,7 +51,7 @@ def _classifier_args(cfg: Config) -> dict[str, Any]:
         raise ShardError(f"encoder_run={cfg.encoder_run}: {e}") from e
     identity = {
         "run": cfg.encoder_run,
-        "arch": meta["arch"],
+        "arch": {k: v for k, v in meta["arch"].items() if k in NAME_KEYS},
         "weights_sha256": sha256_file(folder / WEIGHTS),
     }
     norm = meta["normalize"]

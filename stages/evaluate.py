@@ -49,8 +49,8 @@ from models.posthoc import fit_posthoc
 from models.training import collect_logits
 from shards import evals
 from shards.datasets import RealSplit, check_same_classes
-from shards.manifest import MANIFEST, ShardError, manifest_digest, remake_command
-from shards.runs import META
+from shards.manifest import ShardError, is_complete, manifest_digest, remake_command
+from shards.runs import META, RunError
 from shards.runs import load_model as load_run_model
 from stages import data as datapath
 from stages.configs.evaluate import Config
@@ -60,13 +60,9 @@ from stages.evaluate_report import ENSEMBLE, left_out, write_report
 RUN_STAGES = ("train", "finetune")
 
 # ---------------------------------------------------------------- 1. runs and their identity
-# run_is_complete and run_digest are the only places that know when a run folder is finished
-# and what identifies its content: the run's manifest (kind `run`, written last by the training
-# loop) exists, and its digest (it pins the weights' and every other file's sha256).
-
-
-def run_is_complete(folder: Path) -> bool:
-    return (Path(folder) / MANIFEST).is_file()
+# A run folder is finished when its manifest (kind `run`, written last by the training loop)
+# exists: the one completion rule of every output, shards.manifest.is_complete; run_digest says
+# what identifies its content (the manifest pins the weights' and every other file's sha256).
 
 
 def run_digest(folder: Path) -> str:
@@ -78,20 +74,20 @@ def find_run(root: Path, name: str, stage_dir: str) -> Path:
     """root/train/<name> or root/finetune/<name>: the first complete one."""
     candidates = [stage_dir] if stage_dir else list(RUN_STAGES)
     for stage in candidates:
-        if run_is_complete(root / stage / name):
+        if is_complete(root / stage / name):
             return root / stage / name
     started = [root / s / name for s in candidates if (root / s / name).is_dir()]
     if started:
         remake = remake_command(started[0])
         how = f"`{remake[1]}`" if remake else f"make {started[0].parent.name} RUN=..."
-        raise ShardError(
+        raise RunError(
             f"run {name!r} in {started[0]} is not complete (its training did not finish); "
             f"rerun it before evaluating it: {how}"
         )
     where = " or ".join(str(root / s / name) for s in candidates)
     remake = remake_command(root / "train" / name)
     how = f"`{remake[1]}`" if remake else f"make train RUN={name}"
-    raise ShardError(f"run {name!r} has no trained weights in {where}; train it first: {how}")
+    raise RunError(f"run {name!r} has no trained weights in {where}; train it first: {how}")
 
 
 def complete_runs(root: Path) -> list[tuple[str, str]]:
@@ -101,7 +97,7 @@ def complete_runs(root: Path) -> list[tuple[str, str]]:
         for stage in RUN_STAGES
         if (root / stage).is_dir()
         for p in sorted((root / stage).iterdir())
-        if p.is_dir() and run_is_complete(p)
+        if p.is_dir() and is_complete(p)
     ]
 
 

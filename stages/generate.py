@@ -64,7 +64,7 @@ def run(cfg: Config) -> Path:
     # the user declares for them
     ident = gens.metadata() | {"license": cfg.license}
     out = cfg.root / "series"
-    if completed(out, cfg.to_dict(), upstream_digests(inputs)):  # a complete rerun only reads
+    if completed(out, cfg.recorded(), upstream_digests(inputs)):  # a complete rerun only reads
         log.info("generate: %s is complete already", out)
         return out
     k = len(plan.alphas)
@@ -77,7 +77,7 @@ def run(cfg: Config) -> Path:
         ident["guidance"], dtype, procs.world, out,
     )  # fmt: skip
     if (out / "config.json").is_file():
-        write_config(out, cfg.to_dict())  # a different config is refused before any loading
+        write_config(out, cfg.recorded())  # a different config is refused before any loading
 
     # 2. Load the model if this rank has work left, before writing anything: a model that fails
     #    to load leaves no folder behind, so the rerun with model=<folder> is not refused
@@ -86,7 +86,7 @@ def run(cfg: Config) -> Path:
     if folder is None or any(folder.done(i) is None for i in mine):
         gens.get(dtype)
     if procs.is_main:
-        write_config(out, cfg.to_dict())
+        write_config(out, cfg.recorded())
     folder = ShardFolder(out, prefix="series")
 
     # 3. My shards (i ≡ rank mod world); complete ones are skipped; series whose pure images

@@ -26,7 +26,14 @@ from models.generators import (
     SeriesSpec,
     load_generator,
 )
-from shards.manifest import Manifest, ShardError, manifest_digest, read_manifest, remake_command
+from shards.manifest import (
+    Manifest,
+    ShardError,
+    is_complete,
+    manifest_digest,
+    read_manifest,
+    remake_command,
+)
 from stages.configs.generate import Config
 from stages.generate_plan import GenerationError
 from stages.presets import edm_checkpoint
@@ -58,7 +65,7 @@ def check_inputs(cfg: Config) -> Inputs:
     if cfg.backend != "unet":
         return Inputs(real, real_m.class_names, size, None, {})
     folder, hint = generator_folder(cfg)
-    if not (folder / "manifest.json").is_file():
+    if not is_complete(folder):
         raise GenerationError(f"no trained generator in {folder} (no manifest.json): {hint}")
     gen_m = read_manifest(folder)
     if gen_m.kind != "generator":

@@ -50,9 +50,8 @@ from models.training import (
     random_crop_flip,
     sample_csm_members,
 )
-from shards.checkpoints import LOAD_KWARGS, Checkpointer, checkpoint_number
+from shards.checkpoints import LOAD_KWARGS, Checkpointer, CheckpointError, checkpoint_number
 from shards.datasets import RealSplit
-from shards.manifest import ShardError
 from shards.prefetch import PixelSource, StepPlan
 from shards.runs import finish_run, write_weights
 from shards.store import SeriesImages
@@ -325,7 +324,7 @@ def fit(
             checkpoint, lambda p: accelerator.load_state(str(p), load_kwargs=LOAD_KWARGS)
         )
         if "loop" not in saved:
-            raise ShardError(
+            raise CheckpointError(
                 f"{checkpoint} was written by an older semix; start over (resume=) or remove it"
             )
         state = LoopState(**saved["loop"])

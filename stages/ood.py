@@ -34,7 +34,7 @@ from core.config import ConfigError
 from core.logs import log
 from core.plots import image_grid
 from core.runtime import code_version, derive_seed
-from shards.manifest import MANIFEST, ShardError, manifest_digest, read_manifest
+from shards.manifest import ShardError, is_complete, manifest_digest, read_manifest
 from shards.reader import iter_folder
 from shards.sources import digits_source
 from shards.writer import ShardFolder, write_config
@@ -123,9 +123,10 @@ def _samples(
 
 
 def set_config(cfg: Config, name: str) -> dict[str, Any]:
-    """What a set's config.json holds: the stage's config for this one set (`sets` says which
-    folders a call builds, not what one holds; noise_images only counts for noise)."""
-    d = {k: v for k, v in cfg.to_dict().items() if k != "sets"}
+    """What a set's config.json holds: the stage's config for this one set (`sets`, not
+    recorded, says which folders a call builds, not what one holds; noise_images only counts
+    for noise)."""
+    d = cfg.recorded()
     if SOURCES[name] != "synthetic":
         del d["noise_images"]
     return {**d, "set": name}
@@ -134,7 +135,7 @@ def set_config(cfg: Config, name: str) -> dict[str, Any]:
 def _complete(folder: Path, config: dict[str, Any], upstream: dict[str, str]) -> bool:
     """A complete set of this config made from this real/test (skip); another real/test is
     refused in one line (a complete folder is never rewritten); incomplete: False."""
-    if not (folder / MANIFEST).is_file():
+    if not is_complete(folder):
         return False
     write_config(folder, config)  # compares only: refuses another config
     if read_manifest(folder).upstream != upstream:

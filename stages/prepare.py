@@ -107,7 +107,7 @@ def already_complete(cfg: Config, real: Path) -> bool:
     read-only media and without the source dataset at hand."""
     if not all(completed(real / split) for split in SPLITS):
         return False
-    write_config(real, cfg.to_dict())  # compares only: refuses another config
+    write_config(real, cfg.recorded())  # compares only: refuses another config
     log.info("prepare: %s is complete already", real)
     return True
 
@@ -118,7 +118,7 @@ def run(cfg: Config) -> Path:
         return real
     # 1. Load the source (may fail with a one-line message naming what is missing).
     source: Source = reader(cfg.source)(cfg)  # each preset says how its data are read
-    write_config(real, cfg.to_dict())
+    write_config(real, cfg.recorded())
     splits = plan_splits(source, cfg)
     log.info(
         "prepare %s: %d classes, %s -> %s",

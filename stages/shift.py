@@ -37,9 +37,9 @@ from core.plots import image_grid
 from core.runtime import code_version, derive_seed
 from models.corruptions import SEVERITIES, corrupt, describe
 from shards.manifest import (
-    MANIFEST,
     Manifest,
     ShardError,
+    is_complete,
     manifest_digest,
     read_manifest,
     write_manifest,
@@ -94,9 +94,9 @@ def _write_npy(dest: Path, name: str, array: np.ndarray, upstream: str) -> dict[
 def _already_complete(cfg: Config, dest: Path, upstream: dict[str, str]) -> bool:
     """A complete folder of this config: made from this real/test (skip), or from another one
     (refused in one line: a complete folder is never rewritten)."""
-    if not (dest / MANIFEST).is_file():
+    if not is_complete(dest):
         return False
-    write_config(dest, cfg.to_dict())  # compares only: refuses another config
+    write_config(dest, cfg.recorded())  # compares only: refuses another config
     if read_manifest(dest).upstream != upstream:
         raise ShardError(
             f"{dest} is complete but was made from another real/test (its manifest's digest "
@@ -152,7 +152,7 @@ def run(cfg: Config) -> Path:
     dest = shift_dir(cfg.root)
     if _already_complete(cfg, dest, upstream):
         return dest
-    write_config(dest, cfg.to_dict())
+    write_config(dest, cfg.recorded())
     for leftover in dest.glob(".*.tmp"):  # a file a killed build was writing
         leftover.unlink()
     split = load_split(test)

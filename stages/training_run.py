@@ -62,7 +62,7 @@ class RunConfig(Protocol):
     eval_batch_size: int
     checkpoint_limit: int
 
-    def record(self) -> dict[str, Any]: ...  # config.json
+    def recorded(self) -> dict[str, Any]: ...  # config.json
 
     def to_dict(self) -> dict[str, Any]: ...  # what the trackers are given
 
@@ -107,7 +107,7 @@ class TrainingRun:
         name with another config, is refused in one line (shards.runs.run_complete)."""
         if not run_complete(self.folder, made_from):
             return False
-        write_config(self.folder, self.cfg.record(), self.fix)  # refuses another config here
+        write_config(self.folder, self.cfg.recorded(), self.fix)  # refuses another config here
         log.info(
             "%s %s: already finished (%s is complete); nothing to do",
             *(self.stage, self.name, self.folder),
@@ -122,7 +122,7 @@ class TrainingRun:
         """config.json, the run's first file (main process; refuses another config under the
         name), once the inputs are known to be good; every process waits for it."""
         if self.main:
-            write_config(self.folder, self.cfg.record(), self.fix)
+            write_config(self.folder, self.cfg.recorded(), self.fix)
         self.accelerator.wait_for_everyone()
 
     # ------------------------------------------------------------ the loop

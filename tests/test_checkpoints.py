@@ -365,3 +365,10 @@ def test_errors_are_named_for_what_failed(tmp_path):
         ckpt.load(folder, lambda p: None)
     with pytest.raises(RunError, match="has no trained weights"):
         read_run(tmp_path / "run")
+    from stages.evaluate import find_run  # evaluate's run lookup names the run too
+
+    with pytest.raises(RunError, match="has no trained weights"):
+        find_run(tmp_path, "ghost", "")
+    (tmp_path / "train" / "half").mkdir(parents=True)
+    with pytest.raises(RunError, match="'half' .* is not complete"):
+        find_run(tmp_path, "half", "")

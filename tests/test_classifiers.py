@@ -85,6 +85,41 @@ def test_arch_config_round_trip_through_files(tmp_path, name, in_channels):
         assert torch.equal(rebuilt(x), model(x))
 
 
+def test_model_json_holds_the_whole_architecture_and_old_name_only_ones_still_load(tmp_path):
+    """A run's model.json holds every constructor argument (widths, depths, block), so it
+    rebuilds as saved even where the registry's entry for its name says otherwise; model.json of
+    a run written before (the name alone) still loads, through the registry."""
+    from models.finetuning import arch_with_head, build_model
+    from shards.runs import load_model, save_weights
+
+    model = build_classifier("resnet110", 6, in_channels=1).eval()
+    arch = model.arch_config()
+    assert arch == {
+        "arch": "resnet110", "num_classes": 6, "in_channels": 1, "family": "cifar-resnet",
+        "block": "basic", "blocks_per_stage": [18, 18, 18], "widths": [16, 32, 64],
+        "stem_width": 16,
+    }  # fmt: skip
+    assert build_model(arch_with_head(model)).arch_config() == arch  # a head is not its own
+    x = torch.randn(2, 1, 8, 8)
+    names = {"arch": "resnet110", "num_classes": 6, "in_channels": 1}
+    meta = {"class_names": list("abcdef"), "image_size": 8, "normalize": {}}
+    for name, saved in (("full", arch), ("old", names)):
+        save_weights(tmp_path / name, model.state_dict(), meta | {"arch": saved})
+        loaded, _ = load_model(tmp_path / name, build_model)
+        with torch.no_grad():
+            assert torch.equal(loaded.eval()(x), model(x)), name
+        assert loaded.arch_config() == arch  # an old run's model, saved again, is in full
+    narrow = classifier_from_config(arch | {"widths": [4, 8, 12], "blocks_per_stage": [1, 1, 1]})
+    assert narrow.feature_dim == 12 and len(narrow.stages[0]) == 1  # the saved widths win
+    assert narrow.arch_config()["widths"] == [4, 8, 12]
+    with pytest.raises(ValueError, match="unknown classifier family 'nope'"):
+        classifier_from_config(arch | {"family": "nope"})
+    with pytest.raises(ValueError, match="does not build"):
+        classifier_from_config(arch | {"depth": 3})
+    wide = {**names, "arch": "digits-cnn", "family": "digits-cnn", "width": 8}
+    assert classifier_from_config(wide).feature_dim == 32  # 4 x width
+
+
 def test_bad_names_and_options_raise_clear_errors(monkeypatch):
     with pytest.raises(ValueError, match="valid: resnet18, resnet34"):
         build_classifier("resnet19", 10)

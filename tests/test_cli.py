@@ -66,6 +66,9 @@ def test_fields_show_default_preset_value_and_the_source_description(capsys):
     names = {f.name for f in dataclasses.fields(Config)}
     comments = _trailing_comments(REPO / "stages" / "configs" / "train.py", names)
     comments |= _trailing_comments(REPO / "core" / "config.py", names - set(comments))
+    # the losses' parameters say theirs where they are declared (`param(doc=...)`, core/parts.py)
+    fields = dataclasses.fields(Config)
+    comments |= {f.name: f.metadata["doc"] for f in fields if f.metadata.get("doc")}
     assert len(comments) > 20  # the regex found the comments it should
     for name, comment in comments.items():
         assert comment in _row(out, name), name
@@ -172,7 +175,7 @@ def test_chain_errors_name_keys_the_chain_accepts(tmp_path, capsys, monkeypatch)
 def test_train_run_is_named_after_its_loss(capsys):
     assert resolve_stage_config("train", "digits").run == "ce"
     cfg = resolve_stage_config("train", "digits", ["loss=focal"])
-    assert cfg.run == "focal" and cfg.record()["run"] == "focal"
+    assert cfg.run == "focal" and cfg.recorded()["run"] == "focal"
     assert resolve_stage_config("train", "digits", ["loss=focal", "run=mine"]).run == "mine"
     assert main(["train", "--print-config", "--set", "loss=ls"]) == 0
     assert json.loads(capsys.readouterr().out)["run"] == "ls"

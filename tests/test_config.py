@@ -1,12 +1,20 @@
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 import torch
 from conftest import subprocess_env
 
-from core.config import ConfigError
+from core.config import (
+    ConfigError,
+    StageConfig,
+    every_field,
+    not_recorded,
+    recorded_along,
+    recorded_off_default,
+)
 from core.runtime import derive_seed, make_generator
 from models.objectives import build_objective
 from pipeline.cli import main
@@ -96,12 +104,45 @@ def test_generators_from_the_same_key_draw_the_same_numbers():
 def test_train_mmce_normalization_reaches_the_objective_and_config_json_only_off_default():
     cfg = resolve_stage_config("train", "digits", ["loss=mmce_weighted"])
     assert cfg.loss_params() == {"lam": 2.0, "normalization": "paper"}
-    assert "mmce_normalization" not in cfg.record()  # a default run's config.json keeps its bytes
+    assert "mmce_normalization" not in cfg.recorded()  # a default run's config.json keeps its bytes
     sets = ["loss=mmce_weighted", "mmce_normalization=focal_calibration"]
     cfg = resolve_stage_config("train", "digits", sets)
     assert cfg.loss_params() == {"lam": 2.0, "normalization": "focal_calibration"}
-    assert cfg.record()["mmce_normalization"] == "focal_calibration"
+    assert cfg.recorded()["mmce_normalization"] == "focal_calibration"
     objective = build_objective(cfg.loss, 3, **cfg.loss_params())
     assert objective.criterion.normalization == "focal_calibration"
     with pytest.raises(ConfigError, match="choose one of: paper, focal_calibration"):
         resolve_stage_config("train", "digits", ["mmce_normalization=sum"])
+
+
+@dataclass(frozen=True)
+class _Toy(StageConfig):
+    size: int = 3
+    resume: str = not_recorded("auto")
+    mode: str = recorded_off_default("plain")
+    width: tuple[int, ...] = recorded_off_default(())
+    knob: int = recorded_along(7, "mode")
+
+
+@pytest.mark.parametrize(
+    ("values", "extra"),
+    [
+        ({}, {}),
+        ({"resume": "", "out": "/elsewhere", "name": "x", "verify_sha256": False}, {}),
+        ({"mode": "fancy"}, {"mode": "fancy", "knob": 7}),
+        ({"knob": 9}, {}),  # an option of mode: only with it
+        (
+            {"mode": "fancy", "knob": 9, "width": (2, 4)},
+            {"mode": "fancy", "knob": 9, "width": [2, 4]},
+        ),
+    ],
+)
+def test_field_metadata_is_the_one_identity_rule(values, extra):
+    """config.json (`recorded`) holds every field but those their metadata leaves out: where the
+    root lives and how to start never, an added field only off its default, an option only
+    with its field; --print-config (`every_field`) shows them all."""
+    cfg = _Toy(preset="p", **values)
+    base = {"preset": "p", "classes_file": "", "seed": 0, "cpu_threads": 0, "size": 3}
+    assert cfg.recorded() == base | extra
+    left_out = {"out", "name", "verify_sha256", "resume", "mode", "width", "knob"}
+    assert set(every_field(cfg)) == set(base) | left_out

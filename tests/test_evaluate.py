@@ -43,7 +43,7 @@ def write_split(folder: Path, images: np.ndarray, labels: np.ndarray, names: lis
 
 def finish_run(folder: Path, loss: str = "ce") -> None:
     """Finish a hand-made run folder the way the training loop does: metrics.json, then the run
-    manifest last (stages.evaluate.run_is_complete reads the manifest)."""
+    manifest last (shards.manifest.is_complete reads the manifest)."""
     from shards.runs import finish_run as write_run_manifest
 
     atomic_write_json(folder / "metrics.json", {"train": {"loss": loss, "finished": True}})

@@ -26,7 +26,7 @@ from test_annotate import _train_encoder, _write_series
 
 import shards.writer
 import stages.loop
-from core.io import writing
+from core.io import atomic_write_bytes, writing
 from models.generators import build_unet
 from pipeline.cli import main
 from pipeline.registry import run_stage
@@ -435,3 +435,20 @@ def test_damaged_checkpoints_are_named_and_training_resumes_from_an_intact_one(
     reruns(capsys, [*argv, "resume="])  # start over
     ruined = checkpoints.parent / "model.safetensors"
     assert ruined.read_bytes() == (whole / "model.safetensors").read_bytes()
+
+
+def test_writers_racing_to_one_file_never_lose_each_others_temporary_file(tmp_path):
+    # the study's parallel evaluations each rebuild eval/report.md: with one shared temporary
+    # name, one writer's rename took the other's file away (FileNotFoundError)
+    from concurrent.futures import ThreadPoolExecutor
+
+    path = tmp_path / "report.md"
+
+    def write(i: int) -> None:
+        for j in range(100):
+            atomic_write_bytes(path, f"{i} {j}\n".encode())
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(write, range(4)))  # re-raises a writer's error
+    assert path.read_bytes().endswith(b" 99\n")
+    assert [p.name for p in tmp_path.iterdir()] == ["report.md"]  # no temporary file left

@@ -216,8 +216,8 @@ def test_k3_plan_walks_tuples_and_lattice():
     assert len(sub.pairs) == 3 and list(sub.pairs) == sorted(sub.pairs)
     assert len(sub.alphas) == 36  # alphas=8 -> m = 7: C(9, 2) lattice points
     # the k-way fields stay out of a 2-way config.json
-    assert "mix_classes" not in resolve_stage_config("generate", "digits", []).to_dict()
-    assert cfg.to_dict()["mix_classes"] == 3
+    assert "mix_classes" not in resolve_stage_config("generate", "digits", []).recorded()
+    assert cfg.recorded()["mix_classes"] == 3
 
 
 @pytest.mark.parametrize(

@@ -236,7 +236,7 @@ def test_weighted_mmce_focal_calibration_normalization_matches_that_code():
     assert mmd_weighted(logits, logits.argmax(1), normalization="focal_calibration").item() == 0.0
     s = logits.clone().requires_grad_(True)
     assert torch.autograd.gradcheck(lambda t: fc(t, y), (s,), eps=1e-6, atol=1e-6)
-    with pytest.raises(ValueError, match="normalization must be one of paper, focal_calibration"):
+    with pytest.raises(ValueError, match="normalization='sum' is not valid; choose one of: paper"):
         build_loss("mmce_weighted", 3, normalization="sum")
     with pytest.raises(ValueError, match="unknown \\['normalization'\\]"):
         build_loss("mmce", 3, normalization="paper")

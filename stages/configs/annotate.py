@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from core.config import ConfigError, StageConfig, check_choice, check_range
+from core.config import ConfigError, StageConfig, check_choice, check_range, recorded_off_default
 from models.annotation import ANNOTATORS
 from models.encoders import ENCODERS
 from stages.presets import stage_presets
@@ -33,7 +32,7 @@ class Config(StageConfig):
     prototypes: str = "real"  # real: class means over real/train; text: zero-shot prompts
     # prototypes=real from the first N training images only (as train's train_limit: a fair
     # study's annotation sees the labels its classifiers see); 0 = all. Recorded only when set.
-    train_limit: int = 0
+    train_limit: int = recorded_off_default(0)
     text_templates: tuple[str, ...] = ("a photo of a {}.",)
     batch_size: int = 256  # images per encoder forward
     workers: int = 2  # processes reading + decoding series shards ahead of the encoder (0: none)
@@ -43,13 +42,6 @@ class Config(StageConfig):
     # generator fidelity: a real-only classifier run under train/ classifies the series endpoints
     # (α = 0, 1); its accuracy there is written to annotation.json ("" = skip)
     fidelity_run: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        """train_limit only when set: a config.json made before the field still resumes."""
-        d = super().to_dict()
-        if not self.train_limit:
-            del d["train_limit"]
-        return d
 
     def __post_init__(self):
         check_choice("encoder", self.encoder, tuple(ENCODER_KINDS))

@@ -4,7 +4,8 @@
 retention q) or FeDLaS fine-tuning (METHODS §5: the whole trained model continues under the
 FeDLaS-LS / -MbLS loss). Each method reads its own prefixed fields (`maccal_*`, `fedlas_*`);
 batch size, momentum, weight decay and augmentation are shared. GUESS values of METHODS are
-fields with the given default.
+fields with the given default. The FeDLaS fields are those of train's fedlas-* losses, derived
+from their parameters (the `FEDLAS` section, core/parts.py: also `method.alpha=0.1`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from core.config import ConfigError, StageConfig, check_choice, check_range
+from core.config import ConfigError, StageConfig, check_choice, check_range, not_recorded
+from core.parts import Section
 from core.tracking import parse_trackers
 from shards.datapath import (
     DEFAULT_DATA_PATH,
@@ -21,12 +23,14 @@ from shards.datapath import (
     DEFAULT_STREAM_WORKERS,
     check_data_fields,
 )
-from stages.configs.train import FEDLAS_LS, FEDLAS_MBLS, LOSS_FIELDS, NOT_RECORDED, PRECISIONS
+from stages.configs.train import LOSS, PRECISIONS
 from stages.presets import stage_presets
 
 METHODS = ("maccal", "fedlas-ls", "fedlas-mbls")
-# method -> {FeDLaSCriterion parameter: config field}; the same field names as the train stage
-FEDLAS_FIELDS: dict[str, dict[str, str]] = {m: LOSS_FIELDS[m] for m in METHODS[1:]}
+# the FeDLaS methods are train's losses of the same names: their parameters, the same fields
+FEDLAS = Section("method", {m: LOSS.parts[m] for m in METHODS[1:]})
+# method -> {FeDLaSCriterion parameter: config field}
+FEDLAS_FIELDS: dict[str, dict[str, str]] = {m: FEDLAS.fields_of(m) for m in FEDLAS.names}
 MACCAL_FIELDS = {
     "q0": "maccal_q0",
     "gamma": "maccal_gamma",
@@ -38,6 +42,7 @@ MACCAL_FIELDS = {
 
 
 @dataclass(frozen=True)
+@FEDLAS.fields(after="clip_norm")  # the FeDLaS losses' parameters, one field each
 class Config(StageConfig):
     run: str = ""  # the trained run: runs/<classes>/train/<run>/ (RUN=)
     method: str = "maccal"  # maccal | fedlas-ls | fedlas-mbls (METHOD=)
@@ -61,12 +66,6 @@ class Config(StageConfig):
     fedlas_epochs: int = 10  # GUESS: METHODS gives no fine-tuning length
     fedlas_lr: float = 0.001  # constant; GUESS: the last lr of the CIFAR Stage-I recipe
     clip_norm: float = 2.0  # grad-norm clip of the classifier only (not the gate); 0 = off
-    fedlas_ls_alpha: float = FEDLAS_LS["alpha"]
-    fedlas_ls_beta: float = FEDLAS_LS["beta"]
-    fedlas_mbls_alpha: float = FEDLAS_MBLS["alpha"]
-    fedlas_mbls_beta: float = FEDLAS_MBLS["beta"]
-    fedlas_margin: float = FEDLAS_MBLS["margin"]
-    fedlas_theta: float = FEDLAS_LS["theta"]
     # how real/train and real/val are read (stages/data.py); not part of the run's identity
     data_path: str = DEFAULT_DATA_PATH  # auto | memory | stream
     memory_budget_gb: float = DEFAULT_MEMORY_BUDGET_GB  # auto's budget; 0 = from free memory
@@ -76,7 +75,8 @@ class Config(StageConfig):
     precision: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
     eval_batch_size: int = 512
     checkpoint_limit: int = 2  # complete checkpoints kept (one after every epoch)
-    resume: str = "auto"  # auto | latest | "" (start over) | <checkpoint folder>
+    # auto | latest | "" (start over) | <checkpoint folder>; how to continue, not what to tune
+    resume: str = not_recorded("auto")
     # experiment tracking (core/tracking.py): none | tensorboard | wandb | mlflow | trackio, or
     # several (tensorboard,mlflow); not part of the run's identity
     tracker: str = "none"
@@ -87,6 +87,7 @@ class Config(StageConfig):
         if "/" in self.run or self.run.startswith("."):
             raise ConfigError(f"run={self.run!r} must be a plain folder name")
         check_choice("method", self.method, METHODS)
+        FEDLAS.check(self)
         check_choice("precision", self.precision, PRECISIONS)
         for name in ("batch_size", "maccal_epochs", "maccal_r", "fedlas_epochs"):
             check_range(name, getattr(self, name), 1)
@@ -116,10 +117,6 @@ class Config(StageConfig):
     @property
     def epochs(self) -> int:
         return self.maccal_epochs if self.method == "maccal" else self.fedlas_epochs
-
-    def record(self) -> dict[str, Any]:
-        """What config.json holds (everything but how to continue)."""
-        return {k: v for k, v in self.to_dict().items() if k not in NOT_RECORDED}
 
     def method_params(self) -> dict[str, Any]:
         """RetentionSchedule kwargs (maccal) or FeDLaSCriterion kwargs (fedlas-*)."""

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.config import ConfigError, StageConfig, check_choice, check_range
+from core.config import (
+    ConfigError,
+    StageConfig,
+    check_choice,
+    check_range,
+    not_recorded,
+    recorded_off_default,
+)
 from core.tracking import parse_trackers
 from models.generators import UNET_PRESETS
 from models.generators.objective import PREDICTION_TYPES
@@ -25,7 +32,8 @@ class Config(StageConfig):
     min_snr_gamma: float = 0.0  # Min-SNR-γ loss weighting (Hang et al. 2023, γ = 5); 0 = off
     # what the UNet predicts: epsilon (the noise) | v_prediction (v = √ᾱ·ε − √(1−ᾱ)·x_0, whose
     # x_0 error stays bounded at high noise, where class shape is decided); recorded in scheduler/
-    prediction_type: str = "epsilon"
+    # (recorded off its default only: fits from before the field keep their config.json)
+    prediction_type: str = recorded_off_default("epsilon")
     weight_decay: float = 0.0
     grad_clip: float = 1.0  # max gradient norm; 0 = off
     ema_decay: float = 0.995  # the EMA weights are what is saved
@@ -34,7 +42,7 @@ class Config(StageConfig):
     # rescale the betas so the last step is pure noise, ᾱ_T = 0 (Lin et al., 2024; diffusers'
     # rescale_betas_zero_snr): with "trailing" spacing the sampler then starts from what training
     # saw at t = T − 1; needs v_prediction (ε is undefined where the image has no signal)
-    zero_terminal_snr: bool = False
+    zero_terminal_snr: bool = recorded_off_default(False)
     hflip: bool = False  # random horizontal flips (never for digits: a flipped 3 is no digit)
     # accelerate autocast: auto (bf16 on a CPU with native bf16 or a bf16 GPU, else fp32) | no |
     # bf16 | fp16 (GPU)
@@ -51,40 +59,25 @@ class Config(StageConfig):
     judge_run: str = ""
     # more real-only runs train/<run> that only report fidelity beside the chooser (a judge
     # trained on more labels than the study's budget belongs here); not part of the identity
-    report_judges: tuple[str, ...] = ()
+    report_judges: tuple[str, ...] = not_recorded(())
     guidance_grid: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0)
     # also check every w with DDIM's x̂₀ clipping flipped (the scheduler's clip_sample on / off)
     # and choose the pair (w, clipping) by the same judge; generate samples with the choice
-    clip_choice: bool = False
+    clip_choice: bool = recorded_off_default(False)
     fidelity_every: int = 0  # check every N steps too (0 = only at the end)
     fidelity_per_class: int = 20  # endpoint images per class and w
     checkpoint_every: int = 100  # a checkpoint every N steps (and at the end)
     checkpoints_total_limit: int = 2  # complete checkpoints kept
     # auto (newest complete, if any) | latest (must exist) | "" (start over) | a checkpoint
     # folder; not part of config.json
-    resume: str = "auto"
+    resume: str = not_recorded("auto")
     samples_per_class: int = 8  # columns of sample_grid.png (one row per class)
     sample_steps: int = 25  # DDIM steps for sample_grid.png
     log_every: int = 50  # log the mean loss every N steps
     device: str = ""  # "" = accelerate's choice (GPU if any); "cpu" forces the CPU
     # experiment tracking (core/tracking.py): none | tensorboard | wandb | mlflow | trackio, or
     # several (tensorboard,mlflow): loss, lr and the fidelity points; not part of the identity
-    tracker: str = "none"
-
-    def recorded(self) -> dict:
-        """What the generator folder's config.json holds and a rerun is compared on: every
-        field but ``resume`` (how to start is not what to make); ``prediction_type`` only when
-        it is not epsilon, the only target before the field existed, so folders fitted then
-        stay valid and an epsilon fit's config.json keeps its bytes. ``report_judges`` only
-        measure, so they are left out too."""
-        skip = ("resume", "report_judges")  # how to start and what else measures: not what to make
-        out = {k: v for k, v in self.to_dict().items() if k not in skip}
-        if out.get("prediction_type") == "epsilon":
-            del out["prediction_type"]
-        for name in ("clip_choice", "zero_terminal_snr"):  # recorded when on: earlier fits
-            if not out.get(name):  # keep their config.json
-                out.pop(name, None)
-        return out
+    tracker: str = not_recorded("none")
 
     @property
     def grid(self) -> tuple[float, ...]:

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from core.config import ConfigError, StageConfig, check_choice, check_range
+from core.config import (
+    ConfigError,
+    StageConfig,
+    check_choice,
+    check_range,
+    recorded_along,
+    recorded_off_default,
+)
 from models.generators import EDM_SAMPLERS, GENERATORS, SAMPLERS
 from stages.presets import stage_presets
 
@@ -37,10 +43,12 @@ class Config(StageConfig):
     pairs: int = 0  # 0 = every pair a < b; N = a seeded subset of N pairs
     # k-way mixing (docs/generate.md): a series = one noise at every point of the simplex lattice
     # w_i = n_i/m over k classes; k = 2, m = alphas - 1 is the CSM alpha grid above
-    mix_classes: int = 2  # k classes per series
-    lattice: int = 0  # m; 0 = alphas - 1
-    tuples: int = 0  # 0 = every k-subset; N = a seeded subset of N tuples (k = 2: as pairs)
-    series_per_tuple: int = 0  # 0 = series_per_pair
+    mix_classes: int = recorded_off_default(2)  # k classes per series
+    lattice: int = recorded_off_default(0)  # m; 0 = alphas - 1
+    # 0 = every k-subset; N = a seeded subset of N tuples
+    # (k = 2: as pairs)
+    tuples: int = recorded_off_default(0)
+    series_per_tuple: int = recorded_off_default(0)  # 0 = series_per_pair
     limit: int = 0  # quick runs: only the first N series of the plan (0 = all)
     series_per_shard: int = 0  # 0 = auto: >= min_shards shards where the budget allows
     min_shards: int = 16  # >= 1 shard per process x data-loader worker downstream
@@ -52,9 +60,11 @@ class Config(StageConfig):
     # fidelity-aware series (docs/generate.md): a series whose pure images (α = 0, 1) the judge
     # train/<endpoint_judge> does not classify as their classes is redrawn from a fresh noise
     # (at most endpoint_tries times, then dropped) or dropped at once; off = as the paper
-    endpoint_check: str = "off"
-    endpoint_judge: str = ""  # a real-only classifier run under train/ (the chains: encoder)
-    endpoint_tries: int = 3
+    endpoint_check: str = recorded_off_default("off")
+    # a real-only classifier run under train/
+    # (the chains: encoder)
+    endpoint_judge: str = recorded_along("", "endpoint_check")
+    endpoint_tries: int = recorded_along(3, "endpoint_check")
 
     def __post_init__(self):
         check_choice("backend", self.backend, sorted(GENERATORS))
@@ -126,23 +136,8 @@ class Config(StageConfig):
         """N of a seeded subset of class tuples (0 = all)."""
         return self.tuples or self.pairs
 
-    def to_dict(self) -> dict[str, Any]:
-        """The k-way fields are recorded only when set, the endpoint check's only when it is on:
-        a 2-way config.json stays the very file the 2-way code wrote (so its folders still
-        resume)."""
-        d = super().to_dict()
-        for name, default in K_WAY_DEFAULTS.items():
-            if d[name] == default:
-                del d[name]
-        if self.endpoint_check == "off":  # the same: a folder made before the check resumes
-            for name in ENDPOINT_FIELDS:
-                del d[name]
-        return d
-
 
 DEFAULT_ALPHAS = 8  # the default of Config.alphas, for the alphas/lattice consistency check
-K_WAY_DEFAULTS = {"mix_classes": 2, "lattice": 0, "tuples": 0, "series_per_tuple": 0}
-ENDPOINT_FIELDS = ("endpoint_check", "endpoint_judge", "endpoint_tries")
 
 
 PRESETS = stage_presets("generate")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.config import ConfigError, StageConfig, check_range
+from core.config import ConfigError, StageConfig, check_range, not_recorded
 from stages.presets import FAR_OOD_SETS, stage_presets
 
 # the real images of a preset (stages/presets FAR_OOD_SETS: scikit-learn's 1,797 real handwritten
@@ -21,7 +21,7 @@ SETS = (*FAR_OOD_SETS, "uniform", "gaussian")
 class Config(StageConfig):
     # which sets to build; empty = every set that is out-of-distribution for this root (all but
     # digits on a digits root)
-    sets: tuple[str, ...] = ()
+    sets: tuple[str, ...] = not_recorded(())
     noise_images: int = 0  # images per synthetic set; 0 = as many as real/test holds
     shard_size: int = 1000  # samples per shard
 

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from core.config import StageConfig, check_choice, check_range
+from core.config import StageConfig, check_choice, check_range, recorded_off_default
 from stages.presets import DEFAULT, SOURCES, stage_presets
 
 RESIZE = ("squash", "center-crop")
@@ -19,7 +18,7 @@ class Config(StageConfig):
     image_size: int = 0  # square side in pixels; 0 keeps the native size
     # how images of another size become image_size x image_size: squash (both sides, aspect not
     # kept) | center-crop (shorter side to image_size, then the centre)
-    resize: str = "squash"
+    resize: str = recorded_off_default("squash")
     val_fraction: float = 0.1  # of train, stratified and seeded (METHODS §3: 10 % held out)
     test_fraction: float = 0.2  # only for datasets without an official test split
     shard_size: int = 1000  # samples per shard
@@ -31,14 +30,6 @@ class Config(StageConfig):
         check_range("shard_size", self.shard_size, 1)
         check_range("image_size", self.image_size, 0)
         check_choice("resize", self.resize, RESIZE)
-
-    def to_dict(self) -> dict[str, Any]:
-        """`resize` is recorded only when not the default: config.json of the presets that
-        squash stays the file it was (so their real/ folders still resume)."""
-        d = super().to_dict()
-        if d["resize"] == "squash":
-            del d["resize"]
-        return d
 
 
 PRESETS = stage_presets("prepare")

@@ -12,8 +12,8 @@ What `--preset` names:
 
 A preset may extend another (`Preset.extends`: cifar100 starts from cifar10's recipe). A stage
 config reads its values through `stage_presets(stage)` (its module's `PRESETS`); prepare reads
-its data through `reader(source)`. Adding a preset: a module here with its `PRESET`, and its
-name in `NAMES`.
+its data through `reader(source)`. Adding a preset: a module here with its `PRESET`, and the
+module in `_MODULES`; or, from your own module, `register_preset(PRESET)` (pipeline/plugins.py).
 """
 
 from __future__ import annotations
@@ -50,6 +50,21 @@ FAR_OOD_SETS = (digits.PRESET.name,)
 SOURCES = tuple(name for name, p in PRESETS.items() if p.reads is not None)
 
 register_preset_names(NAMES)  # for the layers below, which cannot import this package
+
+
+def register_preset(preset: Preset) -> None:
+    """Add a preset from your own module (docs/contributing.md): `--preset <name>` then runs
+    it. Register when the module is imported, which SEMIX_PLUGINS does before any config is
+    built (pipeline/plugins.py); `extends` may name any preset registered before it."""
+    global NAMES, SOURCES
+    if preset.name in PRESETS or RECIPE_MARK in preset.name or preset.name.endswith(".txt"):
+        raise ValueError(f"preset name {preset.name!r} is taken or not a plain name")
+    if preset.extends and preset.extends not in PRESETS:
+        raise ValueError(f"preset {preset.name!r} extends {preset.extends!r}, which is no preset")
+    PRESETS[preset.name] = preset
+    NAMES = tuple(PRESETS)
+    SOURCES = tuple(name for name, p in PRESETS.items() if p.reads is not None)
+    register_preset_names(NAMES)
 
 
 @functools.cache

@@ -8,8 +8,25 @@ RECIPE=fashion-mnist`: the fair in-house chain of the study on small images).
 
 from __future__ import annotations
 
-from core.config import read_class_names
+from pathlib import Path
+
+from core.config import ConfigError
 from stages.presets.base import CLIP, SD, Preset
+
+
+def read_class_names(path: str | Path) -> tuple[str, ...]:
+    """One class name per line; blank lines and '#' comments ignored; duplicates refused."""
+    names = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            names.append(line)
+    if not names:
+        raise ConfigError(f"classes file {path} lists no class names")
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ConfigError(f"classes file {path} repeats class names: {', '.join(dupes)}")
+    return tuple(names)
 
 
 def _read(cfg):

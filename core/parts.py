@@ -1,0 +1,233 @@
+"""A part's own config (a loss today): its parameters stated once, next to the part.
+
+A part declares its parameters as a frozen dataclass deriving from `Params`, each field made
+with `param()`: the default, the bounds its check enforces, a one-line description. `Literal`
+annotations are the choices. Building one checks it (`check_params`), so a bad value fails in
+one line whoever builds it: the stage config, a test, a user's own code.
+
+A stage config holds a section per kind of part (`Section`): train has `loss`, whose parts are
+the losses' registry (models/objectives.OBJECTIVES). The section derives the config's fields from
+the parts' parameters, so adding a loss adds its fields, checks, `--fields` rows and `--set`
+spellings with no table to edit. The fields are flat, `<prefix>_<param>` (`focal_gamma`), because
+that is what config.json has recorded since the first run: a run's identity keeps its bytes.
+On the command line a section also takes `loss.name=focal loss.gamma=2` (the parameter of the
+loss the config picks: its last --set, else the preset's, else the default) and
+`loss.focal.gamma=2` (a named loss's, whichever is picked); core.config.parse_sets asks the
+config class's `SECTIONS` to spell those as fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from core.config import IDENTITY, OFF_DEFAULT, ConfigError, check_choice, check_range, did_you_mean
+
+
+def param(
+    default: Any,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    doc: str = "",
+    field: str = "",
+    section: str = "",
+    data: bool = False,
+    identity: str = "",
+) -> Any:
+    """One parameter of a part. `low`/`high`: the closed range `check_params` enforces; `doc`:
+    its description in --fields; `field`: the config field it is recorded under when that is not
+    `<prefix>_<name>` (names older than the parts: `mbls_margin` for MbLS' m); `section`: a
+    heading --fields shows above it; `data`: the stage reads it (how it loads the mixed set:
+    csm's sharpening) and the part's builder does not; `identity`: its config field's rule in
+    config.json (core.config: OFF_DEFAULT for a parameter added after runs were recorded)."""
+    meta: dict[str, Any] = dict(low=low, high=high, doc=doc, field=field, section=section)
+    meta |= {"data": data, **({IDENTITY: identity} if identity else {})}
+    return dataclasses.field(default=default, metadata=meta)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def choices(cls: type, name: str) -> tuple[Any, ...]:
+    """The values a `Literal[...]` parameter takes; () for any other."""
+    hint = _hints(cls)[name]
+    return typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
+
+
+def check_params(cls: type, values: Mapping[str, Any], spell: Callable[[str], str] = str) -> None:
+    """The checks `param()` and `Literal` declare, on `values` {param: value}; errors name each
+    parameter as `spell(name)` (the stage config's field)."""
+    for f in dataclasses.fields(cls):
+        value = values[f.name]
+        if choices(cls, f.name):
+            check_choice(spell(f.name), value, choices(cls, f.name))
+        if f.metadata.get("low") is not None or f.metadata.get("high") is not None:
+            check_range(spell(f.name), value, f.metadata["low"], f.metadata["high"])
+
+
+@dataclass(frozen=True)
+class Params:
+    """Base of a part's parameters: a frozen dataclass whose fields are `param()`s."""
+
+    def __post_init__(self) -> None:
+        check_params(type(self), vars(self))
+
+    @classmethod
+    def build(cls, part: str, **values: Any) -> Params:
+        """`cls(**values)`, an unknown name refused naming the part's parameters."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ConfigError(f"{part} takes params {known or 'none'}; got unknown {unknown}")
+        return cls(**values)
+
+
+class Part(Protocol):
+    """What a section needs of a registry entry (models/objectives.LossEntry is one)."""
+
+    params: type[Params]
+    prefix: str  # its fields' prefix: `<prefix>_<param>`
+    # its fields recorded in every run's config.json (the parts older than this rule); else only
+    # off their default (core.config OFF_DEFAULT), so registering a part keeps the bytes, and the
+    # identity, of every run recorded before
+    every_run: bool
+
+
+@dataclass(frozen=True)
+class Derived:
+    """One config field a section derives: a parameter of one or more parts."""
+
+    name: str
+    param: str
+    hint: Any
+    field: dataclasses.Field
+    parts: tuple[str, ...]  # the parts that have it (mmce_lam: mmce and mmce_weighted)
+
+
+class Section:
+    """A stage config's section for one kind of part: `name` is both its field (which part:
+    `loss=focal`) and its --set prefix (`loss.gamma=2`); `parts` is the registry, read once,
+    when the section is made (plugins register first: pipeline/plugins.py)."""
+
+    def __init__(self, name: str, parts: Mapping[str, Part], heading: str = "") -> None:
+        self.name, self.heading = name, heading
+        self.default: Any = None  # the config's default part (`fields` reads it)
+        self.parts: dict[str, Part] = dict(parts)
+        self.derived: dict[str, Derived] = {}
+        for part, entry in self.parts.items():
+            for f in dataclasses.fields(entry.params):
+                name_ = f.metadata.get("field") or f"{entry.prefix}_{f.name}"
+                hint = _hints(entry.params)[f.name]
+                seen = self.derived.pop(name_, None)  # a shared field sits with its last part
+                if seen and (seen.param, seen.field.default, seen.hint) != (
+                    f.name,
+                    f.default,
+                    hint,
+                ):
+                    raise TypeError(
+                        f"{name_}: {seen.parts} and {part!r} differ in name, type or default"
+                    )
+                owners = (*seen.parts, part) if seen else (part,)
+                self.derived[name_] = Derived(name_, f.name, hint, f, owners)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.parts)
+
+    def fields_of(self, part: str, data: bool = True) -> dict[str, str]:
+        """{param: config field} of a part (`data=False`: what its builder takes)."""
+        return {
+            d.param: d.name
+            for d in self.derived.values()
+            if part in d.parts and (data or not d.field.metadata["data"])
+        }
+
+    def fields(self, after: str) -> Callable[[type], type]:
+        """A class decorator, under `@dataclass`: the derived fields, declared after the field
+        `after`, in registry order; the class's SECTIONS gets this section."""
+
+        def insert(cls: type) -> type:
+            own = inspect.get_annotations(cls)
+            if after not in own:
+                raise TypeError(f"{cls.__name__} has no field {after!r} to put {self.name}'s after")
+            annotations: dict[str, Any] = {}
+            for key, hint in own.items():
+                annotations[key] = hint
+                if key == after:
+                    annotations.update({d.name: d.hint for d in self.derived.values()})
+            for i, d in enumerate(self.derived.values()):
+                meta = dict(d.field.metadata, part=self.name, parts=d.parts)
+                section = self.heading if i == 0 and self.heading else meta["section"]
+                meta["comment"] = (meta["doc"], section)  # what --fields shows (core.config)
+                if not any(self.parts[p].every_run for p in d.parts):
+                    meta.setdefault(IDENTITY, OFF_DEFAULT)
+                setattr(cls, d.name, dataclasses.field(default=d.field.default, metadata=meta))
+            cls.__annotations__ = annotations
+            self.default = cls.__dict__.get(self.name)
+            cls.SECTIONS = (*getattr(cls, "SECTIONS", ()), self)
+            return cls
+
+        return insert
+
+    def check(self, config: Any) -> None:
+        """Every part's parameters, each named as its config field (the config checks its own
+        `name` field: finetune's `method` has choices that are no part here)."""
+        for part, entry in self.parts.items():
+            fields = self.fields_of(part)
+            values = {p: getattr(config, f) for p, f in fields.items()}
+            check_params(entry.params, values, lambda p, fields=fields: fields[p])
+
+    def params(self, config: Any, data: bool = False) -> dict[str, Any]:
+        """The picked part's parameters, read from the config's fields."""
+        part = getattr(config, self.name)
+        return {p: getattr(config, f) for p, f in self.fields_of(part, data).items()}
+
+    def unnest(
+        self, sets: Sequence[str], known: Mapping[str, Any], spell: Callable[[str], str]
+    ) -> list[str]:
+        """--set values with this section's dotted keys spelt as fields: `loss.name` -> `loss`,
+        `loss.gamma` -> the picked loss's field of γ (`known`: the preset's values), and
+        `loss.focal.gamma` -> `focal_gamma`. Other values pass as they are."""
+        items = [(item.partition("=")[0].strip().replace("-", "_"), item) for item in sets]
+        picked = str(known.get(self.name, self.default))
+        for key, item in items:
+            if key in (self.name, f"{self.name}.name"):
+                picked = item.partition("=")[2]
+        spelt = []
+        for key, item in items:
+            head, dot, rest = key.partition(".")
+            if head == self.name and dot and "=" in item:
+                item = f"{self._field(rest, picked, spell)}={item.partition('=')[2]}"
+            spelt.append(item)
+        return spelt
+
+    def _field(self, rest: str, picked: str, spell: Callable[[str], str]) -> str:
+        if rest == "name":
+            return self.name
+        part, dot, p = rest.rpartition(".")
+        by_key = {name.replace("-", "_"): name for name in self.parts}
+        part = by_key.get(part, part) if dot else picked
+        key = f"{spell(self.name)}.{rest}"
+        if not dot and part not in self.parts:
+            raise ConfigError(f"{key}: {self.name}={part} has no parameters to set this way")
+        if part not in self.parts:
+            raise ConfigError(
+                f"{key}: no {self.name} {part!r}; {did_you_mean(part, self.names)}choose one "
+                f"of: {', '.join(self.names)}"
+            )
+        fields = self.fields_of(part)
+        if p not in fields:
+            has = ", ".join(fields) or "none"
+            raise ConfigError(
+                f"{key}: {self.name} {part!r} has no parameter {p!r}; "
+                f"{did_you_mean(p, fields)}its parameters: {has}"
+            )
+        return fields[p]

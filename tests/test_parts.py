@@ -1,0 +1,155 @@
+"""A part owns its config (core/parts.py): a loss's parameters are its own frozen dataclass, the
+train config's fields and checks derive from them, and the CLI takes both spellings."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+import pytest
+
+from core.config import IDENTITY, OFF_DEFAULT, ConfigError, StageConfig, field_docs, resolve
+from core.parts import Params, Section, param
+from models.losses import LOSSES, FocalLoss, build_loss
+from models.objectives import OBJECTIVES, LossEntry, build_objective
+from pipeline.chain import split_sets
+from pipeline.registry import resolve_stage_config
+from stages.configs import finetune as finetune_config
+from stages.configs import train as train_config
+
+
+def test_every_loss_parameter_is_a_train_field_with_its_default():
+    """The fields are the losses' parameters, nothing more: each loss's `Params` default is the
+    field's default, and no train field is left that no loss or the stage declares."""
+    config = {f.name: f for f in dataclasses.fields(train_config.Config)}
+    for name, entry in OBJECTIVES.items():
+        own = train_config.LOSS.fields_of(name)
+        for p in dataclasses.fields(entry.params):
+            assert config[own[p.name]].default == p.default, (name, p.name)
+    derived = {f for f in config if config[f].metadata.get("part") == "loss"}
+    assert derived == set(train_config.LOSS.derived)
+    # config.json's names since the first runs: the irregular ones are declared by the params
+    assert train_config.LOSS_FIELDS["mbls"] == {"m": "mbls_margin", "lam": "mbls_lam"}
+    assert train_config.LOSS_FIELDS["fedlas-mbls"]["theta"] == "fedlas_theta"
+    assert train_config.LOSS_FIELDS["csm"] == {
+        "weight": "csm_weight",
+        "mixed_loss": "csm_mixed_loss",
+    }
+    assert train_config.LOSS.fields_of("csm")["sharpening"] == "csm_sharpening"  # data=True
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ["loss=focal", "focal_gamma=2"],
+        ["loss.name=focal", "loss.gamma=2"],
+        ["loss.gamma=2", "loss.name=focal"],  # the loss's last --set counts, wherever it is
+        ["loss=focal", "loss.focal.gamma=2"],
+    ],
+)
+def test_nested_and_flat_spellings_give_one_config(sets):
+    cfg = resolve_stage_config("train", "digits", sets)
+    assert (cfg.loss, cfg.focal_gamma, cfg.loss_params()) == ("focal", 2.0, {"gamma": 2.0})
+    assert (
+        cfg.recorded()
+        == resolve_stage_config("train", "digits", ["loss=focal", "focal_gamma=2"]).recorded()
+    )
+
+
+def test_nested_keys_follow_the_loss_the_preset_or_set_picks():
+    # fedlas-ls' alpha and fedlas-mbls' alpha are two fields; the dotted key finds the right one
+    cfg = resolve_stage_config("train", "tiny-imagenet", ["loss=fedlas-mbls", "loss.alpha=0.2"])
+    assert (cfg.fedlas_mbls_alpha, cfg.fedlas_ls_alpha) == (0.2, 0.05)
+    cfg = resolve_stage_config("train", "digits", ["loss.fedlas-ls.alpha=0.3"])  # loss stays ce
+    assert (cfg.loss, cfg.fedlas_ls_alpha) == ("ce", 0.3)
+    cfg = resolve_stage_config(
+        "finetune", "cifar100", ["run=x", "method=fedlas-mbls", "method.beta=2"]
+    )
+    assert cfg.method_params() == {"alpha": 0.1, "beta": 2.0, "margin": 6.0, "theta": 0.5}
+
+
+@pytest.mark.parametrize(
+    ("sets", "needle"),
+    [
+        (["loss.gamma=2"], "loss.gamma: loss 'ce' has no parameter 'gamma'; its parameters: none"),
+        (["loss=focal", "loss.gama=2"], "did you mean 'gamma'?"),
+        (["loss.fokal.gamma=2"], "no loss 'fokal'; did you mean 'focal'?"),
+        (["loss=focal", "loss.gamma=-1"], "focal_gamma=-1.0 is out of range [0.0, inf]"),
+        (["ls_alpha=1.5"], "ls_alpha=1.5 is out of range [0.0, 1.0]"),  # any loss's, at once
+        (["csm_targets=both"], "csm_targets='both' is not valid"),
+        (["loss=nope"], "loss='nope' is not valid"),
+    ],
+)
+def test_bad_loss_values_are_refused_in_one_line_naming_the_field(sets, needle):
+    with pytest.raises(ConfigError) as e:
+        resolve_stage_config("train", "digits", sets)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_finetune_takes_the_fedlas_losses_fields_and_no_others():
+    names = {f.name for f in dataclasses.fields(finetune_config.Config)}
+    assert set(finetune_config.FEDLAS.derived) <= names
+    assert "focal_gamma" not in names
+    with pytest.raises(ConfigError, match="method=maccal has no parameters"):
+        resolve_stage_config("finetune", "digits", ["run=x", "method.alpha=0.1"])
+
+
+def test_a_chain_scopes_a_nested_key_by_its_first_part():
+    sets = ["train.loss.gamma=2", "train.loss=focal", "generate.steps=3"]
+    assert split_sets(sets, "train") == ["loss.gamma=2", "loss=focal"]
+
+
+def test_params_check_themselves_wherever_they_are_built():
+    assert build_loss("focal", 3, gamma=2.0).gamma == 2.0
+    with pytest.raises(ConfigError, match=r"gamma=-1 is out of range"):
+        FocalLoss.Params(gamma=-1)
+    with pytest.raises(ConfigError, match=r"loss 'focal' takes params \['gamma'\]"):
+        build_objective("focal", 3, alpha=0.1)
+    assert set(LOSSES) <= set(OBJECTIVES)
+
+
+@dataclass(frozen=True)
+class _Toy(Params):
+    scale: float = param(1.0, low=0.0, doc="how much")
+    mode: Literal["a", "b"] = param("a")
+
+
+@dataclass(frozen=True)
+class _Other(Params):
+    scale: float = param(2.0)
+
+
+def test_a_section_derives_fields_docs_identity_and_refuses_clashes():
+    """A section on a made-up config: fields after `after`, descriptions and choices for
+    --fields, the dotted --set spelling, a registered part's fields recorded only off their
+    default, and two parts that would share one field with different defaults refused."""
+    section = Section("loss", {"toy": LossEntry(_Toy, None, "toy")})
+
+    @dataclass(frozen=True)
+    @section.fields(after="first")
+    class Config(StageConfig):
+        first: int = 0
+        loss: str = "toy"
+        last: int = 0
+
+        def __post_init__(self):
+            section.check(self)
+
+    own = [f.name for f in dataclasses.fields(Config)][len(dataclasses.fields(StageConfig)) :]
+    assert own == ["first", "toy_scale", "toy_mode", "loss", "last"]
+    assert field_docs(Config)["toy_scale"] == "how much"
+    with pytest.raises(ConfigError, match="toy_mode='c' is not valid"):
+        Config(toy_mode="c")
+    assert section in Config.SECTIONS
+    rules = {f.name: f.metadata.get(IDENTITY) for f in dataclasses.fields(Config)}
+    assert rules["toy_scale"] == rules["toy_mode"] == OFF_DEFAULT
+
+    class Presets:
+        def lookup(self, preset):
+            return preset, {}
+
+    cfg = resolve(Config, Presets(), "p", ["loss.scale=3", "loss.mode=b"])
+    assert (cfg.toy_scale, cfg.toy_mode) == (3.0, "b")
+    with pytest.raises(TypeError, match="differ in name, type or default"):
+        Section("loss", {"toy": LossEntry(_Toy, None, "x"), "other": LossEntry(_Other, None, "x")})
