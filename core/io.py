@@ -98,22 +98,27 @@ def writing(path: Path, tmp: Path | None = None) -> Iterator[None]:
 
 
 def tmp_path_for(path: Path) -> Path:
-    """The hidden sibling `path` is written through: one per process and thread, so writers
-    racing to one file (the study's parallel evaluations each rebuild eval/report.md) never
-    rename each other's temporary file away."""
-    return path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+    """The hidden sibling an output with one writer is written through: the same name on every
+    try, so a rerun after a kill overwrites what the killed one left."""
+    return path.with_name(f".{path.name}.tmp")
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """`data` at `path`, all or nothing. The temporary file is this process's and thread's own:
+    writers racing to one file (the study's parallel evaluations each rebuild eval/report.md)
+    never rename each other's temporary file away; a failed write removes its own."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_path_for(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
     with writing(path, tmp):
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def canonical_json(obj: Any, indent: int | None = 2) -> bytes:

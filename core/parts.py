@@ -1,4 +1,4 @@
-"""A part's own config (a loss today): its parameters stated once, next to the part.
+"""A part's own config (a loss, a generator backend): its parameters stated once, at the part.
 
 A part declares its parameters as a frozen dataclass deriving from `Params`, each field made
 with `param()`: the default, the bounds its check enforces, a one-line description. `Literal`
@@ -6,9 +6,10 @@ annotations are the choices. Building one checks it (`check_params`), so a bad v
 one line whoever builds it: the stage config, a test, a user's own code.
 
 A stage config holds a section per kind of part (`Section`): train has `loss`, whose parts are
-the losses' registry (models/objectives.OBJECTIVES). The section derives the config's fields from
-the parts' parameters, so adding a loss adds its fields, checks, `--fields` rows and `--set`
-spellings with no table to edit. The fields are flat, `<prefix>_<param>` (`focal_gamma`), because
+the losses' registry (models/objectives.OBJECTIVES), generate has `backend`, the generator
+backends' (models/generators/registry.GENERATORS). The section derives the config's fields from
+the parts' parameters, so adding a loss or a backend adds its fields, checks, `--fields` rows and
+`--set` spellings with no table to edit. The fields are flat, `<prefix>_<param>` (`focal_gamma`), because
 that is what config.json has recorded since the first run: a run's identity keeps its bytes.
 On the command line a section also takes `loss.name=focal loss.gamma=2` (the parameter of the
 loss the config picks: its last --set, else the preset's, else the default) and
@@ -71,6 +72,9 @@ def check_params(cls: type, values: Mapping[str, Any], spell: Callable[[str], st
             check_choice(spell(f.name), value, choices(cls, f.name))
         if f.metadata.get("low") is not None or f.metadata.get("high") is not None:
             check_range(spell(f.name), value, f.metadata["low"], f.metadata["high"])
+    check_values = getattr(cls, "check_values", None)
+    if check_values is not None:
+        check_values(values, spell)
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,12 @@ class Params:
 
     def __post_init__(self) -> None:
         check_params(type(self), vars(self))
+
+    @classmethod
+    def check_values(cls, values: Mapping[str, Any], spell: Callable[[str], str]) -> None:
+        """A part's checks that `param()` cannot state (sd's prompt template must name the
+        class), run after the declared ones: raise a one-line ConfigError naming the parameter
+        as `spell(name)`. None by default."""
 
     @classmethod
     def build(cls, part: str, **values: Any) -> Params:
@@ -91,7 +101,8 @@ class Params:
 
 
 class Part(Protocol):
-    """What a section needs of a registry entry (models/objectives.LossEntry is one)."""
+    """What a section needs of a registry entry (models/objectives.LossEntry,
+    models/generators/registry.Backend)."""
 
     params: type[Params]
     prefix: str  # its fields' prefix: `<prefix>_<param>`

@@ -15,13 +15,17 @@ FeDLaS, one step:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from core.config import ConfigError
+from core.parts import Params, param
 
 # ----------------------------------------------------------------------------------------------
 # MaC-Cal (METHODS §4)
@@ -130,6 +134,36 @@ class MaskedSGD(torch.optim.SGD):
             if buf is not None:
                 buf.masked_fill_(~mask, 0.0)
         return loss
+
+
+@dataclass(frozen=True)
+class RetentionParams(Params):
+    """The retention schedule's parameters (METHODS §4; GUESS defaults): finetune's `maccal_*`
+    fields, `method.<param>=` on the command line."""
+
+    q0: float = param(0.9, low=0.0, high=1.0, doc="q₀, the first epoch's retention probability")
+    gamma: float = param(0.9, doc="γ: an epoch is over-confident when conf > γ·acc")
+    tau0: float = param(0.1, low=0.0, doc="τ₀, the largest change of q in one epoch")
+    lam: float = param(5.0, low=0.0, doc="λ: τ_t = τ₀·exp(−λ·t/T)")
+    q_min: float = param(0.3, low=0.0, high=1.0, doc="q's floor")
+    q_max: float = param(1.0, low=0.0, high=1.0, doc="q's ceiling")
+
+    @classmethod
+    def check_values(cls, values: Mapping[str, Any], spell: Callable[[str], str]) -> None:
+        q_min, q0, q_max = values["q_min"], values["q0"], values["q_max"]
+        if not q_min <= q0 <= q_max:
+            names = " <= ".join(spell(n) for n in ("q_min", "q0", "q_max"))
+            raise ConfigError(f"need 0 <= {names} <= 1, got {q_min}, {q0}, {q_max}")
+
+
+@dataclass(frozen=True)
+class MaCCalPart:
+    """MaC-Cal as a part of finetune's `method` section (core.parts.Part): its fields are
+    `maccal_<param>`, recorded in every run (they are older than the parts)."""
+
+    params: type[Params] = RetentionParams
+    prefix: str = "maccal"
+    every_run: bool = True
 
 
 class RetentionSchedule:

@@ -35,11 +35,6 @@ from stages import presets
 from stages.presets import DEFAULT as DEFAULT_PRESET
 from stages.presets import compose
 
-# what `semix NAME` runs: a stage, or a command (COMMANDS: whole chains, stage after stage in
-# one process; each module has `fields_text(preset)` and `resolved(preset, sets)` for --fields
-# and --print-config)
-NAMES = (*STAGES, *COMMANDS)
-
 EXIT_CONFIG = 2  # bad command line or config: nothing was written
 EXIT_DATA = 1  # the stage refused its input or failed cleanly
 EXIT_BUG = 3  # an unexpected error: traceback shown, please report it
@@ -120,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,  # --help is ours: `semix <stage> --help` describes that stage
     )
     # not argparse's choices: its error is two lines without a guess (check_name has one)
-    parser.add_argument("stage", nargs="?", metavar="STAGE", help=f"one of: {', '.join(NAMES)}")
+    parser.add_argument("stage", nargs="?", metavar="STAGE", help=f"one of: {', '.join(names())}")
     parser.add_argument(
         "--preset",
         metavar="NAME",
@@ -166,13 +161,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def names() -> tuple[str, ...]:
+    """What `semix NAME` runs: a stage, or a command (COMMANDS: whole chains, stage after stage
+    in one process; each module has `fields_text(preset)` and `resolved(preset, sets)` for
+    --fields and --print-config). Read when asked: a plugin's stages are among them."""
+    return (*STAGES, *COMMANDS)
+
+
 def check_name(name: str | None) -> None:
     if name is None:
         raise ConfigError("name a stage or command; semix --help lists them")
-    if name not in NAMES:
+    if name not in names():
         raise ConfigError(
-            f"unknown stage or command {name!r}; {did_you_mean(name, NAMES)}choose one of: "
-            f"{', '.join(NAMES)}"
+            f"unknown stage or command {name!r}; {did_you_mean(name, names())}choose one of: "
+            f"{', '.join(names())}"
         )
 
 
@@ -188,7 +190,7 @@ def show(text: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:  # first: a plugin's loss or preset is in every config and help (pipeline/plugins.py)
+    try:  # first: a plugin's loss, preset or stage is in every config and help (plugins.py)
         load_plugins()
     except ConfigError as e:
         return _fail("semix", str(e), EXIT_CONFIG, e)
@@ -196,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sets = [s for s in args.sets if s]  # Makefile variables expand to empty strings
     is_main = os.environ.get("RANK", "0") == "0"  # under a launcher: global rank 0
-    who = f"semix {args.stage}" if args.stage in NAMES else "semix"  # how its lines start
+    who = f"semix {args.stage}" if args.stage in names() else "semix"  # how its lines start
     try:
         if args.help and args.stage is None:
             parser.epilog = overview()

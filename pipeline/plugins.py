@@ -1,4 +1,5 @@
-"""Parts from your own modules, no semix file edited: a loss, a preset (docs/contributing.md).
+"""Parts from your own modules, no semix file edited: a loss, a preset, a generator backend, a
+stage (docs/contributing.md).
 
     SEMIX_PLUGINS=my_losses,my_presets python -m pipeline train --set loss=toy
 
@@ -7,7 +8,8 @@ What mature tools do: pytest reads PYTEST_PLUGINS (module names, comma-separated
 entry points. The CLI imports them first, before any config is built (a config's fields derive
 from the registries as they are then), and the processes it starts (the chain's, the study's,
 a launcher's ranks) inherit the variable. A plugin registers its parts when it is imported:
-`models.objectives.register_loss`, `stages.presets.register_preset`.
+`models.objectives.register_loss`, `stages.presets.register_preset`,
+`models.generators.register_backend`, `pipeline.registry.register_stage`.
 """
 
 from __future__ import annotations

@@ -16,12 +16,10 @@ from pathlib import Path
 
 from core.config import StageConfig, describe_fields
 from pipeline.chain import SHARED_FIELDS
-from pipeline.registry import STAGES, config_module
+from pipeline.registry import COMMANDS, STAGES, config_module
 from stages import presets
 from stages.presets import DEFAULT, chain_steps
 
-# whole runs of several stages: command -> its module (pipeline/cli.py runs them)
-COMMANDS = {"chain": "pipeline.chain", "demo": "pipeline.demo", "study": "pipeline.study"}
 USAGE = "[--preset NAME] [--set KEY=VALUE ...] [--fields | --print-config | --help]"
 EXAMPLES = 2
 
@@ -45,7 +43,7 @@ def module_docstring(module: str) -> str:
 
 
 def module_of(name: str) -> str:
-    return COMMANDS[name] if name in COMMANDS else f"stages.{STAGES[name]}"
+    return COMMANDS[name] if name in COMMANDS else STAGES[name].module
 
 
 def purpose(name: str) -> str:

@@ -37,30 +37,35 @@ def is_complete(folder: Path) -> bool:
     return (Path(folder) / MANIFEST).is_file()
 
 
-# manifest kind -> the stage that writes such a folder: what a user reruns when one is damaged
-WRITTEN_BY = {
-    "real": "prepare",
-    "series": "generate",
-    "mixed": "annotate (or pull)",
-    "generator": "fit-generator",
-    "run": "train (or finetune)",
-    "corruptions": "shift",
-    "ood": "ood",
-}
+# Which stage writes which folder of a runs root, filled by the stage registry
+# (pipeline/registry.py `register_stage`, the built-in stages and a plugin's alike): this layer
+# sits below the stages and cannot import them, so registration brings the facts down here.
+# manifest kind -> the stage(s) that write such a folder: what a user reruns when one is damaged
+WRITTEN_BY: dict[str, str] = {}
 # a folder of a runs root (runs/<name>/...), by its name or its parent's -> the stage writing it
-FOLDER_STAGES = {
-    "series": "generate",
-    "mixed": "annotate",
-    "generator": "fit-generator",
-    "edm": "convert-edm",
-}
-PARENT_STAGES = {
-    "real": "prepare",
-    "train": "train",
-    "finetune": "finetune",
-    "shift": "shift",
-    "ood": "ood",
-}
+FOLDER_STAGES: dict[str, str] = {}
+PARENT_STAGES: dict[str, str] = {}
+# the stage a hint names -> the other stages that write the same folder (annotate: pull)
+ALSO_WRITTEN_BY: dict[str, list[str]] = {}
+_KIND_WRITERS: dict[str, list[str]] = {}
+
+
+def _either(stages: list[str]) -> str:
+    """The words `annotate (or pull)`: the first stage, then the others writing the same."""
+    return stages[0] + (f" (or {' or '.join(stages[1:])})" if len(stages) > 1 else "")
+
+
+def register_outputs(stage: str, *, folder: str = "", parent: str = "", kind: str = "") -> None:
+    """Say what `stage` writes, so a missing or damaged output names the command that rewrites
+    it: `folder` (runs/<name>/<folder>) or `parent` (runs/<name>/<parent>/<one of many>), and
+    its manifest `kind`. A folder another stage registered first stays that stage's (the hints
+    name it, then this one: `rerun annotate (or pull)`)."""
+    for owners, key in ((FOLDER_STAGES, folder), (PARENT_STAGES, parent)):
+        if key and owners.setdefault(key, stage) != stage:
+            ALSO_WRITTEN_BY.setdefault(owners[key], []).append(stage)
+    if kind:
+        _KIND_WRITERS.setdefault(kind, []).append(stage)
+        WRITTEN_BY[kind] = _either(_KIND_WRITERS[kind])
 
 
 def _config_of(folder: Path) -> dict[str, Any]:
@@ -127,7 +132,8 @@ def rerun_hint(kind: str, folder: Path | None = None) -> str:
     if remake is None:
         return f"remove the folder and rerun {WRITTEN_BY.get(kind, 'the stage that wrote it')}"
     stage, command = remake
-    return f"remove the folder and rerun {stage}{' (or pull)' * (stage == 'annotate')}: `{command}`"
+    writers = _either([stage, *ALSO_WRITTEN_BY.get(stage, [])])
+    return f"remove the folder and rerun {writers}: `{command}`"
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ them, so such images are never written.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from models.generators import (
     SeriesSpec,
     load_generator,
 )
+from models.generators.registry import generator_class
 from shards.manifest import (
     Manifest,
     ShardError,
@@ -169,60 +171,56 @@ def _unet_kwargs(cfg: Config, inputs: Inputs) -> dict[str, Any]:
     }
 
 
-def _sd_kwargs(cfg: Config, inputs: Inputs) -> dict[str, Any]:
-    return {
-        "model": cfg.model,
-        "class_names": inputs.class_names,
-        "image_size": inputs.image_size,
-        "revision": cfg.revision or None,
-        "prompt_template": cfg.prompt_template,
-        "negative_prompt": cfg.negative_prompt,
-        "guidance": guidance(cfg, inputs),
-        "native_size": cfg.native_size or None,
-    }
-
-
 def _dit_kwargs(cfg: Config, inputs: Inputs) -> dict[str, Any]:
     if len(cfg.dit_class_ids) != len(inputs.class_names):
         raise GenerationError(
             f"dit_class_ids lists {len(cfg.dit_class_ids)} ImageNet ids for "
             f"{len(inputs.class_names)} classes: give one per class, in class order"
         )
-    return {
-        "model": cfg.model,
-        "class_ids": cfg.dit_class_ids,
-        "guidance": guidance(cfg, inputs),
-        "image_size": inputs.image_size,
-        "revision": cfg.revision or None,
-    }
+    return {}
 
 
 def _edm_kwargs(cfg: Config, inputs: Inputs) -> dict[str, Any]:
-    return {
-        "model": edm_model(cfg),
-        "revision": cfg.revision or None,
-        "num_classes": len(inputs.class_names),
-        "image_size": inputs.image_size,
-    }
+    return {"model": edm_model(cfg)}
 
 
+# a built-in's arguments that only the stage knows (where the run root keeps its weights) or
+# checks against the data (dit's one id per class); any other backend needs none
 BACKEND_KWARGS: dict[str, Callable[[Config, Inputs], dict[str, Any]]] = {
     "unet": _unet_kwargs,
-    "sd": _sd_kwargs,
     "dit": _dit_kwargs,
     "edm": _edm_kwargs,
 }
 
 
+def data_kwargs(cfg: Config, inputs: Inputs) -> dict[str, Any]:
+    """What the stage knows of the data, for a backend whose constructor names it."""
+    return {
+        "class_names": inputs.class_names,
+        "num_classes": len(inputs.class_names),
+        "image_size": inputs.image_size,
+        "guidance": guidance(cfg, inputs),
+    }
+
+
 def generator_kwargs(cfg: Config, inputs: Inputs, device: torch.device) -> dict[str, Any]:
-    """The backend's constructor arguments (all but dtype)."""
-    return BACKEND_KWARGS[cfg.backend](cfg, inputs) | dict(
+    """The backend's constructor arguments (all but dtype), the same way for every backend:
+    those all share (models.generators.base.Shared), its own parameters (its `Params`, read from
+    their fields), the data it names in its signature (`data_kwargs`), and a built-in's own
+    (`BACKEND_KWARGS`)."""
+    named = inspect.signature(generator_class(cfg.backend)).parameters
+    shared = dict(
+        model=cfg.model,
+        revision=cfg.revision or None,
         sampler=cfg.sampler,
         steps=cfg.steps,
         device=device,
         batch_size=cfg.batch_size,
         torch_compile=cfg.torch_compile,
     )
+    data = {k: v for k, v in data_kwargs(cfg, inputs).items() if k in named}
+    own = BACKEND_KWARGS[cfg.backend](cfg, inputs) if cfg.backend in BACKEND_KWARGS else {}
+    return shared | data | cfg.backend_params() | own
 
 
 class Generators:

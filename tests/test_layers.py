@@ -16,6 +16,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -64,10 +65,15 @@ def test_a_cycle_between_modules_of_a_package_breaks_the_contract(copy):
 
 
 @pytest.mark.parametrize("package", ["models", "shards", "stages", "pipeline", "core"])
-def test_no_module_over_400_lines(package):
-    long = {
-        str(p.relative_to(REPO)): n
+def test_module_sizes(package):
+    # ~400 lines is a reading guide, not a wall: a module over it gets a warning (split it
+    # where the code has a seam, not at the line count); one over 600 is a file nobody reads
+    # top to bottom and fails
+    sizes = {
+        str(p.relative_to(REPO)): len(p.read_text().splitlines())
         for p in (REPO / package).rglob("*.py")
-        if (n := len(p.read_text().splitlines())) > 420
     }
-    assert not long, f"modules over ~400 lines: {long}"
+    long = {name: n for name, n in sizes.items() if n > 400}
+    if long:
+        warnings.warn(f"modules over ~400 lines: {long}", stacklevel=1)
+    assert not {name: n for name, n in long.items() if n > 600}, f"modules over 600 lines: {long}"

@@ -87,12 +87,23 @@ def test_bad_loss_values_are_refused_in_one_line_naming_the_field(sets, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
-def test_finetune_takes_the_fedlas_losses_fields_and_no_others():
+def test_finetune_takes_its_methods_fields_and_no_others():
     names = {f.name for f in dataclasses.fields(finetune_config.Config)}
-    assert set(finetune_config.FEDLAS.derived) <= names
-    assert "focal_gamma" not in names
-    with pytest.raises(ConfigError, match="method=maccal has no parameters"):
+    assert set(finetune_config.METHOD.derived) <= names
+    assert {"maccal_q0", "maccal_q_max", "fedlas_ls_alpha"} <= names and "focal_gamma" not in names
+    cfg = resolve_stage_config("finetune", "digits", ["run=x", "method.q0=0.7"])
+    assert cfg.maccal_q0 == 0.7 and cfg.method_params() == {
+        "q0": 0.7,
+        "gamma": 0.9,
+        "tau0": 0.1,
+        "lam": 5.0,
+        "q_min": 0.3,
+        "q_max": 1.0,
+    }
+    with pytest.raises(ConfigError, match="alpha"):
         resolve_stage_config("finetune", "digits", ["run=x", "method.alpha=0.1"])
+    with pytest.raises(ConfigError, match="maccal_tau0"):
+        resolve_stage_config("finetune", "digits", ["run=x", "maccal_tau0=-1"])
 
 
 def test_a_chain_scopes_a_nested_key_by_its_first_part():

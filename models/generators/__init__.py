@@ -18,7 +18,7 @@ from .base import (
     make_scheduler,
 )
 from .loading import ModelNotFoundError
-from .registry import EDM_SAMPLERS, GENERATORS, load_generator
+from .registry import EDM_SAMPLERS, GENERATORS, Backend, load_generator, register_backend
 from .spec import MixSpec, SeriesSpec
 from .unet_presets import UNET_PRESETS, UNetPreset
 
@@ -64,6 +64,7 @@ __all__ = [
     "GENERATORS",
     "SAMPLERS",
     "UNET_PRESETS",
+    "Backend",
     "DiTGenerator",
     "EDMGenerator",
     "EDMNetwork",
@@ -84,6 +85,7 @@ __all__ = [
     "load_unet",
     "make_scheduler",
     "read_edm_pickle",
+    "register_backend",
     "save_unet",
     "unet_from_preset",
 ]

@@ -1,4 +1,4 @@
-"""The generator interface of ARCHITECTURE §4 and what the three backends share.
+"""The generator interface of ARCHITECTURE §4 and what the backends share.
 
 A *series* (METHODS §1) is one initial noise z reused for K mixing ratios α_k; image k is sampled
 under the condition α_k·c_a + (1−α_k)·c_b. A k-way series (``MixSpec``, models/simplex.py) reuses z
@@ -20,11 +20,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from core import parts
 
 from .spec import MixSpec, Spec
 
@@ -165,6 +167,20 @@ def mix_weights(classes: torch.Tensor, weights: torch.Tensor, n: int) -> torch.T
     return out
 
 
+class Shared(TypedDict, total=False):
+    """The arguments every backend hands on to ``Generator.__init__`` as they are, stated once:
+    a backend's signature ends in ``**shared: Unpack[Shared]`` (stages/generate_model.py)."""
+
+    revision: str | None
+    sampler: str
+    steps: int
+    device: str | torch.device
+    dtype: str | torch.dtype
+    batch_size: int
+    row_multiple: int
+    torch_compile: bool
+
+
 class Generator(ABC):
     """Base of the backends: shared noise, chunking, post-processing and identity metadata.
 
@@ -172,7 +188,8 @@ class Generator(ABC):
     ``noise_shape``, ``condition`` and ``sample``. A backend built with ``lazy=True`` reads no
     weights until ``load()`` or its first ``generate_series``: ``metadata()`` (the generator's
     identity) needs only the constructor's arguments, so a stage can record what made its images
-    without loading a model it may not need (a resumed run with nothing left to do).
+    without loading a model it may not need (a resumed run with nothing left to do). Its own
+    parameters are its nested ``Params``: generate fields, passed to the constructor by name.
     """
 
     backend: str  # its name in the registry (models.generators.GENERATORS)
@@ -183,20 +200,29 @@ class Generator(ABC):
     guidance: float  # 1.0 = no classifier-free guidance
     image_size: int  # output resolution (H = W)
     num_classes: int
-    samplers: Mapping[str, Any] = SAMPLERS  # the deterministic samplers this backend offers
+    # the deterministic samplers this backend offers; the first is its default
+    samplers: Mapping[str, Any] = SAMPLERS
+    default_steps: ClassVar[int] = 25
+    default_batch_size: ClassVar[int] = 64  # rows per model call
+    Params: ClassVar[type[parts.Params]] = parts.Params  # its own parameters: none by default
 
     def __init__(
         self,
-        *,
         model: str | Path,
-        revision: str | None,
-        sampler: str,
-        steps: int,
-        device: str | torch.device,
-        dtype: str | torch.dtype,
-        batch_size: int,
-        row_multiple: int,
+        *,
+        revision: str | None = None,
+        sampler: str | None = None,
+        steps: int | None = None,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype = "float32",
+        batch_size: int | None = None,
+        row_multiple: int = 8,
+        torch_compile: bool = False,
     ) -> None:
+        """None: the backend's own (its first sampler, ``default_steps``/``_batch_size``)."""
+        sampler = next(iter(self.samplers)) if sampler is None else sampler
+        steps = self.default_steps if steps is None else steps
+        batch_size = self.default_batch_size if batch_size is None else batch_size
         if sampler not in self.samplers:
             raise ValueError(
                 f"unknown or non-deterministic sampler {sampler!r}; choose one of "
@@ -213,6 +239,7 @@ class Generator(ABC):
         self.dtype = resolve_dtype(dtype)
         self.batch_size = int(batch_size)
         self.row_multiple = int(row_multiple)
+        self.torch_compile = bool(torch_compile)  # torch.compile the denoiser when it loads
         self._loaded = False
 
     def load(self) -> Generator:

@@ -14,11 +14,15 @@ the pipeline step by step (learned-σ channels are dropped, as the pipeline does
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Unpack
 
 import torch
 
-from .base import Generator, MixableEmbedding, make_mixable, make_scheduler, mix_weights
+from core.parts import Params, param
+
+from .base import Generator, MixableEmbedding, Shared, make_mixable, make_scheduler, mix_weights
 from .loading import dtype_kwarg, load_pretrained, require_cached
 
 
@@ -26,6 +30,15 @@ class DiTGenerator(Generator):
     """CSM series from a DiT; ``class_ids[i]`` is the DiT (ImageNet) id of our class i."""
 
     backend = "dit"
+    default_batch_size = 32
+
+    @dataclass(frozen=True)
+    class Params(Params):
+        """The generate field dit owns: `dit_class_ids`, as recorded since the first run."""
+
+        class_ids: tuple[int, ...] = param(
+            (), doc="dit: ImageNet id of each of our classes, in order"
+        )
 
     def __init__(
         self,
@@ -34,30 +47,13 @@ class DiTGenerator(Generator):
         *,
         guidance: float,
         image_size: int = 32,
-        revision: str | None = None,
-        sampler: str = "ddim",
-        steps: int = 25,
-        device: str | torch.device = "cpu",
-        dtype: str | torch.dtype = "float32",
-        batch_size: int = 32,
-        row_multiple: int = 8,
-        torch_compile: bool = False,
         lazy: bool = False,
+        **shared: Unpack[Shared],
     ) -> None:
-        super().__init__(
-            model=model,
-            revision=revision,
-            sampler=sampler,
-            steps=steps,
-            device=device,
-            dtype=dtype,
-            batch_size=batch_size,
-            row_multiple=row_multiple,
-        )
+        super().__init__(model, **shared)
         self.class_ids = torch.tensor(list(class_ids), device=self.device)
         self.num_classes = len(class_ids)
         self.guidance, self.image_size = float(guidance), int(image_size)
-        self.torch_compile = torch_compile
         if not lazy:
             self.load()
 

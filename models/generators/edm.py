@@ -26,11 +26,12 @@ sampler (its Euler part is tested equal to ``EDMEulerScheduler.step``).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Unpack
 
 import torch
 from diffusers import EDMEulerScheduler
 
-from .base import Generator, mix_weights
+from .base import Generator, Shared, mix_weights
 from .edm_net import EDMNetwork
 from .edm_pickle import load_edm_pickle
 from .loading import ModelNotFoundError, dtype_kwarg, load_pretrained
@@ -64,7 +65,8 @@ class EDMGenerator(Generator):
     """CSM series from a class-conditional EDM network; no guidance (as CSM: 1.0)."""
 
     backend = "edm"
-    samplers = EDM_SAMPLERS
+    samplers = EDM_SAMPLERS  # heun first: the default
+    default_steps = 18
 
     def __init__(
         self,
@@ -72,33 +74,16 @@ class EDMGenerator(Generator):
         *,
         num_classes: int | None = None,
         image_size: int | None = None,
-        revision: str | None = None,
-        sampler: str = "heun",
-        steps: int = 18,
         sigma_min: float = 0.002,
         sigma_max: float = 80.0,
         rho: float = 7.0,
-        device: str | torch.device = "cpu",
-        dtype: str | torch.dtype = "float32",
-        batch_size: int = 64,
-        row_multiple: int = 8,
-        torch_compile: bool = False,
         lazy: bool = False,
+        **shared: Unpack[Shared],
     ) -> None:
-        super().__init__(
-            model=model,
-            revision=revision,
-            sampler=sampler,
-            steps=steps,
-            device=device,
-            dtype=dtype,
-            batch_size=batch_size,
-            row_multiple=row_multiple,
-        )
+        super().__init__(model, **shared)
         self.guidance = 1.0
         self.dataset_classes, self.dataset_size = num_classes, image_size  # checked on load
         self.sigma_min, self.sigma_max, self.rho = sigma_min, sigma_max, rho
-        self.torch_compile = torch_compile
         if not lazy:
             self.load()
 

@@ -9,12 +9,17 @@ antialiasing. The safety checker is not loaded: it silently blacks images out.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Unpack
 
 import torch
 
-from .base import Generator, make_scheduler
+from core.config import ConfigError
+from core.parts import Params, param
+
+from .base import Generator, Shared, make_scheduler
 from .loading import dtype_kwarg, load_pretrained, require_cached
 
 
@@ -22,6 +27,33 @@ class SDGenerator(Generator):
     """CSM series from a Stable Diffusion pipeline; ``class_names[i]`` is the name of class i."""
 
     backend = "sd"
+    default_batch_size = 16
+
+    @dataclass(frozen=True)
+    class Params(Params):
+        """The generate fields sd owns, recorded under these names since the first run."""
+
+        prompt_template: str = param(
+            "a photo of a {name}",
+            field="prompt_template",
+            doc="sd: a class's prompt; {name}: its name",
+        )
+        negative_prompt: str = param("", field="negative_prompt", doc="sd: the negative prompt")
+        native_size: int = param(
+            0,
+            low=0,
+            field="native_size",
+            doc="sd: generation resolution; 0 = the model's own (512 for SD 1.5)",
+        )
+
+        @classmethod
+        def check_values(cls, values: Mapping[str, Any], spell: Callable[[str], str]) -> None:
+            """The template must name the class: else every class gets one prompt."""
+            if "{name}" not in values["prompt_template"]:
+                raise ConfigError(
+                    f"{spell('prompt_template')} must contain '{{name}}', got "
+                    f"{values['prompt_template']!r}"
+                )
 
     def __init__(
         self,
@@ -29,37 +61,21 @@ class SDGenerator(Generator):
         class_names: Sequence[str],
         *,
         image_size: int = 32,
-        revision: str | None = None,
         prompt_template: str = "a photo of a {name}",
         negative_prompt: str = "",
         guidance: float = 7.5,
-        native_size: int | None = None,
-        sampler: str = "ddim",
-        steps: int = 25,
-        device: str | torch.device = "cpu",
-        dtype: str | torch.dtype = "float32",
-        batch_size: int = 16,
-        row_multiple: int = 8,
-        torch_compile: bool = False,
+        native_size: int | None = None,  # None or 0: the model's own
         lazy: bool = False,
+        **shared: Unpack[Shared],
     ) -> None:
-        super().__init__(
-            model=model,
-            revision=revision,
-            sampler=sampler,
-            steps=steps,
-            device=device,
-            dtype=dtype,
-            batch_size=batch_size,
-            row_multiple=row_multiple,
-        )
+        super().__init__(model, **shared)
         if "{name}" not in prompt_template:
             raise ValueError(f"prompt_template must contain '{{name}}', got {prompt_template!r}")
         self.class_names = list(class_names)
         self.num_classes = len(self.class_names)
         self.prompt_template, self.negative_prompt = prompt_template, negative_prompt
         self.guidance, self.image_size = float(guidance), int(image_size)
-        self.native_size, self.torch_compile = native_size, torch_compile
+        self.native_size = native_size
         self._embeds: dict[int, torch.Tensor] = {}  # class index -> E(class) [T, D], float32
         self._uncond: torch.Tensor | None = None
         if not lazy:

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 from diffusers import DDIMScheduler, UNet2DModel
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
-from .base import Generator, MixableEmbedding, make_mixable, make_scheduler, mix_weights
+from .base import Generator, MixableEmbedding, Shared, make_mixable, make_scheduler, mix_weights
 from .loading import dtype_kwarg, load_pretrained
 from .unet_presets import UNET_PRESETS
 
@@ -108,30 +108,14 @@ class UNetGenerator(Generator):
         self,
         model: str | Path,
         *,
-        revision: str | None = None,
-        sampler: str = "ddim",
-        steps: int = 25,
-        device: str | torch.device = "cpu",
-        dtype: str | torch.dtype = "float32",
-        batch_size: int = 64,
-        row_multiple: int = 8,
-        torch_compile: bool = False,
         guidance: float = 1.0,
         clip_sample: bool | None = None,
         lazy: bool = False,
+        **shared: Unpack[Shared],
     ) -> None:
         if guidance < 0:
             raise ValueError(f"guidance must be >= 0, got {guidance}")
-        super().__init__(
-            model=model,
-            revision=revision,
-            sampler=sampler,
-            steps=steps,
-            device=device,
-            dtype=dtype,
-            batch_size=batch_size,
-            row_multiple=row_multiple,
-        )
+        super().__init__(model, **shared)
         self.guidance = float(guidance)
         # Lin et al. (2024) §3.4: the guided prediction's std pulled back towards the conditional
         # one's by this fraction; 0 = plain guidance (bench/bench_levers.py measures it)
@@ -139,7 +123,6 @@ class UNetGenerator(Generator):
         # DDIM's x̂₀ clipping: None = the saved scheduler config's (clip_sample); True / False
         # override it (fit-generator chooses it like w: stages/fidelity.py)
         self.clip_sample = clip_sample
-        self.torch_compile = torch_compile
         if not lazy:
             self.load()
 

@@ -5,7 +5,8 @@ retention q) or FeDLaS fine-tuning (METHODS §5: the whole trained model continu
 FeDLaS-LS / -MbLS loss). Each method reads its own prefixed fields (`maccal_*`, `fedlas_*`);
 batch size, momentum, weight decay and augmentation are shared. GUESS values of METHODS are
 fields with the given default. The FeDLaS fields are those of train's fedlas-* losses, derived
-from their parameters (the `FEDLAS` section, core/parts.py: also `method.alpha=0.1`).
+from their parameters, MaC-Cal's from its retention schedule's (the `METHOD` section,
+core/parts.py: also `method.alpha=0.1`, `method.q0=0.7`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from core.config import ConfigError, StageConfig, check_choice, check_range, not_recorded
 from core.parts import Section
 from core.tracking import parse_trackers
+from models.heads import MaCCalPart
 from shards.datapath import (
     DEFAULT_DATA_PATH,
     DEFAULT_MEMORY_BUDGET_GB,
@@ -28,21 +30,14 @@ from stages.presets import stage_presets
 
 METHODS = ("maccal", "fedlas-ls", "fedlas-mbls")
 # the FeDLaS methods are train's losses of the same names: their parameters, the same fields
-FEDLAS = Section("method", {m: LOSS.parts[m] for m in METHODS[1:]})
-# method -> {FeDLaSCriterion parameter: config field}
-FEDLAS_FIELDS: dict[str, dict[str, str]] = {m: FEDLAS.fields_of(m) for m in FEDLAS.names}
-MACCAL_FIELDS = {
-    "q0": "maccal_q0",
-    "gamma": "maccal_gamma",
-    "tau0": "maccal_tau0",
-    "lam": "maccal_lam",
-    "q_min": "maccal_q_min",
-    "q_max": "maccal_q_max",
-}
+# MaC-Cal's retention schedule (models/heads.py) is the method section's first part
+METHOD = Section("method", {"maccal": MaCCalPart(), **{m: LOSS.parts[m] for m in METHODS[1:]}})
+# method -> {RetentionSchedule or FeDLaSCriterion parameter: config field}
+METHOD_FIELDS: dict[str, dict[str, str]] = {m: METHOD.fields_of(m) for m in METHOD.names}
 
 
 @dataclass(frozen=True)
-@FEDLAS.fields(after="clip_norm")  # the FeDLaS losses' parameters, one field each
+@METHOD.fields(after="clip_norm")  # every method's parameters, one field each
 class Config(StageConfig):
     run: str = ""  # the trained run: runs/<classes>/train/<run>/ (RUN=)
     method: str = "maccal"  # maccal | fedlas-ls | fedlas-mbls (METHOD=)
@@ -55,13 +50,7 @@ class Config(StageConfig):
     # MaC-Cal (METHODS §4)
     maccal_epochs: int = 40
     maccal_lr: float = 0.1  # constant
-    maccal_r: int = 256  # bottleneck width r (GUESS)
-    maccal_q0: float = 0.9  # GUESS defaults of the retention schedule
-    maccal_gamma: float = 0.9
-    maccal_tau0: float = 0.1
-    maccal_lam: float = 5.0
-    maccal_q_min: float = 0.3
-    maccal_q_max: float = 1.0
+    maccal_r: int = 256  # bottleneck width r (GUESS); the schedule's maccal_*: models/heads.py
     # FeDLaS fine-tuning (METHODS §5)
     fedlas_epochs: int = 10  # GUESS: METHODS gives no fine-tuning length
     fedlas_lr: float = 0.001  # constant; GUESS: the last lr of the CIFAR Stage-I recipe
@@ -87,7 +76,7 @@ class Config(StageConfig):
         if "/" in self.run or self.run.startswith("."):
             raise ConfigError(f"run={self.run!r} must be a plain folder name")
         check_choice("method", self.method, METHODS)
-        FEDLAS.check(self)
+        METHOD.check(self)  # every method's parameters, as their dataclasses declare
         check_choice("precision", self.precision, PRECISIONS)
         for name in ("batch_size", "maccal_epochs", "maccal_r", "fedlas_epochs"):
             check_range(name, getattr(self, name), 1)
@@ -97,13 +86,8 @@ class Config(StageConfig):
         check_range("checkpoint_limit", self.checkpoint_limit, 1)
         for name in ("maccal_lr", "fedlas_lr", "momentum", "weight_decay", "clip_norm"):
             check_range(name, getattr(self, name), 0.0)
-        for name in ("crop_pad", "cpu_threads", "maccal_tau0", "maccal_lam"):
+        for name in ("crop_pad", "cpu_threads"):
             check_range(name, getattr(self, name), 0)
-        if not 0.0 <= self.maccal_q_min <= self.maccal_q0 <= self.maccal_q_max <= 1.0:
-            raise ConfigError(
-                "need 0 <= maccal_q_min <= maccal_q0 <= maccal_q_max <= 1, got "
-                f"{self.maccal_q_min}, {self.maccal_q0}, {self.maccal_q_max}"
-            )
 
     @property
     def output(self) -> str:
@@ -120,8 +104,7 @@ class Config(StageConfig):
 
     def method_params(self) -> dict[str, Any]:
         """RetentionSchedule kwargs (maccal) or FeDLaSCriterion kwargs (fedlas-*)."""
-        fields = MACCAL_FIELDS if self.method == "maccal" else FEDLAS_FIELDS[self.method]
-        return {param: getattr(self, field) for param, field in fields.items()}
+        return METHOD.params(self)
 
 
 PRESETS = stage_presets("finetune")

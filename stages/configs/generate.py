@@ -1,8 +1,17 @@
-"""Config of the `generate` stage: real/ (+ generator/ or a pretrained model) -> series/ (METHODS §1)."""
+"""Config of the `generate` stage: real/ (+ generator/ or a pretrained model) -> series/ (METHODS §1).
+
+One `backend` field picks the generator (models/generators/registry.GENERATORS). Each backend's
+own parameters are its nested `Params`; the `BACKEND` section (core/parts.py) derives a field per
+parameter from them, under the names config.json has always recorded (`prompt_template`,
+`dit_class_ids`), so `--set backend=sd native_size=512` and `--set backend.name=sd
+backend.native_size=512` do the same thing, and a backend registered from outside
+(pipeline/plugins.py) gets its fields with no edit here.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from core.config import (
     ConfigError,
@@ -12,17 +21,23 @@ from core.config import (
     recorded_along,
     recorded_off_default,
 )
-from models.generators import EDM_SAMPLERS, GENERATORS, SAMPLERS
+from core.parts import Section
+from models.generators import GENERATORS
 from stages.presets import stage_presets
 
 ENDPOINT_CHECKS = ("off", "redraw", "drop")
 DTYPES = ("", "float32", "bfloat16", "float16")  # "" = float32 on the CPU, bfloat16 on a GPU
+# the backends (the registry as any plugin left it) and their parameters
+BACKEND = Section("backend", GENERATORS)
 
 
 @dataclass(frozen=True)
+@BACKEND.fields(after="guidance")  # every backend's parameters, one field each, after `guidance`
 class Config(StageConfig):
     cpu_threads: int = 1  # pinned: CPU bytes must not depend on the launcher (StageConfig)
-    backend: str = "unet"  # unet | sd | dit | edm (models.generators)
+    # the generator (models/generators); its own parameters: its fields below, or
+    # backend.<param>=value
+    backend: str = "unet"
     # unet: "" = runs/<classes>/generator; sd/dit: hub id or local folder; edm: a folder written
     # by convert-edm ("" = runs/<classes>/edm) or an EDM .pkl (read without executing it)
     model: str = ""
@@ -33,10 +48,6 @@ class Config(StageConfig):
     # classifier-free guidance w (1 = none); auto = the unet generator's recorded best w
     # (fit-generator chooses it by fidelity), 1 for the other backends without a preset value
     guidance: str = "auto"
-    prompt_template: str = "a photo of a {name}"  # sd
-    negative_prompt: str = ""  # sd
-    native_size: int = 0  # sd: generation resolution; 0 = the model's own (512 for SD 1.5)
-    dit_class_ids: tuple[int, ...] = ()  # dit: ImageNet id of each of our classes, in order
     image_size: int = 0  # stored resolution; 0 = that of real/train
     alphas: int = 8  # K mixing ratios per series, alpha_k = k/(K-1), endpoints included
     series_per_pair: int = 1
@@ -68,7 +79,9 @@ class Config(StageConfig):
 
     def __post_init__(self):
         check_choice("backend", self.backend, sorted(GENERATORS))
-        check_choice("sampler", self.sampler, sorted(EDM_SAMPLERS if self.edm else SAMPLERS))
+        entry = GENERATORS[self.backend]
+        check_choice("sampler", self.sampler, sorted(entry.samplers))
+        BACKEND.check(self)  # every backend's parameters, as their Params declare
         check_choice("dtype", self.dtype, DTYPES)
         check_range("alphas", self.alphas, 2)
         check_range("mix_classes", self.mix_classes, 2)
@@ -88,7 +101,7 @@ class Config(StageConfig):
             )
         for name in ("steps", "series_per_pair", "min_shards", "batch_size"):
             check_range(name, getattr(self, name), 1)
-        for name in ("pairs", "limit", "series_per_shard", "native_size", "image_size"):
+        for name in ("pairs", "limit", "series_per_shard", "image_size"):
             check_range(name, getattr(self, name), 0)
         check_range("preview_series", self.preview_series, 0)
         check_choice("endpoint_check", self.endpoint_check, ENDPOINT_CHECKS)
@@ -106,21 +119,17 @@ class Config(StageConfig):
                     f"guidance={self.guidance!r} is not valid: a number w >= 0 or auto"
                 ) from None
             check_range("guidance", self.guidance, 0.0)
-        if self.backend == "edm" and self.guidance not in ("auto", 1.0):
+        if not entry.guidance and self.guidance not in ("auto", 1.0):
             raise ConfigError(
-                f"guidance={self.guidance}: the edm backend has no classifier-free guidance; "
-                "set guidance=1"
+                f"guidance={self.guidance}: the {self.backend} backend has no classifier-free "
+                "guidance; set guidance=1"
             )
-        if self.backend not in ("unet", "edm") and not self.model:
+        if entry.needs_model and not self.model:
             raise ConfigError(f"backend={self.backend} needs model=<hub id or local folder>")
-        if "{name}" not in self.prompt_template:
-            raise ConfigError(
-                f"prompt_template must contain '{{name}}', got {self.prompt_template!r}"
-            )
 
-    @property
-    def edm(self) -> bool:
-        return self.backend == "edm"
+    def backend_params(self) -> dict[str, Any]:
+        """The backend's own keyword arguments, read from its fields."""
+        return BACKEND.params(self)
 
     @property
     def lattice_m(self) -> int:
