@@ -17,7 +17,7 @@ def fitted_generator(root: Path) -> tuple[dict, dict, list]:
     as fit-generator built them (the chooser first, then the probe and the report judges)."""
     import json
 
-    from stages.fidelity import make_judges
+    from stages.common.fidelity import make_judges
 
     config = json.loads((root / "generator" / "config.json").read_text())
     fidelity = json.loads((root / "generator" / "fidelity.json").read_text())

@@ -7,7 +7,7 @@ and each step's peak RSS growth is its own (/proc/self/clear_refs resets the pea
 
 - read: per shard, parse every sample's json (as rank 0 reads other ranks' shards back) and keep
   it: `dicts` keeps the list of dicts for the whole set (before), `columns` converts each shard
-  into numpy columns at once and concatenates them (`stages.annotate_report.columns`). The
+  into numpy columns at once and concatenates them (`stages.annotate.report.columns`). The
   shard's json bytes are made before the timer starts (the tar reading is the same both ways).
 - stats: tensors from what the read step kept, `annotation_stats` and writing annotation.json
   (before: `annotation_stats` as it was at commit BEFORE, loaded from git, with its per-pair
@@ -104,7 +104,7 @@ def child(classes: int, path: str) -> dict[str, Any]:
 
     from core.io import atomic_write_json
     from models.annotation import annotation_stats
-    from stages.annotate_report import columns, concat_columns
+    from stages.annotate.report import columns, concat_columns
 
     n_shards = math.ceil(classes * (classes - 1) // 2 / (SHARD // K))
     rss0, spent, kept = _reset_peak(), 0.0, []

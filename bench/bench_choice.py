@@ -24,7 +24,7 @@ import torch
 from bench import fitted_generator, run_root
 from models.generators import load_generator, make_scheduler
 from shards.datasets import load_real
-from stages.fidelity import endpoint_fidelity
+from stages.common.fidelity import endpoint_fidelity
 
 CLIP = (True, False)  # in order of preference on a tie: the setting in use first
 

@@ -189,8 +189,8 @@ def shard_bytes(work: dict[str, Any], pngs: Sequence[bytes], tmp: Path) -> dict[
     """One shard of each kind at its real size, through the stages' own sample makers and the
     shard writer (tar + fsync + sha256 + offset index + record): bytes per image, write img/s."""
     from shards.writer import ShardFolder
-    from stages.annotate_shards import label, mixed_samples
-    from stages.generate_series import shard_samples
+    from stages.annotate.mixed import label, mixed_samples
+    from stages.generate.series import shard_samples
 
     plan, gen = work["plan"], work["configs"]["generate"]
     specs = [plan.spec(s) for s in plan.shard_series(0)]

@@ -21,8 +21,8 @@ import torch
 
 from bench import run_root
 from shards.datasets import load_real
-from stages.annotate_report import endpoints
-from stages.fidelity import cnn_judge, linear_probe
+from stages.annotate.report import endpoints
+from stages.common.fidelity import cnn_judge, linear_probe
 
 CORNER = 4  # px: the corner patches read as background
 

@@ -31,7 +31,7 @@ from bench import fitted_generator, run_root
 from bench.bench_judges import corners
 from models.generators import load_generator, make_scheduler
 from shards.datasets import load_real
-from stages.fidelity import endpoint_fidelity
+from stages.common.fidelity import endpoint_fidelity
 
 # (sampler, steps, clip_sample, guidance_rescale)
 LEVERS = (

@@ -74,7 +74,7 @@ def _walk(plan) -> int:
 def _manifest(plan, classes: int, tmp: Path) -> Any:
     from shards.manifest import read_manifest
     from shards.writer import ShardFolder
-    from stages.generate_series import series_info
+    from stages.generate.series import series_info
 
     folder = ShardFolder(tmp / "series", prefix="series")
     ident = {"backend": "dit", "model_id": "facebook/DiT-XL-2-256", "revision": None,

@@ -5,7 +5,7 @@
 
 fit-generator chooses the guidance w on its fidelity check at one sampler and step count (the
 preset's). This asks whether another sampler or step count would do better: the same check
-(stages.fidelity.endpoint_fidelity: per_class pure-class images per class from the fit's seeded
+(stages.common.fidelity.endpoint_fidelity: per_class pure-class images per class from the fit's seeded
 noise, judged by the fit's CNN judge and the linear probe) at each (sampler, steps, w), with the
 seconds each image took; and, as a note, how far the clean image the UNet implies is from the
 truth at each noise level (on val images). The 25-step DDIM row at the chosen w repeats the
@@ -24,7 +24,7 @@ from bench import run_root
 from models.generators import load_generator, load_unet
 from models.generators.objective import predicted_x0
 from shards.datasets import load_real
-from stages.fidelity import endpoint_fidelity, make_judges
+from stages.common.fidelity import endpoint_fidelity, make_judges
 
 GRID = (("ddim", 10), ("ddim", 25), ("ddim", 50), ("dpmsolver++", 25))  # ddim 100: worse still
 NOISE_LEVELS = (10, 100, 300, 500, 700, 900, 999)

@@ -1,5 +1,5 @@
 """Training step rate: the train stage's data path (shards -> device tensors -> on-device
-crop/flip + normalise, `stages.loop.train_epoch`) vs the same model, optimizer and step on
+crop/flip + normalise, `stages.common.loop.train_epoch`) vs the same model, optimizer and step on
 in-memory random tensors (no indexing, augmentation or normalisation). Goal: ratio >= 0.9.
 
 GPU section (only when CUDA is available): ResNet-18 on CIFAR-sized images (32x32, 10 classes),
@@ -20,7 +20,7 @@ from models.objectives import TrainingModule, build_objective
 from models.training import channel_stats, multistep_lr, normalize
 from pipeline.registry import resolve_stage_config, run_stage
 from shards.datasets import RealSplit, load_real
-from stages.loop import Data, Recipe, train_epoch
+from stages.common.loop import Data, Recipe, train_epoch
 
 
 class _NoBar:

@@ -103,13 +103,16 @@ def tmp_path_for(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp")
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """`data` at `path`, all or nothing. The temporary file is this process's and thread's own:
-    writers racing to one file (the study's parallel evaluations each rebuild eval/report.md)
-    never rename each other's temporary file away; a failed write removes its own."""
+def atomic_write_bytes(path: Path, data: bytes, shared: bool = False) -> None:
+    """`data` at `path`, all or nothing, through `tmp_path_for(path)`: a rerun after a kill
+    overwrites what the killed write left. `shared`: several processes may rewrite `path` at
+    once (the study's parallel evaluations each rebuild eval/report.md), so each writes through
+    a temporary file of its own (process and thread) and none renames another's away."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+    tmp = tmp_path_for(path)
+    if shared:
+        tmp = tmp.with_name(f"{tmp.name[: -len('.tmp')]}.{os.getpid()}-{threading.get_ident()}.tmp")
     with writing(path, tmp):
         try:
             with open(tmp, "wb") as f:
@@ -117,8 +120,9 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-        finally:
+        except BaseException:
             tmp.unlink(missing_ok=True)
+            raise
 
 
 def canonical_json(obj: Any, indent: int | None = 2) -> bytes:

@@ -3,7 +3,7 @@
     eval/train/<run>/        a train run's evaluation
     eval/finetune/<run>/     a fine-tuned run's (same name in train/ and finetune/: two folders)
     eval/ensemble/<name>/    a deep ensemble of several runs
-    eval/report.md           every complete evaluation side by side (stages/evaluate_report.py)
+    eval/report.md           every complete evaluation side by side (stages/evaluate/report.py)
 
 Each folder holds `metrics.json` ({"evaluation": {...}}, plus {"ensemble": {...}} for an
 ensemble), `predictions.npz` (test logits, labels, temperature, class names; plain arrays, load

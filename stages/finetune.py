@@ -4,7 +4,7 @@
     make finetune CLASSES=cifar10 RUN=csm METHOD=fedlas-ls
     torchrun --nproc_per_node 2 -m pipeline finetune ...     (CPU, gloo)
 
-The trained run's classifier goes through the same training loop as `train` (stages/loop.py:
+The trained run's classifier goes through the same training loop as `train` (stages/common/loop.py:
 accelerate, checkpoints after every epoch, resume, progress), with a constant lr, and the last
 epoch's weights are kept (no selection on val: evaluate fits its temperature there):
 
@@ -45,10 +45,10 @@ from shards.datapath import DataPathChoice
 from shards.datasets import check_same_classes
 from shards.manifest import manifest_digest
 from shards.runs import Run, read_run, split_history
-from stages import data as datapath
+from stages.common import data as datapath
+from stages.common.loop import Data, LoopState, write_run
+from stages.common.training_run import TrainingRun
 from stages.configs.finetune import Config
-from stages.loop import Data, LoopState, write_run
-from stages.training_run import TrainingRun
 
 SECTION = "finetune"  # metrics.json section and the first key of every draw
 Method = tuple[Objective, torch.optim.Optimizer, float, list[Callable[[Path], Any]]]
@@ -67,7 +67,7 @@ def load_source(cfg: Config) -> tuple[Run, Classifier]:
 
 
 def load_data(cfg: Config, source: Run, accelerator: Any) -> tuple[Data, DataPathChoice]:
-    """real/train and real/val through the data path (stages/data.py), with the run's own
+    """real/train and real/val through the data path (stages/common/data.py), with the run's own
     normalisation; pixels for the steps come later (`pixel_source`, once the method is known).
     The training images are the source run's own (its train_limit): fine-tuning on more labels
     than Stage I saw would compare methods on different labelled budgets."""

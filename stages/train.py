@@ -5,10 +5,10 @@
     torchrun --nproc_per_node 2 -m pipeline train ...       (CPU, gloo)
 
 A fresh classifier (init from (seed, "init")) and the objective of `loss=` go through the one
-training loop (stages/loop.py): SGD with a multistep lr, a checkpoint after each epoch, resume
+training loop (stages/common/loop.py): SGD with a multistep lr, a checkpoint after each epoch, resume
 from the newest complete one (bit for bit on CPU), the weights of the best validation epoch
 kept. The images are decoded into device memory, or streamed from the shards when they would
-not fit (`data_path=`, stages/data.py): the same steps and the same weights either way.
+not fit (`data_path=`, stages/common/data.py): the same steps and the same weights either way.
 
 Run folder: config.json (first), checkpoints/checkpoint_<n>/ (after epoch n, counted from 1),
 metrics.json (per-epoch history, rewritten each epoch) and host.json (this machine's data path
@@ -37,10 +37,10 @@ from shards.datapath import DataPathChoice
 from shards.datasets import RealSplit, check_same_classes
 from shards.manifest import ShardError, manifest_digest, read_manifest
 from shards.runs import split_history
-from stages import data as datapath
+from stages.common import data as datapath
+from stages.common.loop import Data, LoopState, Mixed, write_run
+from stages.common.training_run import TrainingRun
 from stages.configs.train import Config
-from stages.loop import Data, LoopState, Mixed, write_run
-from stages.training_run import TrainingRun
 
 # a run name taken by another config: the run's own name is the way out
 OTHER_RUN = "choose another run=<name> (or remove the folder to retrain it)"

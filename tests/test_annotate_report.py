@@ -16,7 +16,7 @@ import torch
 
 from models.annotation import PER_PAIR_CAP, annotation_stats
 from models.simplex import edge_monotone_share, lattice_points, lattice_weights, simplex_stats
-from stages.annotate_report import columns, concat_columns
+from stages.annotate.report import columns, concat_columns
 
 
 def _pair_fields(n_classes: int, alphas: list[float], rng: random.Random) -> list[dict]:

@@ -18,7 +18,7 @@ from pipeline.study_config import StudyError, check_budget
 from pipeline.study_records import recorded_budget
 from shards.budget import labelled_images, train_run_images
 from shards.manifest import Manifest, write_manifest
-from stages.fidelity import FidelityCheck, Judge, make_judges
+from stages.common.fidelity import FidelityCheck, Judge, make_judges
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LIMIT = 300

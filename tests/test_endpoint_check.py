@@ -17,8 +17,8 @@ from models.generators import MixSpec, SeriesSpec, build_unet
 from pipeline.registry import run_stage
 from shards.manifest import read_manifest
 from shards.reader import iter_folder
-from stages.fidelity import Judge
-from stages.generate_check import EndpointCheck, endpoints, passing
+from stages.common.fidelity import Judge
+from stages.generate.check import EndpointCheck, endpoints, passing
 
 CONFIG = ["alphas=3", "steps=2", "limit=12", "series_per_shard=3", "endpoint_judge=fake"]
 
@@ -85,7 +85,7 @@ def runs(digits_root, tmp_path, monkeypatch) -> Path:
     def by_pixel_sum(judge, specs, images):
         return [int(images[i, [0, -1]].long().sum()) % 3 != 0 for i in range(len(specs))]
 
-    monkeypatch.setattr("stages.generate_check.passing", by_pixel_sum)
+    monkeypatch.setattr("stages.generate.check.passing", by_pixel_sum)
     return tmp_path
 
 

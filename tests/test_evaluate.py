@@ -393,7 +393,7 @@ def test_bad_input_gives_one_line_errors(tmp_path, capsys):
 
 
 def test_report_groups_seeds_into_mean_and_std():
-    from stages.evaluate_report import seed_summary
+    from stages.evaluate.report import seed_summary
 
     def ev(top1, ece):
         return {"before_ts": {"top1": top1, "ece": ece, "nll": 0.1}, "after_ts": {"ece": ece / 2}}
@@ -439,7 +439,7 @@ def test_internal_runs_are_left_out_unless_asked(tmp_path, capsys):
     fit-generator's judge, as their config.json files name them; the study's tune-* runs) are
     neither evaluated by a bare evaluate nor listed in report.md; internal_runs=1 does both.
     A name alone makes no run internal: with a CLIP encoder, a run called `encoder` is a user's."""
-    from stages.evaluate_report import internal_runs
+    from stages.evaluate.report import internal_runs
 
     root = constructed_root(tmp_path)
     for name in ("encoder", "judge", "tune-csm-w1-s4", "judge2"):

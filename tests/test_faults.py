@@ -25,7 +25,7 @@ from conftest import save_generator
 from test_annotate import _train_encoder, _write_series
 
 import shards.writer
-import stages.loop
+import stages.common.loop
 from core.io import atomic_write_bytes, writing
 from models.generators import build_unet
 from pipeline.cli import main
@@ -302,7 +302,7 @@ def test_a_full_disk_inside_safetensors_names_the_file(chain, tmp_path, capsys, 
     """safetensors reports a full disk as a SafetensorError whose text names the os error."""
     from safetensors import SafetensorError
 
-    import stages.annotate_encoder
+    import stages.annotate.encoder
 
     root = copy(chain, tmp_path, "real", "train/encoder", "series")
     argv = ["annotate", "--set", f"out={tmp_path}", *ANN]
@@ -313,7 +313,7 @@ def test_a_full_disk_inside_safetensors_names_the_file(chain, tmp_path, capsys, 
             f'path "{filename}"'
         )
 
-    monkeypatch.setattr(stages.annotate_encoder, "save_file", save_file)
+    monkeypatch.setattr(stages.annotate.encoder, "save_file", save_file)
     line = fails(capsys, argv)
     prototypes = root / "mixed" / "prototypes.safetensors"
     assert line.startswith(f"semix annotate: error: No space left on device: {prototypes};")
@@ -335,7 +335,7 @@ def test_ctrl_c_in_training_keeps_the_checkpoint_and_the_rerun_resumes(
     sets = ["epochs=2", "train_limit=64", "batch_size=32"]
     whole = run_stage("train", "digits", [f"out={tmp_path}", "run=whole", *sets])
     argv = ["train", "--set", f"out={tmp_path}", "run=cut", *sets]
-    validate, calls = stages.loop.validate, []
+    validate, calls = stages.common.loop.validate, []
 
     def ctrl_c_in_epoch_two(*args, **kwargs):
         calls.append(1)
@@ -343,7 +343,7 @@ def test_ctrl_c_in_training_keeps_the_checkpoint_and_the_rerun_resumes(
             raise KeyboardInterrupt
         return validate(*args, **kwargs)
 
-    monkeypatch.setattr(stages.loop, "validate", ctrl_c_in_epoch_two)
+    monkeypatch.setattr(stages.common.loop, "validate", ctrl_c_in_epoch_two)
     assert fails(capsys, argv, code=130) == f"semix train: {INTERRUPTED}"
     cut = tmp_path / "digits" / "train" / "cut"
     assert manifests(cut) == [] and (cut / "checkpoints" / "checkpoint_1" / MARKER).is_file()
@@ -389,7 +389,7 @@ def test_damaged_checkpoints_are_named_and_training_resumes_from_an_intact_one(
     shutil.copytree(digits_root / "real", tmp_path / "digits" / "real")
     sets = ["epochs=3", "train_limit=64", "batch_size=32", "checkpoint_limit=3"]
     whole = run_stage("train", "digits", [f"out={tmp_path}", "run=whole", *sets])
-    validate = stages.loop.validate
+    validate = stages.common.loop.validate
 
     def cut(run: str) -> Path:
         """Train `run` and interrupt it in its third epoch: checkpoints 1 and 2 on disk."""
@@ -401,9 +401,9 @@ def test_damaged_checkpoints_are_named_and_training_resumes_from_an_intact_one(
                 raise KeyboardInterrupt
             return validate(*args, **kwargs)
 
-        monkeypatch.setattr(stages.loop, "validate", ctrl_c_in_epoch_three)
+        monkeypatch.setattr(stages.common.loop, "validate", ctrl_c_in_epoch_three)
         assert main(["train", "--set", f"out={tmp_path}", f"run={run}", *sets]) == 130
-        monkeypatch.setattr(stages.loop, "validate", validate)
+        monkeypatch.setattr(stages.common.loop, "validate", validate)
         capsys.readouterr()
         folder = tmp_path / "digits" / "train" / run / "checkpoints"
         assert sorted(p.name for p in folder.iterdir()) == ["checkpoint_1", "checkpoint_2"]
@@ -446,7 +446,7 @@ def test_writers_racing_to_one_file_never_lose_each_others_temporary_file(tmp_pa
 
     def write(i: int) -> None:
         for j in range(100):
-            atomic_write_bytes(path, f"{i} {j}\n".encode())
+            atomic_write_bytes(path, f"{i} {j}\n".encode(), shared=True)
 
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(write, range(4)))  # re-raises a writer's error

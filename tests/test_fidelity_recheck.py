@@ -1,4 +1,4 @@
-"""fit-generator on a finished fit whose check grid changed (stages/fidelity_recheck.py): the
+"""fit-generator on a finished fit whose check grid changed (stages/fit_generator/recheck.py): the
 last fidelity point is checked again on the saved weights, w and x̂₀ clipping are chosen by the
 same rule, and generate samples with the choice; anything else that changed is refused as
 before."""
@@ -15,7 +15,7 @@ from core.io import sha256_file
 from models.generators import load_generator
 from pipeline.registry import run_stage
 from shards.manifest import ShardError, read_manifest
-from stages.fidelity import FidelityCheck, Judge
+from stages.common.fidelity import FidelityCheck, Judge
 
 
 @pytest.fixture

@@ -2,7 +2,8 @@
 
     bench/              benchmarks: may use anything
     pipeline/ (the app) cli, chain, demo, study, the stage registry: on everything below
-    stages/             one module per stage + stages/configs/: on models and shards
+    stages/             a module or package per stage, never importing another; common/,
+                        configs/, presets/: on models and shards
     models/ | shards/   pure torch numerics | everything on disk: on core only, never each other
     core/               config, runtime, io, plots: used by every package, imports none of them
 
@@ -35,7 +36,7 @@ def lint(root: Path) -> subprocess.CompletedProcess:
 def test_every_import_points_down_and_no_package_has_a_cycle():
     result = lint(REPO)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "2 kept, 0 broken" in result.stdout
+    assert "3 kept, 0 broken" in result.stdout
 
 
 @pytest.fixture
@@ -60,8 +61,16 @@ def test_a_cycle_between_modules_of_a_package_breaks_the_contract(copy):
     with open(copy / "pipeline" / "study_config.py", "a") as f:
         f.write("\n\ndef _planted():\n    from pipeline.study import plan  # closes a loop\n")
     result = lint(copy)
-    assert result.returncode == 1 and "1 kept, 1 broken" in result.stdout
+    assert result.returncode == 1 and "2 kept, 1 broken" in result.stdout
     assert ".study_config -> .study" in result.stdout
+
+
+def test_a_stage_importing_another_breaks_the_stages_contract(copy):
+    with open(copy / "stages" / "train.py", "a") as f:
+        f.write("\n\ndef _planted():\n    from stages.evaluate import run  # another stage\n")
+    result = lint(copy)
+    assert result.returncode == 1 and "2 kept, 1 broken" in result.stdout
+    assert "stages.train -> stages.evaluate" in result.stdout
 
 
 @pytest.mark.parametrize("package", ["models", "shards", "stages", "pipeline", "core"])
@@ -77,3 +86,15 @@ def test_module_sizes(package):
     if long:
         warnings.warn(f"modules over ~400 lines: {long}", stacklevel=1)
     assert not {name: n for name, n in long.items() if n > 600}, f"modules over 600 lines: {long}"
+
+
+def test_the_stages_contract_lists_every_built_in_stage():
+    # a stage added to the registry but not to the contract could import another stage unseen
+    import tomllib
+
+    from pipeline.registry import STAGES
+
+    contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (stages,) = [c for c in contracts["contracts"] if c["id"] == "stages"]
+    built_in = {s.module for s in STAGES.values() if s.module.startswith("stages.")}
+    assert set(stages["modules"]) == built_in

@@ -32,8 +32,8 @@ from shards.reader import load_split
 from shards.runs import load_model
 from shards.writer import ShardFolder
 from stages import train as train_stage
+from stages.common.loop import Data, Recipe, make_batch, plan_steps
 from stages.configs.train import LOSS_FIELDS
-from stages.loop import Data, Recipe, make_batch, plan_steps
 
 K = 4  # members per series in the test mixed/ folder
 TINY = ["epochs=1", "train_limit=192", "batch_size=64"]

@@ -169,7 +169,7 @@ def mix_weights(classes: torch.Tensor, weights: torch.Tensor, n: int) -> torch.T
 
 class Shared(TypedDict, total=False):
     """The arguments every backend hands on to ``Generator.__init__`` as they are, stated once:
-    a backend's signature ends in ``**shared: Unpack[Shared]`` (stages/generate_model.py)."""
+    a backend's signature ends in ``**shared: Unpack[Shared]`` (stages/generate/model.py)."""
 
     revision: str | None
     sampler: str

@@ -121,7 +121,7 @@ class UNetGenerator(Generator):
         # one's by this fraction; 0 = plain guidance (bench/bench_levers.py measures it)
         self.guidance_rescale = 0.0
         # DDIM's x̂₀ clipping: None = the saved scheduler config's (clip_sample); True / False
-        # override it (fit-generator chooses it like w: stages/fidelity.py)
+        # override it (fit-generator chooses it like w: stages/common/fidelity.py)
         self.clip_sample = clip_sample
         if not lazy:
             self.load()

@@ -1,7 +1,7 @@
 """Config of the `evaluate` stage: trained runs -> eval/<stage>/<run>/ and eval/report.md.
 
 Identity of an evaluation (a rerun with the same values skips it): the upstream digests and
-`ts_criterion`. `batch_size`, `device` and the data path fields (stages/data.py) say how it is
+`ts_criterion`. `batch_size`, `device` and the data path fields (stages/common/data.py) say how it is
 computed, not what: they are not compared; `internal_runs` says which runs to evaluate and
 report, not how.
 """
@@ -41,11 +41,11 @@ class Config(StageConfig):
     ts_criterion: str = "nll"
     # the runs a chain or a study trains for its own use (annotate's encoder, the fidelity
     # judges, the study's tune-* runs) are neither evaluated by a bare `make evaluate` nor listed
-    # in eval/report.md; true includes them (stages/evaluate.py, internal_runs)
+    # in eval/report.md; true includes them (stages/evaluate/__init__.py, internal_runs)
     internal_runs: bool = False
     batch_size: int = 512
     device: str = ""  # "" = cuda if available, else cpu
-    # how test/val (and the OOD set) are read: decoded into memory or streamed (stages/data.py)
+    # how test/val (and the OOD set) are read: decoded into memory or streamed (stages/common/data.py)
     data_path: str = DEFAULT_DATA_PATH  # auto | memory | stream
     memory_budget_gb: float = DEFAULT_MEMORY_BUDGET_GB  # auto's budget; 0 = from free memory
     stream_workers: int = DEFAULT_STREAM_WORKERS  # DataLoader workers (stream)

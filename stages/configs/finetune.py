@@ -55,7 +55,7 @@ class Config(StageConfig):
     fedlas_epochs: int = 10  # GUESS: METHODS gives no fine-tuning length
     fedlas_lr: float = 0.001  # constant; GUESS: the last lr of the CIFAR Stage-I recipe
     clip_norm: float = 2.0  # grad-norm clip of the classifier only (not the gate); 0 = off
-    # how real/train and real/val are read (stages/data.py); not part of the run's identity
+    # how real/train and real/val are read (stages/common/data.py); not part of the run's identity
     data_path: str = DEFAULT_DATA_PATH  # auto | memory | stream
     memory_budget_gb: float = DEFAULT_MEMORY_BUDGET_GB  # auto's budget; 0 = from free memory
     stream_workers: int = DEFAULT_STREAM_WORKERS  # DataLoader workers per process (stream)

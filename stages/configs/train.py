@@ -59,7 +59,7 @@ class Config(StageConfig):
     # data
     mixed: str = ""  # mixed folder for loss=csm; "" = runs/<classes>/mixed
     train_limit: int = 0  # use only the first N training images (smoke tests); 0 = all
-    # how the images are read (stages/data.py); not part of the run's identity
+    # how the images are read (stages/common/data.py); not part of the run's identity
     data_path: str = DEFAULT_DATA_PATH  # auto | memory | stream
     memory_budget_gb: float = DEFAULT_MEMORY_BUDGET_GB  # auto's budget; 0 = from free memory
     stream_workers: int = DEFAULT_STREAM_WORKERS  # DataLoader workers per process (stream)

@@ -26,10 +26,10 @@ from core.logs import log, progress
 from core.runtime import Processes, code_version
 from shards.manifest import Manifest
 from shards.writer import ShardFolder, completed, write_config
+from stages.common.fidelity import cnn_judge
 from stages.configs.generate import Config
-from stages.fidelity import cnn_judge
-from stages.generate_check import EndpointCheck, total_counts, write_counts
-from stages.generate_model import (
+from stages.generate.check import EndpointCheck, total_counts, write_counts
+from stages.generate.model import (
     Generators,
     check_inputs,
     generator_kwargs,
@@ -37,8 +37,8 @@ from stages.generate_model import (
     sample_series,
     upstream_digests,
 )
-from stages.generate_plan import GenerationError, make_plan
-from stages.generate_series import series_info, shard_samples, write_preview
+from stages.generate.plan import GenerationError, make_plan
+from stages.generate.series import series_info, shard_samples, write_preview
 
 __all__ = ["GenerationError", "Generators", "make_plan", "run", "sample_series"]
 

@@ -19,7 +19,7 @@ from other inputs is refused, a bad `resume=` fails before any work, the tracker
 the outputs, the data path's workers are closed whatever happens) are written once. What a
 stage trains (model, objective, optimizer, lr schedule, kept epoch) and what its model.json
 and metrics.json say stay in the stage: each stage's `run` reads as its own steps. The stage
-writes the run itself (`stages.loop.write_run`): the last step of its `run`.
+writes the run itself (`stages.common.loop.write_run`): the last step of its `run`.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from models.objectives import TrainingModule
 from shards.datapath import DataPathChoice
 from shards.runs import run_complete, write_host
 from shards.writer import OTHER_ROOT, write_config
-from stages import data as datapath
-from stages.loop import Data, LoopState, Recipe, Result, check_resume, fit, make_accelerator
+from stages.common import data as datapath
+from stages.common.loop import Data, LoopState, Recipe, Result, check_resume, fit, make_accelerator
 
 # metrics.json's section of a run: (the loop's state, finished?) -> what the stage records
 Section = Callable[[LoopState, bool], dict[str, Any]]
@@ -84,7 +84,7 @@ class TrainingRun:
 
     @classmethod
     def open(cls, cfg: RunConfig, stage: str, name: str, fix: str = OTHER_ROOT) -> TrainingRun:
-        """The accelerator (DDP under a launcher, bf16 on GPU: stages.loop.make_accelerator)
+        """The accelerator (DDP under a launcher, bf16 on GPU: stages.common.loop.make_accelerator)
         with the trackers of `tracker=`, whose files go outside the run's own."""
         folder = cfg.root / stage / name
         tracking = Tracking.of(cfg.tracker, folder, cfg.root)
@@ -155,7 +155,7 @@ class TrainingRun:
         section: Section,
         describe: Callable[[dict[str, Any]], str] = lambda stats: "",
     ) -> Result:
-        """stages.loop.fit, with metrics.json and host.json rewritten after every epoch (main)
+        """stages.common.loop.fit, with metrics.json and host.json rewritten after every epoch (main)
         and the trackers open around it; the data's pixel source and validation reader are
         closed, and the trackers finished, before anything else is written."""
 

@@ -1,6 +1,6 @@
 """eval/report.md: every complete evaluation under runs/<classes>/eval/ side by side.
 
-Part of the evaluate stage (its summary output), kept apart so that stages/evaluate.py reads as
+Part of the evaluate stage (its summary output), kept apart so that stages/evaluate/__init__.py reads as
 the evaluation itself. The report is a view, not a finished output: its bytes are a function of
 the complete evaluation folders on disk (each checked against its manifest), it lives inside
 evaluate's own folder `eval/`, it is rewritten (temp file + rename) only when those bytes
@@ -302,5 +302,5 @@ def write_report(root: Path, leave_out: Callable[[str], bool] = lambda name: Fal
     path = evals.report_path(root)
     data = render(Path(root).name, *collect_rows(root, leave_out)).encode()
     if not (path.is_file() and path.read_bytes() == data):
-        atomic_write_bytes(path, data)
+        atomic_write_bytes(path, data, shared=True)  # parallel evaluations rebuild it
     return path

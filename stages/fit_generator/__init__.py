@@ -13,7 +13,7 @@ Classifier-free guidance: with ``label_dropout`` p > 0 the class table has a nul
 share p of the training labels is replaced by it, so one network learns ε(x_t, y) and ε(x_t, ∅).
 While it fits (every ``fidelity_every`` steps and at the end) the EMA weights draw pure-class
 images from a fixed noise for every w of ``guidance_grid``, judged by a real-only CNN
-(``judge_run``) and a linear probe (stages/fidelity.py): the curve goes to fidelity.json and
+(``judge_run``) and a linear probe (stages/common/fidelity.py): the curve goes to fidelity.json and
 fidelity.png, and the best w (by the CNN) becomes the generator's recorded guidance, which
 generate uses by default (``guidance=auto``).
 
@@ -68,9 +68,9 @@ from shards.checkpoints import LOAD_KWARGS, MARKER, Checkpointer, CheckpointErro
 from shards.manifest import Manifest, ShardError, is_complete, manifest_digest, write_manifest
 from shards.reader import load_split
 from shards.writer import write_config
+from stages.common.fidelity import FidelityCheck, fidelity_scalars, make_judges, sample_grid
 from stages.configs.fit_generator import Config
-from stages.fidelity import FidelityCheck, fidelity_scalars, make_judges, sample_grid
-from stages.fidelity_recheck import recheck, recheck_fields
+from stages.fit_generator.recheck import recheck, recheck_fields
 
 WEIGHTS = Path("unet") / "diffusion_pytorch_model.safetensors"
 CHECKPOINTS = "checkpoints"

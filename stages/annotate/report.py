@@ -22,8 +22,8 @@ from core.runtime import make_generator
 from models.annotation import annotation_stats, fidelity_stats
 from models.simplex import lattice_points, simplex_stats
 from shards.reader import iter_folder
+from stages.common.fidelity import cnn_judge
 from stages.configs.annotate import Config
-from stages.fidelity import cnn_judge
 
 PLOT_POINTS = 5000
 

@@ -12,7 +12,7 @@ with rates), validation and the kept weights.
 
 Process independence: each epoch is planned first (`plan_steps`: the *global* batches and
 their CSM members), a `PixelSource` serves each planned step's pixels (device tensors, or
-shards decoded ahead by DataLoader workers: stages/data.py), every step augments and applies the
+shards decoded ahead by DataLoader workers: stages/common/data.py), every step augments and applies the
 objective's `prepare` (mixup) to the global batch as a whole, and each process then keeps
 rows rank::world; its loss is weighted by its share of the batch, so DDP's gradient average is
 the global batch mean. Every draw comes from a generator derived from (recipe.key, epoch,
@@ -93,7 +93,7 @@ class Mixed:
 class Data:
     """What a step and validation read; mean/std: the run's normalisation.
 
-    Labels and series fields are on the device; pixels come from `pixels` (stages/data.py:
+    Labels and series fields are on the device; pixels come from `pixels` (stages/common/data.py:
     device tensors, or shards decoded ahead by DataLoader workers). Without one, `fit` indexes
     train.images (and mixed.images) as device tensors."""
 

@@ -37,7 +37,7 @@ from shards.manifest import (
     remake_command,
 )
 from stages.configs.generate import Config
-from stages.generate_plan import GenerationError
+from stages.generate.plan import GenerationError
 from stages.presets import edm_checkpoint
 
 UNET_WEIGHTS = Path("unet") / "diffusion_pytorch_model.safetensors"  # save_unet's layout

@@ -19,7 +19,7 @@ from models.generators import SeriesSpec
 from shards.reader import iter_shard
 from shards.writer import ShardFolder
 from stages.configs.generate import Config
-from stages.generate_plan import Plan
+from stages.generate.plan import Plan
 
 
 def _mixing_fields(plan: Plan, spec, k: int, names) -> tuple[dict[str, Any], int]:

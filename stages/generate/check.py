@@ -24,7 +24,7 @@ from core.io import atomic_write_json, read_json
 from core.logs import log
 from core.runtime import derive_seed
 from models.generators import MixSpec, SeriesSpec
-from stages.fidelity import Judge
+from stages.common.fidelity import Judge
 
 COUNTS = ".endpoints"  # per-shard counts, beside the shards
 FIELDS = ("series", "passed", "redrawn", "dropped", "extra_draws")

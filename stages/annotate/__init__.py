@@ -39,15 +39,15 @@ from shards.manifest import (
 )
 from shards.reader import read_raw_shard
 from shards.writer import DONE_DIR, ShardFolder, completed, write_config
-from stages.annotate_encoder import PROTOTYPES, build_encoder, ensure_prototypes, load_prototypes
-from stages.annotate_report import (
+from stages.annotate.encoder import PROTOTYPES, build_encoder, ensure_prototypes, load_prototypes
+from stages.annotate.mixed import annotate_shards
+from stages.annotate.report import (
     columns,
     concat_columns,
     generator_fidelity,
     log_summary,
     report,
 )
-from stages.annotate_shards import annotate_shards
 from stages.configs.annotate import Config
 
 INPUTS = "inputs.json"  # in .done/: what the completed shards were computed from

@@ -17,7 +17,7 @@ from models.simplex import annotate_simplex
 from shards.manifest import ShardError, ShardRecord
 from shards.reader import decode_sample, read_raw_shard
 from shards.writer import ShardFolder
-from stages.annotate_report import Columns, columns
+from stages.annotate.report import Columns, columns
 from stages.configs.annotate import Config
 
 

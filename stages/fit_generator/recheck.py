@@ -26,7 +26,7 @@ from core.runtime import code_version
 from models.generators import load_generator
 from shards.manifest import MANIFEST, Manifest, is_complete, read_manifest, write_manifest
 from shards.writer import NOT_IDENTITY
-from stages.fidelity import FidelityCheck, make_judges, sample_grid
+from stages.common.fidelity import FidelityCheck, make_judges, sample_grid
 
 # the config fields a finished fit is rechecked for instead of refused (how it is sampled)
 RECHECK_FIELDS = frozenset({"guidance_grid", "clip_choice"})

@@ -8,12 +8,12 @@ A run is read from train/<run>/ or finetune/<run>/ (train first; `stage_dir` pin
 never written to. Metrics (docs/evaluate.md) are on real/test, before and after a temperature
 fitted on real/val (`ts_criterion`: the val-NLL minimiser by default, or the lowest val ECE on
 the grid 0.1..10), and after every post-hoc calibrator fitted on real/val (models/posthoc.py;
-the best by cross-validated val NLL is named; stages/evaluate_metrics.py). Each evaluation is
+the best by cross-validated val NLL is named; stages/evaluate/metrics.py). Each evaluation is
 a folder of its own (layout: shards/evals.py): eval/<stage>/<run>/ with metrics.json,
 predictions.npz (test logits + labels, the best calibrator's test probabilities; numpy only,
 load with allow_pickle=False), reliability.png and manifest.json (kind `eval`), written last.
 Several runs also give their deep ensemble (mean softmax) in eval/ensemble/<a+b+c>/. Finally
-eval/report.md is rebuilt from every complete evaluation (stages/evaluate_report.py). Runs the
+eval/report.md is rebuilt from every complete evaluation (stages/evaluate/report.py). Runs the
 stages trained as tools (annotate's encoder, fidelity judges, the study's tune-* runs:
 `internal_runs`) are left out of a bare `evaluate` and of the report unless internal_runs=1.
 
@@ -52,10 +52,10 @@ from shards.datasets import RealSplit, check_same_classes
 from shards.manifest import ShardError, is_complete, manifest_digest, remake_command
 from shards.runs import META, RunError
 from shards.runs import load_model as load_run_model
-from stages import data as datapath
+from stages.common import data as datapath
 from stages.configs.evaluate import Config
-from stages.evaluate_metrics import corruption_metrics, ood_section, posthoc_section
-from stages.evaluate_report import ENSEMBLE, left_out, write_report
+from stages.evaluate.metrics import corruption_metrics, ood_section, posthoc_section
+from stages.evaluate.report import ENSEMBLE, left_out, write_report
 
 RUN_STAGES = ("train", "finetune")
 
@@ -121,7 +121,7 @@ def panel(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
 def measure(cfg: Config, folders: dict[str, Path]):
     """({name: evaluation dict}, {name: test logits}, {name: test probabilities after the best
     post-hoc calibrator}, real/test) for every run and the ensemble.
-    Test, val and the OOD set are decoded into memory or streamed (`data_path`, stages/data.py);
+    Test, val and the OOD set are decoded into memory or streamed (`data_path`, stages/common/data.py);
     each run's logits are one in-order pass over them either way."""
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     names = list(folders)
@@ -287,7 +287,7 @@ def write_evaluation(
     """metrics.json, predictions.npz, reliability.png, then the manifest; renamed into place.
     predictions.npz also holds the test probabilities after the best post-hoc calibrator
     (`posthoc_probs`, float32, the method in `posthoc_method`) and `more_arrays` (the
-    corruptions' logits, stages/evaluate_metrics.py corruption_metrics)."""
+    corruptions' logits, stages/evaluate/metrics.py corruption_metrics)."""
     t = result["temperature"]
     panels = {
         "before TS": panel(logits, labels),
