@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from core.io import atomic_write_json, read_json, sha256_file, tmp_path_for, writing
 from core.logs import log, progress
+from core.precision import resolve_precision
 from models.annotation import PrototypeAccumulator
 from models.annotation import text_prototypes as encode_text_prototypes
 from models.classifiers import NAME_KEYS, classifier_from_config
@@ -83,7 +84,9 @@ ENCODER_ARGS: dict[str, Callable[[Config], dict[str, Any]]] = {
 
 def build_encoder(cfg: Config, device: torch.device) -> ImageEncoder:
     kind = ENCODER_KINDS[cfg.encoder]
-    common = dict(device=device, batch_size=cfg.batch_size, precision=cfg.precision)
+    # the encoder casts by itself (autocast), so no launcher has a say (core/precision.py)
+    precision = resolve_precision("precision", cfg.precision, device, launcher=False)
+    common = dict(device=device, batch_size=cfg.batch_size, precision=precision)
     return build_encoder_kind(kind, **ENCODER_ARGS[cfg.encoder](cfg), **common)
 
 

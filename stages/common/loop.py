@@ -36,7 +36,8 @@ from torch import Tensor
 
 from core.io import atomic_write_json
 from core.logs import log, progress
-from core.runtime import code_version, launcher_precision, make_generator, share_from_main
+from core.precision import ACCELERATE, resolve_precision
+from core.runtime import code_version, make_generator, share_from_main
 from core.runtime import make_accelerator as new_accelerator
 from core.tracking import scalars
 from models.calibration import ece, nll, topk_accuracy
@@ -125,12 +126,12 @@ class Result:
 
 
 def make_accelerator(precision: str, **tracking: Any) -> Accelerator:
-    """DDP under a launcher; bf16 autocast on GPU for precision=auto (bf16 forces it); under
-    `accelerate launch`, auto follows accelerate's mixed precision (core.runtime.
-    launcher_precision). `tracking`: the trackers' Accelerator arguments
+    """DDP under a launcher; bf16 autocast for precision=auto on a bf16 GPU, fp32 on a CPU (bf16
+    forces it); under `accelerate launch`, auto follows accelerate's mixed precision
+    (core/precision.py). `tracking`: the trackers' Accelerator arguments
     (core.tracking.Tracking.accelerator_kwargs)."""
-    bf16 = precision == "bf16" or (precision == "auto" and torch.cuda.is_available())
-    mixed = launcher_precision("precision", precision, "bf16" if bf16 else "no")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    mixed = ACCELERATE[resolve_precision("precision", precision, device)]
     # cpu=True without CUDA, so that torchrun ranks on a CPU machine use gloo
     return new_accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed, **tracking)
 

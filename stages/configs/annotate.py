@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.config import ConfigError, StageConfig, check_choice, check_range, recorded_off_default
+from core.precision import check_precision
 from models.annotation import ANNOTATORS
 from models.encoders import ENCODERS
 from stages.presets import stage_presets
@@ -16,7 +17,6 @@ ENCODER_KINDS = {"classifier": "module", "openclip": "openclip", "hf-clip": "hf-
 # the ones with a text tower (prototypes=text)
 TEXT_ENCODERS = tuple(name for name, kind in ENCODER_KINDS.items() if ENCODERS[kind].has_text)
 PROTOTYPE_SOURCES = ("real", "text")
-PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,9 @@ class Config(StageConfig):
     batch_size: int = 256  # images per encoder forward
     workers: int = 2  # processes reading + decoding series shards ahead of the encoder (0: none)
     device: str = ""  # "" = this rank's accelerator (accelerate), else e.g. cpu, cuda:0
-    precision: str = "fp32"  # autocast dtype of the encoder forward
+    # autocast dtype of the encoder forward: auto | fp32 | bf16 | fp16 (core/precision.py; auto:
+    # bf16 on a bf16 GPU, fp32 on a CPU)
+    precision: str = "fp32"
     series: str = ""  # series folder; "" = runs/<classes>/series
     # generator fidelity: a real-only classifier run under train/ classifies the series endpoints
     # (α = 0, 1); its accuracy there is written to annotation.json ("" = skip)
@@ -47,7 +49,7 @@ class Config(StageConfig):
         check_choice("encoder", self.encoder, tuple(ENCODER_KINDS))
         check_choice("method", self.method, tuple(ANNOTATORS))
         check_choice("prototypes", self.prototypes, PROTOTYPE_SOURCES)
-        check_choice("precision", self.precision, PRECISIONS)
+        check_precision("precision", self.precision)
         check_range("batch_size", self.batch_size, 1)
         check_range("workers", self.workers, 0)
         check_range("train_limit", self.train_limit, 0)

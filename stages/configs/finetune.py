@@ -16,6 +16,7 @@ from typing import Any
 
 from core.config import ConfigError, StageConfig, check_choice, check_range, not_recorded
 from core.parts import Section
+from core.precision import check_precision
 from core.tracking import parse_trackers
 from models.heads import MaCCalPart
 from shards.datapath import (
@@ -77,7 +78,7 @@ class Config(StageConfig):
             raise ConfigError(f"run={self.run!r} must be a plain folder name")
         check_choice("method", self.method, METHODS)
         METHOD.check(self)  # every method's parameters, as their dataclasses declare
-        check_choice("precision", self.precision, PRECISIONS)
+        check_precision("precision", self.precision, PRECISIONS)
         for name in ("batch_size", "maccal_epochs", "maccal_r", "fedlas_epochs"):
             check_range(name, getattr(self, name), 1)
         check_range("eval_batch_size", self.eval_batch_size, 1)

@@ -22,11 +22,11 @@ from core.config import (
     recorded_off_default,
 )
 from core.parts import Section
+from core.precision import check_precision
 from models.generators import GENERATORS
 from stages.presets import stage_presets
 
 ENDPOINT_CHECKS = ("off", "redraw", "drop")
-DTYPES = ("", "float32", "bfloat16", "float16")  # "" = float32 on the CPU, bfloat16 on a GPU
 # the backends (the registry as any plugin left it) and their parameters
 BACKEND = Section("backend", GENERATORS)
 
@@ -65,7 +65,9 @@ class Config(StageConfig):
     min_shards: int = 16  # >= 1 shard per process x data-loader worker downstream
     batch_size: int = 64  # images per model call; fixed: bytes must not depend on it
     device: str = ""  # "" = this rank's accelerator (accelerate), else e.g. cpu, cuda:0
-    dtype: str = ""  # "" = float32 on the CPU, bfloat16 on a GPU
+    # auto | fp32 | bf16 | fp16 (core/precision.py; also "" = auto, float32, bfloat16, float16):
+    # auto = bf16 on a bf16 GPU, fp32 on a CPU
+    dtype: str = ""
     torch_compile: bool = False  # torch.compile the denoiser (GPU; first batch compiles)
     preview_series: int = 8  # rows of preview.png
     # fidelity-aware series (docs/generate.md): a series whose pure images (α = 0, 1) the judge
@@ -82,7 +84,7 @@ class Config(StageConfig):
         entry = GENERATORS[self.backend]
         check_choice("sampler", self.sampler, sorted(entry.samplers))
         BACKEND.check(self)  # every backend's parameters, as their Params declare
-        check_choice("dtype", self.dtype, DTYPES)
+        check_precision("dtype", self.dtype)
         check_range("alphas", self.alphas, 2)
         check_range("mix_classes", self.mix_classes, 2)
         for name in ("lattice", "tuples", "series_per_tuple"):

@@ -17,6 +17,7 @@ from typing import Any
 
 from core.config import ConfigError, StageConfig, check_choice, check_range, not_recorded
 from core.parts import Section
+from core.precision import check_precision
 from core.tracking import parse_trackers
 from models.classifiers import CLASSIFIERS, TIMM_PREFIX
 from models.objectives import OBJECTIVES
@@ -34,7 +35,8 @@ LOSS = Section("loss", OBJECTIVES, heading="loss parameters (METHODS §5-6)")
 # loss -> {objective parameter: config field}, derived (csm's sharpening and targets are the
 # stage's: how it loads mixed/)
 LOSS_FIELDS: dict[str, dict[str, str]] = {n: LOSS.fields_of(n, data=False) for n in LOSS.names}
-PRECISIONS = ("auto", "fp32", "bf16")  # auto: bf16 on GPU, fp32 on CPU
+# the classifier loop's precisions (core/precision.py): no fp16, whose gradients need a scaler
+PRECISIONS = ("auto", "fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ class Config(StageConfig):
             raise ConfigError(f"run={self.run!r} must be a plain folder name")
         check_choice("in_channels", self.in_channels, (1, 3))
         LOSS.check(self)  # every loss's parameters, as their dataclasses declare
-        check_choice("precision", self.precision, PRECISIONS)
+        check_precision("precision", self.precision, PRECISIONS)
         for name in ("epochs", "batch_size", "eval_batch_size"):
             check_range(name, getattr(self, name), 1)
         check_range("checkpoint_limit", self.checkpoint_limit, 1)

@@ -20,6 +20,7 @@ import torch
 from core.config import given_folder
 from core.io import sha256_file
 from core.logs import log
+from core.precision import TORCH_NAMES, resolve_precision
 from models.generators import (
     Generator,
     ModelNotFoundError,
@@ -138,7 +139,9 @@ def edm_model(cfg: Config) -> Path:
 
 
 def resolve_dtype(cfg: Config, device: torch.device) -> str:
-    return cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    """The generators' dtype word for `dtype=` (core/precision.py: auto = bf16 on a bf16 GPU,
+    fp32 on a CPU); generate casts by itself, so no launcher has a say."""
+    return TORCH_NAMES[resolve_precision("dtype", cfg.dtype, device, launcher=False)]
 
 
 # ---------------------------------------------------------------- the generator

@@ -1,0 +1,84 @@
+"""One precision vocabulary and one resolver for every stage.
+
+Every precision field takes the same words, `auto | fp32 | bf16 | fp16`; the spellings fields
+recorded before this vocabulary (`no` in fit-generator's `mixed_precision`, generate's `""` and
+`float32 | bfloat16 | float16`) mean the same and stay valid, so every config.json keeps its
+bytes. `resolve_precision` says once what `auto` is:
+
+- on a GPU: bf16 where the GPU computes it, else fp32 (never fp16 silently);
+- on a CPU: fp32, unless the stage measured that bf16 pays there (`cpu_bf16=True`: fit-generator,
+  1.3x faster on CPUs with AVX512-BF16 or AMX; bench/RESULTS.md), and then only on such a CPU.
+  The classifier loop, the samplers and the encoders keep fp32 on CPUs, so their bytes do not
+  depend on the CPU model;
+- under `accelerate launch`, accelerate's own mixed precision wins over `auto`, and a stage value
+  that names another one is refused in one line (core.runtime.launcher_precision).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from core.config import ConfigError, did_you_mean
+from core.runtime import launcher_precision
+
+Precision = Literal["fp32", "bf16", "fp16"]
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+# older spellings, recorded in config.json before the one vocabulary: the same meaning
+ALIASES = {"": "auto", "no": "fp32", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+ACCELERATE = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}  # accelerate's mixed_precision words
+TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # the generators' words
+
+
+def canonical(value: str) -> str:
+    """`value` in the one vocabulary (an older spelling mapped to its word)."""
+    return ALIASES.get(value, value)
+
+
+def check_precision(field: str, value: str, allowed: tuple[str, ...] = PRECISIONS) -> None:
+    """Refuse, in one line, a value outside the vocabulary or outside the stage's `allowed`
+    words (the classifier loop has no fp16: its gradients would need a scaler)."""
+    word = canonical(value)
+    if word in allowed:
+        return
+    if word in PRECISIONS:
+        raise ConfigError(f"{field}={value!r} is not one of this stage's: {', '.join(allowed)}")
+    raise ConfigError(
+        f"{field}={value!r} is not a precision; {did_you_mean(value, allowed)}"
+        f"choose one of: {', '.join(allowed)}"
+    )
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` computes bf16 natively (a bf16 GPU; a CPU with AVX512-BF16 or AMX)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    return bool(
+        getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+        or getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    )
+
+
+def resolve_precision(
+    field: str, value: str, device: torch.device, *, cpu_bf16: bool = False, launcher: bool = True
+) -> Precision:
+    """The precision a stage computes in: `value` (a word or an older spelling), `auto` resolved
+    as the module docstring says. `launcher`: the stage runs under accelerate (its mixed precision
+    is accelerate's to set); a stage that casts by itself (generate, annotate) passes False."""
+    word = canonical(value)
+    own = word
+    if word == "auto":
+        gpu = device.type == "cuda"
+        own = "bf16" if (gpu or cpu_bf16) and native_bf16(device) else "fp32"
+    if not launcher:
+        return own  # type: ignore[return-value]
+    mixed = launcher_precision(field, "auto" if word == "auto" else value, ACCELERATE[own])
+    return {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}[mixed]  # type: ignore[return-value]
