@@ -164,3 +164,14 @@ def test_a_section_derives_fields_docs_identity_and_refuses_clashes():
     assert (cfg.toy_scale, cfg.toy_mode) == (3.0, "b")
     with pytest.raises(TypeError, match="differ in name, type or default"):
         Section("loss", {"toy": LossEntry(_Toy, None, "x"), "other": LossEntry(_Other, None, "x")})
+
+
+def test_an_encoders_parameters_are_its_own():
+    # the CLIP kinds share one field (encoder_model); the classifier kind has only its run
+    cfg = resolve_stage_config("annotate", "digits", ["encoder=hf-clip", "encoder.model=/m"])
+    assert (cfg.encoder, cfg.encoder_model) == ("hf-clip", "/m")
+    assert resolve_stage_config("annotate", "digits", ["encoder.run=enc2"]).encoder_run == "enc2"
+    with pytest.raises(ConfigError, match="encoder 'classifier' has no parameter 'model'"):
+        resolve_stage_config("annotate", "digits", ["encoder.model=ViT-B-16"])
+    every = {f.name for f in dataclasses.fields(resolve_stage_config("annotate", "digits"))}
+    assert {"encoder_model", "encoder_pretrained", "encoder_cache", "encoder_run"} <= every

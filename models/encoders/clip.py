@@ -9,6 +9,7 @@ named by their sha256 in `identity`, never by where they live.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from torch import Tensor
 
 from core.hub import hub_offline
 from core.io import sha256_file
+from core.parts import Params, param
 
 from .base import ImageEncoder, center_crop, resize
 
@@ -76,6 +78,10 @@ def check_safetensors(path: Path) -> None:
         ) from e
 
 
+# one annotate field, encoder_model, names the model of both CLIP kinds
+MODEL_DOC = "OpenCLIP model name, or a HF CLIP id / save_pretrained folder"
+
+
 class OpenCLIPEncoder(ImageEncoder):
     """OpenCLIP `model_name` + `pretrained` (a tag such as 'openai', or a checkpoint file).
 
@@ -89,6 +95,19 @@ class OpenCLIPEncoder(ImageEncoder):
 
     kind = "openclip"
     has_text = True
+
+    @dataclass(frozen=True)
+    class Params(Params):
+        """Its parameters as annotate's fields (recorded under these names since the first
+        mixed/): `encoder_model`, `encoder_pretrained`, `encoder_cache`."""
+
+        model: str = param("ViT-B-32", field="encoder_model", doc=MODEL_DOC)
+        pretrained: str = param(
+            "openai", field="encoder_pretrained", doc="OpenCLIP tag or a local checkpoint file"
+        )
+        cache: str = param(
+            "", field="encoder_cache", doc='OpenCLIP download cache folder ("": open_clip\'s)'
+        )
 
     def __init__(
         self,
@@ -180,6 +199,12 @@ class HFCLIPEncoder(ImageEncoder):
 
     kind = "hf-clip"
     has_text = True
+
+    @dataclass(frozen=True)
+    class Params(Params):
+        """Its parameter as annotate's field: `encoder_model`, shared with openclip's model."""
+
+        model: str = param("ViT-B-32", field="encoder_model", doc=MODEL_DOC)
 
     def __init__(self, model_id_or_folder: str, **kwargs: Any) -> None:
         from transformers import CLIPImageProcessor, CLIPModel

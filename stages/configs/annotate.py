@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.config import ConfigError, StageConfig, check_choice, check_range, recorded_off_default
+from core.parts import Params, Section, param
 from core.precision import check_precision
 from models.annotation import ANNOTATORS
-from models.encoders import ENCODERS
+from models.encoders import ENCODERS, HFCLIPEncoder, OpenCLIPEncoder
 from stages.presets import stage_presets
 
 # encoder= -> its kind in the one encoder registry, models.encoders.ENCODERS. `classifier` is the
@@ -20,13 +21,39 @@ PROTOTYPE_SOURCES = ("real", "text")
 
 
 @dataclass(frozen=True)
+class ClassifierParams(Params):
+    """encoder=classifier's parameter: which semix run's pooled features encode the images."""
+
+    run: str = param("encoder", field="encoder_run", doc="the run under runs/<classes>/train/")
+
+
+@dataclass(frozen=True)
+class EncoderPart:
+    """An encoder as a part of the `encoder` section (core.parts.Part): its parameters are
+    annotate fields recorded in every mixed/ since the first (their names: `field=`)."""
+
+    params: type[Params]
+    prefix: str = "encoder"
+    every_run: bool = True
+
+
+# encoder= -> its parameters; `--set encoder.model=ViT-B-16` sets the picked encoder's
+ENCODER = Section(
+    "encoder",
+    {
+        "openclip": EncoderPart(OpenCLIPEncoder.Params),
+        "hf-clip": EncoderPart(HFCLIPEncoder.Params),
+        "classifier": EncoderPart(ClassifierParams),
+    },
+    heading="the encoder's parameters",
+)
+
+
+@dataclass(frozen=True)
+@ENCODER.fields(after="encoder")  # every encoder's parameters, one field each
 class Config(StageConfig):
     cpu_threads: int = 1  # pinned: CPU bytes must not depend on the launcher (StageConfig)
-    encoder: str = "openclip"
-    encoder_model: str = "ViT-B-32"  # OpenCLIP model name, or a HF CLIP id / save_pretrained folder
-    encoder_pretrained: str = "openai"  # OpenCLIP tag or a local checkpoint file
-    encoder_run: str = "encoder"  # encoder=classifier: the run under runs/<classes>/train/
-    encoder_cache: str = ""  # OpenCLIP download cache folder ("" = open_clip's default)
+    encoder: str = "openclip"  # its parameters: the encoder_* fields, or encoder.<param>=
     method: str = "projection"  # projection | similarity | ratio (METHODS §2 and its ablations)
     sharpening: float = 4.0  # s in t_a = sigmoid(s (lambda_hat - 0.5)); presets set METHODS' values
     prototypes: str = "real"  # real: class means over real/train; text: zero-shot prompts
