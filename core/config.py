@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 # The preset names, as stages/presets registers them when it is imported: core sits below the
 # presets and names none. For the layers below the stages, which cannot import them
@@ -168,12 +168,17 @@ def check_range(
 
 def _coerce(field: str, text: str, annotation: Any) -> Any:
     """Parse a --set value according to the field's type annotation."""
-    origin = typing.get_origin(annotation)
+    origin, words = typing.get_origin(annotation), []
     if origin in (typing.Union, types.UnionType):
-        # e.g. `int | None`: "none"/"" -> None, else the first non-None type.
-        if text.lower() in ("none", "null", ""):
+        # `float | Literal["auto"]`: a word of the Literal as it is, else the other type;
+        # `int | None`: "none"/"" -> None, else the first non-None type
+        arms = [a for a in typing.get_args(annotation) if a is not type(None)]
+        words = [w for a in arms if typing.get_origin(a) is Literal for w in typing.get_args(a)]
+        if text in words:
+            return text
+        if len(arms) < len(typing.get_args(annotation)) and text.lower() in ("none", "null", ""):
             return None
-        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+        annotation = next(a for a in arms if typing.get_origin(a) is not Literal)
         origin = typing.get_origin(annotation)
     if origin is tuple:
         args = typing.get_args(annotation)
@@ -194,6 +199,7 @@ def _coerce(field: str, text: str, annotation: Any) -> Any:
             return float(text)
     except ValueError:
         name = getattr(annotation, "__name__", str(annotation))
+        name += "".join(f" or {w!r}" for w in words)  # float | Literal["auto"]: "... or 'auto'"
         raise ConfigError(f"{field}={text!r} is not a valid {name}") from None
     return text
 
@@ -261,6 +267,9 @@ def resolve(
             values.update(overrides)
     values.update(sets_values)
     values["preset"] = preset
+    # a default that follows another field (train's run: its loss), filled before the frozen
+    # config is built, so no config changes after creation
+    values = getattr(config_cls, "fill_defaults", lambda v: v)(values)
     try:
         config = config_cls(**values)
     except TypeError as e:  # a preset naming a field the dataclass lacks: a bug, say so

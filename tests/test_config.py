@@ -1,4 +1,5 @@
 import json
+import pathlib
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -146,3 +147,18 @@ def test_field_metadata_is_the_one_identity_rule(values, extra):
     assert cfg.recorded() == base | extra
     left_out = {"out", "name", "verify_sha256", "resume", "mode", "width", "knob"}
     assert set(every_field(cfg)) == set(base) | left_out
+
+
+def test_no_config_changes_after_it_is_built():
+    # guidance is a number or the word auto, parsed as such; train's run follows its loss
+    # before the frozen config is built
+    from pipeline.registry import resolve_stage_config
+
+    assert resolve_stage_config("generate", "digits", ["guidance=2.5"]).guidance == 2.5
+    assert resolve_stage_config("generate", "digits", ["guidance=auto"]).guidance == "auto"
+    with pytest.raises(ConfigError, match=r"guidance='x' is not a valid float or 'auto'"):
+        resolve_stage_config("generate", "digits", ["guidance=x"])
+    assert resolve_stage_config("train", "digits", ["loss=focal"]).run == "focal"
+    assert resolve_stage_config("train", "digits", ["loss=focal", "run=f2"]).run == "f2"
+    configs = (pathlib.Path(__file__).parent.parent / "stages" / "configs").glob("*.py")
+    assert not [p.name for p in configs if "object.__setattr__" in p.read_text()]

@@ -11,7 +11,7 @@ backend.native_size=512` do the same thing, and a backend registered from outsid
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from core.config import (
     ConfigError,
@@ -47,7 +47,7 @@ class Config(StageConfig):
     steps: int = 25
     # classifier-free guidance w (1 = none); auto = the unet generator's recorded best w
     # (fit-generator chooses it by fidelity), 1 for the other backends without a preset value
-    guidance: str = "auto"
+    guidance: float | Literal["auto"] = "auto"
     image_size: int = 0  # stored resolution; 0 = that of real/train
     alphas: int = 8  # K mixing ratios per series, alpha_k = k/(K-1), endpoints included
     series_per_pair: int = 1
@@ -114,12 +114,10 @@ class Config(StageConfig):
                 "classifier under train/ (e.g. the chain's encoder)"
             )
         if self.guidance != "auto":
-            try:
-                object.__setattr__(self, "guidance", float(self.guidance))
-            except ValueError:
+            if isinstance(self.guidance, bool) or not isinstance(self.guidance, int | float):
                 raise ConfigError(
                     f"guidance={self.guidance!r} is not valid: a number w >= 0 or auto"
-                ) from None
+                )
             check_range("guidance", self.guidance, 0.0)
         if not entry.guidance and self.guidance not in ("auto", 1.0):
             raise ConfigError(

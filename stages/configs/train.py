@@ -78,8 +78,6 @@ class Config(StageConfig):
 
     def __post_init__(self):
         check_choice("loss", self.loss, LOSS.names)
-        if not self.run:  # named after its loss, so `loss=focal` never lands in another loss's run
-            object.__setattr__(self, "run", self.loss)
         if not self.model.startswith(TIMM_PREFIX):
             check_choice("model", self.model, (*CLASSIFIERS, f"{TIMM_PREFIX}<name>"))
         elif not _timm_has(self.model.removeprefix(TIMM_PREFIX)):
@@ -101,6 +99,14 @@ class Config(StageConfig):
         check_range("cpu_threads", self.cpu_threads, 0)
         if list(self.milestones) != sorted(self.milestones):
             raise ConfigError(f"milestones={list(self.milestones)} must be increasing")
+
+    @classmethod
+    def fill_defaults(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """run="" -> the loss's name, so `loss=focal` never lands in another loss's run (core.
+        config.resolve calls this before building the frozen config)."""
+        if values.get("run"):
+            return values
+        return {**values, "run": values.get("loss", cls.__dataclass_fields__["loss"].default)}
 
     def loss_params(self) -> dict[str, Any]:
         """The objective's keyword arguments for `loss`, read from its fields."""
