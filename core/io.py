@@ -110,9 +110,8 @@ def atomic_write_bytes(path: Path, data: bytes, shared: bool = False) -> None:
     a temporary file of its own (process and thread) and none renames another's away."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_path_for(path)
-    if shared:
-        tmp = tmp.with_name(f"{tmp.name[: -len('.tmp')]}.{os.getpid()}-{threading.get_ident()}.tmp")
+    own = f".{os.getpid()}-{threading.get_ident()}" if shared else ""
+    tmp = path.with_name(f".{path.name}{own}.tmp")  # tmp_path_for's name, when not shared
     with writing(path, tmp):
         try:
             with open(tmp, "wb") as f:

@@ -33,6 +33,7 @@ DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
 }
 ACCELERATE = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}  # accelerate's mixed_precision words
+FROM_ACCELERATE: dict[str, Precision] = {v: k for k, v in ACCELERATE.items()}  # type: ignore[misc]
 TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # the generators' words
 
 
@@ -81,4 +82,4 @@ def resolve_precision(
     if not launcher:
         return own  # type: ignore[return-value]
     mixed = launcher_precision(field, "auto" if word == "auto" else value, ACCELERATE[own])
-    return {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}[mixed]  # type: ignore[return-value]
+    return FROM_ACCELERATE[mixed]

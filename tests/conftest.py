@@ -5,9 +5,12 @@ from __future__ import annotations
 import builtins
 import contextlib
 import errno
+import hashlib
 import io
 import os
+import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -25,6 +28,37 @@ def subprocess_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     return env
+
+
+# ---------------------------------------------------------------- parts from your own module
+# (tests/test_contributing*.py: a toy loss, preset, backend, stage added with no semix edit)
+SEMIX_PACKAGES = ("core", "models", "shards", "stages", "pipeline")
+
+
+def semix_sources() -> dict[str, str]:
+    """sha256 of every semix source file: the same before and after, or a file had to change."""
+    return {
+        p.relative_to(REPO).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for pkg in SEMIX_PACKAGES
+        for p in sorted((REPO / pkg).rglob("*.py"))
+    }
+
+
+def write_plugins(folder: Path, **modules: str) -> Path:
+    """`folder` with one module per keyword (name -> source, dedented): a user's own code."""
+    folder.mkdir()
+    for name, source in modules.items():
+        (folder / f"{name}.py").write_text(textwrap.dedent(source))
+    return folder
+
+
+def run_with_plugins(folder: Path, modules: str, argv: list[str]) -> subprocess.CompletedProcess:
+    """`argv` with SEMIX_PLUGINS=`modules` importable from `folder`, as a user would run it."""
+    env = subprocess_env() | {"SEMIX_PLUGINS": modules}
+    env["PYTHONPATH"] = os.pathsep.join([str(folder), env["PYTHONPATH"]])
+    return subprocess.run(
+        argv, capture_output=True, text=True, env=env, cwd=folder.parent, timeout=600
+    )
 
 
 @pytest.fixture(scope="session")

@@ -4,23 +4,19 @@ no file of semix changed (pipeline/plugins.py)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import REPO, subprocess_env
+from conftest import run_with_plugins, semix_sources, write_plugins
 from safetensors.torch import load_file
 
 from pipeline.registry import resolve_stage_config
 from shards.writer import check_config
 
-PACKAGES = ("core", "models", "shards", "stages", "pipeline")
 # SGD without weight decay or clipping: a loss scaled by 2 at half the lr takes the same steps
 TINY = ["epochs=1", "train_limit=192", "batch_size=64", "weight_decay=0", "clip_norm=0"]
 
@@ -62,35 +58,17 @@ register_preset(
 '''
 
 
-def sources() -> dict[str, str]:
-    """sha256 of every semix source file: the same before and after, or a file had to change."""
-    return {
-        p.relative_to(REPO).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-        for pkg in PACKAGES
-        for p in sorted((REPO / pkg).rglob("*.py"))
-    }
-
-
 @pytest.fixture
 def plugins(tmp_path) -> Path:
-    folder = tmp_path / "mine"
-    folder.mkdir()
-    (folder / "toy_loss.py").write_text(textwrap.dedent(TOY_LOSS))
-    (folder / "toy_preset.py").write_text(textwrap.dedent(TOY_PRESET))
-    return folder
+    return write_plugins(tmp_path / "mine", toy_loss=TOY_LOSS, toy_preset=TOY_PRESET)
 
 
 def semix(plugins: Path, modules: str, *args: str) -> subprocess.CompletedProcess:
-    env = subprocess_env() | {"SEMIX_PLUGINS": modules}
-    env["PYTHONPATH"] = os.pathsep.join([str(plugins), env["PYTHONPATH"]])
-    return subprocess.run(
-        [sys.executable, "-m", "pipeline", *args],
-        capture_output=True, text=True, env=env, cwd=plugins.parent, timeout=600,
-    )  # fmt: skip
+    return run_with_plugins(plugins, modules, [sys.executable, "-m", "pipeline", *args])
 
 
 def test_a_loss_from_your_own_module_trains_through_the_cli(plugins, digits_root, tmp_path):
-    before = sources()
+    before = semix_sources()
     out = tmp_path / "runs"
     shutil.copytree(digits_root / "real", out / "digits" / "real")
 
@@ -120,11 +98,11 @@ def test_a_loss_from_your_own_module_trains_through_the_cli(plugins, digits_root
     fields = semix(plugins, "toy_loss", "train", "--fields").stdout
     assert any(line.split()[:2] == ["scaled_ce_scale", "1.0"] for line in fields.splitlines())
     assert "scaled-ce" in next(line for line in fields.splitlines() if line.split()[:1] == ["loss"])
-    assert sources() == before
+    assert semix_sources() == before
 
 
 def test_a_preset_from_your_own_module_extends_one_and_resolves_through_the_cli(plugins):
-    before = sources()
+    before = semix_sources()
     run = semix(plugins, "toy_preset", "train", "--preset", "digits-quick", "--print-config")
     assert run.returncode == 0, run.stderr
     config = json.loads(run.stdout)
@@ -138,7 +116,7 @@ def test_a_preset_from_your_own_module_extends_one_and_resolves_through_the_cli(
     both = semix(plugins, "toy_loss,toy_preset", "train", "--preset", "digits-quick",
                  "--set", "loss.name=scaled-ce", "--print-config")  # fmt: skip
     assert json.loads(both.stdout)["loss"] == "scaled-ce"
-    assert sources() == before
+    assert semix_sources() == before
 
 
 def test_a_missing_plugin_is_refused_in_one_line(plugins):

@@ -4,23 +4,19 @@ the generate CLI with its parameters set as `backend.<param>=`, and no file of s
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, subprocess_env
+from conftest import run_with_plugins, semix_sources, write_plugins
 
 from shards.manifest import read_manifest
 from shards.reader import load_split
 
-PACKAGES = ("core", "models", "shards", "stages", "pipeline")
 # 3 class pairs x 1 series x 3 alphas = 9 images
 TINY = ["pairs=3", "series_per_pair=1", "alphas=3"]
 
@@ -82,30 +78,14 @@ register_backend("two-colour", TwoColour, needs_model=False)
 '''
 
 
-def sources() -> dict[str, str]:
-    """sha256 of every semix source file: the same before and after, or a file had to change."""
-    return {
-        p.relative_to(REPO).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-        for pkg in PACKAGES
-        for p in sorted((REPO / pkg).rglob("*.py"))
-    }
-
-
 @pytest.fixture
 def plugin(tmp_path) -> Path:
-    folder = tmp_path / "mine"
-    folder.mkdir()
-    (folder / "toy_backend.py").write_text(textwrap.dedent(TOY_BACKEND))
-    return folder
+    return write_plugins(tmp_path / "mine", toy_backend=TOY_BACKEND)
 
 
 def generate(plugin: Path, *args: str) -> subprocess.CompletedProcess:
-    env = subprocess_env() | {"SEMIX_PLUGINS": "toy_backend"}
-    env["PYTHONPATH"] = os.pathsep.join([str(plugin), env["PYTHONPATH"]])
-    return subprocess.run(
-        [sys.executable, "-m", "pipeline", "generate", "--preset", "digits", *args],
-        capture_output=True, text=True, env=env, cwd=plugin.parent, timeout=600,
-    )  # fmt: skip
+    argv = [sys.executable, "-m", "pipeline", "generate", "--preset", "digits", *args]
+    return run_with_plugins(plugin, "toy_backend", argv)
 
 
 def expected_colour(palette: str, classes: list[int], alpha: float) -> torch.Tensor:
@@ -117,7 +97,7 @@ def expected_colour(palette: str, classes: list[int], alpha: float) -> torch.Ten
 
 
 def test_a_backend_from_your_own_module_generates_through_the_cli(plugin, digits_root, tmp_path):
-    before = sources()
+    before = semix_sources()
     out = tmp_path / "runs"
     shutil.copytree(digits_root / "real", out / "digits" / "real")
 
@@ -154,7 +134,7 @@ def test_a_backend_from_your_own_module_generates_through_the_cli(plugin, digits
         assert all((r - rests[0]).abs().max() <= 1.01 for r in rests)
     first, second = (rests[0] for rests in list(grain.values())[:2])
     assert (first - second).abs().max() > 5  # another series, another noise
-    assert sources() == before
+    assert semix_sources() == before
 
 
 def test_its_parameters_are_generate_fields(plugin):

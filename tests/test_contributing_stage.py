@@ -4,25 +4,20 @@ run through the CLI with SEMIX_PLUGINS, and no file of semix changed (pipeline/r
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shlex
 import shutil
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, subprocess_env
+from conftest import run_with_plugins, semix_sources, write_plugins
 
 from pipeline.registry import STAGES, register_stage
 from shards import manifest
 from shards.reader import load_split
 
-PACKAGES = ("core", "models", "shards", "stages", "pipeline")
 STAGE = "count-images"
 
 TOY_CONFIG = '''
@@ -84,30 +79,13 @@ def run(cfg: Config) -> Path:
 '''
 
 
-def sources() -> dict[str, str]:
-    """sha256 of every semix source file: the same before and after, or a file had to change."""
-    return {
-        p.relative_to(REPO).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-        for pkg in PACKAGES
-        for p in sorted((REPO / pkg).rglob("*.py"))
-    }
-
-
 @pytest.fixture
 def plugin(tmp_path) -> Path:
-    folder = tmp_path / "mine"
-    folder.mkdir()
-    (folder / "toy_count_config.py").write_text(textwrap.dedent(TOY_CONFIG))
-    (folder / "toy_count.py").write_text(textwrap.dedent(TOY_STAGE))
-    return folder
+    return write_plugins(tmp_path / "mine", toy_count_config=TOY_CONFIG, toy_count=TOY_STAGE)
 
 
 def run(plugin: Path, argv: list[str], modules: str = "toy_count_config"):
-    env = subprocess_env() | {"SEMIX_PLUGINS": modules}
-    env["PYTHONPATH"] = os.pathsep.join([str(plugin), env["PYTHONPATH"]])
-    return subprocess.run(
-        argv, capture_output=True, text=True, env=env, cwd=plugin.parent, timeout=600
-    )
+    return run_with_plugins(plugin, modules, argv)
 
 
 def semix(plugin: Path, *args: str, modules: str = "toy_count_config"):
@@ -115,7 +93,7 @@ def semix(plugin: Path, *args: str, modules: str = "toy_count_config"):
 
 
 def test_a_stage_from_your_own_module_runs_through_the_cli(plugin, digits_root, tmp_path):
-    before = sources()
+    before = semix_sources()
     out = tmp_path / "runs"
     shutil.copytree(digits_root / "real", out / "digits" / "real")
     count = ["count-images", "--preset", "digits", "--set", f"out={out}", "min_count=100"]
@@ -169,7 +147,7 @@ def test_a_stage_from_your_own_module_runs_through_the_cli(plugin, digits_root, 
     # 6. Without the plugin there is no such stage; and no file of semix changed.
     unknown = semix(plugin, *count, modules="")
     assert unknown.returncode == 2 and "unknown stage or command 'count-images'" in unknown.stderr
-    assert sources() == before
+    assert semix_sources() == before
 
 
 def test_the_built_in_stages_register_as_they_were_listed_before():

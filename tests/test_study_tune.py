@@ -38,7 +38,7 @@ def test_every_method_gets_a_grid_of_the_same_size_over_its_own_fields():
             own = {*train_config.LOSS_FIELDS[loss].values(), "csm_sharpening"}
             assert set(grid) <= own, group
         else:  # MaC-Cal's bottleneck width and its q schedule's start
-            assert set(grid) <= {"maccal_r", *finetune_config.METHOD_FIELDS["maccal"].values()}
+            assert set(grid) <= {"maccal_r", *finetune_config.METHOD.fields_of("maccal").values()}
             assert set(grid) <= {f.name for f in dataclasses.fields(finetune_config.Config)}
         assert set(grid) <= set(LETTERS)
     # every method with a hyper-parameter is tuned; ce alone has none

@@ -33,8 +33,6 @@ METHODS = ("maccal", "fedlas-ls", "fedlas-mbls")
 # the FeDLaS methods are train's losses of the same names: their parameters, the same fields
 # MaC-Cal's retention schedule (models/heads.py) is the method section's first part
 METHOD = Section("method", {"maccal": MaCCalPart(), **{m: LOSS.parts[m] for m in METHODS[1:]}})
-# method -> {RetentionSchedule or FeDLaSCriterion parameter: config field}
-METHOD_FIELDS: dict[str, dict[str, str]] = {m: METHOD.fields_of(m) for m in METHOD.names}
 
 
 @dataclass(frozen=True)
