@@ -28,7 +28,7 @@ FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 DATA := $(if $(filter fashion-mnist,$(CLASSES)),fashion-mnist-data)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-all test-gpu test-trackers test-reference lint format prepare fit-generator \
+.PHONY: help setup test test-all test-gpu bytes-check test-trackers test-reference lint format prepare fit-generator \
 	chain generate annotate train evaluate finetune publish pull demo study bench clean \
 	fashion-mnist-data shift ood
 
@@ -82,6 +82,12 @@ test-trackers: $(STAMP) ## install .[tracking] (wandb, mlflow) and run tests/tes
 test-reference: $(STAMP) ## install requirements-reference.txt and run tests/test_reference_metrics.py
 	$(PY) -m pip install -q -c requirements.txt -r requirements-reference.txt
 	$(PY) -m pytest -q -rs tests/test_reference_metrics.py
+
+# Float bytes are a machine's: whether a change keeps an earlier commit's bytes is checked on one
+# machine, both commits built from clean archives with this venv (docs/contributing.md).
+bytes-check: $(STAMP) ## the chain at BASE and at HEAD (default HEAD) on this machine: equal data files? (SET= overrides)
+	@test -n "$(BASE)" || { echo "semix bytes-check: error: name the earlier commit: make bytes-check BASE=<commit>" >&2; exit 2; }
+	$(PY) tests/cross_commit.py $(BASE) $(or $(HEAD),HEAD) --preset $(CLASSES) $(if $(SET),--set $(SET))
 
 lint: $(STAMP) ## ruff check + format check + the import layers (import-linter)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/lint-imports --no-cache --no-logo
