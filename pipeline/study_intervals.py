@@ -156,7 +156,7 @@ def t_interval(per_seed: np.ndarray, resampled: np.ndarray, units: Units) -> dic
 
     Each variance at the quantile of its own estimate: never more degrees of freedom than the
     units give (a Satterthwaite df credits the image term with more, and undercovers with 3
-    mixed sets: 0.91 in tests/test_study_intervals.py's simulation). Without the image term it
+    mixed sets: 0.915 in tests/test_study_intervals.py's simulation). Without the image term it
     is scipy.stats.ttest_rel's interval on the units. With one unit the seeds' variance is
     unknown: ci None.
     """
