@@ -29,6 +29,7 @@ import numpy as np
 from core.runtime import derive_seed
 from pipeline.chain import split_sets
 from pipeline.study_config import Task
+from pipeline.study_intervals import mixed_sets_of
 from pipeline.study_stats import MARGINS, N_BINS, Predictions, paired_difference, softmax
 from shards import evals
 from shards.manifest import is_complete, read_manifest
@@ -205,6 +206,7 @@ def ood_paired(
                     n,
                     g,
                     "auroc_shortfall",  # type: ignore[arg-type]
+                    mixed_sets=mixed_sets_of(records),
                 )
     return out
 
@@ -239,7 +241,8 @@ def shift_paired(
     out: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
     for when, metric, method, reference in wanted:
         g = rng(when, metric, method, reference)
-        result = paired_difference(runs[when], method, reference, n, g, metric)  # type: ignore[arg-type]
+        mixed = mixed_sets_of(records)
+        result = paired_difference(runs[when], method, reference, n, g, metric, mixed_sets=mixed)  # type: ignore[arg-type]
         out.setdefault(when, {}).setdefault(metric, {}).setdefault(reference, {})[method] = result
     return out
 
