@@ -5,9 +5,10 @@ as the units they are, the test images beside them:
 
 - **t (primary)**: a t-interval on the top-level units' paired differences (mixed sets where
   the runs carry one, else seeds), widened by the test-image variance that every unit shares
-  (which their spread cannot show). Primary because it stays honest with 5-10 units: the t quantile pays for a variance estimated
-  from a few of them (t₄ = 2.78 against the bootstrap's normal-like 1.96), and the bootstrap's
-  variance of a mean of K resampled units is (K − 1)/K of the unbiased one.
+  (which their spread cannot show). Primary because it stays honest with 5-10 units: its
+  quantile pays for a variance estimated from a few of them (t₄ = 2.78 against the
+  bootstrap's normal-like 1.96), and a bootstrap's variance of a mean of K resampled units is
+  (K − 1)/K of the unbiased one.
 - **percentile**: a hierarchical bootstrap, by hand: each resample draws the top-level units
   with replacement, then each drawn unit's seeds with replacement, and the test images once for
   every run (seeds and images are crossed: every run predicts the same images). scipy.stats
@@ -42,7 +43,6 @@ PRIMARY_ENDPOINTS = (
     ("after_ts", "nll", "csm", "ce"),
     ("before_ts", "ece", "csm3", "csm"),
 )
-LABELS = ("better", "not worse", "worse, within the margin", "worse", "inconclusive")
 _NORMAL = NormalDist()
 
 

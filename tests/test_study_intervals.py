@@ -328,3 +328,28 @@ def test_comparisons_say_which_are_the_primary_endpoints():
     assert table["before_ts"]["ece"]["ce"]["ls"]["units"]["level"] == "seed"
     assert set(r["labels"]) == {"t", "percentile", "bca"}
     json.dumps(table)
+
+
+def test_the_report_puts_primary_endpoints_first_and_flags_z0():
+    from pipeline.study_report import _paired
+
+    g = _rng(12)
+    per_seed = np.array([0.1, 0.3])
+    units = units_of([0, 1], "a", "b")
+    biased = intervals(per_seed, per_seed + 0.5 + g.normal(0, 0.2, (1000, 1)), units, [0], 0.3, g)
+    spread = intervals(np.array([-1.0, -0.8, -0.2]), np.tile([-1.0, -0.8, -0.2], (500, 1)),
+                       units_of([0, 1, 2], "a", "b"), np.zeros(10), 0.3, g)  # fmt: skip
+
+    def row(r, method, primary):
+        d = float(np.mean(r["ci95_t"]))
+        return r | {"metric": "ece", "method": method, "reference": "ce", "difference": d,
+                    "primary": primary, "resamples": 1000}  # fmt: skip
+
+    paired = {"before_ts": {"ece": {"ce": {
+        "ls": row(biased, "ls", False), "csm": row(spread, "csm", True)
+    }}}}  # fmt: skip
+    rows = [line for line in _paired(paired) if line.startswith("| before TS")]
+    assert "csm − ce" in rows[0] and "**primary**" in rows[0] and "exploratory" in rows[1]
+    assert "⚑ z0" in rows[1] and "⚑" not in rows[0]
+    assert "**inconclusive** (t: inconclusive; percentile: better)" in rows[0]
+    assert "2 seeds" in rows[1] and "3 seeds" in rows[0]
