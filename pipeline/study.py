@@ -49,6 +49,7 @@ from pipeline.study_config import (
     comparison_pairs,
     run_name,
 )
+from pipeline.study_intervals import mixed_sets_of
 from pipeline.study_kway import mixed_images, prepare_kway, prepare_redraw, variant_root
 from pipeline.study_records import collect, seed_predictions
 from pipeline.study_report import figures, write_report
@@ -286,7 +287,8 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
     budget = check_budget(records)
     summary = summarize(records, METRICS)
     by_seed = seed_predictions(root, records)
-    # paired by seed and test image, BCa intervals, verdicts against the margins fixed in
+    # paired by seed and test image (mixed sets the top-level units where records carry them),
+    # the intervals of pipeline/study_intervals.py, verdicts against the margins fixed in
     # pipeline/study_stats.py (MARGINS) before any run
     pairs = comparison_pairs(cfg.methods)
     if POSTHOC in by_seed["after_ts"]:  # after TS only
@@ -297,6 +299,8 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
             [pair for pair in pairs if POSTHOC not in pair or when == "after_ts"],
             cfg.bootstrap,
             functools.partial(pair_rng, when),
+            mixed_sets=mixed_sets_of(records),
+            when=when,
         )
         for when, p in by_seed.items()
     }

@@ -1,20 +1,20 @@
 """Statistics of a study (pipeline/study.py): ECE, debiased ECE and NLL from stored test
-predictions, a bootstrap of method − reference differences paired by seed and by test image with
-percentile and BCa intervals, a non-inferiority verdict against margins fixed here, and mean ± std
+predictions, method − reference differences paired by seed and by test image with their
+intervals and verdicts (pipeline/study_intervals.py) against margins fixed here, and mean ± std
 over seeds.
 
-Pure numpy (and the standard library's normal distribution), no file I/O: the caller loads
-predictions.npz and passes arrays.
+No file I/O: the caller loads predictions.npz and passes arrays.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from statistics import NormalDist
 from typing import Any
 
 import numpy as np
+
+from pipeline.study_intervals import intervals, is_primary, units_of
 
 N_BINS = 15  # equal-width bins ((m-1)/15, m/15], as evaluate uses
 METRICS = ("ece", "debiased_ece", "nll")  # each the name of a Predictions method
@@ -27,15 +27,11 @@ SCALE = {"ece": 100.0, "debiased_ece": 100.0, "nll": 1.0, "auroc_shortfall": 100
 # changing one after seeing results invalidates every verdict built on it. (auroc_shortfall's,
 # one AUROC point, was fixed on 2026-11-26 before any OOD interval was computed.)
 MARGINS = {"ece": 0.3, "debiased_ece": 0.3, "nll": 0.005, "auroc_shortfall": 1.0}
-LEVEL = 0.95  # two-sided level of every interval (the "ci95" fields)
 # Test-image blocks of the jackknife that gives BCa's acceleration. Its sampling error is about
 # 0.41 / blocks (the skewness of `blocks` values has sd sqrt(6 / blocks), a = skewness /
 # (6 sqrt(blocks))): 20 blocks give ±0.02, several times the acceleration of a mean over 10k
 # test images (skewness / (6 sqrt(N)) ≈ 0.003); 100 cost 100 evaluations per comparison.
 JACKKNIFE_BLOCKS = 100
-PRIMARY = "bca"  # the interval that "ci95" and the verdict use; "percentile" is reported beside
-VERDICTS = ("better", "not worse", "inconclusive", "worse")
-_NORMAL = NormalDist()
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -129,29 +125,6 @@ def metric_value(p: Predictions, metric: str, idx: np.ndarray | None = None) -> 
     return SCALE[metric] * getattr(p, metric)(idx)
 
 
-def verdict(ci: Sequence[float], margin: float) -> str:
-    """Non-inferiority verdict of method − reference from the interval ci = [lo, hi] of that
-    difference (every metric here: lower is better) and a margin > 0 fixed in advance:
-
-    - "better":       hi < 0
-    - "not worse":    0 <= hi < margin
-    - "inconclusive": hi >= margin and lo <= margin
-    - "worse":        lo > margin
-
-    The four cases partition every interval. An interval that contains 0 is "not worse" only
-    when its upper end is below the margin; one that lies above 0 but below the margin is
-    "not worse" too (worse, but by less than the margin).
-    """
-    lo, hi = ci
-    if margin <= 0 or lo > hi:
-        raise ValueError(f"verdict needs margin > 0 and lo <= hi, got {margin}, [{lo}, {hi}]")
-    if hi < 0:
-        return "better"
-    if hi < margin:
-        return "not worse"
-    return "worse" if lo > margin else "inconclusive"
-
-
 def _pairs(
     runs: dict[str, dict[int, Predictions]], method: str, reference: str
 ) -> tuple[list[int], list[tuple[Predictions, Predictions]]]:
@@ -182,37 +155,16 @@ def _differences(
     return np.array([metric_value(a, metric, idx) - metric_value(b, metric, idx) for a, b in pairs])
 
 
-def _acceleration(pairs: Sequence[tuple[Predictions, Predictions]], metric: str) -> float:
-    """BCa's acceleration a = Σ d_g³ / (6 (Σ d_g²)^(3/2)), d_g = θ̄ − θ_(g) (Efron 1987, eq. 6.6),
-    from a delete-one-block jackknife over test images: block g holds the images i with
+def _block_thetas(pairs: Sequence[tuple[Predictions, Predictions]], metric: str) -> np.ndarray:
+    """θ_(g) of the delete-one-block jackknife over test images (BCa's acceleration): the
+    mean-over-seeds difference without block g, block g the images i with
     i mod JACKKNIFE_BLOCKS = g (interleaved, so a test set sorted by class spreads over every
-    block), θ_(g) is the mean-over-all-seeds difference without block g. Seeds are not
-    jackknifed (a resample over them is cheap, a jackknife is not needed for them to be in the
-    bootstrap). 0 when every θ_(g) is equal."""
+    block)."""
     n_test = len(pairs[0][0].labels)
     block = np.arange(n_test) % min(JACKKNIFE_BLOCKS, n_test)
-    theta = np.array(
+    return np.array(
         [_differences(pairs, metric, np.flatnonzero(block != g)).mean() for g in np.unique(block)]
     )
-    d = theta.mean() - theta
-    ss = float((d**2).sum())
-    return float((d**3).sum() / (6.0 * ss**1.5)) if ss > 0 else 0.0
-
-
-def _bias_correction(thetas: np.ndarray, estimate: float) -> float:
-    """BCa's z0 = Φ⁻¹(share of resamples below the estimate, ties counted half), the share
-    clipped to [1/(2B), 1 − 1/(2B)] so that Φ⁻¹ stays finite."""
-    b = len(thetas)
-    share = (np.sum(thetas < estimate) + 0.5 * np.sum(thetas == estimate)) / b
-    return _NORMAL.inv_cdf(min(max(share, 0.5 / b), 1.0 - 0.5 / b))
-
-
-def _bca(thetas: np.ndarray, z0: float, a: float) -> list[float]:
-    """BCa interval (Efron 1987; Efron & Tibshirani 1993, eq. 14.10): the quantiles
-    α_j = Φ(z0 + (z0 + z_j) / (1 − a (z0 + z_j))) of the resamples, z_j = Φ⁻¹((1 ∓ LEVEL)/2)."""
-    z = [_NORMAL.inv_cdf((1.0 - LEVEL) / 2), _NORMAL.inv_cdf((1.0 + LEVEL) / 2)]
-    alphas = [_NORMAL.cdf(z0 + (z0 + zj) / (1.0 - a * (z0 + zj))) for zj in z]
-    return [float(q) for q in np.quantile(thetas, alphas)]
 
 
 def paired_difference(
@@ -222,39 +174,42 @@ def paired_difference(
     n: int,
     rng: np.random.Generator,
     metric: str = "ece",
+    *,
+    mixed_sets: Mapping[str, Mapping[int, Hashable]] | None = None,
+    when: str | None = None,
 ) -> dict[str, Any]:
-    """The bootstrap of θ = mean over seeds of metric(method) − metric(reference), paired by
-    seed and by test image; `runs`: method -> {seed: Predictions}.
+    """The intervals of θ = mean over seeds of metric(method) − metric(reference), paired by
+    seed and by test image; `runs`: method -> {seed: Predictions}; `mixed_sets`: {method:
+    {seed: mixed set}} where the runs trained on one (the csm family: their mixed sets are the
+    top-level units); `when` ("before_ts"/"after_ts") names the endpoint, primary or not.
 
-    Each of the `n` resamples draws the test-image indices once (the same images for every
-    run) and the seeds once (the same seeds for both methods, as seed k of one shares its
-    initialisation with seed k of the other), and takes θ* = mean over the drawn seeds k of
-    metric(method, k, images) − metric(reference, k, images). Refused when the two methods'
-    seeds or test labels differ. Returns (JSON-serialisable):
+    Each of the `n` test-image resamples draws the images once for every run and gives each
+    seed's difference on them; pipeline.study_intervals.intervals turns those into the t
+    (primary), hierarchical-bootstrap percentile and BCa intervals and the verdict. Refused when
+    the two methods share no seed or their test labels differ. Returns (JSON-serialisable):
 
     {"metric", "method", "reference", "seeds": [int], "n_test", "resamples",
      "method_mean", "reference_mean", "difference" (θ on every image and seed),
-     "relative" (difference / reference_mean; None when that is 0),
-     "ci95_percentile": [lo, hi], "ci95_bca": [lo, hi], "interval": PRIMARY,
-     "ci95": the PRIMARY interval, "bca": {"z0", "acceleration", "blocks"},
-     "margin": MARGINS[metric], "verdict": verdict(ci95, margin)}
+     "relative" (difference / reference_mean; None when that is 0), "primary": bool,
+     "units": {"level": "seed" | "mixed_set", "groups": [[seed]]},
+     "ci95_t", "t": {"se", "df", "units", "unit_variance", "shared_image_variance"},
+     "ci95_percentile", "ci95_bca", "bca": {"z0", "acceleration", "blocks", "z0_flagged"},
+     "interval": PRIMARY (or "percentile" with one unit), "ci95": that interval,
+     "labels": {interval: label}, "verdict_from": [PRIMARY, SECOND], "verdict",
+     "margin": MARGINS[metric]}
     """
     check_metric(metric)
     seeds, pairs = _pairs(runs, method, reference)
-    n_test, k = len(pairs[0][1].labels), len(pairs)
-    thetas = np.empty(n)
-    for b in range(n):
-        idx = rng.integers(0, n_test, n_test)
-        counts = np.bincount(rng.integers(0, k, k), minlength=k)
-        drawn = np.flatnonzero(counts)
-        thetas[b] = counts[drawn] @ _differences([pairs[i] for i in drawn], metric, idx) / k
+    n_test = len(pairs[0][1].labels)
+    resampled = np.array(
+        [_differences(pairs, metric, rng.integers(0, n_test, n_test)) for _ in range(n)]
+    )
+    per_seed = _differences(pairs, metric, None)
+    units = units_of(seeds, method, reference, mixed_sets)
+    out = intervals(per_seed, resampled, units, _block_thetas(pairs, metric), MARGINS[metric], rng)
+    out["units"]["groups"] = [[seeds[i] for i in g] for g in units.groups]
     means = np.array([[metric_value(p, metric) for p in pair] for pair in pairs]).mean(axis=0)
-    estimate = float(_differences(pairs, metric, None).mean())
-    z0, a = _bias_correction(thetas, estimate), _acceleration(pairs, metric)
-    intervals = {
-        "percentile": [float(q) for q in np.quantile(thetas, [(1 - LEVEL) / 2, (1 + LEVEL) / 2])],
-        "bca": _bca(thetas, z0, a),
-    }
+    estimate = float(per_seed.mean())
     return {
         "metric": metric,
         "method": method,
@@ -266,13 +221,8 @@ def paired_difference(
         "reference_mean": float(means[1]),
         "difference": estimate,
         "relative": estimate / float(means[1]) if means[1] != 0 else None,
-        "ci95_percentile": intervals["percentile"],
-        "ci95_bca": intervals["bca"],
-        "interval": PRIMARY,
-        "ci95": intervals[PRIMARY],
-        "bca": {"z0": z0, "acceleration": a, "blocks": min(JACKKNIFE_BLOCKS, n_test)},
-        "margin": MARGINS[metric],
-        "verdict": verdict(intervals[PRIMARY], MARGINS[metric]),
+        "primary": is_primary(when, metric, method, reference),
+        **out,
     }
 
 
@@ -297,15 +247,21 @@ def compare(
     n: int,
     rng: Callable[[str, str, str], np.random.Generator],
     metrics: Sequence[str] = METRICS,
+    *,
+    mixed_sets: Mapping[str, Mapping[int, Hashable]] | None = None,
+    when: str | None = None,
 ) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
     """{metric: {reference: {method: paired_difference(...)}}} for each (method, reference)
     pair of `pairs` and each of `metrics`; `rng(metric, method, reference)` gives each
-    comparison its own generator, so adding a pair or a metric changes no other interval."""
+    comparison its own generator, so adding a pair or a metric changes no other interval.
+    `mixed_sets` and `when` as paired_difference's."""
     out: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
     for metric in metrics:
         for method, reference in pairs:
             g = rng(metric, method, reference)
-            result = paired_difference(runs, method, reference, n, g, metric)
+            result = paired_difference(
+                runs, method, reference, n, g, metric, mixed_sets=mixed_sets, when=when
+            )
             out.setdefault(metric, {}).setdefault(reference, {})[method] = result
     return out
 

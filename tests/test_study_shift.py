@@ -150,11 +150,15 @@ def test_ood_paired_finds_the_method_that_separates_the_sets_better(tmp_path):
             folder = tmp_path / "eval" / run
             folder.mkdir(parents=True)
             _ood_npz(folder / "predictions.npz", test, (ood * ood_scale).astype(np.float32), labels)
-            records.append({"run": run, "method": method, "seed": seed, "ood": {"noise": {}}})
+            record = {"run": run, "method": method, "seed": seed, "ood": {"noise": {}}}
+            if method == "sharp":  # trained on a mixed set of its own: the top-level unit
+                record["mixed_set"] = f"m{seed}"
+            records.append(record)
     out = study_shift.ood_paired(tmp_path, records, ["ce", "sharp"], 300, study_shift.rng)
     r = out["noise"]["sharp"]
     assert r["metric"] == "auroc_shortfall" and r["seeds"] == [0, 1, 2] and r["n_test"] == 280
     assert r["difference"] < 0 and r["ci95"][1] < 0 and r["verdict"] == "better"
+    assert r["units"] == {"level": "mixed_set", "groups": [[0], [1], [2]]}
     lines = "\n".join(study_shift.report_lines(
         [{"method": m, "shift": {"after_ts": {str(s): {"ece": 1, "nll": 1, "top1": 1}
                                               for s in range(1, 6)}}, "ood": {}}
