@@ -107,7 +107,7 @@ def test_plan_gives_every_method_the_same_grid_at_the_tuning_seed(tmp_path):
     assert tasks["ce-s0-maccal"].after == {
         "ce-s0", "tune-ce", *grids["ce+maccal"], *extensions["ce+maccal"]
     }  # fmt: skip
-    assert not tasks["ce-s0"].after and tasks["ce-s0"].prepare is None
+    assert tasks["ce-s0"].after == {"prepare"} and tasks["ce-s0"].prepare is None
     names = list(tasks)  # a grid joins the list just before its method's runs
     assert names.index("tune-ls-ext-a") < names.index("ls-s0") < names.index("tune-focal-g1")
     untuned = StudyConfig(methods=cfg.methods, seeds=(0,), tune=False, robustness=False)
