@@ -135,8 +135,8 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
     eval_sets = ["cpu_threads=1", *split_sets(sets, "evaluate"), f"ts_criterion={cfg.ts_criterion}"]
     robust: set[str] = set()  # the tasks every evaluation waits for: the shift and OOD sets
     if cfg.robustness:
-        after = {"chain"} if needs_chain else set()
-        extra, reads = study_shift.robustness_tasks(root, preset, after, chain_sets)
+        # the shift and OOD sets read real/ only: made beside the chain
+        extra, reads = study_shift.robustness_tasks(root, preset, {DATA}, chain_sets)
         tasks += extra
         eval_sets += reads
         robust = {t.name for t in extra}

@@ -91,8 +91,13 @@ class StudyConfig:
     bootstrap: int = 2000  # resamples for the 95 % intervals
     ts_criterion: str = "nll"  # evaluate's temperature-scaling criterion
     # every method's own hyper-parameters chosen on val, each from a grid of the same size
-    # (pipeline/study_tune.py GRIDS: a run per point, one more per edge choice); off: the presets'
+    # (pipeline/study_tune.py GRIDS: a run per point and tuning seed, one more point per edge
+    # choice); off: the presets'
     tune: bool = True
+    # the seeds every grid point runs at (100, 101, ...): its score is the mean val NLL over
+    # them, and a winner whose advantage over the reference point is within one standard error
+    # of their paired differences gives way to the reference (pipeline/study_tune.choose_point)
+    tune_seeds: int = 3
     # every run also evaluated under shift (the corrupted test split) and on far-OOD sets, the
     # comparisons paired as in the main table (pipeline/study_shift.py); off: the clean test only
     robustness: bool = True
@@ -112,10 +117,10 @@ class StudyConfig:
             if METHODS[m].variant and "csm" not in self.methods:
                 raise ConfigError(f"study method {m} is compared with 2-way csm: add csm")
         counts = (self.primary_seeds, self.other_seeds, self.mixed_sets, self.jobs)
-        if not self.seeds or min(counts) < 1 or self.bootstrap < 100:
+        if not self.seeds or min(counts) < 1 or self.bootstrap < 100 or self.tune_seeds < 2:
             raise ConfigError(
                 "study needs >= 1 seed, primary_seeds >= 1, other_seeds >= 1, mixed_sets >= 1, "
-                "jobs >= 1 and bootstrap >= 100"
+                "jobs >= 1, bootstrap >= 100 and tune_seeds >= 2 (a standard error needs two)"
             )
 
     def seeds_of(self, method: str) -> tuple[int, ...]:

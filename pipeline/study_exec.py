@@ -97,6 +97,9 @@ def execute(tasks: list[Task], preset: str, jobs: int, logs: Path) -> dict[str, 
                     running[pool.submit(_execute, t, preset, logs)] = t
                     log.info("study: started %s", t.name)
             if not running:
+                if pending:  # a plan's own bug: its prerequisites are not in it
+                    missing = sorted(set().union(*(t.after for t in pending)) - done)
+                    raise StudyError(f"study tasks wait for tasks outside the plan: {missing}")
                 break
             finished, _ = wait(running, return_when=FIRST_COMPLETED)
             for f in finished:

@@ -176,7 +176,7 @@ def test_plan_orders_tasks_by_what_they_need_and_skips_evaluated_runs(tmp_path):
     )
     assert "epochs=1" in tasks["ls-s0"].steps[0][1]  # train. overrides reach train only
     assert not any(s.startswith("epochs") for s in evaluate[1])
-    no_mixed = StudyConfig(methods=("ce", "ls"), seeds=(0,), robustness=False)
+    no_mixed = StudyConfig(methods=("ce", "ls"), seeds=(0,), tune=False, robustness=False)
     assert [t.name for t in plan(no_mixed, "digits", [], tmp_path)][:2] == ["prepare", "ce-s0"]
     # a complete evaluation of the run as it is, with the study's criterion, marks the task
     # done; another criterion, a run retrained since (other digest), or an evaluation without

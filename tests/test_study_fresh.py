@@ -122,3 +122,9 @@ def test_a_study_on_a_fresh_root_runs_end_to_end(tmp_path):
         "train": record["labelled_train_images"], "val": n_val["num_samples"]
     }  # fmt: skip
     assert study["labelled_images"] == record["labelled_images"]
+
+
+def test_a_task_waiting_for_one_outside_the_plan_is_an_error_not_a_silent_skip(tmp_path):
+    orphan = Task("orphan", [("prepare", [f"out={tmp_path}"])], {"not-planned"})
+    with pytest.raises(StudyError, match=r"outside the plan: \['not-planned'\]"):
+        execute([orphan], "digits", 1, tmp_path / "logs")
