@@ -195,21 +195,24 @@ def generate_seed(preset: str, chain_sets: Sequence[str]) -> int:
 # ---------------------------------------------------------------- report
 
 
-def setup(preset: str, sets: Sequence[str]) -> tuple[StudyConfig, Path, list[Task]]:
-    """Study fields (`study.key=value`), the run root, and the plan. Every run's config is
-    resolved up front (the chain validates its own), so a misspelt field fails now, not an
-    hour in. Reads only."""
+def setup(
+    preset: str, sets: Sequence[str], data: bool = True
+) -> tuple[StudyConfig, Path, list[Task]]:
+    """Study fields (`study.key=value`), the run root, and the plan. Every task's config is
+    checked up front (check_tasks; `data`: the data source too, which --print-config, a
+    machine without the data, leaves out), so a misspelt field fails now, not an hour in.
+    Reads only."""
     study_sets = [s.removeprefix("study.") for s in sets if s.startswith("study.")]
     cfg = StudyConfig(**parse_sets(StudyConfig, study_sets, lambda key: f"study.{key}"))
     root = resolve_stage_config("train", preset, split_sets(sets, "train")).root
     tasks = plan(cfg, preset, sets, root)
-    check_tasks(preset, tasks)
+    check_tasks(preset, tasks, data)
     if any(task.name == "chain" and task.done for task in tasks):
         check_generator(preset, [s for s in sets if not s.startswith("study.")], root)
     return cfg, root, tasks
 
 
-def check_tasks(preset: str, tasks: Sequence[Task]) -> None:
+def check_tasks(preset: str, tasks: Sequence[Task], data: bool = True) -> None:
     """Everything the plan can check before a task starts, each failure one line naming the
     key: every run's config and every pending chain's steps (its checks, pipeline/chain.py),
     then, while real/ is still to be made, that the preset's source finds its data (a data
@@ -222,7 +225,7 @@ def check_tasks(preset: str, tasks: Sequence[Task]) -> None:
                 continue
             with scoped_errors(stage):
                 cfg = resolve_stage_config(stage, preset, stage_sets)
-            if task.name == DATA and not task.done:
+            if data and task.name == DATA and not task.done:
                 with scoped_errors(DATA):
                     reader(cfg.source)(cfg)  # locates and lists the data; writes nothing
 
@@ -349,8 +352,8 @@ def fields_text(preset: str) -> str:
 
 def resolved(preset: str, sets: Sequence[str]) -> dict[str, Any]:
     """`semix study --print-config`: the study's config and its plan (every task, whether it is
-    done, and the commands it runs); nothing runs."""
-    cfg, root, tasks = setup(preset, sets)
+    done, and the commands it runs); nothing runs, and the data need not be at hand."""
+    cfg, root, tasks = setup(preset, sets, data=False)
     return {
         "study": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.__dict__.items()},
         "root": str(root),

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from core.config import ConfigError
-from pipeline.study import plan, run_study, setup
+from pipeline.study import plan, resolved, run_study, setup
 from pipeline.study_config import METHODS, StudyConfig, StudyError, Task
 from pipeline.study_exec import FAILURES, LINE_CHARS, execute, failure_line, last_error
 from shards.manifest import ShardError
@@ -54,6 +54,8 @@ def test_a_missing_data_folder_stops_the_study_before_any_task(tmp_path):
     with pytest.raises(ShardError, match="prepare.data_dir="):
         setup("imagefolder", [f"out={out}", "prepare.data_dir=/nope", "study.methods=ce"])
     assert not out.exists()  # nothing written, nothing started
+    # --print-config prints the plan without the data at hand
+    assert resolved("imagefolder", [f"out={out}"])["tasks"][0]["name"] == "prepare"
 
 
 @pytest.mark.parametrize(
