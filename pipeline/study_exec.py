@@ -43,7 +43,12 @@ def _execute(task: Task, preset: str, logs: Path) -> float:
     """Run the task's commands one after another, output to logs/<task>.log; seconds taken."""
     t0 = time.perf_counter()
     log_path = logs / f"{task.name}.log"
-    extra = task.prepare() if task.prepare else []
+    try:
+        extra = task.prepare() if task.prepare else []
+    except (ValueError, OSError) as e:  # in this process: its log says so, as a command would
+        with open(log_path, "a", encoding="utf-8") as out:
+            out.write(f"{task.name}: preparing its command failed: {e}\n")
+        raise TaskError(task.name, 1, log_path, f"preparing its command failed: {e}") from e
     if extra is None:  # nothing to run (a tuning extension its grid's choice does not need)
         with open(log_path, "a", encoding="utf-8") as out:
             out.write(f"{task.name}: nothing to run\n")

@@ -130,3 +130,17 @@ def test_a_task_waiting_for_one_outside_the_plan_is_an_error_not_a_silent_skip(t
     orphan = Task("orphan", [("prepare", [f"out={tmp_path}"])], {"not-planned"})
     with pytest.raises(StudyError, match=r"outside the plan: \['not-planned'\]"):
         execute([orphan], "digits", 1, tmp_path / "logs")
+
+
+def test_a_task_whose_preparation_fails_fails_alone(tmp_path):
+    """A task's prepare (run in the study's process: a tuning choice, a link) that raises is
+    that task's failure, in the same short line; the study does not crash on it."""
+
+    def broken():
+        raise OSError(f"{tmp_path}/train/tune-ls-a0p05/metrics.json: no such file")
+
+    task = Task("tune-ls-ext-a", [("train", [f"out={tmp_path}"])], prepare=broken)
+    with pytest.raises(StudyError, match=r"^1 of 1 study tasks failed; first tune-ls-ext-a: .*"):
+        execute([task], "digits", 1, tmp_path / "logs")
+    assert "metrics.json: no such file" in (tmp_path / "logs" / FAILURES).read_text()
+    assert "preparing its command failed" in (tmp_path / "logs" / "tune-ls-ext-a.log").read_text()
