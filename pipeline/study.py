@@ -21,11 +21,8 @@ to study/logs/<run>.log.
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
 import time
 from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -33,24 +30,30 @@ import numpy as np
 
 from core.config import describe_fields, parse_sets
 from core.io import atomic_write_json
-from core.logs import log, progress
+from core.logs import log
 from core.runtime import derive_seed
 from pipeline import study_shift
-from pipeline.chain import chain_fields, scoped_errors, split_sets
+from pipeline.chain import chain_fields, check_chain, scoped_errors, split_sets
 from pipeline.registry import resolve_stage_config
 from pipeline.study_config import (
     METHODS,
     METRICS,
     POSTHOC,
     StudyConfig,
-    StudyError,
     Task,
     check_budget,
     comparison_pairs,
     run_name,
 )
+from pipeline.study_exec import _execute, execute  # noqa: F401 (the study's runner)
 from pipeline.study_intervals import mixed_sets_of
-from pipeline.study_kway import mixed_images, prepare_kway, prepare_redraw, variant_root
+from pipeline.study_kway import (
+    chain_task,
+    mixed_images,
+    prepare_set,
+    set_variant,
+    variant_root,
+)
 from pipeline.study_records import collect, seed_predictions
 from pipeline.study_report import figures, write_report
 from pipeline.study_stats import (
@@ -66,8 +69,10 @@ from pipeline.study_tune import (
     tuning_tasks,
 )
 from shards import evals
+from shards.budget import labelled_split_images
 from shards.manifest import ShardError, is_complete, read_manifest
 from shards.writer import check_config
+from stages.presets import chain_steps, reader
 
 RUNS = ("train", "finetune", "evaluate")  # the stages a study runs after the chain
 
@@ -90,25 +95,38 @@ def _evaluated(folder: Path, criterion: str) -> bool:
     return made_from == run_digest(run) and metrics["evaluation"].get("ts_criterion") == criterion
 
 
+DATA = "prepare"  # the task that makes real/: every other task waits for it, directly or not
+SPLITS = ("train", "val", "test")
+
+
+def data_task(preset: str, chain_sets: Sequence[str], root: Path) -> Task:
+    """real/ as the chain's first step makes it (the same config, so the chain then finds it
+    complete), its own task so that the runs that need only real/ start as soon as it exists."""
+    extra = next((list(e) for stage, e in chain_steps(preset) if stage == DATA), [])
+    done = all(is_complete(root / "real" / split) for split in SPLITS)
+    return Task(DATA, [(DATA, [*extra, *split_sets(chain_sets, DATA)])], done=done)
+
+
 def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list[Task]:
     """The chain (if needed), the tuning grids the methods need (pipeline/study_tune.py) and
     one task per (method, seed): train/finetune + evaluate."""
-    tasks: list[Task] = []
     needs_chain = any(METHODS[m].needs_mixed for m in cfg.methods)
     chain_sets = [s for s in sets if not s.startswith("study.")]
+    tasks: list[Task] = [data_task(preset, chain_sets, root)]
     if needs_chain:
         done = is_complete(root / "mixed")
-        tasks.append(Task("chain", [("chain", chain_sets)], done=done))
+        tasks.append(Task("chain", [("chain", chain_sets)], {DATA}, done))
 
-    def variant_chain(variant: str) -> Task:
-        v_root = variant_root(root, variant)
+    gen_seed = generate_seed(preset, chain_sets) if needs_chain and cfg.mixed_sets > 1 else 0
+
+    def set_chain(variant: str, index: int) -> Task:
+        """The chain of a family's mixed set `index` into its own root (set 0 of csm: "chain")."""
+        name = set_variant(variant, index)
+        v_root = variant_root(root, name)
         v_sets = [*(s for s in chain_sets if not s.startswith("name=")), f"name={v_root.name}"]
         done = is_complete(v_root / "mixed")
-        if variant == "redraw":
-            prepare = functools.partial(prepare_redraw, root)
-        else:
-            prepare = functools.partial(prepare_kway, root, int(variant[1:]))
-        return Task(f"chain-{variant}", [("chain", v_sets)], {"chain"}, done, prepare)
+        prepare = functools.partial(prepare_set, root, variant, index, gen_seed)
+        return Task(chain_task(name), [("chain", v_sets)], {"chain"}, done, prepare)
 
     train_sets, ft_sets = split_sets(sets, "train"), split_sets(sets, "finetune")
     tuned = tuning_tasks(cfg, root, sets) if cfg.tune else {}
@@ -118,8 +136,8 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
     eval_sets = ["cpu_threads=1", *split_sets(sets, "evaluate"), f"ts_criterion={cfg.ts_criterion}"]
     robust: set[str] = set()  # the tasks every evaluation waits for: the shift and OOD sets
     if cfg.robustness:
-        after = {"chain"} if needs_chain else set()
-        extra, reads = study_shift.robustness_tasks(root, preset, after, chain_sets)
+        # the shift and OOD sets read real/ only: made beside the chain
+        extra, reads = study_shift.robustness_tasks(root, preset, {DATA}, chain_sets)
         tasks += extra
         eval_sets += reads
         robust = {t.name for t in extra}
@@ -128,25 +146,27 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
     # order once what they need is done, so the methods given first are done first.
     for method in cfg.methods:
         variant = METHODS[method].variant
-        if variant and not any(t.name == f"chain-{variant}" for t in tasks):
-            tasks.append(variant_chain(variant))
+        if METHODS[method].needs_mixed:  # every mixed set its seeds train on
+            for index in sorted({cfg.mixed_set(method, seed) for seed in cfg.seeds_of(method)}):
+                name = chain_task(set_variant(variant, index))
+                if not any(t.name == name for t in tasks):
+                    tasks.append(set_chain(variant, index))
         planned = {t.name for t in tasks}
         for g in plan_groups(method) if cfg.tune else ():
             tasks += [t for t in tuned[g] if t.name not in planned]
         for seed in cfg.seeds_of(method):
             m, name = METHODS[method], run_name(method, seed)
+            mixed = set_variant(m.variant, cfg.mixed_set(method, seed) or 0)
             if m.stage == "train":
                 make = ("train", [*train_sets, *m.sets, f"run={name}", f"seed={seed}"])
-                if m.variant:
-                    make[1].append(f"mixed={variant_root(root, m.variant) / 'mixed'}")
+                if mixed:  # csm's set 0 is <root>/mixed, the train stage's default
+                    make[1].append(f"mixed={variant_root(root, mixed) / 'mixed'}")
             else:
                 base = run_name(m.base, seed)
                 make = ("finetune", [*ft_sets, *m.sets, f"run={base}", f"seed={seed}"])
             stage_dir = "train" if m.stage == "train" else "finetune"
             evaluate = ("evaluate", [*eval_sets, f"run={name}", f"stage_dir={stage_dir}"])
-            after = ({"chain"} if m.needs_mixed else set()) | robust
-            if m.variant:
-                after = {f"chain-{m.variant}"} | robust
+            after = ({chain_task(mixed)} if m.needs_mixed else set()) | robust
             if m.base:
                 after.add(run_name(m.base, seed))
             prepare = None
@@ -158,93 +178,57 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
                 not cfg.robustness or study_shift.read_them(folder, preset)
             )
             tasks.append(Task(name, [make, evaluate], after, done, prepare, extra_step=0))
+    for t in tasks[1:]:  # every task reads the data: each waits for it, directly or not
+        if not t.after:
+            t.after.add(DATA)
     return tasks
 
 
-def _execute(task: Task, preset: str, logs: Path) -> float:
-    """Run the task's commands one after another, output to logs/<task>.log; seconds taken."""
-    t0 = time.perf_counter()
-    log_path = logs / f"{task.name}.log"
-    extra = task.prepare() if task.prepare else []
-    if extra is None:  # nothing to run (a tuning extension its grid's choice does not need)
-        with open(log_path, "a", encoding="utf-8") as out:
-            out.write(f"{task.name}: nothing to run\n")
-        return time.perf_counter() - t0
-    with open(log_path, "a", encoding="utf-8") as out:
-        for cmd in task.commands(preset, extra):
-            out.write(f"$ {' '.join(cmd[1:])}\n")
-            out.flush()
-            rc = subprocess.run(
-                cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ
-            ).returncode
-            if rc != 0:
-                raise StudyError(f"{task.name} failed (exit {rc}); see {log_path}")
-    return time.perf_counter() - t0
-
-
-def execute(tasks: list[Task], preset: str, jobs: int, logs: Path) -> dict[str, float]:
-    """Run pending tasks `jobs` at a time in dependency order. A failed task fails the tasks
-    that need it; the others go on. Raises at the end naming every failure."""
-    logs.mkdir(parents=True, exist_ok=True)
-    done = {t.name for t in tasks if t.done}
-    pending = [t for t in tasks if not t.done]
-    failed: dict[str, str] = {}
-    seconds: dict[str, float] = {}
-    running: dict[Future, Task] = {}
-    with (
-        ThreadPoolExecutor(jobs) as pool,
-        progress(range(len(pending)), total=len(pending), desc="study", unit="run") as bar,
-    ):
-        while pending or running:
-            for t in list(pending):
-                if t.after & set(failed):
-                    pending.remove(t)
-                    failed[t.name] = f"skipped: needs {sorted(t.after & set(failed))}"
-                    bar.update(1)
-                elif t.after <= done and len(running) < jobs:
-                    pending.remove(t)
-                    running[pool.submit(_execute, t, preset, logs)] = t
-                    log.info("study: started %s", t.name)
-            if not running:
-                break
-            finished, _ = wait(running, return_when=FIRST_COMPLETED)
-            for f in finished:
-                t = running.pop(f)
-                try:
-                    seconds[t.name] = round(f.result(), 1)
-                    done.add(t.name)
-                    log.info("study: %s done in %.0f s", t.name, seconds[t.name])
-                except StudyError as e:
-                    failed[t.name] = str(e)
-                    log.error("study: %s", e)
-                bar.update(1)
-    if failed:
-        raise StudyError(
-            f"{len(failed)} study run(s) failed: "
-            + "; ".join(f"{k}: {v}" for k, v in sorted(failed.items()))
-        )
-    return seconds
+def generate_seed(preset: str, chain_sets: Sequence[str]) -> int:
+    """The seed the chain's generate step draws csm's mixed set with (the others': + index)."""
+    extra = next((list(e) for stage, e in chain_steps(preset) if stage == "generate"), [])
+    with scoped_errors("generate"):
+        return resolve_stage_config(
+            "generate", preset, [*extra, *split_sets(chain_sets, "generate")]
+        ).seed
 
 
 # ---------------------------------------------------------------- report
 
 
-def setup(preset: str, sets: Sequence[str]) -> tuple[StudyConfig, Path, list[Task]]:
-    """Study fields (`study.key=value`), the run root, and the plan. Every run's config is
-    resolved up front (the chain validates its own), so a misspelt field fails now, not an
-    hour in. Reads only."""
+def setup(
+    preset: str, sets: Sequence[str], data: bool = True
+) -> tuple[StudyConfig, Path, list[Task]]:
+    """Study fields (`study.key=value`), the run root, and the plan. Every task's config is
+    checked up front (check_tasks; `data`: the data source too, which --print-config, a
+    machine without the data, leaves out), so a misspelt field fails now, not an hour in.
+    Reads only."""
     study_sets = [s.removeprefix("study.") for s in sets if s.startswith("study.")]
     cfg = StudyConfig(**parse_sets(StudyConfig, study_sets, lambda key: f"study.{key}"))
     root = resolve_stage_config("train", preset, split_sets(sets, "train")).root
     tasks = plan(cfg, preset, sets, root)
-    for task in tasks:
-        for stage, stage_sets in task.steps:
-            if stage != "chain":
-                with scoped_errors(stage):
-                    resolve_stage_config(stage, preset, stage_sets)
+    check_tasks(preset, tasks, data)
     if any(task.name == "chain" and task.done for task in tasks):
         check_generator(preset, [s for s in sets if not s.startswith("study.")], root)
     return cfg, root, tasks
+
+
+def check_tasks(preset: str, tasks: Sequence[Task], data: bool = True) -> None:
+    """Everything the plan can check before a task starts, each failure one line naming the
+    key: every run's config and every pending chain's steps (its checks, pipeline/chain.py),
+    then, while real/ is still to be made, that the preset's source finds its data (a data
+    folder, an archive): what a pending task would otherwise find out minutes in."""
+    for task in tasks:
+        for stage, stage_sets in task.steps:
+            if stage == "chain":
+                if not task.done:
+                    check_chain(preset, stage_sets)
+                continue
+            with scoped_errors(stage):
+                cfg = resolve_stage_config(stage, preset, stage_sets)
+            if data and task.name == DATA and not task.done:
+                with scoped_errors(DATA):
+                    reader(cfg.source)(cfg)  # locates and lists the data; writes nothing
 
 
 def check_generator(preset: str, chain_sets: Sequence[str], root: Path) -> None:
@@ -316,13 +300,20 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
             ),
         }
     tuning = tuning_report(cfg, root, sets) if cfg.tune else {}
-    variants = sorted({METHODS[m].variant for m in cfg.methods if METHODS[m].variant})
+    variants = sorted(
+        set_variant(METHODS[m].variant, cfg.mixed_set(m, seed))
+        for m in cfg.methods
+        if METHODS[m].needs_mixed
+        for seed in cfg.seeds_of(m)
+    )
+    variants = [v for v in dict.fromkeys(variants) if v]
     images = mixed_images(root, variants) if variants else None
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(
         out / "study.json",
         {
             "dataset": root.name,
+            "labelled_images": labelled_split_images(root, budget),
             "labelled_train_images": budget,
             "config": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.__dict__.items()},
             "records": records,
@@ -365,8 +356,8 @@ def fields_text(preset: str) -> str:
 
 def resolved(preset: str, sets: Sequence[str]) -> dict[str, Any]:
     """`semix study --print-config`: the study's config and its plan (every task, whether it is
-    done, and the commands it runs); nothing runs."""
-    cfg, root, tasks = setup(preset, sets)
+    done, and the commands it runs); nothing runs, and the data need not be at hand."""
+    cfg, root, tasks = setup(preset, sets, data=False)
     return {
         "study": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.__dict__.items()},
         "root": str(root),

@@ -60,7 +60,11 @@ DEFAULT_METHODS = (
     "ce", "csm", "csm-redraw", "csm3", "ls", "focal", "mixup", "fedlas-ls", "ce+maccal",
     "csm+maccal", "csm-ratio", "csm-ce",
 )  # fmt: skip
-# the methods the verdict compares (docs/study.md): every seed of StudyConfig.seeds
+# the methods of the primary endpoints (csm vs ce; csm + TS vs ce + TS; csm3 vs csm): ce and csm
+# run every seed of StudyConfig.seeds, the others of PRIMARY_METHODS its first `primary_seeds`
+PRIMARY_METHODS = ("ce", "csm", "csm3")
+EVERY_SEED = ("ce", "csm")
+# the methods the verdict compares (docs/study.md); those outside PRIMARY_METHODS are exploratory
 VERDICT_METHODS = ("ce", "csm", "csm3", "csm-redraw", "ce+maccal", "csm+maccal")
 # the comparisons the verdict reads, beside every method against ce: (method, reference)
 VERDICT_PAIRS = (("csm3", "csm"), ("csm-redraw", "csm"), ("csm+maccal", "ce+maccal"))
@@ -73,17 +77,27 @@ METRICS = ("top1", "ece", "aece", "classwise_ece", "oece", "uece", "mce", "nll",
 @dataclass(frozen=True)
 class StudyConfig:
     methods: tuple[str, ...] = DEFAULT_METHODS
-    # the verdict's methods (VERDICT_METHODS) run every seed; the other baselines and the
-    # ablations the first `other_seeds` of them (seed k of two methods share their initialisation:
-    # the statistics pair them)
-    seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
+    # ce and csm run every seed, the primary endpoints' other methods (csm3) the first
+    # `primary_seeds`, the exploratory ones (every other method) the first `other_seeds` (seed k
+    # of two methods share their initialisation: the statistics pair them)
+    seeds: tuple[int, ...] = tuple(range(10))
+    primary_seeds: int = 5
     other_seeds: int = 3
+    # independent mixed sets of each csm-family chain (csm's, csm3's, csm-redraw's), each drawn
+    # with its own generate seed; the run of seed k trains on set k mod mixed_sets (its record's
+    # `mixed_set`), so the generator's variance is in the comparisons
+    mixed_sets: int = 3
     jobs: int = 2  # runs at a time (subprocesses)
     bootstrap: int = 2000  # resamples for the 95 % intervals
     ts_criterion: str = "nll"  # evaluate's temperature-scaling criterion
     # every method's own hyper-parameters chosen on val, each from a grid of the same size
-    # (pipeline/study_tune.py GRIDS: a run per point, one more per edge choice); off: the presets'
+    # (pipeline/study_tune.py GRIDS: a run per point and tuning seed, one more point per edge
+    # choice); off: the presets'
     tune: bool = True
+    # the seeds every grid point runs at (100, 101, ...): its score is the mean val NLL over
+    # them, and a winner whose advantage over the reference point is within one standard error
+    # of their paired differences gives way to the reference (pipeline/study_tune.choose_point)
+    tune_seeds: int = 3
     # every run also evaluated under shift (the corrupted test split) and on far-OOD sets, the
     # comparisons paired as in the main table (pipeline/study_shift.py); off: the clean test only
     robustness: bool = True
@@ -102,14 +116,28 @@ class StudyConfig:
                 raise ConfigError(f"study method {m} fine-tunes {base}: add {base} to methods")
             if METHODS[m].variant and "csm" not in self.methods:
                 raise ConfigError(f"study method {m} is compared with 2-way csm: add csm")
-        if not self.seeds or self.jobs < 1 or self.bootstrap < 100 or self.other_seeds < 1:
+        counts = (self.primary_seeds, self.other_seeds, self.mixed_sets, self.jobs)
+        if not self.seeds or min(counts) < 1 or self.bootstrap < 100 or self.tune_seeds < 2:
             raise ConfigError(
-                "study needs >= 1 seed, other_seeds >= 1, jobs >= 1 and bootstrap >= 100"
+                "study needs >= 1 seed, primary_seeds >= 1, other_seeds >= 1, mixed_sets >= 1, "
+                "jobs >= 1, bootstrap >= 100 and tune_seeds >= 2 (a standard error needs two)"
             )
 
     def seeds_of(self, method: str) -> tuple[int, ...]:
-        """Every seed for the verdict's methods, the first `other_seeds` for the others."""
-        return self.seeds if method in VERDICT_METHODS else self.seeds[: self.other_seeds]
+        """Every seed for ce and csm, the first `primary_seeds` for the primary endpoints' other
+        methods, the first `other_seeds` for the exploratory ones."""
+        if method in EVERY_SEED:
+            return self.seeds
+        if method in PRIMARY_METHODS:
+            return self.seeds[: self.primary_seeds]
+        return self.seeds[: self.other_seeds]
+
+    def mixed_set(self, method: str, seed: int) -> int | None:
+        """The mixed set a run trains on (a fine-tuning: its source run's); None without one."""
+        m = METHODS[method]
+        if not m.needs_mixed:
+            return None
+        return self.seeds.index(seed) % self.mixed_sets
 
 
 def run_name(method: str, seed: int) -> str:

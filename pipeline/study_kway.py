@@ -30,16 +30,50 @@ def variant_root(root: Path, variant: str) -> Path:
     return root.with_name(f"{root.name}-{variant}")
 
 
+def set_variant(variant: str, index: int) -> str:
+    """The variant root of a method family's mixed set `index` (StudyConfig.mixed_sets): set 0
+    is the family's own ("" = csm's <root>, "k3", "redraw"), set j > 0 "m<j>", "k3-m<j>", ..."""
+    if index == 0:
+        return variant
+    return f"{variant}-m{index}" if variant else f"m{index}"
+
+
+def chain_task(variant: str) -> str:
+    """The study task that makes a variant root's mixed set: chain, chain-k3, chain-m1, ..."""
+    return f"chain-{variant}" if variant else "chain"
+
+
+def prepare_set(root: Path, variant: str, index: int, generate_seed: int) -> list[str]:
+    """Before the chain of mixed set `index` of a family: share csm's upstream folders (and the
+    family's own settings: prepare_kway, prepare_redraw), and draw its series with their own
+    generate seed (the chain's + index), so each set is an independent draw of one generator."""
+    dst = variant_root(root, set_variant(variant, index))
+    if variant == "redraw":
+        sets = prepare_redraw(root, dst)
+    elif variant:
+        sets = prepare_kway(root, int(variant[1:]), dst)
+    else:
+        share_upstream(root, dst)
+        sets = []
+    return sets + ([f"generate.seed={generate_seed + index}"] if index else [])
+
+
+def share_upstream(root: Path, dst: Path) -> None:
+    """csm's complete upstream folders (KWAY_UPSTREAM) in another root, by link."""
+    for rel in KWAY_UPSTREAM:
+        link_complete(root / rel, dst / rel)
+
+
 def kway_root(root: Path, k: int) -> Path:
     """runs/<classes>-k<k>/: the k-way chain's root."""
     return variant_root(root, f"k{k}")
 
 
-def prepare_redraw(root: Path) -> list[str]:
-    """Before the redraw chain: share csm's upstream folders; the same plan as csm's, every
-    series whose pure images the encoder rejects redrawn (docs/generate.md)."""
-    for rel in KWAY_UPSTREAM:
-        link_complete(root / rel, variant_root(root, "redraw") / rel)
+def prepare_redraw(root: Path, dst: Path | None = None) -> list[str]:
+    """Before the redraw chain (into `dst`, default <root>-redraw): share csm's upstream
+    folders; the same plan as csm's, every series whose pure images the encoder rejects redrawn
+    (docs/generate.md)."""
+    share_upstream(root, dst or variant_root(root, "redraw"))
     return ["generate.endpoint_check=redraw"]
 
 
@@ -63,13 +97,12 @@ def link_complete(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
-def prepare_kway(root: Path, k: int) -> list[str]:
-    """Before the k-way chain: share csm's real/, generator/ and encoder run (no second
+def prepare_kway(root: Path, k: int, dst: Path | None = None) -> list[str]:
+    """Before the k-way chain (into `dst`, default <root>-k<k>): share csm's real/, generator/ and encoder run (no second
     prepare or fit), and size the k-way set to csm's number of generated images: lattice m =
     KWAY_LATTICE, `tuples` x `series_per_tuple` series, `tuples` the largest divisor of the
     series count that is at most C(n, k) so every tuple gets the same number of series."""
-    for rel in KWAY_UPSTREAM:
-        link_complete(root / rel, kway_root(root, k) / rel)
+    share_upstream(root, dst or kway_root(root, k))
     mixed = read_manifest(root / "mixed")
     per_series = num_lattice_points(k, KWAY_LATTICE)
     series = max(1, round(mixed.num_samples / per_series))

@@ -17,6 +17,7 @@ from pipeline import study_shift
 from pipeline.study_config import METHODS, METRICS, POSTHOC, StudyConfig, run_name
 from pipeline.study_stats import Predictions
 from shards import evals
+from shards.budget import labelled_split_images
 
 
 def collect(cfg: StudyConfig, root: Path) -> list[dict[str, Any]]:
@@ -26,12 +27,16 @@ def collect(cfg: StudyConfig, root: Path) -> list[dict[str, Any]]:
         for seed in cfg.seeds_of(method):
             folder = evals.eval_dir(root, stage_dir, run_name(method, seed))
             ev = evals.read_metrics(folder)["evaluation"]
+            train = recorded_budget(root / stage_dir / folder.name)
             records.append(
                 {
                     "method": method,
                     "seed": seed,
+                    # the csm family's mixed set (StudyConfig.mixed_set); None: it reads none
+                    "mixed_set": cfg.mixed_set(method, seed),
                     "run": f"{stage_dir}/{folder.name}",
-                    "labelled_train_images": recorded_budget(root / stage_dir / folder.name),
+                    "labelled_images": labelled_split_images(root, train),
+                    "labelled_train_images": train,
                     "temperature": ev["temperature"],
                     "ts_criterion": ev["ts_criterion"],
                     "temperature_on_edge": ev["temperature_on_edge"],

@@ -1,41 +1,51 @@
 """`make study`'s tuning: every method's own hyper-parameters chosen on the validation split,
-from a grid of the same size (METHODS §8 "One tuning budget"; docs/study.md).
+from a grid of the same size, by one rule fixed before the run (docs/study.md).
 
 GRIDS declares one grid per tuning group, {train or finetune field: values}: 4 points each (2 x 2
-for a two-parameter method, 4 values for a one-parameter one), centred on the published defaults
-(METHODS §3-6). A grid point is one run with seed TUNE_SEED (no study seed: a tuning run is never
-a study run); its score is the val NLL at the run's chosen checkpoint: a train run's best-val-
-accuracy epoch (the checkpoint it keeps), a fine-tuning's last epoch (it keeps its last weights).
-NLL because it rewards accuracy and calibration at once; no tuning run is evaluated, so the test
-split is never read for it. Ties: the first point in grid order.
+for a two-parameter method, 4 values for a one-parameter one), around the published defaults.
+REFERENCE names each grid's reference point: the default the method runs with untuned. Every
+point runs at the same `tune_seeds` seeds (TUNE_SEED, TUNE_SEED + 1, ...; no study seed: a tuning
+run is never a study run), so the points are paired by seed. A run's score is its val NLL at its
+chosen checkpoint: a train run's best-val-accuracy epoch (the checkpoint it keeps), a
+fine-tuning's last epoch (it keeps its last weights). NLL because it rewards accuracy and
+calibration at once; no tuning run is evaluated, so the test split is never read for it.
+
+The rule (`choose_point`, the same for every group): a point's score is its mean val NLL over the
+tuning seeds; the lowest wins (ties: the first in grid order) only when its advantage over the
+reference, the mean of its paired per-seed differences, exceeds that mean's standard error;
+otherwise the reference is chosen: a gap inside the seeds' noise moves nothing.
 
 Groups: csm's (w x s) serves the whole 2-way csm family (csm, csm-ratio, csm-ce, csm-redraw);
-csm3 tunes s at csm's chosen w on its own k = 3 set; ls, focal, mixup, mmce and fedlas-ls their
-loss parameters; ce+maccal and csm+maccal MaC-Cal's r and q0, one grid each on its own base run:
-a `tune-ce` train run (ce has no hyper-parameters) and csm's chosen grid run (already a csm run at
-the chosen w, s with TUNE_SEED). One grid each because the best head for a ce backbone need not
-be the best for a csm one, and each method then gets the 4 points every other method gets.
-MaC-Cal writes finetune/<run>-maccal, so each of its points fine-tunes its own name of the base:
-train/tune-ce-r128-q0p7 is a hard-linked copy of train/tune-ce (study_kway.link_complete) and its
-fine-tuning is finetune/tune-ce-r128-q0p7-maccal.
+csm3 tunes s at csm's chosen w on its own k = 3 set; ce its weight decay; ls, focal, mixup, mmce
+and fedlas-ls their loss parameters; ce+maccal and csm+maccal MaC-Cal's r and q0, one grid each on
+its base method's chosen grid runs (seed by seed), because the best head for a ce backbone need
+not be the best for a csm one. MaC-Cal writes finetune/<run>-maccal, so each of its points
+fine-tunes its own name of the base: train/tune-ce-r128-q0p7 is a hard-linked copy of ce's chosen
+run (study_kway.link_complete) and its fine-tuning is finetune/tune-ce-r128-q0p7-maccal.
+
+Run names: tune-<group>-<letter><value>... at TUNE_SEED, tune-<group>-...-t<seed> at the others
+(MaC-Cal: tune-<base>-...[-t<seed>]-maccal).
 
 Edge rule, once: a chosen value that is the smallest or largest of its grid values gets one more
-run, task tune-<group>-ext-<p> (MaC-Cal: tune-<base>-ext-<p>-maccal), one geometric step outward
-(v²/neighbour: v·(v/neighbour) above the max, v/(neighbour/v) below the min), the group's other
-parameters at their chosen values; then the choice is made again over all the group's runs. An
-interior choice leaves the task nothing to do: its prepare returns None and the study skips it.
-A method's runs take the final choice through their task's prepare, so they wait for the
-extension tasks too.
+point, task tune-<group>-ext-<p> (and its other seeds), one geometric step outward (v²/neighbour:
+v·(v/neighbour) above the max, v/(neighbour/v) below the min), the group's other parameters at
+their chosen values; then the choice is made again, by the same rule, over all the group's
+points. An interior choice leaves the tasks nothing to do: their prepare returns None and the
+study skips them. A method's runs take the final choice through their task's prepare, so they
+wait for the extension tasks too.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from core.io import read_json
 from pipeline.chain import split_sets
@@ -43,34 +53,54 @@ from pipeline.study_config import METHODS, StudyConfig, Task
 from pipeline.study_kway import link_complete, variant_root
 from shards.manifest import is_complete
 
-TUNE_SEED = 100  # no study seed: a tuning run is never a study run
-POINTS = 4  # every group's grid size: the same tuning budget for every method (METHODS §8)
+TUNE_SEED = 100  # the first tuning seed: no study seed, a tuning run is never a study run
+POINTS = 4  # every group's grid size: the same tuning budget for every method
 
-# MaC-Cal's r = 256 and q0 = 0.9 are METHODS §4's GUESS defaults: each with one step below
+# MaC-Cal's r = 256 and q0 = 0.9 are the finetune config's (guessed) defaults: each with one step
+# below
 MACCAL_GRID: dict[str, tuple[float, ...]] = {"maccal_r": (128, 256), "maccal_q0": (0.7, 0.9)}
 # group -> {train or finetune field: values}; a group is named after the method it tunes
 GRIDS: dict[str, dict[str, tuple[float, ...]]] = {
-    # w = 1 (the reference code), w / 2; s = 4 (CIFAR-10, Tiny) and 2.3 (CIFAR-100), METHODS §2-3
+    # weight decay 5e-4 (the train config's), x2 steps: how hard ce is held back from
+    # overconfidence, its one lever on calibration
+    "ce": {"weight_decay": (2.5e-4, 5e-4, 1e-3, 2e-3)},
+    # w = 1 (the reference code), w / 2; s = 4 (CIFAR-10, Tiny) and 2.3 (CIFAR-100)
     "csm": {"csm_weight": (0.5, 1.0), "csm_sharpening": (2.3, 4.0)},
     # s at csm's chosen w: a k = 3 vertex target as sharp as k = 2's at s = 4 needs s ≈ 5.4 (x1.35,
     # docs/study.md); a x1.35 ladder around it also holds k = 3's match of s = 2.3 (≈ 3.1)
     "csm3": {"csm_sharpening": (3.0, 4.0, 5.4, 7.3)},
-    # α = 0.05 (CIFAR-10, Tiny) and 0.1 (CIFAR-100) of METHODS §5, x2 steps either side
+    # α = 0.05 (CIFAR-10, Tiny) and 0.1 (CIFAR-100), x2 steps either side
     "ls": {"ls_alpha": (0.02, 0.05, 0.1, 0.2)},
-    # γ = 3 (METHODS §6), 5 (FLSD-53's high γ), 1 and 2 (the rest of Mukhoti et al.'s grid)
+    # γ = 3 (the focal-calibration paper's), 5 (FLSD-53's high γ), 1 and 2 (the rest of Mukhoti et al.'s grid)
     "focal": {"focal_gamma": (1.0, 2.0, 3.0, 5.0)},
     # α = 1 (Zhang et al., CIFAR; the preset's GUESS), 0.2 (ImageNet), 0.1-0.4 (Thulasidasan et
     # al.'s calibration study)
     "mixup": {"mixup_alpha": (0.1, 0.2, 0.4, 1.0)},
-    # λ = 2 (METHODS §6, the focal-calibration code), x2 steps
+    # λ = 2 (the focal-calibration code), x2 steps
     "mmce": {"mmce_lam": (1.0, 2.0, 4.0, 8.0)},
-    # α = 0.05 (CIFAR-10, Tiny) and 0.1 (CIFAR-100), β = 4 and 4 / 2 (METHODS §5)
+    # α = 0.05 (CIFAR-10, Tiny) and 0.1 (CIFAR-100), β = 4 and 4 / 2
     "fedlas-ls": {"fedlas_ls_alpha": (0.05, 0.1), "fedlas_ls_beta": (2.0, 4.0)},
     "ce+maccal": MACCAL_GRID,
     "csm+maccal": MACCAL_GRID,
 }
+# each grid's reference point: the value its method runs with untuned (the train and finetune
+# configs' defaults; csm's s = 4, the sharpening annotate uses, and csm3's s = 5.4, its k = 3
+# match); the rule falls back to it when a winner's advantage is within the seeds' noise
+REFERENCE: dict[str, dict[str, float]] = {
+    "ce": {"weight_decay": 5e-4},
+    "csm": {"csm_weight": 1.0, "csm_sharpening": 4.0},
+    "csm3": {"csm_sharpening": 5.4},
+    "ls": {"ls_alpha": 0.05},
+    "focal": {"focal_gamma": 3.0},
+    "mixup": {"mixup_alpha": 1.0},
+    "mmce": {"mmce_lam": 2.0},
+    "fedlas-ls": {"fedlas_ls_alpha": 0.05, "fedlas_ls_beta": 4.0},
+    "ce+maccal": {"maccal_r": 256, "maccal_q0": 0.9},
+    "csm+maccal": {"maccal_r": 256, "maccal_q0": 0.9},
+}
 # a field's letter in run names: tune-csm-w0p5-s2p3, tune-ls-a0p05, tune-ce-r128-q0p7-maccal
 LETTERS = {
+    "weight_decay": "wd",
     "csm_weight": "w", "csm_sharpening": "s", "ls_alpha": "a", "focal_gamma": "g",
     "mixup_alpha": "a", "mmce_lam": "l", "fedlas_ls_alpha": "a", "fedlas_ls_beta": "b",
     "maccal_r": "r", "maccal_q0": "q",
@@ -79,13 +109,13 @@ LETTERS = {
 # [maccal_q_min, maccal_q_max] = [0.3, 1]; r is a whole number of units
 LIMITS: dict[str, tuple[float, float]] = {"maccal_q0": (0.3, 1.0), "maccal_r": (1, math.inf)}
 INTEGERS = ("maccal_r",)
-# a group whose runs need another group's choice: csm3 its w, csm+maccal its chosen run (base)
-NEEDS = {"csm3": "csm", "csm+maccal": "csm"}
+# a group whose runs need another group's choice: csm3 its w, a MaC-Cal group its chosen runs
+NEEDS = {"csm3": "csm", "ce+maccal": "ce", "csm+maccal": "csm"}
 
 
 def tuning_group(method: str) -> str:
     """The grid that tunes a method: csm's for the 2-way csm family, csm3's for the k = 3 set,
-    the method's own (GRIDS) for the others; "" for one with nothing to tune (ce)."""
+    the method's own (GRIDS) for the others; "" for one with nothing to tune."""
     m = METHODS[method]
     if m.stage == "train" and "loss=csm" in m.sets:
         return f"csm{m.mix_classes}" if m.mix_classes > 2 else "csm"
@@ -105,14 +135,17 @@ def chosen_groups(method: str) -> tuple[str, ...]:
     return ("csm", group) if group == "csm3" else (group,) if group else ()
 
 
-def tune_run(group: str, point: dict[str, float] | str) -> str:
+def tune_run(group: str, point: dict[str, float] | str, seed: int = TUNE_SEED) -> str:
     """The tuning run's folder name (no dots in run names): tune-<group>-<letter><value>...
-    for a grid point, tune-<group>-ext-<letter> for an extension (`point`: the parameter);
-    MaC-Cal's is its fine-tuning, tune-<base>-...-maccal (tuning_alias: the train run it reads)."""
+    for a grid point, tune-<group>-ext-<letter> for an extension (`point`: the parameter), with
+    -t<seed> after it at every seed but TUNE_SEED; MaC-Cal's is its fine-tuning,
+    tune-<base>-...-maccal (tuning_alias: the train run it reads)."""
     if isinstance(point, str):
         tail = f"ext-{LETTERS[point]}"
     else:
         tail = "-".join(f"{LETTERS[k]}{v:g}" for k, v in point.items()).replace(".", "p")
+    if seed != TUNE_SEED:
+        tail += f"-t{seed}"
     m = METHODS[group]
     return f"tune-{m.base}-{tail}-maccal" if m.stage == "finetune" else f"tune-{group}-{tail}"
 
@@ -120,6 +153,10 @@ def tune_run(group: str, point: dict[str, float] | str) -> str:
 def tuning_alias(name: str) -> str:
     """The train run a MaC-Cal tuning run fine-tunes: its own copy of the base run."""
     return name.removesuffix("-maccal")
+
+
+def tune_seeds(cfg: StudyConfig) -> tuple[int, ...]:
+    return tuple(TUNE_SEED + i for i in range(cfg.tune_seeds))
 
 
 def grid_points(group: str) -> list[dict[str, float]]:
@@ -133,13 +170,15 @@ def grid_points(group: str) -> list[dict[str, float]]:
 @dataclass
 class TuneTask(Task):
     group: str = ""
-    role: str = "grid"  # grid | ext (one step beyond the grid's edge) | base (tune-ce)
+    role: str = "grid"  # grid | ext (one step beyond the grid's edge)
     stage_dir: str = "train"  # where its run lands: train | finetune
     point: dict[str, float] = field(default_factory=dict)  # a grid point's values
     param: str = ""  # ext: the parameter it steps out
+    seed: int = TUNE_SEED
+    key: str = ""  # its point's name: the run at TUNE_SEED (the seeds of a point share it)
 
 
-# ---------------------------------------------------------------- scores and the choice
+# ---------------------------------------------------------------- scores and the rule
 
 
 def val_score(run: Path) -> dict[str, float]:
@@ -160,16 +199,61 @@ def score(root: Path, task: TuneTask) -> dict[str, float]:
     return last_score(run) if task.stage_dir == "finetune" else val_score(run)
 
 
-def _best(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    return min(rows, key=lambda r: r["val_nll"])  # ties: the first
+def choose_point(rows: Sequence[dict[str, Any]], reference: dict[str, float]) -> dict[str, Any]:
+    """The tuning rule, the same for every group: the row (a point with `val_nll_seeds`, its
+    val NLL at each tuning seed, in the same seed order for every row) of the lowest mean val
+    NLL wins (ties: the first) when its advantage over the `reference` row, the mean of their
+    paired per-seed differences, exceeds that mean's standard error (sample std / sqrt(seeds));
+    else the reference is chosen. Returns {"chosen": row, "winner": the lowest row's run,
+    "advantage", "standard_error", "kept_reference": bool}."""
+    ref = next(r for r in rows if all(r[k] == v for k, v in reference.items()))
+    best = min(rows, key=lambda r: np.mean(r["val_nll_seeds"]))
+    if best is ref:
+        return {"chosen": ref, "winner": ref["run"], "advantage": 0.0, "standard_error": 0.0,
+                "kept_reference": True}  # fmt: skip
+    gaps = np.asarray(ref["val_nll_seeds"]) - np.asarray(best["val_nll_seeds"])
+    se = float(gaps.std(ddof=1) / math.sqrt(len(gaps))) if len(gaps) > 1 else math.inf
+    advantage = float(gaps.mean())
+    chosen = best if advantage > se else ref
+    return {
+        "chosen": chosen,
+        "winner": best["run"],
+        "advantage": round(advantage, 6),
+        "standard_error": round(se, 6) if math.isfinite(se) else None,
+        "kept_reference": chosen is ref,
+    }
 
 
-def _grid_rows(root: Path, tasks: Sequence[TuneTask]) -> list[dict[str, Any]]:
-    return [
-        {"run": t.name, **t.point, **score(root, t), "extension": False}
-        for t in tasks
-        if t.role == "grid"
-    ]
+def _rows(
+    root: Path, tasks: Sequence[TuneTask], points: dict[str, dict[str, float]]
+) -> list[dict[str, Any]]:
+    """One row per point (`points`: {key: its values}, in order): its values, the mean of each
+    score over its seeds, its val NLL per seed and its runs."""
+    by_key: dict[str, list[TuneTask]] = defaultdict(list)
+    for t in tasks:
+        by_key[t.key].append(t)
+    rows = []
+    for key, point in points.items():
+        runs = sorted(by_key[key], key=lambda t: t.seed)
+        scores = [score(root, t) for t in runs]
+        rows.append(
+            {
+                "run": key,
+                **point,
+                **{k: round(float(np.mean([s[k] for s in scores])), 4) for k in scores[0]},
+                "val_nll_seeds": [s["val_nll"] for s in scores],
+                "runs": [t.name for t in runs],
+                "extension": runs[0].role == "ext",
+            }
+        )
+    return rows
+
+
+def _grid_choice(root: Path, tasks: Sequence[TuneTask]) -> dict[str, Any]:
+    """The rule over the grid's points alone (what decides the extensions)."""
+    grid = [t for t in tasks if t.role == "grid"]
+    points = {t.key: t.point for t in grid}
+    return choose_point(_rows(root, grid, points), REFERENCE[tasks[0].group])["chosen"]
 
 
 def step_out(values: Sequence[float], chosen: float, param: str) -> float | None:
@@ -191,26 +275,35 @@ def extension_point(root: Path, tasks: Sequence[TuneTask], param: str) -> dict[s
     """The point an extension task runs: the grid's choice with `param` one step beyond the
     edge; None when the grid's choice of `param` is interior (the task has nothing to do)."""
     group = tasks[0].group
-    best = _best(_grid_rows(root, tasks))
+    best = _grid_choice(root, tasks)
     new = step_out(GRIDS[group][param], best[param], param)
     return None if new is None else {**{k: best[k] for k in GRIDS[group]}, param: new}
 
 
 def choose(root: Path, tasks: Sequence[TuneTask]) -> dict[str, Any]:
-    """A group's choice: the point of the lowest val NLL over its grid and the extensions its
-    grid's choice asked for; every point's scores and whether it extended, which parameter to
-    which value ({} when the grid's choice was interior)."""
+    """A group's choice by the rule over its grid and the extensions its grid's choice asked
+    for: every point's scores (means over the tuning seeds), whether it extended, which
+    parameter to which value ({} when the grid's choice was interior), and the rule's numbers."""
     group = tasks[0].group
-    rows, extended = _grid_rows(root, tasks), {}
+    points = {t.key: t.point for t in tasks if t.role == "grid"}
+    extended = {}
     for t in tasks:
-        if t.role == "ext" and (point := extension_point(root, tasks, t.param)) is not None:
+        if t.role != "ext" or t.key in points:
+            continue
+        if (point := extension_point(root, tasks, t.param)) is not None:
             extended[t.param] = point[t.param]
-            rows.append({"run": t.name, **point, **score(root, t), "extension": True})
-    best = _best(rows)
+            points[t.key] = point
+    rows = _rows(root, [t for t in tasks if t.key in points], points)
+    rule = choose_point(rows, REFERENCE[group])
+    chosen = rule.pop("chosen")
     return {
-        "criterion": "val_nll",
-        "chosen": {k: best[k] for k in GRIDS[group]},
-        "chosen_run": best["run"],
+        "criterion": "mean val_nll over the tuning seeds; within one standard error: reference",
+        "seeds": sorted({t.seed for t in tasks}),
+        "reference": REFERENCE[group],
+        "rule": rule,
+        "chosen": {k: chosen[k] for k in GRIDS[group]},
+        "chosen_run": chosen["run"],
+        "chosen_runs": chosen["runs"],
         "extended": extended,
         "grid": rows,
     }
@@ -232,12 +325,11 @@ def chosen_sets(
     return [f"{k}={v:g}" for k, v in values.items()]
 
 
-def base_run(root: Path, tuned: dict[str, list[TuneTask]], group: str) -> str:
-    """The train run a MaC-Cal group fine-tunes: its base method's chosen grid run (csm), or
-    the base's own tuning run (tune-ce) when it has nothing to tune."""
-    base = METHODS[group].base
-    base_group = tuning_group(base)
-    return choose(root, tuned[base_group])["chosen_run"] if base_group else f"tune-{base}"
+def base_run(root: Path, tuned: dict[str, list[TuneTask]], group: str, seed: int) -> str:
+    """The train run a MaC-Cal group's run at tuning seed `seed` fine-tunes: its base method's
+    chosen point's run at that seed (paired: every point's seed k starts from the same run)."""
+    runs = choose(root, tuned[NEEDS[group]])["chosen_runs"]
+    return runs[seed - TUNE_SEED]
 
 
 # ---------------------------------------------------------------- the tasks
@@ -258,13 +350,14 @@ def _prepare_finetune(
     tuned: dict[str, list[TuneTask]],
     group: str,
     name: str,
+    seed: int,
     values: Callable[[], list[str] | None] | None,
 ) -> list[str] | None:
     """Before a MaC-Cal tuning run: its own name for the base run (hard links), then its
     values (None: an extension with nothing to do, and no copy)."""
     sets = values() if values else []
     if sets is not None:
-        link_complete(root / "train" / base_run(root, tuned, group), root / "train" / name)
+        link_complete(root / "train" / base_run(root, tuned, group, seed), root / "train" / name)
     return sets
 
 
@@ -286,9 +379,9 @@ def _group_tasks(
     train_sets: Sequence[str],
     ft_sets: Sequence[str],
     tuned: dict[str, list[TuneTask]],
+    seeds: Sequence[int],
 ) -> list[TuneTask]:
-    """A group's tasks: its grid, one extension task per parameter, and (ce+maccal) the base
-    train run its grid fine-tunes."""
+    """A group's tasks: its grid and one extension per parameter, each at every tuning seed."""
     m = METHODS[group]
     stage = "finetune" if m.stage == "finetune" else "train"
     tasks: list[TuneTask] = []
@@ -302,35 +395,29 @@ def _group_tasks(
         after |= {t.name for t in tuned[NEEDS[group]]}
         if stage == "train":  # csm3: csm's chosen w
             fixed = functools.partial(chosen_sets, root, tuned, (NEEDS[group],), ("csm_weight",))
-    elif stage == "finetune":  # a base run of its own at TUNE_SEED: ce has nothing to tune
-        base = f"tune-{m.base}"
-        sets = [*train_sets, *METHODS[m.base].sets, f"run={base}", f"seed={TUNE_SEED}"]
-        done = is_complete(root / "train" / base)
-        tasks.append(TuneTask(base, [("train", sets)], set(), done, group=group, role="base"))
-        after.add(base)
 
-    def make(name: str, values: list[str], role: str, prepare, **kw) -> TuneTask:
+    def make(at: dict[str, float] | str, seed: int, prepare, **kw) -> TuneTask:
+        """The run of grid point `at` (or the extension of parameter `at`) at `seed`."""
+        name = tune_run(group, at, seed)
+        values = [] if isinstance(at, str) else [f"{k}={v:g}" for k, v in at.items()]
         if stage == "finetune":
             run = tuning_alias(name)
-            sets = [*ft_sets, *m.sets, *values, f"run={run}", f"seed={TUNE_SEED}"]
-            prepare = functools.partial(_prepare_finetune, root, tuned, group, run, prepare)
+            sets = [*ft_sets, *m.sets, *values, f"run={run}", f"seed={seed}"]
+            prepare = functools.partial(_prepare_finetune, root, tuned, group, run, seed, prepare)
         else:
-            sets = [*train_sets, *m.sets, *extra, *values, f"run={name}", f"seed={TUNE_SEED}"]
+            sets = [*train_sets, *m.sets, *extra, *values, f"run={name}", f"seed={seed}"]
         done = is_complete(root / stage / name)
         return TuneTask(
-            name, [(stage, sets)], set(after), done, prepare,
-            group=group, role=role, stage_dir=stage, **kw,
+            name, [(stage, sets)], set(after), done, prepare, group=group, stage_dir=stage,
+            seed=seed, key=tune_run(group, at), **kw,
         )  # fmt: skip
 
-    grid = [
-        make(tune_run(group, p), [f"{k}={v:g}" for k, v in p.items()], "grid", fixed, point=p)
-        for p in grid_points(group)
-    ]
+    grid = [make(p, seed, fixed, point=p) for p in grid_points(group) for seed in seeds]
     tasks += grid
     after |= {t.name for t in grid}  # an extension: the whole grid first, it decides the step
     for param in GRIDS[group]:
         prepare = functools.partial(_prepare_extension, root, tasks, param, fixed)
-        tasks.append(make(tune_run(group, param), [], "ext", prepare, param=param))
+        tasks += [make(param, seed, prepare, role="ext", param=param) for seed in seeds]
     for t in tasks:
         if t.role == "ext":
             t.done = _extension_done(root, tasks, t)
@@ -339,18 +426,20 @@ def _group_tasks(
 
 def tuning_tasks(cfg: StudyConfig, root: Path, sets: Sequence[str]) -> dict[str, list[TuneTask]]:
     """The tasks of every group the study's methods need ({group: tasks}, in the order they
-    run: csm before csm3 and csm+maccal). Grid runs read the val split only (never evaluated)."""
+    run: ce before ce+maccal, csm before csm3 and csm+maccal). Grid runs read the val split only
+    (never evaluated)."""
     groups = dict.fromkeys(g for method in cfg.methods for g in plan_groups(method))
     train_sets, ft_sets = split_sets(sets, "train"), split_sets(sets, "finetune")
     tuned: dict[str, list[TuneTask]] = {}
     for group in groups:
-        tuned[group] = _group_tasks(group, root, train_sets, ft_sets, tuned)
+        tuned[group] = _group_tasks(group, root, train_sets, ft_sets, tuned, tune_seeds(cfg))
     return tuned
 
 
 def tuning_report(cfg: StudyConfig, root: Path, sets: Sequence[str]) -> dict[str, Any]:
     """Every group's grid, extensions and choice, as the study's runs were given them
-    (study.json "tuning"): csm3 adds the csm w it ran at ("at"), a MaC-Cal group its base run."""
+    (study.json "tuning"): csm3 adds the csm w it ran at ("at"), a MaC-Cal group its base runs
+    (one per tuning seed). Every study method has a grid (tuning_group)."""
     tuned = tuning_tasks(cfg, root, sets)
     report: dict[str, Any] = {}
     for group, tasks in tuned.items():
@@ -358,6 +447,6 @@ def tuning_report(cfg: StudyConfig, root: Path, sets: Sequence[str]) -> dict[str
         if group == "csm3":
             result["at"] = {"csm_weight": choose(root, tuned["csm"])["chosen"]["csm_weight"]}
         if METHODS[group].stage == "finetune":
-            result["base"] = base_run(root, tuned, group)
+            result["base"] = choose(root, tuned[NEEDS[group]])["chosen_runs"]
         report[group] = result
     return report

@@ -2,8 +2,14 @@
 
 A fair comparison gives every method the same labelled images, and counts what shaped a method
 through its parts: a csm run learns from its own real images, from the generator that drew its
-series (and the judge that chose the generator's guidance), and from the encoder and prototypes
-that annotated them; a fine-tuned run from the run it started from.
+series (and the judge that chose the generator's guidance, and the one that chose which series
+to redraw: generate's endpoint_judge), and from the encoder and prototypes that annotated them; a
+fine-tuned run from the run it started from. A judge that only reports (fit-generator's
+report_judges, annotate's fidelity_run) chooses nothing and counts for nothing.
+
+The val split is labelled too: every run chooses its checkpoint on all of real/val, and a study
+its hyper-parameters, temperatures and calibrators, the same images for every method.
+`labelled_split_images` states both, {"train": N, "val": M}.
 
 Every stage that reads labelled images reads a *prefix* of real/train: the first ``train_limit``
 images in their stored order (0 = all). So the distinct labelled images behind an output made of
@@ -91,11 +97,16 @@ def _generator(folder: Path, seen: set[Path]) -> int:
 
 
 def _series(folder: Path, seen: set[Path]) -> int:
+    """The generator, and the judge that chose which series to keep (generate's endpoint_judge,
+    recorded only while its endpoint_check is on: otherwise it chooses nothing)."""
     cfg = _config(folder)
-    if cfg.get("backend", "unet") in PRETRAINED_BACKENDS:
-        return 0  # trained elsewhere: no image of this real/train
     root = folder.parent
-    return _generator(Path(cfg["model"]) if cfg.get("model") else root / "generator", seen)
+    n = 0
+    if cfg.get("endpoint_check", "off") != "off" and cfg.get("endpoint_judge"):
+        n = _run(root, "train", cfg["endpoint_judge"], seen)
+    if cfg.get("backend", "unet") in PRETRAINED_BACKENDS:
+        return n  # the generator was trained elsewhere: no image of this real/train
+    return max(n, _generator(Path(cfg["model"]) if cfg.get("model") else root / "generator", seen))
 
 
 def _mixed(folder: Path, seen: set[Path]) -> int:
@@ -123,3 +134,15 @@ def labelled_images(root: Path, stage: str, name: str = "") -> int | None:
         return count[stage](root / stage, set())
     except _Unknown:
         return None
+
+
+def val_size(root: Path) -> int:
+    """The images in real/val (its manifest's sample count)."""
+    return read_manifest(root / "real" / "val").num_samples
+
+
+def labelled_split_images(root: Path, train: int | None) -> dict[str, int] | None:
+    """{"train": N, "val": M}: the labelled images behind a study run, `train` as counted above
+    (recorded by the run) and every image of real/val, which chose its checkpoint (and, in a
+    study, its hyper-parameters, temperature and calibrator); None when `train` is unknown."""
+    return None if train is None else {"train": train, "val": val_size(root)}

@@ -97,6 +97,30 @@ def test_a_part_that_does_not_record_what_it_read_makes_the_count_unknown(chain)
                       {"method": "csm", "labelled_train_images": None}])  # fmt: skip
 
 
+def test_generates_endpoint_judge_counts_only_when_it_chooses(chain):
+    """csm-redraw's series: the judge that chose which series to redraw shapes the set; a
+    judge recorded without its check (endpoint_check off: none is) chooses nothing."""
+    redraw = {"backend": "unet", "model": "", "endpoint_check": "redraw", "endpoint_judge": "judge"}
+    complete(chain / "series", redraw, "series")
+    assert labelled_images(chain, "train", "csm") == n_train(chain)  # the 54k-style judge
+    complete(chain / "series", {**redraw, "endpoint_judge": "ce"}, "series")
+    assert labelled_images(chain, "series") == 200  # ce's 100 < the generator's chooser's 200
+    complete(chain / "series", {**redraw, "endpoint_check": "off"}, "series")
+    assert labelled_images(chain, "train", "csm") == 200
+    # a pretrained generator with a judge inside the budget: the judge alone counts
+    complete(chain / "series", {**redraw, "backend": "sd", "endpoint_judge": "ce"}, "series")
+    assert labelled_images(chain, "series") == 100
+
+
+def test_a_study_record_states_train_and_val_images(chain):
+    from shards.budget import labelled_split_images, val_size
+
+    n_val = json.loads((chain / "real" / "val" / "manifest.json").read_text())["num_samples"]
+    assert val_size(chain) == n_val > 0
+    assert labelled_split_images(chain, 200) == {"train": 200, "val": n_val}
+    assert labelled_split_images(chain, None) is None
+
+
 def test_a_pretrained_part_adds_nothing_to_the_count(chain):
     complete(chain / "series", {"backend": "sd", "model": "some/model"}, "series")
     complete(chain / "mixed", {"encoder": "openclip", "train_limit": 50}, "mixed")

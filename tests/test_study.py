@@ -94,18 +94,60 @@ def _run_and_evaluation(root, stage, run, criterion, digest=None):
         evals.finish(tmp, class_names=("a", "b"), upstream=upstream, settings={}, code_version="t")
 
 
-def test_the_verdicts_methods_run_every_seed_and_the_others_the_first_few(tmp_path):
+def test_ce_and_csm_run_every_seed_the_primary_five_and_the_exploratory_three(tmp_path):
     cfg = StudyConfig(
-        methods=("ce", "ls", "ce+maccal"), seeds=(0, 1, 2, 3, 4), tune=False, robustness=False
+        methods=("ce", "csm", "csm3", "ls", "ce+maccal"), tune=False, robustness=False
     )
+    assert cfg.seeds == tuple(range(10))  # the defaults: >= 10, >= 5 and 3 seeds
     names = [t.name for t in plan(cfg, "digits", [], tmp_path)]
-    assert names == [
-        *(f"ce-s{k}" for k in range(5)), *(f"ls-s{k}" for k in range(3)),
-        *(f"ce-s{k}-maccal" for k in range(5)),
+    runs = [n for n in names if n != "prepare" and not n.startswith("chain")]
+    assert runs == [
+        *(f"ce-s{k}" for k in range(10)), *(f"csm-s{k}" for k in range(10)),
+        *(f"csm3-s{k}" for k in range(5)), *(f"ls-s{k}" for k in range(3)),
+        *(f"ce-s{k}-maccal" for k in range(3)),
     ]  # fmt: skip
-    assert StudyConfig(seeds=(7, 8), other_seeds=1).seeds_of("focal") == (7,)
-    with pytest.raises(ConfigError, match="other_seeds >= 1"):
-        StudyConfig(other_seeds=0)
+    custom = StudyConfig(seeds=(7, 8, 9), primary_seeds=2, other_seeds=1)
+    assert custom.seeds_of("csm") == (7, 8, 9) and custom.seeds_of("csm3") == (7, 8)
+    assert custom.seeds_of("focal") == (7,)
+    for field in ("other_seeds", "primary_seeds", "mixed_sets"):
+        with pytest.raises(ConfigError, match=f"{field} >= 1"):
+            StudyConfig(**{field: 0})
+
+
+def test_each_csm_seed_trains_on_one_of_three_independent_mixed_sets(tmp_path):
+    """Seed k's run of a csm-family method trains on mixed set k mod 3 of its family, each set
+    its own chain with its own generate seed (the chain's + the set's index); its fine-tuning
+    and its record carry the same set."""
+    from pipeline.study_kway import prepare_set
+
+    root = tmp_path / "digits"
+    cfg = StudyConfig(
+        methods=("ce", "csm", "csm3", "csm+maccal"), seeds=(0, 1, 2, 3), tune=False,
+        robustness=False,
+    )  # fmt: skip
+    tasks = {t.name: t for t in plan(cfg, "digits", [f"out={tmp_path}", "seed=5"], root)}
+    assert [cfg.mixed_set("csm", k) for k in range(4)] == [0, 1, 2, 0]
+    assert cfg.mixed_set("ce", 1) is None and cfg.mixed_set("csm+maccal", 2) == 2
+    chains = ["chain", "chain-m1", "chain-m2", "chain-k3", "chain-k3-m1", "chain-k3-m2"]
+    assert [n for n in tasks if n.startswith("chain")] == chains
+    for name in chains[1:]:
+        assert tasks[name].after == {"chain"}
+    assert "name=digits-m1" in tasks["chain-m1"].steps[0][1]
+    for seed, folder, chain in ((0, None, "chain"), (1, "digits-m1", "chain-m1"),
+                                (3, None, "chain")):  # fmt: skip
+        train = tasks[f"csm-s{seed}"].steps[0][1]
+        mixed = [s for s in train if s.startswith("mixed=")]
+        assert mixed == ([f"mixed={tmp_path / folder / 'mixed'}"] if folder else [])
+        assert tasks[f"csm-s{seed}"].after == {chain}
+    assert tasks["csm3-s2"].after == {"chain-k3-m2"}
+    assert f"mixed={tmp_path / 'digits-k3-m2' / 'mixed'}" in tasks["csm3-s2"].steps[0][1]
+    assert tasks["csm-s1-maccal"].after == {"chain-m1", "csm-s1"}
+    # set 0 draws with the chain's seed; set j with seed + j, the upstream shared by link
+    (root / "real" / "train").mkdir(parents=True)
+    (root / "real" / "train" / "manifest.json").write_text("{}")
+    assert prepare_set(root, "", 2, 5) == ["generate.seed=7"]
+    assert (tmp_path / "digits-m2" / "real" / "train" / "manifest.json").is_file()
+    assert tasks["chain-m1"].prepare() == ["generate.seed=6"]
 
 
 def test_every_method_meets_ce_and_the_verdicts_pairs_meet_theirs():
@@ -121,9 +163,10 @@ def test_plan_orders_tasks_by_what_they_need_and_skips_evaluated_runs(tmp_path):
         methods=("ce", "ls", "csm-ratio", "ce+maccal"), seeds=(0,), tune=False, robustness=False
     )
     tasks = {t.name: t for t in plan(cfg, "digits", ["train.epochs=1"], tmp_path)}
-    assert list(tasks) == ["chain", "ce-s0", "ls-s0", "csm-ratio-s0", "ce-s0-maccal"]
-    # only methods that read mixed/ wait for the chain; a fine-tuning waits for its source run
-    assert tasks["ce-s0"].after == tasks["ls-s0"].after == set()
+    assert list(tasks) == ["prepare", "chain", "ce-s0", "ls-s0", "csm-ratio-s0", "ce-s0-maccal"]
+    # only methods that read mixed/ wait for the chain, the others only for real/ (the
+    # chain's first step, its own task); a fine-tuning waits for its source run
+    assert tasks["ce-s0"].after == tasks["ls-s0"].after == tasks["chain"].after == {"prepare"}
     assert tasks["csm-ratio-s0"].after == {"chain"}
     assert tasks["ce-s0-maccal"].after == {"ce-s0"}
     make, evaluate = tasks["ce-s0-maccal"].steps
@@ -133,8 +176,8 @@ def test_plan_orders_tasks_by_what_they_need_and_skips_evaluated_runs(tmp_path):
     )
     assert "epochs=1" in tasks["ls-s0"].steps[0][1]  # train. overrides reach train only
     assert not any(s.startswith("epochs") for s in evaluate[1])
-    no_mixed = StudyConfig(methods=("ce", "ls"), seeds=(0,), robustness=False)
-    assert plan(no_mixed, "digits", [], tmp_path)[0].name == "ce-s0"  # no chain task
+    no_mixed = StudyConfig(methods=("ce", "ls"), seeds=(0,), tune=False, robustness=False)
+    assert [t.name for t in plan(no_mixed, "digits", [], tmp_path)][:2] == ["prepare", "ce-s0"]
     # a complete evaluation of the run as it is, with the study's criterion, marks the task
     # done; another criterion, a run retrained since (other digest), or an evaluation without
     # its manifest (killed mid-write) does not
@@ -145,7 +188,7 @@ def test_plan_orders_tasks_by_what_they_need_and_skips_evaluated_runs(tmp_path):
     (tmp_path / "eval" / "finetune" / "ce-s0-maccal" / "metrics.json").write_text("{}")
     done = {t.name: t.done for t in plan(cfg, "digits", [], tmp_path)}
     assert done == {
-        "chain": False, "ce-s0": True, "ls-s0": False, "csm-ratio-s0": False,
+        "prepare": False, "chain": False, "ce-s0": True, "ls-s0": False, "csm-ratio-s0": False,
         "ce-s0-maccal": False,
     }  # fmt: skip
     from shards.runs import finish_run
@@ -283,7 +326,9 @@ def test_csm3_plan_trains_on_the_kway_set_after_its_chain(tmp_path):
     from pipeline.study import plan
 
     root = tmp_path / "digits"
-    cfg = StudyConfig(methods=("ce", "csm", "csm3"), seeds=(0, 1), tune=False, robustness=False)
+    cfg = StudyConfig(
+        methods=("ce", "csm", "csm3"), seeds=(0, 1), tune=False, robustness=False, mixed_sets=1
+    )
     tasks = {t.name: t for t in plan(cfg, "digits", [f"out={tmp_path}"], root)}
     assert tasks["chain-k3"].after == {"chain"} and tasks["chain-k3"].prepare is not None
     chain_sets = tasks["chain-k3"].steps[0][1]

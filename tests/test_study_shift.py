@@ -98,7 +98,9 @@ def test_every_run_waits_for_the_sets_and_is_redone_until_it_read_them(tmp_path)
 
     cfg = StudyConfig(methods=("ce", "csm-ratio"), seeds=(0,), tune=False)
     tasks = {t.name: t for t in plan(cfg, "digits", [], tmp_path)}
-    assert list(tasks) == ["chain", "shift", "ood", "ce-s0", "csm-ratio-s0"]
+    assert list(tasks) == ["prepare", "chain", "shift", "ood", "ce-s0", "csm-ratio-s0"]
+    # the sets read real/ only: they (and the runs that need no mixed set) start beside the chain
+    assert tasks["shift"].after == tasks["ood"].after == tasks["chain"].after == {"prepare"}
     assert tasks["ce-s0"].after == {"shift", "ood"}
     assert tasks["csm-ratio-s0"].after == {"chain", "shift", "ood"}
     evaluate = tasks["ce-s0"].steps[1][1]

@@ -7,15 +7,21 @@ import json
 import shutil
 from itertools import chain
 
+import numpy as np
 import pytest
+from scipy.stats import sem
 
+from core.config import ConfigError
 from pipeline.study import _execute, execute, plan
 from pipeline.study_config import METHODS, StudyConfig
 from pipeline.study_tune import (
     GRIDS,
     LETTERS,
     POINTS,
+    REFERENCE,
     TUNE_SEED,
+    choose,
+    choose_point,
     grid_points,
     step_out,
     tune_run,
@@ -33,7 +39,9 @@ def test_every_method_gets_a_grid_of_the_same_size_over_its_own_fields():
         assert len(grid_points(group)) == POINTS, group
         assert all(v > 0 for values in grid.values() for v in values)  # geometric steps
         assert all(len(set(values)) == len(values) > 1 for values in grid.values())
-        if m.stage == "train":  # the loss's own parameters (train Config, LOSS_FIELDS)
+        if group == "ce":  # ce has no loss parameter: its weight decay
+            assert set(grid) == {"weight_decay"}
+        elif m.stage == "train":  # the loss's own parameters (train Config, LOSS_FIELDS)
             loss = next(s.split("=")[1] for s in m.sets if s.startswith("loss="))
             own = {*train_config.LOSS_FIELDS[loss].values(), "csm_sharpening"}
             assert set(grid) <= own, group
@@ -41,8 +49,58 @@ def test_every_method_gets_a_grid_of_the_same_size_over_its_own_fields():
             assert set(grid) <= {"maccal_r", *finetune_config.METHOD.fields_of("maccal").values()}
             assert set(grid) <= {f.name for f in dataclasses.fields(finetune_config.Config)}
         assert set(grid) <= set(LETTERS)
-    # every method with a hyper-parameter is tuned; ce alone has none
-    assert {m for m in METHODS if not tuning_group(m)} == {"ce"}
+    # every method has a grid, ce too (the primary endpoints' methods above all)
+    assert {m for m in METHODS if not tuning_group(m)} == set()
+
+
+def test_every_grids_reference_is_a_grid_point_and_the_untuned_default():
+    """The rule falls back to REFERENCE: a point of the grid, the value the method runs with
+    untuned (the configs' defaults; csm's s is annotate's sharpening, 0 in train = take it)."""
+    train = {f.name: f.default for f in dataclasses.fields(train_config.Config)}
+    finetune = {f.name: f.default for f in dataclasses.fields(finetune_config.Config)}
+    from pipeline.registry import resolve_stage_config
+
+    for group, reference in REFERENCE.items():
+        assert reference in grid_points(group), group
+        for key, value in reference.items():
+            if key in finetune and key.startswith("maccal"):
+                assert finetune[key] == value, (group, key)
+            elif key != "csm_sharpening":
+                loss = next(s for s in METHODS[group].sets if s.startswith("loss="))
+                recorded = resolve_stage_config("train", "fashion-mnist", [loss]).recorded()
+                assert recorded.get(key, train.get(key)) == value, (group, key)
+    assert resolve_stage_config("annotate", "fashion-mnist", []).sharpening == 4.0
+
+
+def _rows(points: dict[str, list[float]], reference: str = "ref") -> list[dict]:
+    return [{"run": name, "x": name, "val_nll_seeds": nlls} for name, nlls in points.items()]
+
+
+@pytest.mark.parametrize(
+    ("points", "chosen", "kept"),
+    [
+        # a clear winner: 0.02 better at every seed, the SE of its gaps is 0
+        ({"ref": [0.40, 0.42, 0.41], "a": [0.38, 0.40, 0.39]}, "a", False),
+        # the lowest mean, but its gaps (+0.03, -0.02, +0.02) are noise: SE 0.015 > 0.01
+        ({"ref": [0.40, 0.42, 0.41], "a": [0.37, 0.44, 0.39]}, "ref", True),
+        # the reference is the lowest: it stays
+        ({"a": [0.45, 0.46, 0.44], "ref": [0.40, 0.42, 0.41]}, "ref", True),
+        # ties of the mean: the first in grid order is the winner, and it must beat the SE
+        ({"a": [0.39, 0.41, 0.40], "b": [0.39, 0.41, 0.40], "ref": [0.40, 0.42, 0.41]}, "a", False),
+    ],
+)
+def test_the_tuning_rule_keeps_the_reference_unless_the_winner_beats_its_noise(
+    points, chosen, kept
+):
+    result = choose_point(_rows(points), {"x": "ref"})
+    assert result["chosen"]["run"] == chosen and result["kept_reference"] is kept
+    winner = min(points, key=lambda k: sum(points[k]))
+    gaps = np.subtract(points["ref"], points[winner])
+    assert result["winner"] == winner
+    assert result["advantage"] == pytest.approx(gaps.mean(), abs=1e-6)
+    if winner != "ref":  # the SE against scipy's
+        assert result["standard_error"] == pytest.approx(sem(gaps), abs=1e-6)
+        assert kept == (gaps.mean() <= sem(gaps))
 
 
 @pytest.mark.parametrize(
@@ -64,12 +122,16 @@ def test_a_choice_on_the_edge_steps_out_geometrically_once(values, chosen, param
     assert step_out(values, chosen, param) == expected
 
 
-def test_plan_gives_every_method_the_same_grid_at_the_tuning_seed(tmp_path):
+SEEDS = (TUNE_SEED, TUNE_SEED + 1, TUNE_SEED + 2)  # StudyConfig.tune_seeds = 3
+
+
+def test_plan_gives_every_method_the_same_grid_at_the_same_tuning_seeds(tmp_path):
     root = tmp_path / "digits"
     cfg = StudyConfig(methods=("ce", "ls", "focal", "ce+maccal"), seeds=(0,), robustness=False)
     tasks = {t.name: t for t in plan(cfg, "digits", ["train.epochs=1"], root)}
     tune = {n for n in tasks if n.startswith("tune-")}
-    grids = {
+    points = {
+        "ce": ["tune-ce-wd0p00025", "tune-ce-wd0p0005", "tune-ce-wd0p001", "tune-ce-wd0p002"],
         "ls": ["tune-ls-a0p02", "tune-ls-a0p05", "tune-ls-a0p1", "tune-ls-a0p2"],
         "focal": ["tune-focal-g1", "tune-focal-g2", "tune-focal-g3", "tune-focal-g5"],
         "ce+maccal": [
@@ -77,41 +139,48 @@ def test_plan_gives_every_method_the_same_grid_at_the_tuning_seed(tmp_path):
             "tune-ce-r256-q0p7-maccal", "tune-ce-r256-q0p9-maccal",
         ],
     }  # fmt: skip
-    extensions = {
-        "ls": ["tune-ls-ext-a"],
-        "focal": ["tune-focal-ext-g"],
-        "ce+maccal": ["tune-ce-ext-r-maccal", "tune-ce-ext-q-maccal"],
-    }
-    assert tune == {"tune-ce", *chain(*grids.values()), *chain(*extensions.values())}
-    assert {len(g) for g in grids.values()} == {POINTS}  # the same budget for every method
-    for group, names in grids.items():
-        for name, point in zip(names, grid_points(group)):
-            stage, sets = tasks[name].steps[0]
-            assert f"seed={TUNE_SEED}" in sets and not tasks[name].done
-            assert {f"{k}={v:g}" for k, v in point.items()} <= set(sets)
-            assert stage == ("finetune" if group == "ce+maccal" else "train")
-        for name in extensions[group]:  # an extension waits for its whole grid
-            assert set(names) <= tasks[name].after and tasks[name].prepare is not None
+    # every point and extension at each tuning seed: the first keeps the name it always had
+    runs = {g: [tune_run(g, p, seed) for p in grid_points(g) for seed in SEEDS] for g in points}
+    assert tune_run("ce+maccal", {"maccal_r": 128, "maccal_q0": 0.7}, 101) == (
+        "tune-ce-r128-q0p7-t101-maccal"
+    )
+    assert [r for r in runs["ls"][:3]] == [
+        "tune-ls-a0p02",
+        "tune-ls-a0p02-t101",
+        "tune-ls-a0p02-t102",
+    ]
+    exts = {g: [tune_run(g, p, seed) for p in GRIDS[g] for seed in SEEDS] for g in points}
+    assert tune == set(chain(*runs.values(), *exts.values()))
+    assert {len(g) for g in points.values()} == {POINTS}  # the same budget for every method
+    for group, names in points.items():
+        assert [tune_run(group, p) for p in grid_points(group)] == names
+        for point in grid_points(group):
+            for seed in SEEDS:
+                stage, sets = tasks[tune_run(group, point, seed)].steps[0]
+                assert f"seed={seed}" in sets and not tasks[tune_run(group, point, seed)].done
+                assert {f"{k}={v:g}" for k, v in point.items()} <= set(sets)
+                assert stage == ("finetune" if group == "ce+maccal" else "train")
+        for name in exts[group]:  # an extension waits for its whole grid, every seed
+            assert set(runs[group]) <= tasks[name].after and tasks[name].prepare is not None
     ls_sets = tasks["tune-ls-a0p1"].steps[0][1]
     assert "loss=ls" in ls_sets and "epochs=1" in ls_sets and "run=tune-ls-a0p1" in ls_sets
-    # MaC-Cal's grid fine-tunes its own copy of tune-ce, a ce train run at the tuning seed
-    assert tasks["tune-ce"].steps[0] == (
-        "train", ["epochs=1", "loss=ce", "run=tune-ce", f"seed={TUNE_SEED}"]
-    )  # fmt: skip
-    ft_sets = tasks["tune-ce-r128-q0p7-maccal"].steps[0][1]
-    assert "run=tune-ce-r128-q0p7" in ft_sets and "method=maccal" in ft_sets
-    assert tasks["tune-ce-r128-q0p7-maccal"].after == {"tune-ce"}
+    # MaC-Cal's grid fine-tunes its own copy of ce's chosen runs, so it waits for ce's tuning
+    ft_sets = tasks["tune-ce-r128-q0p7-t101-maccal"].steps[0][1]
+    assert "run=tune-ce-r128-q0p7-t101" in ft_sets and "method=maccal" in ft_sets
+    assert tasks["tune-ce-r128-q0p7-maccal"].after == {*runs["ce"], *exts["ce"]}
     # each study run waits for its method's grid and extensions, and only for those
-    assert tasks["ls-s0"].after == {*grids["ls"], *extensions["ls"]}
-    assert tasks["focal-s0"].after == {*grids["focal"], *extensions["focal"]}
+    assert tasks["ls-s0"].after == {*runs["ls"], *exts["ls"]}
+    assert tasks["focal-s0"].after == {*runs["focal"], *exts["focal"]}
+    assert tasks["ce-s0"].after == {*runs["ce"], *exts["ce"]}
     assert tasks["ce-s0-maccal"].after == {
-        "ce-s0", "tune-ce", *grids["ce+maccal"], *extensions["ce+maccal"]
+        "ce-s0", *runs["ce"], *exts["ce"], *runs["ce+maccal"], *exts["ce+maccal"]
     }  # fmt: skip
-    assert not tasks["ce-s0"].after and tasks["ce-s0"].prepare is None
     names = list(tasks)  # a grid joins the list just before its method's runs
-    assert names.index("tune-ls-ext-a") < names.index("ls-s0") < names.index("tune-focal-g1")
+    assert names.index("tune-ls-ext-a-t102") < names.index("ls-s0") < names.index("tune-focal-g1")
     untuned = StudyConfig(methods=cfg.methods, seeds=(0,), tune=False, robustness=False)
     assert not any(t.name.startswith("tune-") for t in plan(untuned, "digits", [], root))
+    with pytest.raises(ConfigError, match="tune_seeds >= 2"):
+        StudyConfig(tune_seeds=1)
 
 
 def _train_run(root, run: str, val_nll: float) -> None:
@@ -141,8 +210,20 @@ def _finetune_run(root, run: str, val_nll: float) -> None:
     (folder / "manifest.json").write_text("{}")
 
 
-def _tasks(root, methods):
+def _point(root, group: str, at, nll: float, spread=(0.0, 0.01, 0.02)) -> None:
+    """A point's runs at every tuning seed, val NLL nll + spread[i] at seed i: the same spread
+    for every point, so paired gaps are exact and their standard error 0 (a clear choice)."""
+    make = _finetune_run if METHODS[group].stage == "finetune" else _train_run
+    for seed, extra in zip(SEEDS, spread):
+        make(root, tune_run(group, at, seed), round(nll + extra, 4))
+
+
+def _tasks(root, methods, ce: bool = True):
+    """The plan's tasks; `ce`: with ce's grid run, its reference chosen (the report reads it)."""
     cfg = StudyConfig(methods=methods, seeds=(0,), robustness=False)
+    if ce and not (root / "train" / "tune-ce-wd0p0005").exists():
+        for wd in GRIDS["ce"]["weight_decay"]:
+            _point(root, "ce", {"weight_decay": wd}, 0.3 if wd == 5e-4 else 0.4)
     return cfg, {t.name: t for t in plan(cfg, "digits", [], root)}
 
 
@@ -150,28 +231,51 @@ def test_a_choice_on_the_edge_runs_one_step_beyond_and_is_made_again(tmp_path):
     root = tmp_path / "digits"
     cfg, tasks = _tasks(root, ("ce", "ls"))
     for alpha, nll in zip((0.02, 0.05, 0.1, 0.2), (0.50, 0.40, 0.35, 0.30)):  # best at the max
-        _train_run(root, tune_run("ls", {"ls_alpha": alpha}), nll)
-    assert tasks["tune-ls-ext-a"].prepare() == ["ls_alpha=0.4"]  # 0.2 * (0.2 / 0.1)
+        _point(root, "ls", {"ls_alpha": alpha}, nll)
+    for seed in SEEDS:  # every seed's extension runs the same stepped point
+        assert tasks[tune_run("ls", "ls_alpha", seed)].prepare() == ["ls_alpha=0.4"]
     # the extension is not done yet: plan says so, and a study run waits for it
     _, again = _tasks(root, ("ce", "ls"))
-    assert not again["tune-ls-ext-a"].done and "tune-ls-ext-a" in again["ls-s0"].after
-    _train_run(root, "tune-ls-ext-a", 0.20)  # better still: the choice moves to it
+    assert not again["tune-ls-ext-a"].done and "tune-ls-ext-a-t102" in again["ls-s0"].after
+    _point(root, "ls", "ls_alpha", 0.20)  # better still: the choice moves to it
     assert tasks["ls-s0"].prepare() == ["ls_alpha=0.4"]
     result = tuning_report(cfg, root, [])["ls"]
     assert result["chosen"] == {"ls_alpha": 0.4} and result["extended"] == {"ls_alpha": 0.4}
     assert result["chosen_run"] == "tune-ls-ext-a" and len(result["grid"]) == POINTS + 1
+    assert result["chosen_runs"] == [tune_run("ls", "ls_alpha", seed) for seed in SEEDS]
     assert [r["extension"] for r in result["grid"]] == [False] * POINTS + [True]
-    assert result["grid"][2]["val_nll"] == 0.35  # scored at the best-val-accuracy epoch
-    shutil.rmtree(root / "train" / "tune-ls-ext-a")
-    _train_run(root, "tune-ls-ext-a", 0.31)  # worse: the grid's edge stays chosen
+    # scored at the best-val-accuracy epoch, the mean over the seeds
+    assert result["grid"][2]["val_nll_seeds"] == [0.35, 0.36, 0.37]
+    assert result["grid"][2]["val_nll"] == 0.36
+    assert result["reference"] == {"ls_alpha": 0.05} and result["seeds"] == list(SEEDS)
+    for seed in SEEDS:
+        shutil.rmtree(root / "train" / tune_run("ls", "ls_alpha", seed))
+    _point(root, "ls", "ls_alpha", 0.31)  # worse: the grid's edge stays chosen
     assert tasks["ls-s0"].prepare() == ["ls_alpha=0.2"]
+
+
+def test_a_winner_inside_the_seeds_noise_gives_way_to_the_reference(tmp_path):
+    """0.2 has the lowest mean (0.395 vs the reference 0.05's 0.40) but its gaps to it swing
+    from +0.04 to -0.03: the reference is chosen, interior, so nothing extends."""
+    root = tmp_path / "digits"
+    cfg, tasks = _tasks(root, ("ce", "ls"))
+    _point(root, "ls", {"ls_alpha": 0.02}, 0.50)
+    _point(root, "ls", {"ls_alpha": 0.05}, 0.40, (0.0, 0.0, 0.0))
+    _point(root, "ls", {"ls_alpha": 0.1}, 0.45)
+    _point(root, "ls", {"ls_alpha": 0.2}, 0.40, (-0.04, 0.03, -0.004))
+    assert tasks["tune-ls-ext-a"].prepare() is None
+    assert tasks["ls-s0"].prepare() == ["ls_alpha=0.05"]
+    result = tuning_report(cfg, root, [])["ls"]
+    assert result["rule"]["winner"] == "tune-ls-a0p2" and result["rule"]["kept_reference"]
+    assert result["rule"]["advantage"] < result["rule"]["standard_error"]
+    assert result["chosen_run"] == "tune-ls-a0p05" and result["extended"] == {}
 
 
 def test_an_interior_choice_skips_the_extension(tmp_path):
     root = tmp_path / "digits"
     cfg, tasks = _tasks(root, ("ce", "ls"))
-    for alpha, nll in zip((0.02, 0.05, 0.1, 0.2), (0.50, 0.30, 0.35, 0.40)):
-        _train_run(root, tune_run("ls", {"ls_alpha": alpha}), nll)
+    for alpha, nll in zip((0.02, 0.05, 0.1, 0.2), (0.50, 0.35, 0.30, 0.40)):
+        _point(root, "ls", {"ls_alpha": alpha}, nll)
     ext = tasks["tune-ls-ext-a"]
     assert ext.prepare() is None  # nothing to run
     logs = tmp_path / "logs"
@@ -180,10 +284,10 @@ def test_an_interior_choice_skips_the_extension(tmp_path):
     assert "nothing to run" in (logs / "tune-ls-ext-a.log").read_text()
     assert not (root / "train" / "tune-ls-ext-a").exists()
     _, again = _tasks(root, ("ce", "ls"))  # a rerun's plan knows it is done
-    assert again["tune-ls-ext-a"].done
-    assert tasks["ls-s0"].prepare() == ["ls_alpha=0.05"]
+    assert all(again[tune_run("ls", "ls_alpha", seed)].done for seed in SEEDS)
+    assert tasks["ls-s0"].prepare() == ["ls_alpha=0.1"]
     result = tuning_report(cfg, root, [])["ls"]
-    assert result["extended"] == {} and result["chosen_run"] == "tune-ls-a0p05"
+    assert result["extended"] == {} and result["chosen_run"] == "tune-ls-a0p1"
 
 
 def test_two_parameters_on_edges_extend_each_at_the_others_choice(tmp_path):
@@ -191,30 +295,37 @@ def test_two_parameters_on_edges_extend_each_at_the_others_choice(tmp_path):
     _, tasks = _tasks(root, ("ce", "fedlas-ls"))
     nll = {(0.05, 2.0): 0.5, (0.05, 4.0): 0.5, (0.1, 2.0): 0.3, (0.1, 4.0): 0.4}
     for p in grid_points("fedlas-ls"):
-        _train_run(root, tune_run("fedlas-ls", p), nll[tuple(p.values())])
+        _point(root, "fedlas-ls", p, nll[tuple(p.values())])
     assert tasks["tune-fedlas-ls-ext-a"].prepare() == ["fedlas_ls_alpha=0.2", "fedlas_ls_beta=2"]
-    assert tasks["tune-fedlas-ls-ext-b"].prepare() == ["fedlas_ls_alpha=0.1", "fedlas_ls_beta=1"]
+    assert tasks["tune-fedlas-ls-ext-b-t101"].prepare() == [
+        "fedlas_ls_alpha=0.1", "fedlas_ls_beta=1"
+    ]  # fmt: skip
 
 
-def test_maccal_is_tuned_on_its_own_base_run_by_the_last_epoch(tmp_path):
+def test_maccal_is_tuned_on_its_base_methods_chosen_runs_seed_by_seed(tmp_path):
     root = tmp_path / "digits"
-    cfg, tasks = _tasks(root, ("ce", "ce+maccal"))
-    base = root / "train" / "tune-ce"
-    base.mkdir(parents=True)
-    (base / "model.safetensors").write_text("weights")
+    cfg, tasks = _tasks(root, ("ce", "ce+maccal"))  # ce keeps its reference, 5e-4
+    for wd in GRIDS["ce"]["weight_decay"]:
+        for seed in SEEDS:
+            run = root / "train" / tune_run("ce", {"weight_decay": wd}, seed)
+            (run / "model.safetensors").write_text(f"ce weights {wd} {seed}")
     nll = {(128, 0.7): 0.5, (128, 0.9): 0.4, (256, 0.7): 0.45, (256, 0.9): 0.3}
     for p in grid_points("ce+maccal"):
-        _finetune_run(root, tune_run("ce+maccal", p), nll[tuple(p.values())])
+        _point(root, "ce+maccal", p, nll[tuple(p.values())])
     # (256, 0.9): both on their grid's upper edge
     assert tasks["tune-ce-ext-r-maccal"].prepare() == ["maccal_r=512", "maccal_q0=0.9"]
-    assert tasks["tune-ce-ext-q-maccal"].prepare() == ["maccal_r=256", "maccal_q0=1"]
-    copy = root / "train" / "tune-ce-ext-q"  # what that fine-tuning reads: tune-ce's weights
-    assert (copy / "model.safetensors").stat().st_ino == (base / "model.safetensors").stat().st_ino
-    _finetune_run(root, "tune-ce-ext-r-maccal", 0.35)
-    _finetune_run(root, "tune-ce-ext-q-maccal", 0.25)
+    assert tasks["tune-ce-ext-q-t102-maccal"].prepare() == ["maccal_r=256", "maccal_q0=1"]
+    for seed, name in ((100, "tune-ce-ext-r"), (102, "tune-ce-ext-q-t102")):
+        base = root / "train" / tune_run("ce", {"weight_decay": 5e-4}, seed) / "model.safetensors"
+        copy = root / "train" / name / "model.safetensors"  # the chosen ce run of its seed
+        assert copy.stat().st_ino == base.stat().st_ino
+    _point(root, "ce+maccal", "maccal_r", 0.35)
+    _point(root, "ce+maccal", "maccal_q0", 0.25)
     assert tasks["ce-s0-maccal"].prepare() == ["maccal_r=256", "maccal_q0=1"]
+    assert tasks["ce-s0"].prepare() == ["weight_decay=0.0005"]
     result = tuning_report(cfg, root, [])["ce+maccal"]
-    assert result["base"] == "tune-ce" and result["chosen_run"] == "tune-ce-ext-q-maccal"
+    assert result["base"] == [tune_run("ce", {"weight_decay": 5e-4}, seed) for seed in SEEDS]
+    assert result["chosen_run"] == "tune-ce-ext-q-maccal"
     assert result["extended"] == {"maccal_r": 512, "maccal_q0": 1.0}
 
 
@@ -224,8 +335,8 @@ def test_csm_family_and_csm_maccal_take_csm_grids_choice(tmp_path):
     tuned = tuning_tasks(cfg, root, [])
     csm = ["tune-csm-w0p5-s2p3", "tune-csm-w0p5-s4", "tune-csm-w1-s2p3", "tune-csm-w1-s4"]
     csm3 = ["tune-csm3-s3", "tune-csm3-s4", "tune-csm3-s5p4", "tune-csm3-s7p3"]
-    assert [t.name for t in tuned["csm"] if t.role == "grid"] == csm
-    assert [t.name for t in tuned["csm3"] if t.role == "grid"] == csm3
+    assert [t.name for t in tuned["csm"] if t.role == "grid" and t.seed == TUNE_SEED] == csm
+    assert [t.name for t in tuned["csm3"] if t.role == "grid" and t.seed == TUNE_SEED] == csm3
     csm_all = {t.name for t in tuned["csm"]}
     for name in csm:
         sets = tasks[name].steps[0][1]
@@ -236,58 +347,58 @@ def test_csm_family_and_csm_maccal_take_csm_grids_choice(tmp_path):
     for name in ("csm-s0", "csm-ratio-s0"):
         assert csm_all <= tasks[name].after and tasks[name].extra_step == 0
     # csm's grid chooses (1, 2.3): w on its grid's max, s on its min, each steps out
-    for run, nll in zip(csm, (0.50, 0.31, 0.30, 0.45)):
-        _train_run(root, run, nll)
+    for p, nll in zip(grid_points("csm"), (0.50, 0.31, 0.30, 0.45)):
+        _point(root, "csm", p, nll)
     assert tasks["tune-csm-ext-w"].prepare() == ["csm_weight=2", "csm_sharpening=2.3"]
     assert tasks["tune-csm-ext-s"].prepare() == ["csm_weight=1", "csm_sharpening=1.32"]
-    _train_run(root, "tune-csm-ext-w", 0.40)
-    _train_run(root, "tune-csm-ext-s", 0.35)
+    _point(root, "csm", "csm_weight", 0.40)
+    _point(root, "csm", "csm_sharpening", 0.35)
     assert tasks["csm-s0"].prepare() == ["csm_weight=1", "csm_sharpening=2.3"]
     train_cmd = tasks["csm-s0"].commands("digits", ["csm_weight=1"])[0]  # the train step's
     assert train_cmd[-1] == "csm_weight=1" and "evaluate" not in train_cmd
-    for run, nll in zip(csm3, (0.4, 0.3, 0.2, 0.25)):
-        _train_run(root, run, nll)
+    for p, nll in zip(grid_points("csm3"), (0.4, 0.3, 0.2, 0.25)):
+        _point(root, "csm3", p, nll)
     assert tasks["tune-csm3-s4"].prepare() == ["csm_weight=1"]  # csm's w, its own s
     assert tasks["tune-csm3-ext-s"].prepare() is None  # 5.4 is interior
     assert tasks["csm3-s0"].prepare() == ["csm_weight=1", "csm_sharpening=5.4"]
-    # csm+maccal fine-tunes csm's chosen grid run, its own grid
-    (root / "train" / "tune-csm-w1-s2p3" / "model.safetensors").write_text("csm weights")
-    assert tasks["tune-csm-r128-q0p7-maccal"].prepare() == []
-    copy = root / "train" / "tune-csm-r128-q0p7" / "model.safetensors"
-    assert copy.read_text() == "csm weights"
+    # csm+maccal fine-tunes csm's chosen grid runs, its own grid
+    for seed in SEEDS:
+        run = root / "train" / tune_run("csm", {"csm_weight": 1.0, "csm_sharpening": 2.3}, seed)
+        (run / "model.safetensors").write_text(f"csm weights {seed}")
+    assert tasks["tune-csm-r128-q0p7-t101-maccal"].prepare() == []
+    copy = root / "train" / "tune-csm-r128-q0p7-t101" / "model.safetensors"
+    assert copy.read_text() == "csm weights 101"
     assert {t.name for t in tuned["csm+maccal"]} <= tasks["csm-s0-maccal"].after
 
 
 def test_a_tiny_grid_runs_chooses_on_val_and_is_not_run_again(digits_root, tmp_path):
-    """ls's and ce+maccal's real grids on digits, one epoch per run: every point at the tuning
-    seed, an extension exactly where the choice is on an edge, the choice is the lowest val NLL,
+    """ls's real grid on digits, one epoch per run, at two tuning seeds: every point at each
+    seed, an extension exactly where the rule's choice is on an edge, the choice by the rule,
     and a rerun's plan has nothing left to run."""
     shutil.copytree(digits_root / "real", tmp_path / "digits" / "real")
     root = tmp_path / "digits"
-    sets = [f"out={tmp_path}", "train.epochs=1", "train.milestones=", "finetune.maccal_epochs=1"]
-    cfg = StudyConfig(methods=("ce", "ls", "ce+maccal"), seeds=(0,), robustness=False)
-    tune = [t for t in plan(cfg, "digits", sets, root) if t.name.startswith("tune-")]
-    assert len(tune) == 1 + 4 + 1 + 4 + 2  # tune-ce, ls's grid + ext, MaC-Cal's grid + exts
-    execute(tune, "digits", 2, tmp_path / "logs")
-    report = tuning_report(cfg, root, sets)
-    for group, stage in (("ls", "train"), ("ce+maccal", "finetune")):
-        result = report[group]
-        best = min(result["grid"], key=lambda r: r["val_nll"])
-        assert result["chosen_run"] == best["run"]
-        grid_best = min(
-            (r for r in result["grid"] if not r["extension"]), key=lambda r: r["val_nll"]
+    sets = [f"out={tmp_path}", "train.epochs=1", "train.milestones="]
+    cfg = StudyConfig(methods=("ce", "ls"), seeds=(0,), robustness=False, tune_seeds=2)
+    tasks = plan(cfg, "digits", sets, root)
+    tune = [t for t in tasks if t.name.startswith("tune-ls")]
+    assert len(tune) == (4 + 1) * 2  # ls's grid + its extension, at each seed
+    execute([tasks[0], *tune], "digits", 2, tmp_path / "logs")  # real/ (done) and ls's grid
+    result = choose(root, tuning_tasks(cfg, root, sets)["ls"])
+    grid = [r for r in result["grid"] if not r["extension"]]
+    reference = next(r for r in grid if r["ls_alpha"] == REFERENCE["ls"]["ls_alpha"])
+    assert choose_point(grid, REFERENCE["ls"])["chosen"]["run"] in {r["run"] for r in grid}
+    for r in result["grid"]:  # every row the mean of its seeds' runs
+        assert len(r["runs"]) == 2 and r["val_nll"] == pytest.approx(
+            np.mean(r["val_nll_seeds"]), abs=1e-4
         )
-        for param, values in GRIDS[group].items():
-            ext = step_out(values, grid_best[param], param)
-            assert (param in result["extended"]) == (ext is not None)
-            run = root / stage / tune_run(group, param)
-            assert (run / "manifest.json").is_file() == (ext is not None)
-            if ext is not None:  # the run was made with the stepped value at the tuning seed
-                config = json.loads((run / "config.json").read_text())
-                assert config[param] == ext and config["seed"] == TUNE_SEED
-        for r in result["grid"]:
-            config = json.loads((root / stage / r["run"] / "config.json").read_text())
-            assert config["seed"] == TUNE_SEED
-            assert all(config[k] == r[k] for k in GRIDS[group])
-    again = [t for t in plan(cfg, "digits", sets, root) if t.name.startswith("tune-")]
+        for run, seed in zip(r["runs"], (TUNE_SEED, TUNE_SEED + 1)):
+            config = json.loads((root / "train" / run / "config.json").read_text())
+            assert config["seed"] == seed and config["ls_alpha"] == r["ls_alpha"]
+    grid_choice = choose_point(grid, REFERENCE["ls"])["chosen"]
+    ext = step_out(GRIDS["ls"]["ls_alpha"], grid_choice["ls_alpha"], "ls_alpha")
+    assert ("ls_alpha" in result["extended"]) == (ext is not None)
+    assert (root / "train" / "tune-ls-ext-a" / "manifest.json").is_file() == (ext is not None)
+    assert result["chosen_run"] == choose_point(result["grid"], REFERENCE["ls"])["chosen"]["run"]
+    assert reference["val_nll_seeds"] and result["criterion"].startswith("mean val_nll")
+    again = [t for t in plan(cfg, "digits", sets, root) if t.name.startswith("tune-ls")]
     assert all(t.done for t in again)

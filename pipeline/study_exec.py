@@ -1,0 +1,128 @@
+"""How `make study` runs its plan: tasks as subprocesses, `jobs` at a time, in dependency order,
+and a failed sitting summed up in one short line.
+
+Split from `pipeline.study` (which plans the study and reports on it) so each reads top to bottom.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from pathlib import Path
+
+from core.logs import log, progress
+from pipeline.study_config import StudyError, Task
+
+FAILURES = "failures.log"  # in the study's logs/: every failed task, its cause and its log
+LINE_CHARS = 300  # the sitting's last line, at most (the cause is cut to fit)
+
+
+class TaskError(StudyError):
+    """One task's command failed: `cause` is its own last line (the stage's one-line error)."""
+
+    def __init__(self, task: str, rc: int, log_path: Path, cause: str):
+        super().__init__(f"{task} failed (exit {rc}): {cause}; see {log_path}")
+        self.cause = cause
+
+
+def last_error(log_path: Path) -> str:
+    """What a failed command said last: its `semix ...: error: ...` line where it printed one
+    (a stage's bad input), else its last non-empty line (an exit code without a message)."""
+    try:
+        lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines()]
+    except OSError:
+        return "no log"
+    lines = [line for line in lines if line]
+    errors = [line for line in lines if "error:" in line]
+    return (errors or lines or ["no output"])[-1]
+
+
+def _execute(task: Task, preset: str, logs: Path) -> float:
+    """Run the task's commands one after another, output to logs/<task>.log; seconds taken."""
+    t0 = time.perf_counter()
+    log_path = logs / f"{task.name}.log"
+    try:
+        extra = task.prepare() if task.prepare else []
+    except (ValueError, OSError) as e:  # in this process: its log says so, as a command would
+        with open(log_path, "a", encoding="utf-8") as out:
+            out.write(f"{task.name}: preparing its command failed: {e}\n")
+        raise TaskError(task.name, 1, log_path, f"preparing its command failed: {e}") from e
+    if extra is None:  # nothing to run (a tuning extension its grid's choice does not need)
+        with open(log_path, "a", encoding="utf-8") as out:
+            out.write(f"{task.name}: nothing to run\n")
+        return time.perf_counter() - t0
+    for cmd in task.commands(preset, extra):
+        with open(log_path, "a", encoding="utf-8") as out:
+            out.write(f"$ {' '.join(cmd[1:])}\n")
+            out.flush()
+            rc = subprocess.run(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ
+            ).returncode
+        if rc != 0:
+            raise TaskError(task.name, rc, log_path, last_error(log_path))
+    return time.perf_counter() - t0
+
+
+def failure_line(failed: dict[str, str], first: str, total: int, logs: Path) -> str:
+    """The sitting's last line (LINE_CHARS at most): how many tasks failed, the first failure's
+    cause (cut to fit), its log, and the log that lists every failure."""
+    head = f"{len(failed)} of {total} study tasks failed; first {first}: "
+    tail = f" (its log: {logs / first}.log; every failure: {logs / FAILURES})"
+    cause, room = failed[first], max(40, LINE_CHARS - len(head) - len(tail))
+    if len(cause) > room:
+        cause = cause[: room - 1] + "…"
+    return head + cause + tail
+
+
+def execute(tasks: list[Task], preset: str, jobs: int, logs: Path) -> dict[str, float]:
+    """Run pending tasks `jobs` at a time in dependency order. A failed task fails the tasks
+    that need it; the others go on. Raises at the end in one short line (failure_line); every
+    failure, its cause and its log in logs/failures.log."""
+    logs.mkdir(parents=True, exist_ok=True)
+    done = {t.name for t in tasks if t.done}
+    pending = [t for t in tasks if not t.done]
+    failed: dict[str, str] = {}  # task -> its cause, in the order they failed
+    seen: dict[str, str] = {}  # task -> its log, for the ones that ran and failed
+    seconds: dict[str, float] = {}
+    running: dict[Future, Task] = {}
+    with (
+        ThreadPoolExecutor(jobs) as pool,
+        progress(range(len(pending)), total=len(pending), desc="study", unit="run") as bar,
+    ):
+        while pending or running:
+            for t in list(pending):
+                if t.after & set(failed):
+                    pending.remove(t)
+                    failed[t.name] = f"skipped: needs {', '.join(sorted(t.after & set(failed)))}"
+                    bar.update(1)
+                elif t.after <= done and len(running) < jobs:
+                    pending.remove(t)
+                    running[pool.submit(_execute, t, preset, logs)] = t
+                    log.info("study: started %s", t.name)
+            if not running:
+                if pending:  # a plan's own bug: its prerequisites are not in it
+                    missing = sorted(set().union(*(t.after for t in pending)) - done)
+                    raise StudyError(f"study tasks wait for tasks outside the plan: {missing}")
+                break
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for f in finished:
+                t = running.pop(f)
+                try:
+                    seconds[t.name] = round(f.result(), 1)
+                    done.add(t.name)
+                    log.info("study: %s done in %.0f s", t.name, seconds[t.name])
+                except StudyError as e:
+                    failed[t.name] = getattr(e, "cause", str(e))
+                    seen[t.name] = str(logs / f"{t.name}.log")
+                    log.error("study: %s", e)
+                bar.update(1)
+    if failed:
+        rows = [
+            f"{k}: {v}" + (f" (log: {seen[k]})" if k in seen else "") for k, v in failed.items()
+        ]
+        (logs / FAILURES).write_text("\n".join(rows) + "\n", encoding="utf-8")
+        first = next(iter(seen), next(iter(failed)))  # the first that ran and failed
+        raise StudyError(failure_line(failed, first, len(tasks), logs))
+    return seconds
