@@ -1,6 +1,6 @@
 """Deterministic WebDataset shard writer with per-shard completion records.
 
-Layout of a shard folder (ARCHITECTURE §2)::
+Layout of a shard folder (docs/architecture.md, Shard folders)::
 
     NAME-000000.tar  NAME-000001.tar  ...   WebDataset tar shards
     .index/NAME-000000.json ...              member byte offsets per shard (shards.offsets)
@@ -182,7 +182,7 @@ class ShardFolder:
 
 # Config fields that say where an output lives or how it is read, not what it holds: left out
 # of the identity check, so that moving or renaming the runs root, or a relative vs absolute
-# out=, keeps an output resumable (ARCHITECTURE §2), and so is turning shard hashing off or
+# out=, keeps an output resumable (docs/architecture.md, Shard folders), and so is turning shard hashing off or
 # switching between the in-memory and the streaming data path (same bytes either way), or
 # experiment tracking on or off (`tracker`, core/tracking.py: its files live in a subfolder no
 # manifest lists). A config says this at the field (core.config.not_recorded), and its

@@ -19,7 +19,7 @@ class Config(StageConfig):
     # how images of another size become image_size x image_size: squash (both sides, aspect not
     # kept) | center-crop (shorter side to image_size, then the centre)
     resize: str = recorded_off_default("squash")
-    val_fraction: float = 0.1  # of train, stratified and seeded (METHODS §3: 10 % held out)
+    val_fraction: float = 0.1  # of train, stratified and seeded (docs/methods.md §3: 10 % held out)
     test_fraction: float = 0.2  # only for datasets without an official test split
     shard_size: int = 1000  # samples per shard
 

@@ -1,4 +1,4 @@
-"""generate, part 2: the inputs and the generator (METHODS §1).
+"""generate, part 2: the inputs and the generator (docs/methods.md §1).
 
 Inputs are checked on every rank before anything is written. The backend is built from the config
 without reading its weights (``lazy``): its ``metadata()`` is the identity recorded with every
