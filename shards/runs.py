@@ -161,7 +161,35 @@ def run_complete(folder: Path, upstream: Mapping[str, str]) -> bool:
             f"{folder} is complete but was made from other inputs ({', '.join(changed)} changed "
             "since); remove the folder or choose another run name"
         )
+    # the caller is the stage that writes the run: its own command makes it again
+    check_files(folder, read_manifest(folder), f"remove {folder} and rerun the same command")
     return True
+
+
+def check_files(folder: Path, manifest: Manifest, fix: str = "") -> None:
+    """Every file the manifest pins (the weights, model.json, metrics, plots) is there with its
+    sha256: a complete run whose weights were truncated or replaced is damaged, never "already
+    finished". One line names the file and `fix` (default: the command that trains it again)."""
+    fix = fix or damaged_fix(folder)
+    pinned = dict(manifest.info.get("files", {}))
+    pinned.setdefault(WEIGHTS, manifest.info.get("weights_sha256", ""))
+    for name, digest in sorted(pinned.items(), key=lambda item: item[0] != WEIGHTS):
+        path = Path(folder) / name
+        if not path.is_file():
+            raise RunError(f"{path} is missing from a complete run; {fix}")
+        if sha256_file(path) != digest:
+            raise RunError(
+                f"{path}: sha256 differs from the run's manifest (damaged or replaced after the "
+                f"run finished); {fix}"
+            )
+
+
+def damaged_fix(folder: Path) -> str:
+    """How to make a damaged run again: remove its folder, then run its stage (the command, with
+    the root and the run's name; the run's config.json holds every other setting it had)."""
+    remake = remake_command(folder)
+    how = f"`{remake[1]}`" if remake else "the command that made it"
+    return f"remove {folder} and make the run again: {how}"
 
 
 # ---------------------------------------------------------------- reading
@@ -200,12 +228,12 @@ class Run:
         except (SafetensorError, OSError) as e:
             raise RunError(
                 f"{path} is not a readable safetensors file ({str(e).strip()[:80]}); "
-                "it is damaged or of another format: rerun the stage that wrote it"
+                f"it is damaged or of another format: {damaged_fix(self.folder)}"
             ) from e
         if sha256_bytes(data) != self.manifest.info.get("weights_sha256"):
             raise RunError(
                 f"{path}: sha256 differs from the run's manifest (modified after the run "
-                "finished); remove the run folder and rerun its stage"
+                f"finished); {damaged_fix(self.folder)}"
             )
         return {k: v.to(device) for k, v in state.items()}
 

@@ -40,8 +40,10 @@ from shards.manifest import (
     Manifest,
     ShardError,
     ShardRecord,
+    check_size,
     is_complete,
     read_manifest,
+    rerun_hint,
     write_manifest,
 )
 from shards.offsets import scan_members, write_index
@@ -257,4 +259,19 @@ def completed(
         if not (folder / "config.json").is_file():
             return False
         write_config(folder, config)  # compares only: the file exists
-    return upstream is None or read_manifest(folder).upstream == dict(upstream)
+    manifest = read_manifest(folder)
+    check_sizes(folder, manifest)
+    return upstream is None or manifest.upstream == dict(upstream)
+
+
+def check_sizes(folder: Path, manifest: Manifest) -> None:
+    """Every shard of a complete folder is there with its recorded size (a stat each, no
+    reading): a rerun never calls a truncated or missing shard complete. The error names the
+    shard and the command that rewrites the folder."""
+    for rec in manifest.shards:
+        path = Path(folder) / rec.name
+        if not path.is_file():
+            raise ShardError(
+                f"{path} is listed in the manifest but missing; {rerun_hint(manifest.kind, folder)}"
+            )
+        check_size(path, path.stat().st_size, rec, manifest.kind)

