@@ -238,13 +238,18 @@ class Run:
         return {k: v.to(device) for k, v in state.items()}
 
 
-def read_run(folder: Path) -> Run:
+def read_run(folder: Path, preset: str = "") -> Run:
     """The run in `folder`, or one line saying why it cannot be read (missing, incomplete,
-    not a run)."""
+    not a run), with the command that makes it (`preset`: the reader's own, for a root whose
+    name is no preset and that records none)."""
     folder = Path(folder)
-    remake = remake_command(folder)
+    remake = remake_command(folder, preset)
     if not (folder / META).is_file() or not (folder / WEIGHTS).is_file():
-        how = f"`{remake[1]}`" if remake else "make train RUN=..."
+        how = (
+            f"`{remake[1]}`"
+            if remake
+            else f"train, with --set out={folder.parent.parent.parent} name={folder.parent.parent.name} run={folder.name}"
+        )
         raise RunError(
             f"{folder} has no trained weights ({WEIGHTS} + {META}): check the run name, or "
             f"make the run first: {how}"

@@ -60,7 +60,7 @@ Method = tuple[Objective, torch.optim.Optimizer, float, list[Callable[[Path], An
 def load_source(cfg: Config) -> tuple[Run, Classifier]:
     """The trained run (complete, or one line saying why not) and its classifier, no weights
     loaded yet."""
-    source = read_run(cfg.root / "train" / cfg.run)
+    source = read_run(cfg.root / "train" / cfg.run, cfg.classes_file or cfg.preset)
     model = build_model(source.meta["arch"])
     require_separable_head(model, f"run {cfg.run!r} ({source.meta['arch'].get('arch')})")
     return source, model

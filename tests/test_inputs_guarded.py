@@ -12,6 +12,8 @@ import shlex
 import shutil
 from pathlib import Path
 
+import pytest
+
 from pipeline.cli import main
 
 QUOTED = re.compile(r"`(python -m pipeline [^`]*)`")
@@ -92,3 +94,35 @@ def test_a_truncated_shard_is_named_on_rerun_and_the_printed_command_rebuilds_it
     from shards.manifest import verify_shards
 
     verify_shards(root / "real" / "val")
+
+
+# ---------------------------------------------------------------- hints keep the user's root
+
+HINTS = {
+    "evaluate an untrained run": ("evaluate", ["--preset", "digits"], ["run=nope"]),
+    "evaluate under name=": ("evaluate", ["--preset", "digits"], ["name=foo", "run=nope"]),
+    "evaluate with a recipe": (
+        "evaluate",
+        ["--preset", "digits", "--recipe", "fashion-mnist"],
+        ["run=nope"],
+    ),
+    "evaluate with no runs": ("evaluate", ["--preset", "digits"], []),
+    "finetune an untrained run": ("finetune", ["--preset", "digits"], ["name=foo", "run=nope"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HINTS))
+def test_every_printed_command_keeps_the_users_root_and_run(case, tmp_path, capsys):
+    """Each hint quotes a command that resolves (--print-config) to the user's own out= and
+    name=, and to the run it was asked about."""
+    stage, preset, sets = HINTS[case]
+    argv = [stage, *preset, "--set", f"out={tmp_path}", *sets]
+    root = resolved(capsys, argv)["root"]
+    line = error_line(capsys, argv)
+    assert "make train" not in line and "RUN=" not in line, line
+    (command,) = quoted(line)
+    assert command[0] == "train", line
+    config = resolved(capsys, command)
+    assert config["root"] == root, line
+    if "run=nope" in sets:
+        assert config["run"] == "nope", line
