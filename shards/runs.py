@@ -41,6 +41,7 @@ from core.io import (
     tmp_path_for,
     writing,
 )
+from core.precision import FROM_ACCELERATE
 from shards.manifest import (
     MANIFEST,
     Manifest,
@@ -76,10 +77,15 @@ def split_history(
     return kept, timing
 
 
-def write_host(folder: Path, data_path: Mapping[str, Any], history: list[dict[str, Any]]) -> None:
-    """host.json: the data path this machine chose (path, decoded and budget bytes) and each
-    epoch's seconds. Rewritten with metrics.json while training; never in the manifest."""
-    record = {"data_path": dict(data_path), "epochs": split_history(history)[1]}
+def write_host(
+    folder: Path, data_path: Mapping[str, Any], history: list[dict[str, Any]], mixed: str = ""
+) -> None:
+    """host.json: the precision the run computes in (`mixed`: accelerate's word, "no" | "bf16" |
+    "fp16", as "fp32" | "bf16" | "fp16": what `precision=auto` became on this machine or under
+    accelerate launch), the data path this machine chose (path, decoded and budget bytes) and
+    each epoch's seconds. Rewritten with metrics.json while training; never in the manifest."""
+    precision = {"precision": FROM_ACCELERATE.get(mixed, mixed)} if mixed else {}
+    record = {**precision, "data_path": dict(data_path), "epochs": split_history(history)[1]}
     atomic_write_json(Path(folder) / HOST, record)
 
 

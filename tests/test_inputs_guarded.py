@@ -126,3 +126,33 @@ def test_every_printed_command_keeps_the_users_root_and_run(case, tmp_path, caps
     assert config["root"] == root, line
     if "run=nope" in sets:
         assert config["run"] == "nope", line
+
+
+# ---------------------------------------------------------------- the precision on disk
+
+
+@pytest.mark.parametrize("launcher, computed", [("", "fp32"), ("bf16", "bf16")])
+def test_host_json_says_the_precision_the_run_computed_in(
+    launcher, computed, digits_root, tmp_path, capsys, monkeypatch
+):
+    """config.json keeps `auto`; host.json says what it became (on this CPU: fp32; under
+    accelerate launch --mixed_precision bf16, which sets ACCELERATE_MIXED_PRECISION: bf16)."""
+    if launcher:
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", launcher)
+    out = tmp_path / "runs"
+    root = prepared(digits_root, out)
+    argv = ["train", "--preset", "digits", "--set", f"out={out}", "loss=ce", *TINY]
+    assert main(argv) == 0, capsys.readouterr().err
+    folder = root / "train" / "ce"
+    assert json.loads((folder / "config.json").read_text())["precision"] == "auto"
+    assert json.loads((folder / "host.json").read_text())["precision"] == computed
+
+
+def test_a_precision_conflict_with_accelerate_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    """What `accelerate launch --mixed_precision fp16 -m pipeline train --set precision=fp32`
+    gives semix (accelerate sets ACCELERATE_MIXED_PRECISION): one line, exit 2, no work."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    argv = ["train", "--preset", "digits", "--set", f"out={tmp_path}", "precision=fp32"]
+    line = error_line(capsys, argv, code=2)
+    assert "precision=fp32 conflicts with accelerate launch's mixed precision 'fp16'" in line
+    assert not (tmp_path / "digits" / "train").exists()
