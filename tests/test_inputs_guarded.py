@@ -156,3 +156,41 @@ def test_a_precision_conflict_with_accelerate_is_one_line_and_exit_2(tmp_path, c
     line = error_line(capsys, argv, code=2)
     assert "precision=fp32 conflicts with accelerate launch's mixed precision 'fp16'" in line
     assert not (tmp_path / "digits" / "train").exists()
+
+
+# ---------------------------------------------------------------- semix's environment
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("SEMIX_PROGRESS", "bogus"),
+        ("SEMIX_DEBUG", "yes"),
+        ("SEMIX_NO_PROGRESS", "true"),
+        ("SEMIX_PROGRESS_EVERY", "often"),
+        ("SEMIX_DIST_TIMEOUT", "-5"),
+    ],
+)
+def test_a_value_semix_cannot_use_in_its_environment_is_one_line(
+    name, value, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setenv(name, value)
+    line = error_line(capsys, ["prepare", "--preset", "digits", "--set", f"out={tmp_path}"], 2)
+    assert f"{name}={value!r} is not valid" in line
+    assert not (tmp_path / "digits").exists()  # before any work
+
+
+def test_the_values_semix_takes_pass_the_environment_check():
+    from core.environment import check_environment
+
+    check_environment({})
+    check_environment(
+        {
+            "SEMIX_PROGRESS": "Log",
+            "SEMIX_DEBUG": "0",
+            "SEMIX_NO_PROGRESS": "1",
+            "SEMIX_PROGRESS_EVERY": "2.5",
+            "SEMIX_DIST_TIMEOUT": "600",
+            "SEMIX_SOMETHING_ELSE": "anything",  # not semix's: a script's own
+        }
+    )
