@@ -12,6 +12,7 @@ import shlex
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pipeline.cli import main
@@ -194,3 +195,155 @@ def test_the_values_semix_takes_pass_the_environment_check():
             "SEMIX_SOMETHING_ELSE": "anything",  # not semix's: a script's own
         }
     )
+
+
+# ---------------------------------------------------------------- the user's data, guarded
+
+
+def write_images(folder: Path, n: int, size: int = 8, mode: str = "RGB", start: int = 0) -> None:
+    """n small distinct images in `folder` (PNG), numbered from `start`."""
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(start, start + n):
+        if mode == "I;16":
+            data = np.full((size, size), 1000 * (i + 1), dtype=np.uint16)
+        else:
+            data = np.full((size, size, 3), 10 * (i + 1) % 256, dtype=np.uint8)
+        Image.fromarray(data).save(folder / f"{i:03d}.png")
+
+
+def image_folder(base: Path, classes=("cat", "dog"), n: int = 6, **kwargs) -> Path:
+    for name in classes:
+        write_images(base / name, n, **kwargs)
+    return base
+
+
+def prepare(capsys, out: Path, data: Path, *sets: str, code: int = 0) -> str:
+    """prepare's stderr (its log); the exit code checked."""
+    argv = ["prepare", "--preset", "imagefolder", "--set", f"out={out}", f"data_dir={data}"]
+    got = main([*argv, "image_size=8", *sets])
+    err = capsys.readouterr().err
+    assert got == code, err
+    return err
+
+
+def counts(real: Path) -> dict[str, int]:
+    from shards.manifest import read_manifest
+
+    return {s: read_manifest(real / s).num_samples for s in ("train", "val", "test")}
+
+
+def test_a_changed_source_stops_the_rerun_in_one_line_naming_the_change(tmp_path, capsys):
+    data = image_folder(tmp_path / "pets")
+    out = tmp_path / "runs"
+    prepare(capsys, out, data)
+    real = out / "imagefolder" / "real"
+    assert "source_sha256" in json.loads((real / "train" / "manifest.json").read_text())["info"]
+    assert "complete already" in prepare(capsys, out, data)  # unchanged: nothing to do
+
+    write_images(data / "cat", 3, start=6)
+    argv = ["prepare", "--preset", "imagefolder", "--set", f"out={out}", f"data_dir={data}"]
+    line = error_line(capsys, [*argv, "image_size=8"])
+    assert "3 more files under cat/ (6 -> 9)" in line and "complete already" not in line
+    assert "name=NEW" in line and f"remove {real}" in line
+
+    prepare(capsys, out, data, "name=pets2")  # the way forward: another root
+    assert sum(counts(out / "pets2" / "real").values()) == 15
+
+    (data / "dog" / "000.png").write_bytes((data / "dog" / "001.png").read_bytes())  # same size
+    line = error_line(capsys, [*argv, "image_size=8", "name=pets2"])
+    assert "file contents changed under dog/" in line
+
+
+def test_a_root_prepared_before_fingerprints_is_still_complete(tmp_path, capsys):
+    data = image_folder(tmp_path / "pets")
+    out = tmp_path / "runs"
+    prepare(capsys, out, data)
+    real = out / "imagefolder" / "real"
+    (real / "source.json").unlink()  # as a root prepared by an earlier semix
+    config = (real / "config.json").read_bytes()
+    write_images(data / "cat", 2, start=6)
+    assert "complete already" in prepare(capsys, out, data)
+    assert (real / "config.json").read_bytes() == config
+
+
+def test_one_class_is_refused_in_one_line(tmp_path, capsys):
+    data = image_folder(tmp_path / "cats", classes=("cat",))
+    argv = ["prepare", "--preset", "imagefolder", "--set", f"out={tmp_path}", f"data_dir={data}"]
+    line = error_line(capsys, argv)
+    assert "has 1 class (cat): a classifier needs 2 or more" in line
+
+
+def test_16_bit_images_are_scaled_by_their_range_not_clipped(tmp_path, capsys):
+    from PIL import Image
+
+    from shards.sources import to_rgb
+
+    image = Image.fromarray(np.full((4, 4), 32768, dtype=np.uint16))
+    notes: set[str] = set()
+    rgb = to_rgb(image, "x.png", notes)
+    assert rgb.dtype == np.uint8 and rgb.shape == (4, 4, 3)
+    assert np.all(rgb == round(32768 * 255 / 65535))  # 128, where convert("RGB") gives 255
+    assert any("16-bit" in n for n in notes)
+
+    data = image_folder(tmp_path / "depth", mode="I;16")
+    err = prepare(capsys, tmp_path / "runs", data)
+    assert err.count("16-bit grey images (PIL mode I;16) scaled to 8 bits") == 1
+
+
+def test_a_float_image_is_refused_by_name(tmp_path, capsys):
+    from PIL import Image
+
+    data = image_folder(tmp_path / "pets")
+    Image.fromarray(np.zeros((8, 8), dtype=np.float32)).save(data / "cat" / "float.tif")
+    argv = ["prepare", "--preset", "imagefolder", "--set", f"out={tmp_path}", f"data_dir={data}"]
+    line = error_line(capsys, [*argv, "image_size=8"])
+    assert "float.tif" in line and "PIL mode F" in line
+
+
+def test_a_val_folder_is_the_val_split(tmp_path, capsys):
+    data = tmp_path / "pets"
+    image_folder(data / "train", n=6)
+    image_folder(data / "val", n=2)
+    image_folder(data / "test", n=3)
+    prepare(capsys, tmp_path / "runs", data)
+    assert counts(tmp_path / "runs" / "imagefolder" / "real") == {"train": 12, "val": 4, "test": 6}
+
+
+def test_hidden_folders_and_files_are_skipped(tmp_path, capsys):
+    data = image_folder(tmp_path / "pets")
+    write_images(data / ".ipynb_checkpoints", 2)  # a tool's, not a class
+    write_images(data / "cat" / ".thumbs", 2)
+    (data / "dog" / ".preview.png").write_bytes((data / "dog" / "000.png").read_bytes())
+    prepare(capsys, tmp_path / "runs", data)
+    real = tmp_path / "runs" / "imagefolder" / "real"
+    assert sum(counts(real).values()) == 12
+    manifest = json.loads((real / "train" / "manifest.json").read_text())
+    assert manifest["class_names"] == ["cat", "dog"]
+
+
+def test_a_resize_and_a_colour_change_are_said_once(tmp_path, capsys):
+    data = image_folder(tmp_path / "pets", size=12)
+    write_images(data / "dog", 1, start=6)
+    err = prepare(capsys, tmp_path / "runs", data)
+    assert err.count("images resized to 8x8 (squash; the first: ") == 1
+    grey = image_folder(tmp_path / "grey", size=8)
+    from PIL import Image
+
+    Image.open(grey / "cat" / "000.png").convert("L").save(grey / "cat" / "000.png")
+    err = prepare(capsys, tmp_path / "runs2", grey)
+    assert err.count("images of PIL mode L converted to RGB") == 1
+
+
+@pytest.mark.parametrize(
+    "preset, sets, says",
+    [
+        ("digits", ["data_dir=/nope"], "data_dir=/nope is never read: source=digits"),
+        ("imagefolder", ["data_dir=/x", "hf_dataset=a/b"], "hf_dataset=a/b is never read"),
+    ],
+)
+def test_a_key_the_source_never_reads_is_refused(preset, sets, says, tmp_path, capsys):
+    argv = ["prepare", "--preset", preset, "--set", f"out={tmp_path}", *sets]
+    assert says in error_line(capsys, argv, code=2)
+    assert not (tmp_path / preset).exists()

@@ -30,6 +30,9 @@ class Preset:
     # prepare's reader of `source=<name>`: (prepare config) -> shards.sources.Source; None: the
     # preset reads no data of its own
     reads: Callable[[Any], Any] | None = None
+    # the prepare fields that reader reads: a value in one it ignores is refused, never a
+    # silent run on other data (`--preset digits --set data_dir=...`)
+    reads_fields: tuple[str, ...] = ("data_dir", "hf_dataset")
     edm_checkpoint: str = ""  # where the paper's EDM network for these classes is published
     # (Hub license id, what the data is): the in-house UNet learns only from the real training
     # set, so the images it makes carry the data's license (shards.card.license_for)

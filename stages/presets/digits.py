@@ -93,6 +93,7 @@ PRESET = Preset(
         ("annotate", ()),
     ),
     reads=_read,
+    reads_fields=(),
     data_license=(
         "cc-by-4.0",
         "scikit-learn's handwritten digits (UCI Optical Recognition of Handwritten Digits)",

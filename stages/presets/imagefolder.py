@@ -46,4 +46,5 @@ PRESET = Preset(
         "annotate": dict(CLIP, sharpening=4.0),  # CIFAR-10's s (docs/methods.md §2)
     },
     reads=_read,
+    reads_fields=("data_dir",),
 )

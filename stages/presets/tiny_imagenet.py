@@ -32,6 +32,7 @@ PRESET = Preset(
         "annotate": dict(CLIP, sharpening=4.0),  # docs/methods.md §2's s
     },
     reads=_read,
+    reads_fields=("data_dir",),
     edm_checkpoint="the Tiny-ImageNet 64x64 cond-vp EDM of DM-Improves-AT "
     "(https://huggingface.co/wzekai99/DM-Improves-AT, folder others/)",
 )
