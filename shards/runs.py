@@ -195,7 +195,7 @@ def damaged_fix(folder: Path) -> str:
     the root and the run's name; the run's config.json holds every other setting it had)."""
     remake = remake_command(folder)
     how = f"`{remake[1]}`" if remake else "the command that made it"
-    return f"remove {folder} and make the run again: {how}"
+    return f"remove {folder} and rebuild the run: {how}"
 
 
 # ---------------------------------------------------------------- reading
@@ -258,7 +258,7 @@ def read_run(folder: Path, preset: str = "") -> Run:
         )
         raise RunError(
             f"{folder} has no trained weights ({WEIGHTS} + {META}): check the run name, or "
-            f"make the run first: {how}"
+            f"build the run first: {how}"
         )
     if not is_complete(folder):
         how = f": `{remake[1]}`" if remake else ""
