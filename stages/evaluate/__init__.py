@@ -346,7 +346,7 @@ def run(cfg: Config) -> Path:
             )
         if internal:
             log.info(
-                "evaluate: leaving out the internal run(s) %s (SET=internal_runs=1 includes them)",
+                "evaluate: leaving out the internal run(s) %s (internal_runs=1 includes them)",
                 ", ".join(internal),
             )
         for stage, name in pairs:
