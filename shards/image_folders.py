@@ -82,7 +82,7 @@ def imagefolder_source(path: str, class_names: Sequence[str] = ()) -> Source:
     for split in ("val", "test"):
         if base != root and (root / split).is_dir():
             splits[split] = _class_folder_split(root / split, names)
-    return Source(class_names=names, splits=splits, origin=root)
+    return Source(class_names=names, splits=splits, origin=root, origin_suffixes=IMAGE_SUFFIXES)
 
 
 def tiny_imagenet_source(path: str) -> Source:
@@ -160,7 +160,12 @@ def imagenet_source(path: str) -> Source:
                 "out of train"
             )
         splits["test"] = _class_folder_split(val, wnids)
-    return Source(class_names=_imagenet_names(root, wnids), splits=splits, origin=root)
+    return Source(
+        class_names=_imagenet_names(root, wnids),
+        splits=splits,
+        origin=root,
+        origin_suffixes=IMAGE_SUFFIXES,
+    )
 
 
 def _imagenet_names(root: Path, wnids: Sequence[str]) -> tuple[str, ...]:

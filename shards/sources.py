@@ -52,6 +52,10 @@ class Source:
     # the file or folder the data were read from (prepare fingerprints it); None for data that
     # come with a library (scikit-learn's digits) or from the Hub
     origin: Path | None = None
+    # what in the folder `origin` the data are: these files only (the MNIST files), or the files
+    # of these suffixes (an ImageFolder's images); both empty: every file under it
+    origin_files: tuple[str, ...] = ()
+    origin_suffixes: tuple[str, ...] = ()
 
 
 # PIL's 16-bit grey modes (and "I", which older Pillows and some TIFFs use for them): their
@@ -140,11 +144,12 @@ def _idx_file(folder: Path, stem: str) -> Path | None:
 
 def idx_source(folder: Path, class_names: Sequence[str]) -> Source:
     """The four MNIST-layout files (train/t10k images + labels, .gz or not) in `folder`."""
-    splits = {}
+    splits, read = {}, []
     for split, (image_stem, label_stem) in _IDX_FILES.items():
         image_path, label_path = _idx_file(folder, image_stem), _idx_file(folder, label_stem)
         if image_path is None or label_path is None:
             raise ShardError(f"{folder} lacks {image_stem}.gz or {label_stem}.gz")
+        read += [image_path.name, label_path.name]
         images, labels = read_idx(image_path), read_idx(label_path).astype(np.int64)
         if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
             raise ShardError(
@@ -163,7 +168,9 @@ def idx_source(folder: Path, class_names: Sequence[str]) -> Source:
             describe=lambda i, p=image_path: f"{p.name}[{i}]",
             notes={"grey images repeated to RGB"},
         )
-    return Source(class_names=tuple(class_names), splits=splits, origin=folder)
+    return Source(
+        class_names=tuple(class_names), splits=splits, origin=folder, origin_files=tuple(read)
+    )
 
 
 def has_idx_files(folder: Path) -> bool:

@@ -143,7 +143,8 @@ def check_source(real: Path) -> None:
     if not origin.exists():
         log.info("prepare: %s is not at hand; %s not compared with it", origin, real)
         return
-    said = changes(recorded["fingerprint"], fingerprint(origin))
+    now = fingerprint(origin, recorded.get("files", ()), recorded.get("suffixes", ()))
+    said = changes(recorded["fingerprint"], now)
     if said:
         raise ShardError(
             f"{origin} changed since {real} was prepared from it ({summary(said)}); its shards "
@@ -160,7 +161,9 @@ def record_source(real: Path, source: Source) -> dict[str, str]:
         return {}
     path = real / SOURCE_RECORD
     if not path.is_file():
-        record = {"origin": str(source.origin), "fingerprint": fingerprint(source.origin)}
+        read = {"files": list(source.origin_files), "suffixes": list(source.origin_suffixes)}
+        fp = fingerprint(source.origin, source.origin_files, source.origin_suffixes)
+        record = {"origin": str(source.origin), **read, "fingerprint": fp}
         atomic_write_json(path, record)
     return {"source_sha256": digest(read_json(path)["fingerprint"])}
 

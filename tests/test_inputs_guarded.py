@@ -347,3 +347,38 @@ def test_a_key_the_source_never_reads_is_refused(preset, sets, says, tmp_path, c
     argv = ["prepare", "--preset", preset, "--set", f"out={tmp_path}", *sets]
     assert says in error_line(capsys, argv, code=2)
     assert not (tmp_path / preset).exists()
+
+
+def test_fingerprints_of_an_archive_named_files_and_a_folder_say_what_changed(tmp_path):
+    from shards.fingerprint import changes, fingerprint
+
+    archive = tmp_path / "data.tar.gz"
+    archive.write_bytes(b"a" * 10)
+    before = fingerprint(archive)
+    archive.write_bytes(b"b" * 10)
+    assert changes(before, fingerprint(archive)) == ["contents changed (another sha256)"]
+    archive.write_bytes(b"b" * 12)
+    assert changes(before, fingerprint(archive)) == ["size changed (10 -> 12 bytes)"]
+
+    idx = tmp_path / "idx"
+    idx.mkdir()
+    for name in ("train.gz", "test.gz", "notes.txt"):
+        (idx / name).write_bytes(name.encode())
+    named = ("test.gz", "train.gz")
+    before = fingerprint(idx, names=named)
+    (idx / "notes.txt").write_text("not read")  # not one of the files the reader reads
+    assert changes(before, fingerprint(idx, names=named)) == []
+    (idx / "test.gz").unlink()
+    assert changes(before, fingerprint(idx, names=named)) == ["test.gz: removed"]
+
+    folder = image_folder(tmp_path / "pets")
+    suffixes = (".png",)
+    before = fingerprint(folder, suffixes=suffixes)
+    (folder / "README.md").write_text("edited")  # no image: not the data
+    assert changes(before, fingerprint(folder, suffixes=suffixes)) == []
+    (folder / "dog" / "000.png").unlink()
+    write_images(folder / "bird", 2)
+    assert changes(before, fingerprint(folder, suffixes=suffixes)) == [
+        "bird/ added (2 files)",
+        "1 fewer files under dog/ (6 -> 5)",
+    ]
