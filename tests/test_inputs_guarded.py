@@ -382,3 +382,27 @@ def test_fingerprints_of_an_archive_named_files_and_a_folder_say_what_changed(tm
         "bird/ added (2 files)",
         "1 fewer files under dog/ (6 -> 5)",
     ]
+
+
+def test_a_truncated_generator_is_named_on_rerun_and_by_generate(digits_root, tmp_path, capsys):
+    """fit-generator's rerun and generate name the damaged weights and the fix (the fit it
+    asks for is the one tests/test_faults.py runs; here a tiny random generator stands in)."""
+    import torch
+    from conftest import save_generator
+
+    from models.generators import build_unet
+
+    out = tmp_path / "runs"
+    root = prepared(digits_root, out)
+    torch.manual_seed(0)
+    save_generator(root, build_unet(16, num_classes=10, channels=(16, 32), attention=(False, True)))
+    folder = root / "generator"
+    weights = folder / "unet" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+
+    line = error_line(capsys, ["fit-generator", "--preset", "digits", "--set", f"out={out}"])
+    assert str(weights) in line and f"remove {folder} and rerun the same command" in line
+    line = error_line(capsys, ["generate", "--preset", "digits", "--set", f"out={out}"])
+    assert str(weights) in line and f"remove {folder} and rerun fit-generator" in line
+    (command,) = quoted(line)
+    assert command[0] == "fit-generator" and resolved(capsys, command)["root"] == str(root)

@@ -117,11 +117,13 @@ def check_generator_weights(folder: Path, manifest: Manifest) -> None:
     missing, truncated or swapped file is refused in one line before diffusers reads it."""
     path = folder / UNET_WEIGHTS
     expected = manifest.info.get("weights_sha256")
+    remake = remake_command(folder)
+    fix = f"remove {folder} and rerun fit-generator" + (f": `{remake[1]}`" if remake else "")
     if not path.is_file():
-        raise GenerationError(f"{path} is missing: {folder} is damaged; rerun fit-generator")
+        raise GenerationError(f"{path} is missing: {folder} is damaged; {fix}")
     if expected and sha256_file(path) != expected:
         raise GenerationError(
-            f"{path}: sha256 differs from its manifest (truncated or replaced); rerun fit-generator"
+            f"{path}: sha256 differs from its manifest (truncated or replaced); {fix}"
         )
 
 
