@@ -251,11 +251,9 @@ def read_run(folder: Path, preset: str = "") -> Run:
     folder = Path(folder)
     remake = remake_command(folder, preset)
     if not (folder / META).is_file() or not (folder / WEIGHTS).is_file():
-        how = (
-            f"`{remake[1]}`"
-            if remake
-            else f"train, with --set out={folder.parent.parent.parent} name={folder.parent.parent.name} run={folder.name}"
-        )
+        root = folder.parent.parent  # <root>/train/<run>
+        words = f"train with --set out={root.parent} name={root.name} run={folder.name}"
+        how = f"`{remake[1]}`" if remake else words
         raise RunError(
             f"{folder} has no trained weights ({WEIGHTS} + {META}): check the run name, or "
             f"build the run first: {how}"

@@ -169,7 +169,7 @@ def record_source(real: Path, source: Source) -> dict[str, str]:
 
 
 def check_classes(source: Source, where: str) -> None:
-    """A classifier needs two classes at least, and a sample of each in train."""
+    """A classifier needs two classes at least (one class would train to 100 % accuracy)."""
     names = source.class_names
     if len(names) < 2:
         raise ShardError(
