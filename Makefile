@@ -95,7 +95,7 @@ lint: $(STAMP) ## ruff check + format check + the import layers (import-linter)
 format: $(STAMP) ## ruff fix + format
 	$(VENV)/bin/ruff check --fix . && $(VENV)/bin/ruff format .
 
-prepare: $(STAMP) $(DATA) ## real dataset -> $(OUT)/<classes>/real/
+prepare: $(STAMP) $(DATA) ## real dataset -> OUT/<classes>/real/ (OUT: the runs root, default runs)
 	$(SEMIX) prepare $(PRESET) --set $(SETS)
 
 fit-generator: $(STAMP) ## train the in-house class-conditional UNet -> generator/
@@ -143,7 +143,7 @@ bench: $(STAMP) ## benchmarks -> bench/RESULTS.md
 # rm -rf on whatever OUT says, so: only a folder inside this checkout that git tracks nothing
 # in; one outside it (OUT=/data/runs) only with FORCE=1; never the checkout, a folder holding
 # it, .git or the virtual environment.
-clean: ## remove $(OUT) (default runs/; keeps .venv); a folder outside the checkout needs FORCE=1
+clean: ## remove OUT, the runs root (default runs/; keeps .venv); a folder outside the checkout needs FORCE=1
 	@out='$(OUT)'; root=$$(cd -- '$(ROOT)' && pwd -P); \
 	refuse() { echo "semix clean: $$1; nothing removed" >&2; exit 1; }; \
 	[ -n "$$out" ] || refuse "OUT is empty"; \

@@ -357,7 +357,7 @@ def field_docs(config_cls: type) -> dict[str, str]:
 
 def field_sections(config_cls: type) -> dict[str, str]:
     """{field: the section heading above it} for each field that starts a section of the class
-    body (`# recipe (METHODS §3)` above `epochs`): how --fields and --help group the fields."""
+    body (`# recipe (docs/methods.md §3)` above `epochs`): how --fields and --help group the fields."""
     return {name: section for name, (_, section) in _comments(config_cls).items() if section}
 
 

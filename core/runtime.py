@@ -174,7 +174,7 @@ class Processes:
         return self.state.device
 
     def owns(self, shard_index: int) -> bool:
-        """Shard i belongs to rank i mod world (ARCHITECTURE §5)."""
+        """Shard i belongs to rank i mod world (docs/architecture.md)."""
         return shard_index % self.world == self.rank
 
     def my_shards(self, num_shards: int) -> list[int]:

@@ -1,9 +1,9 @@
-"""CSM re-annotation numerics (METHODS §2), pure tensors: prototypes, λ̂, soft targets, statistics.
+"""CSM re-annotation numerics (docs/methods.md §2), pure tensors: prototypes, λ̂, soft targets, statistics.
 
 For a mixed image of pair (a, b) with unnormalised feature f and class prototypes p_a, p_b:
 
     λ̂ = ⟨f − p_b, p_a − p_b⟩ / ‖p_a − p_b‖²        (projection on the line through p_b and p_a)
-    t_a = σ(s·(λ̂ − 0.5)),  t_b = 1 − t_a             (METHODS §2, training target)
+    t_a = σ(s·(λ̂ − 0.5)),  t_b = 1 − t_a             (docs/methods.md §2, training target)
 
 λ̂ and α both measure the share of class a (α = generation weight of a), so a good annotation
 rises with α; `annotation_stats` measures exactly that.
@@ -76,7 +76,7 @@ class PrototypeAccumulator:
 
 
 def class_prototypes(features: Tensor, labels: Tensor, num_classes: int) -> Tensor:
-    """Per-class mean of unnormalised features [N, d] -> [C, d] (METHODS §2, prototype p_k)."""
+    """Per-class mean of unnormalised features [N, d] -> [C, d] (docs/methods.md §2, prototype p_k)."""
     acc = PrototypeAccumulator(num_classes, features.shape[-1])
     acc.update(features, labels)
     return acc.prototypes()
@@ -110,7 +110,7 @@ def text_prototypes(
 
 
 def project_lambda(f: Tensor, p_a: Tensor, p_b: Tensor) -> Tensor:
-    """λ̂ = ⟨f − p_b, p_a − p_b⟩ / ‖p_a − p_b‖² (METHODS §2), unclipped, float32 [N].
+    """λ̂ = ⟨f − p_b, p_a − p_b⟩ / ‖p_a − p_b‖² (docs/methods.md §2), unclipped, float32 [N].
 
     p_a gives 1, p_b gives 0; points off the line land at their orthogonal projection.
     Computed in float64: CLIP features share a large common component, so f − p_b cancels.
@@ -128,7 +128,7 @@ def project_lambda(f: Tensor, p_a: Tensor, p_b: Tensor) -> Tensor:
 
 
 def soft_targets(lambda_hat: Tensor, s: float) -> Tensor:
-    """t_a = σ(s·(λ̂ − 0.5)) (METHODS §2); t_b = 1 − t_a. σ is symmetric about λ̂ = 0.5."""
+    """t_a = σ(s·(λ̂ − 0.5)) (docs/methods.md §2); t_b = 1 − t_a. σ is symmetric about λ̂ = 0.5."""
     if not (math.isfinite(s) and s > 0):
         raise ValueError(f"sharpening s must be a finite number > 0, got {s}")
     return torch.sigmoid(s * (lambda_hat.float() - 0.5))
@@ -144,7 +144,7 @@ def _similarity(f: Tensor, alpha: Tensor, p_a: Tensor, p_b: Tensor, s: float) ->
 
     A negative cosine counts as zero evidence (clamped), since a negative weight would push t
     outside [0, 1]; if both cosines are <= 0 there is no evidence either way and t_a = 0.5.
-    Unsharpened (s unused): METHODS §2 defines this target as the normalised similarity itself.
+    Unsharpened (s unused): docs/methods.md §2 defines this target as the normalised similarity itself.
     """
     w_a = F.cosine_similarity(f.double(), p_a.double(), dim=-1).clamp(min=0)
     w_b = F.cosine_similarity(f.double(), p_b.double(), dim=-1).clamp(min=0)

@@ -302,7 +302,7 @@ def reliability_bins(
 
 
 def temperature_grid() -> list[float]:
-    """METHODS §7 grid T ∈ {0.1, 0.2, ..., 10.0}."""
+    """docs/methods.md §7 grid T ∈ {0.1, 0.2, ..., 10.0}."""
     return [round(0.1 * i, 1) for i in range(1, 101)]
 
 
@@ -348,7 +348,7 @@ def fit_temperature(
     n_bins: int = N_BINS,
     criterion: str = "ece",
 ) -> float:
-    """Temperature T for `logits / T`, fitted on validation logits (METHODS §7).
+    """Temperature T for `logits / T`, fitted on validation logits (docs/methods.md §7).
 
     criterion "nll": the NLL minimiser in NLL_T_RANGE (`fit_temperature_nll`, the usual choice);
     "ece": the grid T ∈ {0.1, ..., 10.0} with the lowest validation ECE (the focal-calibration
@@ -367,7 +367,7 @@ def fit_temperature(
 
 
 def temperature_on_edge(t: float, criterion: str) -> bool:
-    """A T on the edge of its search range means the fit is degenerate (METHODS §7)."""
+    """A T on the edge of its search range means the fit is degenerate (docs/methods.md §7)."""
     low, high = NLL_T_RANGE if criterion == "nll" else (min(temperature_grid()), 10.0)
     return t <= low * (1 + 1e-6) or t >= high * (1 - 1e-6)
 

@@ -1,7 +1,7 @@
 """Image classifiers with a separable feature extractor and linear head.
 
 Every model is a `Classifier`: `forward_features(x) -> [B, d]` returns the pooled pre-classifier
-feature h (what MaC-Cal's bottleneck head and FeDLaS's NCI read, METHODS §4-5), `head` is a plain
+feature h (what MaC-Cal's bottleneck head and FeDLaS's NCI read, docs/methods.md §4-5), `head` is a plain
 `nn.Linear(d, C)` that fine-tuning stages may replace, and `forward(x) = head(forward_features(x))`.
 
 Architectures (the CIFAR ones use a 3x3 stride-1 stem and no max-pool, so 32x32 inputs keep their
@@ -10,7 +10,7 @@ resolution in the first stage; global average pooling makes all of them size-agn
 | name        | body                                                    | d    |
 |-------------|---------------------------------------------------------|------|
 | resnet18/34 | basic blocks [2,2,2,2] / [3,4,6,3], widths 64..512      | 512  |
-| resnet50    | bottleneck blocks [3,4,6,3] (CSM reference, METHODS §3) | 2048 |
+| resnet50    | bottleneck blocks [3,4,6,3] (CSM reference, docs/methods.md §3) | 2048 |
 | resnet110   | He et al.'s 3-stage CIFAR net, 18 basic blocks/stage    | 64   |
 | wrn-26-10   | post-activation basic blocks, (26-2)/6 = 4 per stage    | 640  |
 | wrn-28-10   | Zagoruyko's pre-activation blocks, (28-4)/6 = 4/stage   | 640  |
@@ -219,7 +219,7 @@ class DigitsCNN(Classifier):
 
     ~0.1 M parameters and ~2.6 MFLOPs per image, so the embedded default reaches > 90 % on the
     digits within a few epochs of a second each on 2 CPU cores; its pooled features double as
-    the annotation space for digits (ARCHITECTURE §6).
+    the annotation space for digits.
     """
 
     family = "digits-cnn"

@@ -1,4 +1,4 @@
-"""Pure-torch pieces of the finetune stage (METHODS.md §4 MaC-Cal, §5 FeDLaS).
+"""Pure-torch pieces of the finetune stage (docs/methods.md §4 MaC-Cal, §5 FeDLaS).
 
 - `build_model(arch)`: rebuild a classifier from model.json's "arch", including a replaced head.
   MaC-Cal swaps the linear head for `MaskedBottleneckHead`, so its model.json carries
@@ -84,7 +84,7 @@ def require_separable_head(model: nn.Module, where: str = "the model") -> None:
 
 
 class GateTracker:
-    """Per-sample gate direction ψ_i of FeDLaS (METHODS §5) across training epochs.
+    """Per-sample gate direction ψ_i of FeDLaS (docs/methods.md §5) across training epochs.
 
     Each epoch records the ψ of every sample seen (from its training forward pass, under that
     step's augmentation). `end_epoch()` returns the share of the epoch's samples in each gate

@@ -1,4 +1,4 @@
-"""Calibration fine-tuning math: MaC-Cal (METHODS.md §4) and FeDLaS (METHODS.md §5).
+"""Calibration fine-tuning math: MaC-Cal (docs/methods.md §4) and FeDLaS (docs/methods.md §5).
 
 Pure torch, no I/O. The finetune stage wires these parts around a classifier that exposes
 `forward_features(x) -> [B, d]` and a linear `head`; see each class for its place in the loop.
@@ -28,11 +28,11 @@ from core.config import ConfigError
 from core.parts import Params, param
 
 # ----------------------------------------------------------------------------------------------
-# MaC-Cal (METHODS §4)
+# MaC-Cal (docs/methods.md §4)
 
 
 class MaskedBottleneckHead(nn.Module):
-    """s = W₂·ReLU((M₁⊙W₁)h + b₁) + b₂ with per-epoch Bernoulli masks M₁, M₂ (METHODS §4).
+    """s = W₂·ReLU((M₁⊙W₁)h + b₁) + b₂ with per-epoch Bernoulli masks M₁, M₂ (docs/methods.md §4).
 
     The masks are boolean buffers (all ones until the first `draw_masks`), so they travel with
     `.to(device)` and `state_dict`. The forward always uses M ⊙ W: because `draw_masks` zeroes
@@ -87,7 +87,7 @@ class MaskedBottleneckHead(nn.Module):
 
 
 class MaskedSGD(torch.optim.SGD):
-    """torch SGD whose masked weights do not move at all while their mask is 0 (METHODS §4).
+    """torch SGD whose masked weights do not move at all while their mask is 0 (docs/methods.md §4).
 
     Why this mechanism: masking the gradient alone is not enough. With momentum, a weight dropped
     at a redraw still carries last epoch's momentum buffer, and with weight decay it is pulled by
@@ -138,7 +138,7 @@ class MaskedSGD(torch.optim.SGD):
 
 @dataclass(frozen=True)
 class RetentionParams(Params):
-    """The retention schedule's parameters (METHODS §4; GUESS defaults): finetune's `maccal_*`
+    """The retention schedule's parameters (docs/methods.md §4; GUESS defaults): finetune's `maccal_*`
     fields, `method.<param>=` on the command line."""
 
     q0: float = param(0.9, low=0.0, high=1.0, doc="q₀, the first epoch's retention probability")
@@ -167,7 +167,7 @@ class MaCCalPart:
 
 
 class RetentionSchedule:
-    """Adaptive retention q (METHODS §4): after epoch t (0-based, t < T) with acc_t, conf_t,
+    """Adaptive retention q (docs/methods.md §4): after epoch t (0-based, t < T) with acc_t, conf_t,
 
         τ_t = τ₀·exp(−λ·t/T),  Δ = clip(γ·acc_t − conf_t, −τ_t, τ_t),  q <- clip(q + Δ, q_min, q_max).
 
@@ -254,11 +254,11 @@ class EpochAccConf:
 
 
 # ----------------------------------------------------------------------------------------------
-# FeDLaS (METHODS §5)
+# FeDLaS (docs/methods.md §5)
 
 
 class NCI(nn.Module):
-    """Normalised confidence indicator γ_i = (n_i − μ)/(σ + 1e-3), n_i = ‖z_i‖₁ (METHODS §5).
+    """Normalised confidence indicator γ_i = (n_i − μ)/(σ + 1e-3), n_i = ‖z_i‖₁ (docs/methods.md §5).
 
     In training mode only, once per call and before normalising, μ and σ take an EMA step towards
     the batch mean and unbiased std of n (weight θ). They are buffers, so checkpoints keep them.
@@ -299,7 +299,7 @@ class _SignSTE(torch.autograd.Function):
 
 class FeDLaSGate(nn.Module):
     """Direction gate on detached logits: C → ⌊C/2⌋ (LeakyReLU 0.01) → 2, softmax π,
-    d = π₁ − π₀, ψ = sign(d) with a straight-through gradient (METHODS §5).
+    d = π₁ − π₀, ψ = sign(d) with a straight-through gradient (docs/methods.md §5).
 
     The logits are detached so the gate only steers r_i; it learns through the task loss alone.
     """
@@ -327,7 +327,7 @@ class FeDLaSGate(nn.Module):
 
 
 def smoothing_weights(psi: Tensor, gamma: Tensor, alpha: float, beta: float) -> Tensor:
-    """r_i = 2α·sigmoid(β·ψ_i·γ_i) ∈ (0, 2α); r_i = α at β = 0 or ψ_i = 0 (METHODS §5)."""
+    """r_i = 2α·sigmoid(β·ψ_i·γ_i) ∈ (0, 2α); r_i = α at β = 0 or ψ_i = 0 (docs/methods.md §5)."""
     return 2.0 * alpha * torch.sigmoid(beta * psi * gamma)
 
 
@@ -341,7 +341,7 @@ def _check_inputs(logits: Tensor, labels: Tensor, r: Tensor) -> None:
 
 
 def fedlas_ls_loss(logits: Tensor, labels: Tensor, r: Tensor) -> Tensor:
-    """FeDLaS-LS: mean_i[(1 − r_i)·CE_i + r_i·(−(1/C)·Σ_k log p_ik)] (METHODS §5)."""
+    """FeDLaS-LS: mean_i[(1 − r_i)·CE_i + r_i·(−(1/C)·Σ_k log p_ik)] (docs/methods.md §5)."""
     _check_inputs(logits, labels, r)
     logp = logits.float().log_softmax(dim=-1)
     ce = -logp.gather(1, labels[:, None]).squeeze(1)
@@ -365,7 +365,7 @@ GATE_MODES = ("+1", "-1", "0")
 
 
 class FeDLaSCriterion(nn.Module):
-    """The FeDLaS loss with its NCI and gate (METHODS §5): forward(z, s, y) -> (loss, stats).
+    """The FeDLaS loss with its NCI and gate (docs/methods.md §5): forward(z, s, y) -> (loss, stats).
 
     Trainer duties: add `gate_parameters()` to the main optimizer (same lr schedule and weight
     decay) and leave them out of gradient clipping; call `.train()` / `.eval()` with the model

@@ -1,4 +1,4 @@
-"""Training losses of the baselines (METHODS §6) and the CSM synthetic term (METHODS §3).
+"""Training losses of the baselines (docs/methods.md §6) and the CSM synthetic term (docs/methods.md §3).
 
 Notation: logits s [N, C], p = softmax(s), labels y [N] (int64), c_i = max_k p_ik.
 
@@ -6,7 +6,7 @@ Each loss is one class, `cls(num_classes, params)`, whose `forward(logits, label
 the mean over the batch; its parameters are its own frozen dataclass `cls.Params` (defaults,
 bounds and choices stated once: core/parts.py), which the train config's fields derive from. The
 registry `LOSSES` maps a flag to the class; `build_loss(name, C, **params)` builds one. Defaults
-(METHODS §6, CIFAR values):
+(docs/methods.md §6, CIFAR values):
 
 | name   | params (default)                  | loss                                                   |
 |--------|-----------------------------------|--------------------------------------------------------|
@@ -20,7 +20,7 @@ registry `LOSSES` maps a flag to the class; `build_loss(name, C, **params)` buil
 
 (`lam` stands for λ: `lambda` is a Python keyword; MMCE's kernel width and FLSD-53's threshold
 are part of the methods' definitions, not parameters.) The LS α is a GUESS (METHODS leaves it open;
-0.05 matches FeDLaS-LS's CIFAR-10 value); MMCE's λ is the low end of METHODS' 2-4.
+0.05 matches FeDLaS-LS's CIFAR-10 value); MMCE's λ is the low end of docs/methods.md's 2-4.
 `mmce_weighted`'s normalization="focal_calibration" is the MMD_w of the baselines later papers
 report (torrvision/focal_calibration), which divides its pair sums differently (`mmd_weighted`).
 
@@ -84,7 +84,7 @@ class LabelSmoothing(nn.Module):
 
 
 class FocalLoss(nn.Module):
-    """Focal loss with fixed γ (METHODS §6: γ = 3)."""
+    """Focal loss with fixed γ (docs/methods.md §6: γ = 3)."""
 
     @dataclass(frozen=True)
     class Params(Params):
@@ -213,9 +213,9 @@ def mmd_weighted(
 
 
 class MMCELoss(nn.Module):
-    """NLL + λ·MMCE_m (METHODS §6, the unweighted form, no square root)."""
+    """NLL + λ·MMCE_m (docs/methods.md §6, the unweighted form, no square root)."""
 
-    width = 0.4  # the Laplacian kernel's width (Kumar et al.; METHODS §6)
+    width = 0.4  # the Laplacian kernel's width (Kumar et al.; docs/methods.md §6)
 
     @dataclass(frozen=True)
     class Params(Params):
@@ -230,7 +230,7 @@ class MMCELoss(nn.Module):
 
 
 class WeightedMMCELoss(MMCELoss):
-    """NLL + λ·sqrt(MMD_w + 1e-10) (METHODS §6, the form the CIFAR-10 recipe uses); the MMCE
+    """NLL + λ·sqrt(MMD_w + 1e-10) (docs/methods.md §6, the form the CIFAR-10 recipe uses); the MMCE
     term is 0 when all or none of the batch is correct. `normalization`: see `mmd_weighted`."""
 
     prefix = "mmce"  # its train fields: mmce_lam (mmce's too) and mmce_normalization
@@ -277,7 +277,7 @@ def build_loss(name: str, num_classes: int, **params: float) -> nn.Module:
 
 
 def soft_l2(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """CSM synthetic term (METHODS §3): mean_j ||softmax(s̃_j) - t_j||²₂, targets dense [N, C]."""
+    """CSM synthetic term (docs/methods.md §3): mean_j ||softmax(s̃_j) - t_j||²₂, targets dense [N, C]."""
     if logits.shape != targets.shape:
         raise ValueError(
             f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} must match"
@@ -286,7 +286,7 @@ def soft_l2(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def dense_soft_targets(classes: torch.Tensor, soft: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """Scatter a mixed sample's [t_a, t_b] on classes [a, b] (ARCHITECTURE §2) into [N, C]."""
+    """Scatter a mixed sample's [t_a, t_b] on classes [a, b] (docs/architecture.md, Shard folders) into [N, C]."""
     out = torch.zeros(classes.shape[0], num_classes, dtype=soft.dtype, device=soft.device)
     return out.scatter_add_(1, classes.long(), soft)
 

@@ -11,7 +11,7 @@ computes and what an epoch adds around it:
 Train's losses (`OBJECTIVES`, one entry per `loss=`: its parameters, a frozen dataclass, and how
 to build its objective; `register_loss` adds one from outside semix) compute the loss from the
 model and a batch dict inside one forward call, so DDP sees a single forward per step even when CSM runs the real and
-the synthetic images separately (METHODS §3), and FeDLaS' gate parameters (§5) are synchronised
+the synthetic images separately (docs/methods.md §3), and FeDLaS' gate parameters (§5) are synchronised
 with the model's. Fine-tuning is the same loop with another start and objective: FeDLaS
 fine-tuning = `FeDLaSObjective` on a trained model, MaC-Cal (§4) = `MacCalObjective`, which
 freezes the backbone and trains a masked bottleneck head.
@@ -58,7 +58,7 @@ class Objective(nn.Module):
         """Called after every `module.train()`: parts that must stay in eval mode go back."""
 
     def clip_parameters(self, model: nn.Module) -> Iterable[nn.Parameter]:
-        """What gradient-norm clipping covers: the classifier (never FeDLaS' gate, METHODS §5)."""
+        """What gradient-norm clipping covers: the classifier (never FeDLaS' gate, docs/methods.md §5)."""
         return model.parameters()
 
     def start_epoch(self, epoch: int, model: nn.Module, draw: Callable[[str], torch.Generator]):
@@ -90,7 +90,7 @@ class CriterionObjective(Objective):
 
 
 class MixupObjective(Objective):
-    """Mixup (METHODS §6): x̃ = λx + (1−λ)x[π] in `prepare`, λ·CE(y) + (1−λ)·CE(y[π])."""
+    """Mixup (docs/methods.md §6): x̃ = λx + (1−λ)x[π] in `prepare`, λ·CE(y) + (1−λ)·CE(y[π])."""
 
     mixes_rows = True
 
@@ -121,7 +121,7 @@ ABLATIONS = (
 
 
 class CSMObjective(Objective):
-    """CE(real) + w·mean_j ||softmax(s̃_j) − t_j||² on the synthetic batch (METHODS §3).
+    """CE(real) + w·mean_j ||softmax(s̃_j) − t_j||² on the synthetic batch (docs/methods.md §3).
 
     Real and synthetic images take separate forward passes, so BatchNorm normalises each with
     its own batch statistics, as the reference code does. `mixed_loss="ce"` is the paper's
@@ -165,7 +165,7 @@ THETA = "FeDLaS (both variants): the NCI's EMA weight θ"
 
 @dataclass(frozen=True)
 class FeDLaSLS(Params):
-    """FeDLaS-LS' parameters; the defaults are METHODS §5's CIFAR-10 values (the presets give
+    """FeDLaS-LS' parameters; the defaults are docs/methods.md §5's CIFAR-10 values (the presets give
     the other datasets' theirs)."""
 
     alpha: float = param(0.05, low=0.0, doc="FeDLaS-LS: α of r_i = 2α·sigmoid(β·ψ_i·γ_i)")
@@ -182,7 +182,7 @@ class FeDLaSMbLS(Params):
 
 
 class FeDLaSObjective(Objective):
-    """FeDLaS-LS / -MbLS (METHODS §5) on pooled features + logits of the real batch, from
+    """FeDLaS-LS / -MbLS (docs/methods.md §5) on pooled features + logits of the real batch, from
     scratch (train loss=fedlas-*) or on a trained model (finetune method=fedlas-*).
 
     Per epoch: mean r, the NCI's μ and σ and, with `num_samples` > 0 (the batch carries the
@@ -232,7 +232,7 @@ class FeDLaSObjective(Objective):
 
 
 class MacCalObjective(Objective):
-    """MaC-Cal (METHODS §4): the backbone frozen in eval mode (no grads, BatchNorm statistics as
+    """MaC-Cal (docs/methods.md §4): the backbone frozen in eval mode (no grads, BatchNorm statistics as
     trained), a fresh masked bottleneck head trained with cross-entropy, one Bernoulli(q) mask
     per epoch, q <- RetentionSchedule(acc_t, conf_t) after it. No gradient clipping.
 

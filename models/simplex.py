@@ -1,11 +1,11 @@
-"""k-way semantic mixing (beyond METHODS §1-2, whose CSM mixes two classes): simplex lattices,
+"""k-way semantic mixing (beyond docs/methods.md §1-2, whose CSM mixes two classes): simplex lattices,
 barycentric coordinates, k-way soft targets. Pure tensors and tuples, no file I/O.
 
 A series over the class tuple (c_1, ..., c_k) is one shared noise rendered at every point of the
 simplex lattice of resolution m: the weight vectors w with w_i = n_i / m, n_i ≥ 0, Σ n_i = m.
 For k = 2 and m = K − 1 the lattice is CSM's α grid (α = w_1, the weight of class a).
 
-Re-annotation generalises the projection of METHODS §2: λ̂ are the barycentric coordinates of
+Re-annotation generalises the projection of docs/methods.md §2: λ̂ are the barycentric coordinates of
 the feature f in the affine hull of the k prototypes,
 
     λ̂_{1..k−1} = argmin_x ‖(f − p_k) − Σ_{i<k} x_i (p_i − p_k)‖²,   λ̂_k = 1 − Σ_{i<k} λ̂_i,
@@ -251,7 +251,7 @@ def similarity_shares(f: Tensor, p: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# k-way re-annotation (METHODS §2 generalised) and its statistics
+# k-way re-annotation (docs/methods.md §2 generalised) and its statistics
 
 
 def annotate_simplex(

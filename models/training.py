@@ -228,7 +228,7 @@ def sample_csm_members(
     check: bool = True,
     interior: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Series ids and positions [B, 2] of the synthetic images for a real batch (METHODS §3).
+    """Series ids and positions [B, 2] of the synthetic images for a real batch (docs/methods.md §3).
 
     For every real label y: a uniformly random complete series containing y; column 0 is that
     series' member with the highest target for y (t_a if y = a, else t_b = 1 − t_a; first on
@@ -280,7 +280,7 @@ def interior_positions(weights: Tensor) -> Tensor:
 
 
 def csm_targets(classes: Tensor, soft_a: Tensor, num_classes: int) -> Tensor:
-    """Dense targets [N, C] of mixed samples: t_a on class a, 1 − t_a on class b (METHODS §2);
+    """Dense targets [N, C] of mixed samples: t_a on class a, 1 − t_a on class b (docs/methods.md §2);
     k-way samples: soft [N, k] over classes [N, k]."""
     if soft_a.ndim == 2:
         return dense_soft_targets(classes, soft_a, num_classes)

@@ -27,6 +27,7 @@ from typing import NoReturn
 from safetensors import SafetensorError
 
 from core.config import ConfigError, did_you_mean, every_field
+from core.environment import check_environment
 from core.logs import log, setup_logging
 from pipeline.plugins import load_plugins
 from pipeline.registry import STAGES, describe_stage, resolve_stage_config, run_stage
@@ -209,6 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return show(help_text(args.stage, preset))
         if args.fields or args.print_config:  # on every command: describe, never start work
             return show(describe(args.stage, preset, sets, print_config=not args.fields))
+        check_environment()  # before any work: a value semix would misread is one line
         setup_logging(is_main=is_main)
         if args.preset is None:
             log.info("no --preset: using %s", DEFAULT_PRESET)

@@ -2,7 +2,7 @@
 
 - `load_real(folder)`: one real split as uint8 images [N, H, W, 3] + labels [N], on a device.
 - `load_series_table(mixed, class_names)`: mixed/ as a table of *complete* series, the layout
-  CSM training samples from (METHODS §3): images [S, K, H, W, 3], classes [S, 2] and per-member
+  CSM training samples from (docs/methods.md §3): images [S, K, H, W, 3], classes [S, 2] and per-member
   lambda_hat / soft (= t_a) / alpha [S, K]; for k-way series (json `weights`, generate's
   mix_classes = k ≥ 3) classes [S, k] and lambda_hat / soft / weights [S, K, k]. Series missing a
   member are dropped (counted).
@@ -209,7 +209,7 @@ def series_table(
     )
 
 
-# Fields of every mixed sample's json (ARCHITECTURE §2) and their JSON types: Hugging Face
+# Fields of every mixed sample's json (docs/architecture.md, Shard folders) and their JSON types: Hugging Face
 # `datasets` infers one feature set from them, and train reads lambda_hat / soft / alpha.
 MIXED_FIELDS: dict[str, type | tuple[type, ...]] = {
     "series": int,

@@ -14,25 +14,37 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from shards.manifest import ShardError
-from shards.sources import Source, SplitSource
+from shards.sources import Source, SplitSource, to_rgb
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff")
 
 
-def _read_image(path: Path) -> np.ndarray:
+def hidden(path: Path, under: Path) -> bool:
+    """Whether `path` or a folder between `under` and it is hidden (`.ipynb_checkpoints/`,
+    `.DS_Store`): such files are a tool's, never the data's."""
+    return any(part.startswith(".") for part in path.relative_to(under).parts)
+
+
+def visible_folders(folder: Path) -> list[str]:
+    """The sorted names of `folder`'s subfolders that are not hidden: the class folders."""
+    return sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def _read_image(path: Path, notes: set[str]) -> np.ndarray:
     try:
         with Image.open(path) as im:
-            return np.asarray(im.convert("RGB"), dtype=np.uint8)
+            return to_rgb(im, path, notes)
     except (UnidentifiedImageError, OSError) as e:
         raise ShardError(f"cannot read image {path}: {e}") from e
 
 
 def _files_split(files: Sequence[Path], labels: Sequence[int]) -> SplitSource:
-    files = list(files)
+    files, notes = list(files), set()
     return SplitSource(
         labels=np.asarray(labels, dtype=np.int64),
-        get=lambda i: _read_image(files[i]),
+        get=lambda i: _read_image(files[i], notes),
         describe=lambda i: str(files[i]),
+        notes=notes,
     )
 
 
@@ -42,7 +54,11 @@ def _class_folder_split(root: Path, class_names: Sequence[str]) -> SplitSource:
         folder = root / name
         if not folder.is_dir():
             raise ShardError(f"{root} has no folder for class {name!r}")
-        found = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+        found = sorted(
+            p
+            for p in folder.rglob("*")
+            if p.suffix.lower() in IMAGE_SUFFIXES and not hidden(p, folder) and p.is_file()
+        )
         if not found:
             raise ShardError(f"{folder} holds no images ({', '.join(IMAGE_SUFFIXES)})")
         files += found
@@ -51,19 +67,22 @@ def _class_folder_split(root: Path, class_names: Sequence[str]) -> SplitSource:
 
 
 def imagefolder_source(path: str, class_names: Sequence[str] = ()) -> Source:
-    """root/<class>/*.png, or root/{train,test}/<class>/*.png. Class order: the classes file
-    when given, else sorted folder names."""
+    """root/<class>/*.png, or root/{train,val,test}/<class>/*.png (val/ and test/ where they
+    exist: prepare carves the missing ones out of train). Class order: the classes file when
+    given, else sorted folder names. Hidden folders and files (a name starting with ".") are
+    skipped."""
     root = Path(path)
     if not path or not root.is_dir():
         raise ShardError(f"image folder {path!r} not found; pass data_dir=/path/to/folder")
     base = root / "train" if (root / "train").is_dir() else root
-    names = tuple(class_names) or tuple(sorted(p.name for p in base.iterdir() if p.is_dir()))
+    names = tuple(class_names) or tuple(visible_folders(base))
     if not names:
         raise ShardError(f"{base} has no class folders")
     splits = {"train": _class_folder_split(base, names)}
-    if base != root and (root / "test").is_dir():
-        splits["test"] = _class_folder_split(root / "test", names)
-    return Source(class_names=names, splits=splits)
+    for split in ("val", "test"):
+        if base != root and (root / split).is_dir():
+            splits[split] = _class_folder_split(root / split, names)
+    return Source(class_names=names, splits=splits, origin=root, origin_suffixes=IMAGE_SUFFIXES)
 
 
 def tiny_imagenet_source(path: str) -> Source:
@@ -86,7 +105,9 @@ def tiny_imagenet_source(path: str) -> Source:
     train_files, train_labels = [], []
     for w in wnids:
         found = sorted((root / "train" / w / "images").glob("*"))
-        train_files += [p for p in found if p.suffix.lower() in IMAGE_SUFFIXES]
+        train_files += [
+            p for p in found if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".")
+        ]
         train_labels += [index[w]] * (len(train_files) - len(train_labels))
     splits = {"train": _files_split(train_files, train_labels)}
     ann = root / "val" / "val_annotations.txt"
@@ -98,7 +119,7 @@ def tiny_imagenet_source(path: str) -> Source:
                 files.append(root / "val" / "images" / parts[0])
                 labels.append(index[parts[1]])
         splits["test"] = _files_split(files, labels)
-    return Source(class_names=names, splits=splits)
+    return Source(class_names=names, splits=splits, origin=root)
 
 
 # ---------------------------------------------------------------- ImageNet-1k (ILSVRC-2012)
@@ -126,20 +147,25 @@ def imagenet_source(path: str) -> Source:
     root = Path(path)
     if not path or not (root / "train").is_dir():
         raise ShardError(f"ImageNet not found at {path!r} (no train/ folder): {IMAGENET_HELP}")
-    wnids = tuple(sorted(p.name for p in (root / "train").iterdir() if p.is_dir()))
+    wnids = tuple(visible_folders(root / "train"))
     if not wnids:
         raise ShardError(f"{root / 'train'} has no class folders: {IMAGENET_HELP}")
     splits = {"train": _class_folder_split(root / "train", wnids)}
     val = root / "val"
     if val.is_dir():
-        if not any(p.is_dir() for p in val.iterdir()):
+        if not visible_folders(val):
             raise ShardError(
                 f"{val} holds no class folders (the raw ILSVRC-2012 layout): move each image into "
                 "val/<wnid>/ (the devkit's ground truth names them), or remove val/ to carve test "
                 "out of train"
             )
         splits["test"] = _class_folder_split(val, wnids)
-    return Source(class_names=_imagenet_names(root, wnids), splits=splits)
+    return Source(
+        class_names=_imagenet_names(root, wnids),
+        splits=splits,
+        origin=root,
+        origin_suffixes=IMAGE_SUFFIXES,
+    )
 
 
 def _imagenet_names(root: Path, wnids: Sequence[str]) -> tuple[str, ...]:

@@ -82,7 +82,9 @@ def _run_sets(stage: str, folder: Path) -> dict[str, Any]:
     one; what only the user knows is a <placeholder>."""
     recorded = _config_of(folder)
     if stage == "train":  # the run name defaults to the loss
-        loss = recorded.get("loss", "<loss>")
+        if "loss" not in recorded:  # never trained: the run's name, the preset's loss
+            return {"run": folder.name}
+        loss = recorded["loss"]
         return {"loss": loss} if folder.name == loss else {"run": folder.name, "loss": loss}
     if stage == "finetune":  # the folder is <run>-<method>
         return {"run": recorded.get("run", "<run>"), "method": recorded.get("method", "<method>")}
@@ -93,13 +95,14 @@ def _arg(text: str) -> str:
     return text if re.fullmatch(r"[\w./:=,<>@+-]+", text) else shlex.quote(text)
 
 
-def remake_command(folder: Path) -> tuple[str, str] | None:
+def remake_command(folder: Path, preset: str = "") -> tuple[str, str] | None:
     """(stage, command line) that writes `folder`, for a folder where the stages put it in a runs
     root (runs/<name>/real/train, .../series, .../train/<run>, ...); None for any other folder.
     `--preset` is the root's name when that is a preset, else what prepare recorded in
-    real/config.json; `out=` and `name=` are set when they are not the defaults. None too when
-    the command would need a value nothing records (an unprepared root under another name, a
-    run never trained): every command a hint prints runs as printed."""
+    real/config.json, else `preset` (the caller's own, when it has one); `out=` and `name=` are
+    set when they are not the defaults. None too when the command would need a value nothing
+    records (an unprepared root under another name): every command a hint prints runs as
+    printed."""
     folder = Path(folder)
     if folder.name in FOLDER_STAGES:
         stage, root = FOLDER_STAGES[folder.name], folder.parent
@@ -109,20 +112,27 @@ def remake_command(folder: Path) -> tuple[str, str] | None:
         return None
     if root.name in ("", ".", ".."):
         return None
-    preset = root.name
-    if preset not in PRESET_NAMES:
+    chosen = root.name
+    if chosen not in PRESET_NAMES:
         recorded = _config_of(root / "real")
-        preset = recorded.get("classes_file") or recorded.get("preset") or "<preset>"
-    sets = [] if root.parent == Path("runs") else [f"out={root.parent}"]
-    if root.name != (Path(preset).stem if preset.endswith(".txt") else preset):
-        sets.append(f"name={root.name}")
+        chosen = recorded.get("classes_file") or recorded.get("preset") or preset or "<preset>"
     own = {"source": "<edm.pkl>"} if stage == "convert-edm" else _run_sets(stage, folder)
-    sets += [f"{k}={v}" for k, v in own.items()]
-    argv = ["python", "-m", "pipeline", stage, "--preset", preset]
-    command = " ".join(map(_arg, [*argv, *(["--set", *sets] if sets else [])]))
+    command = stage_command(stage, root, chosen, own)
     if "<" in command:  # a value only the user knows: words, never a command that fails
         return None
     return stage, command
+
+
+def stage_command(stage: str, root: Path, preset: str, sets: dict[str, Any] | None = None) -> str:
+    """`python -m pipeline <stage> --preset <preset> --set ...` for the runs root `root`: `out=`
+    and `name=` when they are not the defaults, then `sets`, quoted for a shell."""
+    root = Path(root)
+    words = [] if root.parent == Path("runs") else [f"out={root.parent}"]
+    if root.name != (Path(preset).stem if preset.endswith(".txt") else preset):
+        words.append(f"name={root.name}")
+    words += [f"{k}={v}" for k, v in (sets or {}).items()]
+    argv = ["python", "-m", "pipeline", stage, "--preset", preset]
+    return " ".join(map(_arg, [*argv, *(["--set", *words] if words else [])]))
 
 
 def rerun_hint(kind: str, folder: Path | None = None) -> str:

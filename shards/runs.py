@@ -41,6 +41,7 @@ from core.io import (
     tmp_path_for,
     writing,
 )
+from core.precision import FROM_ACCELERATE
 from shards.manifest import (
     MANIFEST,
     Manifest,
@@ -76,10 +77,15 @@ def split_history(
     return kept, timing
 
 
-def write_host(folder: Path, data_path: Mapping[str, Any], history: list[dict[str, Any]]) -> None:
-    """host.json: the data path this machine chose (path, decoded and budget bytes) and each
-    epoch's seconds. Rewritten with metrics.json while training; never in the manifest."""
-    record = {"data_path": dict(data_path), "epochs": split_history(history)[1]}
+def write_host(
+    folder: Path, data_path: Mapping[str, Any], history: list[dict[str, Any]], mixed: str = ""
+) -> None:
+    """host.json: the precision the run computes in (`mixed`: accelerate's word, "no" | "bf16" |
+    "fp16", as "fp32" | "bf16" | "fp16": what `precision=auto` became on this machine or under
+    accelerate launch), the data path this machine chose (path, decoded and budget bytes) and
+    each epoch's seconds. Rewritten with metrics.json while training; never in the manifest."""
+    precision = {"precision": FROM_ACCELERATE.get(mixed, mixed)} if mixed else {}
+    record = {**precision, "data_path": dict(data_path), "epochs": split_history(history)[1]}
     atomic_write_json(Path(folder) / HOST, record)
 
 
@@ -161,7 +167,35 @@ def run_complete(folder: Path, upstream: Mapping[str, str]) -> bool:
             f"{folder} is complete but was made from other inputs ({', '.join(changed)} changed "
             "since); remove the folder or choose another run name"
         )
+    # the caller is the stage that writes the run: its own command makes it again
+    check_files(folder, read_manifest(folder), f"remove {folder} and rerun the same command")
     return True
+
+
+def check_files(folder: Path, manifest: Manifest, fix: str = "") -> None:
+    """Every file the manifest pins (the weights, model.json, metrics, plots) is there with its
+    sha256: a complete run whose weights were truncated or replaced is damaged, never "already
+    finished". One line names the file and `fix` (default: the command that trains it again)."""
+    fix = fix or damaged_fix(folder)
+    pinned = dict(manifest.info.get("files", {}))
+    pinned.setdefault(WEIGHTS, manifest.info.get("weights_sha256", ""))
+    for name, digest in sorted(pinned.items(), key=lambda item: item[0] != WEIGHTS):
+        path = Path(folder) / name
+        if not path.is_file():
+            raise RunError(f"{path} is missing from a complete run; {fix}")
+        if sha256_file(path) != digest:
+            raise RunError(
+                f"{path}: sha256 differs from the run's manifest (damaged or replaced after the "
+                f"run finished); {fix}"
+            )
+
+
+def damaged_fix(folder: Path) -> str:
+    """How to make a damaged run again: remove its folder, then run its stage (the command, with
+    the root and the run's name; the run's config.json holds every other setting it had)."""
+    remake = remake_command(folder)
+    how = f"`{remake[1]}`" if remake else "the command that made it"
+    return f"remove {folder} and rebuild the run: {how}"
 
 
 # ---------------------------------------------------------------- reading
@@ -200,26 +234,29 @@ class Run:
         except (SafetensorError, OSError) as e:
             raise RunError(
                 f"{path} is not a readable safetensors file ({str(e).strip()[:80]}); "
-                "it is damaged or of another format: rerun the stage that wrote it"
+                f"it is damaged or of another format: {damaged_fix(self.folder)}"
             ) from e
         if sha256_bytes(data) != self.manifest.info.get("weights_sha256"):
             raise RunError(
                 f"{path}: sha256 differs from the run's manifest (modified after the run "
-                "finished); remove the run folder and rerun its stage"
+                f"finished); {damaged_fix(self.folder)}"
             )
         return {k: v.to(device) for k, v in state.items()}
 
 
-def read_run(folder: Path) -> Run:
+def read_run(folder: Path, preset: str = "") -> Run:
     """The run in `folder`, or one line saying why it cannot be read (missing, incomplete,
-    not a run)."""
+    not a run), with the command that makes it (`preset`: the reader's own, for a root whose
+    name is no preset and that records none)."""
     folder = Path(folder)
-    remake = remake_command(folder)
+    remake = remake_command(folder, preset)
     if not (folder / META).is_file() or not (folder / WEIGHTS).is_file():
-        how = f"`{remake[1]}`" if remake else "make train RUN=..."
+        root = folder.parent.parent  # <root>/train/<run>
+        words = f"train with --set out={root.parent} name={root.name} run={folder.name}"
+        how = f"`{remake[1]}`" if remake else words
         raise RunError(
             f"{folder} has no trained weights ({WEIGHTS} + {META}): check the run name, or "
-            f"make the run first: {how}"
+            f"build the run first: {how}"
         )
     if not is_complete(folder):
         how = f": `{remake[1]}`" if remake else ""

@@ -19,9 +19,9 @@ import pickle
 import tarfile
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -31,11 +31,14 @@ from shards.manifest import ShardError
 
 @dataclass(frozen=True)
 class SplitSource:
-    """A random-access split: `get(i) -> (uint8 HxWx3, label)`; `describe(i)` names item i."""
+    """A random-access split: `get(i) -> (uint8 HxWx3, label)`; `describe(i)` names item i.
+    `notes`: how the images were changed to become uint8 RGB (grey to RGB, 16 bits to 8), each
+    said once; `get` may add to them as it meets new kinds of image."""
 
     labels: np.ndarray  # int64 [N], known up front so splits can be stratified
     get: Callable[[int], np.ndarray]
     describe: Callable[[int], str]
+    notes: set[str] = field(default_factory=set)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -44,7 +47,44 @@ class SplitSource:
 @dataclass(frozen=True)
 class Source:
     class_names: tuple[str, ...]
-    splits: dict[str, SplitSource]  # "train" always; "test" when the dataset has one
+    # "train" always; "test" (and "val") when the dataset has them
+    splits: dict[str, SplitSource]
+    # the file or folder the data were read from (prepare fingerprints it); None for data that
+    # come with a library (scikit-learn's digits) or from the Hub
+    origin: Path | None = None
+    # what in the folder `origin` the data are: these files only (the MNIST files), or the files
+    # of these suffixes (an ImageFolder's images); both empty: every file under it
+    origin_files: tuple[str, ...] = ()
+    origin_suffixes: tuple[str, ...] = ()
+
+
+# PIL's 16-bit grey modes (and "I", which older Pillows and some TIFFs use for them): their
+# values span 0..65535, which PIL's convert("RGB") clips to 255 instead of scaling
+SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+
+
+def to_rgb(im: Any, path: Path | str, notes: set[str]) -> np.ndarray:
+    """uint8 HxWx3 of any PIL image, by its real range: 16-bit grey scaled by 255/65535, a
+    float image (mode F, no fixed range) refused by name. Each conversion goes into `notes`
+    (prepare says each once)."""
+    if im.mode in SIXTEEN_BIT:
+        grey = np.asarray(im).astype(np.int64)
+        if grey.size and (grey.min() < 0 or grey.max() > 65535):
+            raise ShardError(
+                f"{path}: a {im.mode} image with values outside 0..65535; save it with 8 or 16 "
+                "bits per channel"
+            )
+        notes.add(f"16-bit grey images (PIL mode {im.mode}) scaled to 8 bits (x 255/65535), as RGB")
+        grey8 = np.round(grey * (255 / 65535)).astype(np.uint8)
+        return np.repeat(grey8[..., None], 3, axis=-1)
+    if im.mode == "F":
+        raise ShardError(
+            f"{path}: a 32-bit float image (PIL mode F) has no fixed range to map to 0..255; "
+            "save it with 8 or 16 bits per channel"
+        )
+    if im.mode != "RGB":
+        notes.add(f"images of PIL mode {im.mode} converted to RGB")
+    return np.asarray(im.convert("RGB"), dtype=np.uint8)
 
 
 # ---------------------------------------------------------------- scikit-learn's digits (offline)
@@ -58,7 +98,10 @@ def digits_source(_: str = "") -> Source:
     pixels = np.round(d.images * (255.0 / 16.0)).astype(np.uint8)  # [N, 8, 8]
     rgb = np.repeat(pixels[..., None], 3, axis=-1)
     labels = d.target.astype(np.int64)
-    split = SplitSource(labels=labels, get=lambda i: rgb[i], describe=lambda i: f"digits[{i}]")
+    grey = {"grey images (0..16) scaled to 0..255 and repeated to RGB"}
+    split = SplitSource(
+        labels=labels, get=lambda i: rgb[i], describe=lambda i: f"digits[{i}]", notes=grey
+    )
     return Source(class_names=tuple(str(k) for k in range(10)), splits={"train": split})
 
 
@@ -101,11 +144,12 @@ def _idx_file(folder: Path, stem: str) -> Path | None:
 
 def idx_source(folder: Path, class_names: Sequence[str]) -> Source:
     """The four MNIST-layout files (train/t10k images + labels, .gz or not) in `folder`."""
-    splits = {}
+    splits, read = {}, []
     for split, (image_stem, label_stem) in _IDX_FILES.items():
         image_path, label_path = _idx_file(folder, image_stem), _idx_file(folder, label_stem)
         if image_path is None or label_path is None:
             raise ShardError(f"{folder} lacks {image_stem}.gz or {label_stem}.gz")
+        read += [image_path.name, label_path.name]
         images, labels = read_idx(image_path), read_idx(label_path).astype(np.int64)
         if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
             raise ShardError(
@@ -119,9 +163,14 @@ def idx_source(folder: Path, class_names: Sequence[str]) -> Source:
             return np.repeat(images[i][..., None], 3, axis=-1)  # grey -> RGB, as digits
 
         splits[split] = SplitSource(
-            labels=labels, get=get, describe=lambda i, p=image_path: f"{p.name}[{i}]"
+            labels=labels,
+            get=get,
+            describe=lambda i, p=image_path: f"{p.name}[{i}]",
+            notes={"grey images repeated to RGB"},
         )
-    return Source(class_names=tuple(class_names), splits=splits)
+    return Source(
+        class_names=tuple(class_names), splits=splits, origin=folder, origin_files=tuple(read)
+    )
 
 
 def has_idx_files(folder: Path) -> bool:
@@ -229,7 +278,9 @@ def cifar_archive_source(layout: CifarLayout, path: str) -> Source:
         )
 
     return Source(
-        class_names=names, splits={"train": split(train, "train"), "test": split([test], "test")}
+        class_names=names,
+        splits={"train": split(train, "train"), "test": split([test], "test")},
+        origin=archive,
     )
 
 
@@ -261,11 +312,12 @@ def hf_source(dataset_id: str, image_col: str = "image", label_col: str = "label
     names = tuple(features[label_col].names)
 
     def split(ds, tag: str) -> SplitSource:
-        labels = np.asarray(ds[label_col], dtype=np.int64)
+        labels, notes = np.asarray(ds[label_col], dtype=np.int64), set()
         return SplitSource(
             labels=labels,
-            get=lambda i: np.asarray(ds[i][image_col].convert("RGB"), dtype=np.uint8),
+            get=lambda i: to_rgb(ds[i][image_col], f"{dataset_id}:{tag}[{i}]", notes),
             describe=lambda i: f"{dataset_id}:{tag}[{i}]",
+            notes=notes,
         )
 
     splits = {"train": split(train, "train")}

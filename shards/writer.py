@@ -1,6 +1,6 @@
 """Deterministic WebDataset shard writer with per-shard completion records.
 
-Layout of a shard folder (ARCHITECTURE §2)::
+Layout of a shard folder (docs/architecture.md, Shard folders)::
 
     NAME-000000.tar  NAME-000001.tar  ...   WebDataset tar shards
     .index/NAME-000000.json ...              member byte offsets per shard (shards.offsets)
@@ -40,8 +40,10 @@ from shards.manifest import (
     Manifest,
     ShardError,
     ShardRecord,
+    check_size,
     is_complete,
     read_manifest,
+    rerun_hint,
     write_manifest,
 )
 from shards.offsets import scan_members, write_index
@@ -182,7 +184,7 @@ class ShardFolder:
 
 # Config fields that say where an output lives or how it is read, not what it holds: left out
 # of the identity check, so that moving or renaming the runs root, or a relative vs absolute
-# out=, keeps an output resumable (ARCHITECTURE §2), and so is turning shard hashing off or
+# out=, keeps an output resumable (docs/architecture.md, Shard folders), and so is turning shard hashing off or
 # switching between the in-memory and the streaming data path (same bytes either way), or
 # experiment tracking on or off (`tracker`, core/tracking.py: its files live in a subfolder no
 # manifest lists). A config says this at the field (core.config.not_recorded), and its
@@ -257,4 +259,19 @@ def completed(
         if not (folder / "config.json").is_file():
             return False
         write_config(folder, config)  # compares only: the file exists
-    return upstream is None or read_manifest(folder).upstream == dict(upstream)
+    manifest = read_manifest(folder)
+    check_sizes(folder, manifest)
+    return upstream is None or manifest.upstream == dict(upstream)
+
+
+def check_sizes(folder: Path, manifest: Manifest) -> None:
+    """Every shard of a complete folder is there with its recorded size (a stat each, no
+    reading): a rerun never calls a truncated or missing shard complete. The error names the
+    shard and the command that rewrites the folder."""
+    for rec in manifest.shards:
+        path = Path(folder) / rec.name
+        if not path.is_file():
+            raise ShardError(
+                f"{path} is listed in the manifest but missing; {rerun_hint(manifest.kind, folder)}"
+            )
+        check_size(path, path.stat().st_size, rec, manifest.kind)

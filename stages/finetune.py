@@ -1,4 +1,4 @@
-"""finetune: train/<run>/ -> runs/<classes>/finetune/<run>-<method>/ (METHODS.md §4, §5).
+"""finetune: train/<run>/ -> runs/<classes>/finetune/<run>-<method>/ (docs/methods.md §4, §5).
 
     python -m pipeline finetune --preset digits --set run=ce method=maccal
     make finetune CLASSES=cifar10 RUN=csm METHOD=fedlas-ls
@@ -60,7 +60,7 @@ Method = tuple[Objective, torch.optim.Optimizer, float, list[Callable[[Path], An
 def load_source(cfg: Config) -> tuple[Run, Classifier]:
     """The trained run (complete, or one line saying why not) and its classifier, no weights
     loaded yet."""
-    source = read_run(cfg.root / "train" / cfg.run)
+    source = read_run(cfg.root / "train" / cfg.run, cfg.classes_file or cfg.preset)
     model = build_model(source.meta["arch"])
     require_separable_head(model, f"run {cfg.run!r} ({source.meta['arch'].get('arch')})")
     return source, model
@@ -96,7 +96,7 @@ def source_train_limit(source: Run) -> int:
 
 
 def maccal_method(cfg: Config, model: Classifier, data: Data) -> Method:
-    """METHODS §4: frozen backbone, masked bottleneck head, adaptive retention q."""
+    """docs/methods.md §4: frozen backbone, masked bottleneck head, adaptive retention q."""
     features = None
     if not cfg.augments:  # un-augmented features never change: compute them once
         train = datapath.sequential(data.train, cfg.eval_batch_size, cfg)
@@ -140,7 +140,7 @@ def maccal_method(cfg: Config, model: Classifier, data: Data) -> Method:
 
 
 def fedlas_method(cfg: Config, model: Classifier, data: Data) -> Method:
-    """METHODS §5: the whole model continues under the FeDLaS objective of `train`."""
+    """docs/methods.md §5: the whole model continues under the FeDLaS objective of `train`."""
     objective = build_objective(
         cfg.method,
         model.num_classes,

@@ -16,8 +16,10 @@ import numpy as np
 import torch
 from PIL import Image
 
+from core.io import atomic_write_json, read_json
 from core.logs import log, progress
 from core.runtime import code_version, make_generator
+from shards.fingerprint import changes, digest, fingerprint, summary
 from shards.manifest import ShardError
 from shards.sources import Source, SplitSource
 from shards.writer import ShardFolder, completed, write_config
@@ -25,6 +27,8 @@ from stages.configs.prepare import Config
 from stages.presets import reader
 
 SPLITS = ("train", "val", "test")
+# real/source.json: where the data were read from and their fingerprint (shards/fingerprint.py)
+SOURCE_RECORD = "source.json"
 
 
 def stratified_split(
@@ -44,7 +48,8 @@ def stratified_split(
 
 
 def plan_splits(source: Source, cfg: Config) -> dict[str, tuple[SplitSource, np.ndarray]]:
-    """split name -> (source split, indices into it). Deterministic given the seed."""
+    """split name -> (source split, indices into it): the source's own val and test where it
+    has them, else carved out of train. Deterministic given the seed."""
     train = source.splits["train"]
     train_idx = np.arange(len(train))
     if "test" in source.splits:
@@ -54,6 +59,9 @@ def plan_splits(source: Source, cfg: Config) -> dict[str, tuple[SplitSource, np.
             train.labels, cfg.test_fraction, make_generator(cfg.seed, "test-split")
         )
         train_idx, test = keep, (train, held)
+    if "val" in source.splits:
+        val = (source.splits["val"], np.arange(len(source.splits["val"])))
+        return {"train": (train, train_idx), "val": val, "test": test}
     keep, held = stratified_split(
         train.labels[train_idx], cfg.val_fraction, make_generator(cfg.seed, "val-split")
     )
@@ -80,12 +88,16 @@ RESIZERS = {"squash": _squash, "center-crop": _center_crop}
 
 
 def _samples(
-    split: str, src: SplitSource, indices: np.ndarray, size: int, resize: str, bar
+    split: str, src: SplitSource, indices: np.ndarray, size: int, resize: str, bar, said: set
 ) -> Iterator[dict]:
     """Sample dicts for the writer; every image comes out size x size RGB or we stop, naming it.
-    `resize` names a RESIZERS entry, "" = refuse images of another size."""
+    `resize` names a RESIZERS entry, "" = refuse images of another size. How images change on
+    the way (a resize, grey or 16 bits to 8-bit RGB) is logged once a run (`said`)."""
     for i in indices:
         image = src.get(int(i))
+        for note in sorted(src.notes - said):
+            log.info("prepare: %s", note)
+            said.add(note)
         if image.ndim != 3 or image.shape[2] != 3:
             raise ShardError(
                 f"{src.describe(int(i))}: expected an RGB image, got shape {image.shape}"
@@ -96,6 +108,12 @@ def _samples(
                     f"{src.describe(int(i))} is {image.shape[1]}x{image.shape[0]}, others {size}x{size}: "
                     "set image_size=N to resize everything"
                 )
+            if "resize" not in said:
+                log.info(
+                    "prepare: images resized to %dx%d (%s; the first: %s, %dx%d)",
+                    *(size, size, resize, src.describe(int(i)), image.shape[1], image.shape[0]),
+                )
+                said.add("resize")
             image = RESIZERS[resize](image, size)
         bar.update(1)
         # key = split + index into the source split: stable, unique, no dots
@@ -103,13 +121,61 @@ def _samples(
 
 
 def already_complete(cfg: Config, real: Path) -> bool:
-    """Every split has its manifest (and the config matches): a rerun only reads, so it works on
-    read-only media and without the source dataset at hand."""
+    """Every split has its manifest (and the config matches, and the source has not changed): a
+    rerun only reads, so it works on read-only media and without the source dataset at hand."""
     if not all(completed(real / split) for split in SPLITS):
         return False
     write_config(real, cfg.recorded())  # compares only: refuses another config
+    check_source(real)
     log.info("prepare: %s is complete already", real)
     return True
+
+
+def check_source(real: Path) -> None:
+    """Refuse, in one line, to go on with a root whose source changed since prepare read it
+    (SOURCE_RECORD holds its fingerprint). A root without one (prepared before fingerprints)
+    and a source that is not at hand are not compared."""
+    path = real / SOURCE_RECORD
+    if not path.is_file():
+        return
+    recorded = read_json(path)
+    origin = Path(recorded["origin"])
+    if not origin.exists():
+        log.info("prepare: %s is not at hand; %s not compared with it", origin, real)
+        return
+    now = fingerprint(origin, recorded.get("files", ()), recorded.get("suffixes", ()))
+    said = changes(recorded["fingerprint"], now)
+    if said:
+        raise ShardError(
+            f"{origin} changed since {real} was prepared from it ({summary(said)}); its shards "
+            "hold the data as they were: prepare the new data into another root (--set "
+            f"name=NEW or out=/another/folder), or remove {real} to prepare it again here"
+        )
+
+
+def record_source(real: Path, source: Source) -> dict[str, str]:
+    """SOURCE_RECORD, before any shard (what a rerun compares the source with), and the manifest
+    info that pins it; {} for data that come with a library or from the Hub (no file of theirs
+    can change under a root)."""
+    if source.origin is None:
+        return {}
+    path = real / SOURCE_RECORD
+    if not path.is_file():
+        read = {"files": list(source.origin_files), "suffixes": list(source.origin_suffixes)}
+        fp = fingerprint(source.origin, source.origin_files, source.origin_suffixes)
+        record = {"origin": str(source.origin), **read, "fingerprint": fp}
+        atomic_write_json(path, record)
+    return {"source_sha256": digest(read_json(path)["fingerprint"])}
+
+
+def check_classes(source: Source, where: str) -> None:
+    """A classifier needs two classes at least (one class would train to 100 % accuracy)."""
+    names = source.class_names
+    if len(names) < 2:
+        raise ShardError(
+            f"{where} has {len(names)} class{'' if len(names) == 1 else 'es'} "
+            f"({', '.join(names) or 'none'}): a classifier needs 2 or more; add a folder per class"
+        )
 
 
 def run(cfg: Config) -> Path:
@@ -118,7 +184,10 @@ def run(cfg: Config) -> Path:
         return real
     # 1. Load the source (may fail with a one-line message naming what is missing).
     source: Source = reader(cfg.source)(cfg)  # each preset says how its data are read
+    check_classes(source, str(source.origin or cfg.source))
     write_config(real, cfg.recorded())
+    check_source(real)  # a resumed root: its source must be the one its shards came from
+    pinned = record_source(real, source)
     splits = plan_splits(source, cfg)
     log.info(
         "prepare %s: %d classes, %s -> %s",
@@ -129,7 +198,7 @@ def run(cfg: Config) -> Path:
     )
     # 2. Write every split shard by shard, skipping complete shards (resume).
     size = cfg.image_size or source.splits["train"].get(0).shape[0]
-    total = sum(len(idx) for _, idx in splits.values())
+    total, said = sum(len(idx) for _, idx in splits.values()), set()
     with progress(range(total), total=total, desc="prepare", unit="img") as bar:
         for name, (src, indices) in splits.items():
             folder = ShardFolder(real / name, prefix=name)
@@ -141,13 +210,13 @@ def run(cfg: Config) -> Path:
                     bar.update(len(chunk))
                     continue
                 resize = cfg.resize if cfg.image_size > 0 else ""
-                folder.write(k, _samples(name, src, chunk, size, resize, bar))
+                folder.write(k, _samples(name, src, chunk, size, resize, bar, said))
             # 3. Manifest last: the split is complete only now.
             folder.finish(
                 len(chunks),
                 kind="real",
                 class_names=source.class_names,
                 code_version=code_version(),
-                info={"split": name, "source": cfg.source, "image_size": size},
+                info={"split": name, "source": cfg.source, "image_size": size, **pinned},
             )
     return real

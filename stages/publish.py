@@ -39,7 +39,9 @@ def format_plan(repo: str, plan: list[hub.PlannedFile]) -> str:
 def run(cfg: Config) -> Path:
     # 1. Check inputs: a repo id and a complete mixed/ folder whose shards match the manifest.
     if not cfg.repo:
-        raise ConfigError("publish needs repo=user/name (make publish REPO=user/name)")
+        raise ConfigError(
+            "publish needs repo=user/name: add it to this command's --set (make: REPO=user/name)"
+        )
     folder = Path(cfg.mixed) if cfg.mixed else cfg.root / "mixed"
     manifest = verify_shards(folder)
     if manifest.kind != "mixed":

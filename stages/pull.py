@@ -22,7 +22,9 @@ from stages.configs.pull import Config
 def run(cfg: Config) -> Path:
     # 1. Where it goes: runs/<name>/mixed, name defaulting to the repo's name part.
     if not cfg.repo:
-        raise ConfigError("pull needs repo=user/name (make pull REPO=user/name)")
+        raise ConfigError(
+            "pull needs repo=user/name: add it to this command's --set (make: REPO=user/name)"
+        )
     dest = Path(cfg.out) / (cfg.name or cfg.repo.split("/")[-1]) / "mixed"
     # 2. Download, verify, move into place.
     manifest = hub.pull(cfg.repo, cfg.revision, dest, overwrite=cfg.overwrite)

@@ -65,7 +65,7 @@ def load_mixed(cfg: Config, train: RealSplit, path: DataPathChoice, device: torc
         raise ShardError(
             f"{folder}: no complete series contains class(es) {names[:5]}; CSM needs all"
         )
-    # s re-applied from λ̂ when asked (t_a = σ(s(λ̂ − 0.5)), METHODS §2; k-way: softmax((s/2)λ̂));
+    # s re-applied from λ̂ when asked (t_a = σ(s(λ̂ − 0.5)), docs/methods.md §2; k-way: softmax((s/2)λ̂));
     # else the stored soft; the "ratio" ablation trains on the generation weights themselves
     # (t_a = α; k-way: t = w), no re-annotation
     kway = table.mix_classes > 2

@@ -174,7 +174,7 @@ def test_projection_output_matches_direct_computation(runs):
     protos = load_file(str(mixed / "prototypes.safetensors"))["prototypes"]
     expected = class_prototypes(encoder.encode(real.images), real.labels, 10)
     torch.testing.assert_close(protos, expected, atol=1e-5, rtol=1e-5)
-    # λ̂ and soft from the stored prototypes and a direct encoder call (METHODS §2)
+    # λ̂ and soft from the stored prototypes and a direct encoder call (docs/methods.md §2)
     f = encoder.encode(series.images)
     a = torch.tensor([m["classes"][0] for m in series.meta])
     b = torch.tensor([m["classes"][1] for m in series.meta])

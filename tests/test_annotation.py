@@ -1,4 +1,4 @@
-"""METHODS §2 numerics: prototypes, λ̂ projection, soft targets, annotators, statistics."""
+"""docs/methods.md §2 numerics: prototypes, λ̂ projection, soft targets, annotators, statistics."""
 
 from __future__ import annotations
 
@@ -203,7 +203,7 @@ def test_annotate_rejects_bad_input():
 
 def test_sharpening_reaches_the_annotate_config_of_every_preset():
     """The annotate stage of each preset uses that preset's s (stages/presets) unless --set;
-    METHODS §2 fixes s = 2.3 for CIFAR-100 and 4.0 for CIFAR-10 and Tiny-ImageNet."""
+    docs/methods.md §2 fixes s = 2.3 for CIFAR-100 and 4.0 for CIFAR-10 and Tiny-ImageNet."""
     from pipeline.registry import resolve_stage_config
     from stages.presets import NAMES
 

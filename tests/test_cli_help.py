@@ -58,7 +58,9 @@ def test_train_help_shows_purpose_fields_choices_presets_and_examples(capsys):
     names = sorted(f.name for f in dataclasses.fields(Config) if f.name != "preset")
     assert sorted(r for r in rows if r != "field") == names
     assert {"out", "seed", "verify_sha256"} <= {line.split()[0] for line in shared}
-    assert "  -- recipe (METHODS §3)" in own  # the source's section comments head the groups
+    assert (
+        "  -- recipe (docs/methods.md §3)" in own
+    )  # the source's section comments head the groups
     # the losses are choices the config checks: the loss row lists every one
     (loss_row,) = [line for line in own if line.split()[0] == "loss"]
     assert all(loss in loss_row for loss in LOSS_FIELDS)

@@ -88,6 +88,79 @@ def test_no_doc_cites_the_founding_teams_papers(doc):
     assert not cites, f"{doc.name} cites {cites}"
 
 
+# Where the code cites a section of the repository's own methods doc: `docs/methods.md §3`,
+# `docs/methods.md §4-5`, `docs/methods.md §4-§5`.
+OWN_SECTION = re.compile(r"docs/methods\.md §(\d+)(?:-§?(\d+))?")
+
+
+# study_tune.py's comments still cite the design papers (its §8 is no section of
+# docs/methods.md); another change owns that file for now
+UNSWEPT = ("pipeline/study_tune.py",)
+
+
+def methods_sections() -> set[int]:
+    """The numbered sections of docs/methods.md (`## 3. CSM training`)."""
+    text = (REPO / "docs" / "methods.md").read_text()
+    return {int(n) for n in re.findall(r"^## (\d+)\.", text, re.M)}
+
+
+def test_the_citation_patterns_see_what_they_check():
+    assert FOREIGN.search("as in METHODS §2") and FOREIGN.search("see ARCHITECTURE.md")
+    assert not FOREIGN.search("pipeline/study_config.py METHODS[m]")
+    cited = [
+        m.groups() for m in OWN_SECTION.finditer("(docs/methods.md §4-§5), docs/methods.md §2")
+    ]
+    assert cited == [("4", "5"), ("2", None)]
+    assert methods_sections() >= {1, 2, 3, 4, 5, 6}
+
+
+def help_screens() -> dict[str, str]:
+    """Every stage's and command's --help and --fields, as a user sees them."""
+    from pipeline.cli import describe, names
+    from pipeline.usage import help_text
+    from stages.presets import DEFAULT
+
+    screens = {}
+    for name in names():
+        screens[f"{name} --help"] = help_text(name, DEFAULT)
+        screens[f"{name} --fields"] = describe(name, DEFAULT, [], print_config=False)
+    return screens
+
+
+def test_code_help_and_docs_cite_only_what_the_repository_holds():
+    """No code, help screen or doc cites a design paper that is not in the repository, and every
+    `docs/methods.md §N` names a section docs/methods.md has."""
+    texts = {
+        path: (REPO / path).read_text()
+        for path in sorted(committed())
+        if path.endswith((".py", ".md", ".toml")) or path == "Makefile"
+    }
+    texts.pop("tests/test_docs.py")  # the patterns themselves
+    for path in [p for p in texts if p.startswith(UNSWEPT)]:
+        del texts[path]
+    texts |= help_screens()
+    sections = methods_sections()
+    foreign, missing = [], []
+    for where, text in texts.items():
+        foreign += [f"{where}: {m.group(0)}" for m in FOREIGN.finditer(text)]
+        for m in OWN_SECTION.finditer(text):
+            first, last = int(m.group(1)), int(m.group(2) or m.group(1))
+            if not set(range(first, last + 1)) <= sections:
+                missing.append(f"{where}: {m.group(0)}")
+    assert not foreign, f"citations of files not in the repository: {foreign}"
+    assert not missing, f"sections docs/methods.md does not have: {missing}"
+
+
+def test_make_help_shows_no_unexpanded_variable():
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    out = subprocess.run(
+        ["make", "-s", "-f", str(REPO / "Makefile"), "help"], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and "make prepare" in out.stdout, out.stderr
+    assert "$(" not in out.stdout, out.stdout
+
+
 # ---------------------------------------------------------------- make clean
 
 

@@ -113,7 +113,7 @@ def test_bfloat16_keeps_the_embedding_in_float32():
 
 def test_label_enters_linearly():
     """The mix y = 0.3·e_3 + 0.7·e_7 acts as a class whose label-layer column is
-    0.3·W[:, 3] + 0.7·W[:, 7] (METHODS §1: α·E(a) + (1−α)·E(b) in the label embedding)."""
+    0.3·W[:, 3] + 0.7·W[:, 7] (docs/methods.md §1: α·E(a) + (1−α)·E(b) in the label embedding)."""
     net, virtual = tiny_edm(), tiny_edm()
     with torch.no_grad():
         w = virtual.model.map_label.weight

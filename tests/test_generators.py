@@ -165,7 +165,7 @@ def test_shared_noise_endpoints(backend, model_dirs):
 
 def test_batch_size_and_seed(backend):
     _, gen = backend
-    alphas = tuple(k / 7 for k in range(8))  # K = 8, METHODS §1 default
+    alphas = tuple(k / 7 for k in range(8))  # K = 8, docs/methods.md §1 default
     specs = [SeriesSpec(i, i % 3, (i + 1) % 3, alphas, seed=100 + i) for i in range(3)]
     progress: list[int] = []
     one = gen.generate_series(specs, batch_size=1, progress=progress.append)

@@ -1,4 +1,4 @@
-"""MaC-Cal and FeDLaS math (models/heads.py, METHODS.md §4-§5): tiny CPU tensors only."""
+"""MaC-Cal and FeDLaS math (models/heads.py, docs/methods.md §4-§5): tiny CPU tensors only."""
 
 from __future__ import annotations
 
@@ -271,7 +271,7 @@ def test_fedlas_ls_with_beta_zero_is_label_smoothing():
 
 def _preset_fedlas() -> list[tuple[str, dict[str, float]]]:
     """(variant, FeDLaSCriterion kwargs) of every preset's finetune config (stages/presets:
-    METHODS §5's values per dataset, CIFAR-10's as the defaults), each distinct set once."""
+    docs/methods.md §5's values per dataset, CIFAR-10's as the defaults), each distinct set once."""
     from pipeline.registry import resolve_stage_config
     from stages.presets import NAMES
 

@@ -1,4 +1,4 @@
-"""Losses of METHODS §3/§6 against hand-derived values and independent formulas."""
+"""Losses of docs/methods.md §3/§6 against hand-derived values and independent formulas."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def test_mmce_matches_pairwise_formula(batch):
             expected += (a[i] - c[i]).item() * (a[j] - c[j]).item() * k
     expected /= len(y) ** 2
     assert mmce_squared(logits, y).item() == pytest.approx(expected, rel=1e-5)
-    # METHODS §6: the unweighted form is NLL + λ·MMCE_m, no square root
+    # docs/methods.md §6: the unweighted form is NLL + λ·MMCE_m, no square root
     loss = build_loss("mmce", 5, lam=3.0)(logits, y).item()
     nll = F.cross_entropy(logits, y).item()
     assert loss == pytest.approx(nll + 3.0 * expected, rel=1e-5)

@@ -148,7 +148,8 @@ def test_every_loss_trains_a_complete_run(root, loss):
     assert (run_dir / "checkpoints" / "checkpoint_1" / "semix_state.json").is_file()
     # the machine's facts are next to the outputs, outside the manifest (host.json)
     host = json.loads((run_dir / "host.json").read_text())
-    assert set(host) == {"data_path", "epochs"} and [e["epoch"] for e in host["epochs"]] == [1]
+    assert set(host) == {"precision", "data_path", "epochs"} and host["precision"] == "fp32"
+    assert [e["epoch"] for e in host["epochs"]] == [1]
 
 
 def test_final_weights_are_the_best_epoch_and_checkpoints_are_limited(root, tmp_path):

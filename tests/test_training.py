@@ -98,7 +98,7 @@ def test_collect_logits_equals_eval_forward_and_keeps_train_mode():
     assert torch.allclose(logits, expect, atol=1e-5) and feats.shape == (5, model.feature_dim)
 
 
-# ---------------------------------------------------------------- CSM sampler (METHODS §3)
+# ---------------------------------------------------------------- CSM sampler (docs/methods.md §3)
 
 
 def series_table():

@@ -1,4 +1,4 @@
-"""Image encoders for CSM re-annotation (METHODS §2): uint8 images in, unnormalised features out.
+"""Image encoders for CSM re-annotation (docs/methods.md §2): uint8 images in, unnormalised features out.
 
 One interface (`base.ImageEncoder`), three kinds, one registry (`ENCODERS`, kind -> class):
 - `openclip`: an OpenCLIP model name + a pretrained tag or a local checkpoint file

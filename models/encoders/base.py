@@ -1,8 +1,8 @@
-"""What every image encoder shares: uint8 images in, unnormalised features out (METHODS §2).
+"""What every image encoder shares: uint8 images in, unnormalised features out (docs/methods.md §2).
 
 Each encoder applies its own preprocessing on the batch in torch (no PIL round trip): uint8 ->
 [0, 1] -> resize (antialiased, clamped like PIL's uint8 output) -> normalise. The features are
-returned unnormalised because the prototypes of METHODS §2 are means of unnormalised features.
+returned unnormalised because the prototypes of docs/methods.md §2 are means of unnormalised features.
 `identity` is a JSON-able dict that pins everything the features depend on (weights and
 preprocessing); the annotate stage compares it to decide whether saved prototypes are still valid.
 """

@@ -1,4 +1,4 @@
-"""CLIP image encoders: OpenCLIP (the METHODS §2 reference, ViT-B-32 / openai) and transformers'
+"""CLIP image encoders: OpenCLIP (the docs/methods.md §2 reference, ViT-B-32 / openai) and transformers'
 `CLIPModel`. Both also encode text, for zero-shot text prototypes.
 
 OpenCLIP tags are resolved to a local file first, so tags and user files load through the very

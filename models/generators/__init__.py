@@ -1,4 +1,4 @@
-"""Generator backends behind one interface (ARCHITECTURE §4): ``generate_series(specs)``.
+"""Generator backends behind one interface (docs/architecture.md): ``generate_series(specs)``.
 
 gen = load_generator("unet", model="runs/digits/generator", steps=25)
 images = gen.generate_series([SeriesSpec(0, 3, 8, (1.0, 0.5, 0.0), seed=123)])  # uint8 [1, 3, H, W, 3]

@@ -1,6 +1,6 @@
-"""The generator interface of ARCHITECTURE §4 and what the backends share.
+"""The generator interface (docs/architecture.md) and what the backends share.
 
-A *series* (METHODS §1) is one initial noise z reused for K mixing ratios α_k; image k is sampled
+A *series* (docs/methods.md §1) is one initial noise z reused for K mixing ratios α_k; image k is sampled
 under the condition α_k·c_a + (1−α_k)·c_b. A k-way series (``MixSpec``, models/simplex.py) reuses z
 for K weight vectors w over k classes, condition Σ_i w_i·c_i; the 2-way ``SeriesSpec`` is the case
 w = (α, 1 − α). The backends only differ in what c is (a class-embedding row, a prompt embedding)
@@ -89,7 +89,7 @@ def _dpmsolver_pp(config: Any) -> SchedulerMixin:
 
 
 # Deterministic samplers only: ancestral/SDE samplers inject new noise at every step, which breaks
-# the shared-noise property of a series (METHODS §1).
+# the shared-noise property of a series (docs/methods.md §1).
 SAMPLERS: dict[str, Callable[[Any], SchedulerMixin]] = {"ddim": _ddim, "dpmsolver++": _dpmsolver_pp}
 
 
@@ -121,7 +121,7 @@ class MixableEmbedding(nn.Embedding):
     """An embedding table that also accepts class-weight vectors.
 
     Integer labels [B] look rows up as usual; float weights w [B, N] return w @ E, i.e. the mixed
-    condition α·E[a] + (1−α)·E[b] of METHODS §1 when w = α·e_a + (1−α)·e_b. A one-hot w gives
+    condition α·E[a] + (1−α)·E[b] of docs/methods.md §1 when w = α·e_a + (1−α)·e_b. A one-hot w gives
     exactly E[a] (products with 0 and 1 are exact), so pure classes are not perturbed.
     """
 
@@ -148,7 +148,7 @@ def make_mixable(parent: nn.Module, name: str) -> MixableEmbedding:
 
 
 def class_weights(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, n: int) -> torch.Tensor:
-    """w = α·e_a + (1−α)·e_b ∈ R^{B×n} (METHODS §1), float32."""
+    """w = α·e_a + (1−α)·e_b ∈ R^{B×n} (docs/methods.md §1), float32."""
     alpha = alpha.to(torch.float32)
     return mix_weights(torch.stack([a, b], 1), torch.stack([alpha, 1 - alpha], 1), n)
 

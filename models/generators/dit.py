@@ -1,6 +1,6 @@
 """`dit` backend: class-conditional DiT (``DiTPipeline``, ImageNet class ids).
 
-METHODS §1: every transformer block has its own adaLN-Zero class embedder
+docs/methods.md §1: every transformer block has its own adaLN-Zero class embedder
 (``block.norm1.emb.class_embedder.embedding_table``); each table is made mixable, so class-weight
 vectors w = α·e_a + (1−α)·e_b mix α·E[a] + (1−α)·E[b] in every block (and in the final layer, which
 reuses block 0's embedder). The null class (row ``num_classes``, 1000 for ImageNet) serves

@@ -1,4 +1,4 @@
-"""`edm` backend: the paper's own generators, class-conditional EDM pixel networks (METHODS §1).
+"""`edm` backend: the paper's own generators, class-conditional EDM pixel networks (docs/methods.md §1).
 
 CSM sampled the class-conditional EDM "cond-vp" networks (CIFAR-10/100 32×32, Tiny-ImageNet 64×64)
 with EDM's deterministic 2nd-order Heun sampler: σ from 80 down to 0.002 on the ρ = 7 schedule,

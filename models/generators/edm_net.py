@@ -11,7 +11,7 @@ train two U-Nets under one preconditioning interface D(x; σ, y) = c_skip·x + c
   the mapping MLP.
 
 The class label y enters through a linear map (``map_label``) of a class-weight vector: a one-hot
-for a pure class, α·e_a + (1−α)·e_b for a CSM mix (METHODS §1), so mixing needs no extra code.
+for a pure class, α·e_a + (1−α)·e_b for a CSM mix (docs/methods.md §1), so mixing needs no extra code.
 
 Preconditioning (EDM Table 1): ``vp`` (the "cond-vp" checkpoints of CIFAR-10/100, Tiny-ImageNet)
 and ``edm``. Module and parameter names follow the checkpoints' state-dict layout

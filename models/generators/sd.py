@@ -1,6 +1,6 @@
 """`sd` backend: any Stable-Diffusion-compatible model (SD 1.5, 2.x, Turbo; hub id or local folder).
 
-METHODS §1: prompt embeddings E(a), E(b) of "a photo of a {name}" come from the pipeline's own text
+docs/methods.md §1: prompt embeddings E(a), E(b) of "a photo of a {name}" come from the pipeline's own text
 encoder (``encode_prompt``); the condition is α·E(a) + (1−α)·E(b) and classifier-free guidance is
 uncond + g·(cond − uncond), done by the pipeline from ``prompt_embeds``/``negative_prompt_embeds``.
 Images are generated at the model's native resolution and resized to the dataset resolution with

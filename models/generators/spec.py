@@ -1,6 +1,6 @@
 """What to generate: one series = one shared noise (``seed``) rendered at several class mixes.
 
-``SeriesSpec`` is CSM's 2-way series (METHODS §1): K mixing ratios α of class a against class b.
+``SeriesSpec`` is CSM's 2-way series (docs/methods.md §1): K mixing ratios α of class a against class b.
 ``MixSpec`` is the k-way series (models/simplex.py): K weight vectors over k classes; the 2-way
 spec is its case w = (α, 1 − α). Both turn into rows of (classes, weights) for the backends.
 """

@@ -1,4 +1,4 @@
-"""annotate: series/ + real/train -> runs/<classes>/mixed/, the shareable dataset (METHODS §2).
+"""annotate: series/ + real/train -> runs/<classes>/mixed/, the shareable dataset (docs/methods.md §2).
 
     python -m pipeline annotate --preset digits
     accelerate launch --multi_gpu -m pipeline annotate --preset cifar100

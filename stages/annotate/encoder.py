@@ -1,4 +1,4 @@
-"""annotate, part 1: the annotation space, an image encoder and the class prototypes (METHODS §2).
+"""annotate, part 1: the annotation space, an image encoder and the class prototypes (docs/methods.md §2).
 
 The encoder comes from the one registry of encoder kinds (models.encoders.ENCODERS, named in the
 config through ENCODER_KINDS); this module only turns config fields into its arguments. The
@@ -105,7 +105,7 @@ def prototype_key(cfg: Config, encoder: ImageEncoder, class_names, real: Path | 
 
 
 def compute_prototypes(cfg: Config, encoder: ImageEncoder, class_names, real: Path | None):
-    """[C, d]: class means of the real/train features (METHODS §2), or zero-shot text features."""
+    """[C, d]: class means of the real/train features (docs/methods.md §2), or zero-shot text features."""
     if cfg.prototypes == "text":
         return encode_text_prototypes(encoder, class_names, cfg.text_templates), []
     acc = PrototypeAccumulator(len(class_names))

@@ -1,4 +1,4 @@
-"""annotate, part 2: one series shard -> one mixed shard (METHODS §2).
+"""annotate, part 2: one series shard -> one mixed shard (docs/methods.md §2).
 
 Mixed shard i is series shard i with the same keys and the very same PNG bytes (copied, never
 re-encoded); only `json` (+ λ̂, soft) and `cls` change. Each shard is computed alone, so its
@@ -36,7 +36,7 @@ def load_series_shard(path: Path, rec: ShardRecord) -> tuple[list[dict], list[di
 
 
 def label(cfg: Config, meta: list[dict], images: np.ndarray, encoder, prototypes) -> list[dict]:
-    """Series json -> mixed json: + lambda_hat and soft [t_a, t_b] (METHODS §2); k-way series:
+    """Series json -> mixed json: + lambda_hat and soft [t_a, t_b] (docs/methods.md §2); k-way series:
     lambda_hat and soft of length k."""
     if "weights" in meta[0]:
         return label_kway(cfg, meta, images, encoder, prototypes)

@@ -81,7 +81,7 @@ class Recipe:
 
 @dataclass
 class Mixed:
-    """The series table on the device, with the targets CSM trains on (METHODS §3)."""
+    """The series table on the device, with the targets CSM trains on (docs/methods.md §3)."""
 
     images: Tensor | SeriesImages  # uint8 [S, K, H, W, 3] (stream path: decoded when indexed)
     classes: Tensor  # [S, 2] (k-way: [S, k])
@@ -147,7 +147,7 @@ def check_resume(run_dir: Path, resume: str) -> None:
 
 def plan_steps(data: Data, batches: list[Tensor], extra: torch.Generator) -> list[StepPlan]:
     """What each step of an epoch reads: its global batch of real/train samples and, for CSM,
-    each real image's two series members (METHODS §3: a random complete series containing
+    each real image's two series members (docs/methods.md §3: a random complete series containing
     its label, that series' best member for the label + a random interior one). Planned for
     the whole epoch first, so the streaming path can decode ahead; `extra` draws the members
     of step 1, 2, ... in turn, then serves the objectives' `prepare` (no objective uses both,

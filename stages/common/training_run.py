@@ -161,7 +161,7 @@ class TrainingRun:
 
         def progress(state: LoopState) -> None:
             atomic_write_json(self.folder / "metrics.json", {self.stage: section(state, False)})
-            write_host(self.folder, path.record(), state.history)
+            write_host(self.folder, path.record(), state.history, accelerator.mixed_precision)
 
         name, accelerator = f"{self.stage} {self.name}", self.accelerator
         self.tracking.start(accelerator, self.cfg.to_dict())  # closed before the outputs
@@ -180,7 +180,9 @@ class TrainingRun:
     ) -> dict[str, Any]:
         """metrics.json's final content (the finished section); host.json rewritten with the
         whole history (a rerun that resumed after the last epoch trained none)."""
-        write_host(self.folder, path.record(), result.state.history)
+        write_host(
+            self.folder, path.record(), result.state.history, self.accelerator.mixed_precision
+        )
         return {self.stage: section(result.state, True)}
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""Config of the `annotate` stage: series/ + real/train -> runs/<classes>/mixed/ (METHODS §2)."""
+"""Config of the `annotate` stage: series/ + real/train -> runs/<classes>/mixed/ (docs/methods.md §2)."""
 
 from __future__ import annotations
 
@@ -54,8 +54,12 @@ ENCODER = Section(
 class Config(StageConfig):
     cpu_threads: int = 1  # pinned: CPU bytes must not depend on the launcher (StageConfig)
     encoder: str = "openclip"  # its parameters: the encoder_* fields, or encoder.<param>=
-    method: str = "projection"  # projection | similarity | ratio (METHODS §2 and its ablations)
-    sharpening: float = 4.0  # s in t_a = sigmoid(s (lambda_hat - 0.5)); presets set METHODS' values
+    method: str = (
+        "projection"  # projection | similarity | ratio (docs/methods.md §2 and its ablations)
+    )
+    sharpening: float = (
+        4.0  # s in t_a = sigmoid(s (lambda_hat - 0.5)); presets set docs/methods.md's values
+    )
     prototypes: str = "real"  # real: class means over real/train; text: zero-shot prompts
     # prototypes=real from the first N training images only (as train's train_limit: a fair
     # study's annotation sees the labels its classifiers see); 0 = all. Recorded only when set.

@@ -1,9 +1,9 @@
 """Config of the `finetune` stage: train/<run>/ -> runs/<classes>/finetune/<run>-<method>/.
 
-`method` picks MaC-Cal (METHODS §4: frozen backbone, new masked bottleneck head, adaptive
-retention q) or FeDLaS fine-tuning (METHODS §5: the whole trained model continues under the
+`method` picks MaC-Cal (docs/methods.md §4: frozen backbone, new masked bottleneck head, adaptive
+retention q) or FeDLaS fine-tuning (docs/methods.md §5: the whole trained model continues under the
 FeDLaS-LS / -MbLS loss). Each method reads its own prefixed fields (`maccal_*`, `fedlas_*`);
-batch size, momentum, weight decay and augmentation are shared. GUESS values of METHODS are
+batch size, momentum, weight decay and augmentation are shared. GUESS values of docs/methods.md are
 fields with the given default. The FeDLaS fields are those of train's fedlas-* losses, derived
 from their parameters, MaC-Cal's from its retention schedule's (the `METHOD` section,
 core/parts.py: also `method.alpha=0.1`, `method.q0=0.7`).
@@ -40,18 +40,18 @@ METHOD = Section("method", {"maccal": MaCCalPart(), **{m: LOSS.parts[m] for m in
 class Config(StageConfig):
     run: str = ""  # the trained run: runs/<classes>/train/<run>/ (RUN=)
     method: str = "maccal"  # maccal | fedlas-ls | fedlas-mbls (METHOD=)
-    # shared recipe (METHODS §4: batch 128, momentum 0.9, wd 5e-4)
+    # shared recipe (docs/methods.md §4: batch 128, momentum 0.9, wd 5e-4)
     batch_size: int = 128
     momentum: float = 0.9
     weight_decay: float = 5e-4
     crop_pad: int = 4  # random crop after zero padding; crop_pad=0 and flip=false: no augmentation
     flip: bool = True
-    # MaC-Cal (METHODS §4)
+    # MaC-Cal (docs/methods.md §4)
     maccal_epochs: int = 40
     maccal_lr: float = 0.1  # constant
     maccal_r: int = 256  # bottleneck width r (GUESS); the schedule's maccal_*: models/heads.py
-    # FeDLaS fine-tuning (METHODS §5)
-    fedlas_epochs: int = 10  # GUESS: METHODS gives no fine-tuning length
+    # FeDLaS fine-tuning (docs/methods.md §5)
+    fedlas_epochs: int = 10  # GUESS: docs/methods.md gives no fine-tuning length
     fedlas_lr: float = 0.001  # constant; GUESS: the last lr of the CIFAR Stage-I recipe
     clip_norm: float = 2.0  # grad-norm clip of the classifier only (not the gate); 0 = off
     # how real/train and real/val are read (stages/common/data.py); not part of the run's identity

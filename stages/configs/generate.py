@@ -1,4 +1,4 @@
-"""Config of the `generate` stage: real/ (+ generator/ or a pretrained model) -> series/ (METHODS §1).
+"""Config of the `generate` stage: real/ (+ generator/ or a pretrained model) -> series/ (docs/methods.md §1).
 
 One `backend` field picks the generator (models/generators/registry.GENERATORS). Each backend's
 own parameters are its nested `Params`; the `BACKEND` section (core/parts.py) derives a field per

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.config import StageConfig, check_choice, check_range, recorded_off_default
-from stages.presets import DEFAULT, SOURCES, stage_presets
+from core.config import ConfigError, StageConfig, check_choice, check_range, recorded_off_default
+from stages.presets import DEFAULT, SOURCES, reads_fields, stage_presets, unread_fields
 
 RESIZE = ("squash", "center-crop")
 
@@ -19,7 +19,7 @@ class Config(StageConfig):
     # how images of another size become image_size x image_size: squash (both sides, aspect not
     # kept) | center-crop (shorter side to image_size, then the centre)
     resize: str = recorded_off_default("squash")
-    val_fraction: float = 0.1  # of train, stratified and seeded (METHODS §3: 10 % held out)
+    val_fraction: float = 0.1  # of train, stratified and seeded (docs/methods.md §3: 10 % held out)
     test_fraction: float = 0.2  # only for datasets without an official test split
     shard_size: int = 1000  # samples per shard
 
@@ -30,6 +30,14 @@ class Config(StageConfig):
         check_range("shard_size", self.shard_size, 1)
         check_range("image_size", self.image_size, 0)
         check_choice("resize", self.resize, RESIZE)
+        where = {"data_dir": self.data_dir, "hf_dataset": self.hf_dataset}
+        for key in unread_fields(self.source, where):
+            takes = " and ".join(f"{k}=" for k in reads_fields(self.source))
+            takes = f"takes {takes} only" if takes else "brings its own data"
+            raise ConfigError(
+                f"{key}={where[key]} is never read: source={self.source} {takes}; drop {key}=, "
+                "or choose the preset for your data (imagefolder: a folder of class folders)"
+            )
 
 
 PRESETS = stage_presets("prepare")

@@ -5,7 +5,7 @@ its own frozen dataclass; the `LOSS` section (core/parts.py) derives a field per
 them, `<loss>_<param>` as config.json has always recorded it, so `--set loss=focal focal_gamma=2`
 and `--set loss.name=focal loss.gamma=2` do the same thing, and a loss registered from outside
 (pipeline/plugins.py) gets its fields with no edit here.
-The defaults are the CSM reference recipe (METHODS §3: ResNet-50, SGD 0.1, momentum 0.9, wd 5e-4,
+The defaults are the CSM reference recipe (docs/methods.md §3: ResNet-50, SGD 0.1, momentum 0.9, wd 5e-4,
 batch 128, 200 epochs, lr ÷10 at 80 and 120, clip 2, crop(pad 4) + flip); each preset's own
 recipe is in stages/presets/.
 """
@@ -31,7 +31,7 @@ from shards.datapath import (
 from stages.presets import stage_presets
 
 # the losses (the registry as any plugin left it) and their parameters
-LOSS = Section("loss", OBJECTIVES, heading="loss parameters (METHODS §5-6)")
+LOSS = Section("loss", OBJECTIVES, heading="loss parameters (docs/methods.md §5-6)")
 # loss -> {objective parameter: config field}, derived (csm's sharpening and targets are the
 # stage's: how it loads mixed/)
 LOSS_FIELDS: dict[str, dict[str, str]] = {n: LOSS.fields_of(n, data=False) for n in LOSS.names}
@@ -47,7 +47,7 @@ class Config(StageConfig):
     model: str = "resnet50"  # models.classifiers name or timm:<name>
     pretrained: bool = False  # timm models only
     in_channels: int = 3  # 1 = grey (channel mean of the RGB image)
-    # recipe (METHODS §3)
+    # recipe (docs/methods.md §3)
     epochs: int = 200
     batch_size: int = 128  # global, split over processes
     lr: float = 0.1

@@ -49,7 +49,13 @@ from models.posthoc import fit_posthoc
 from models.training import collect_logits
 from shards import evals
 from shards.datasets import RealSplit, check_same_classes
-from shards.manifest import ShardError, is_complete, manifest_digest, remake_command
+from shards.manifest import (
+    ShardError,
+    is_complete,
+    manifest_digest,
+    remake_command,
+    stage_command,
+)
 from shards.runs import META, RunError
 from shards.runs import load_model as load_run_model
 from stages.common import data as datapath
@@ -70,23 +76,28 @@ def run_digest(folder: Path) -> str:
     return manifest_digest(folder)
 
 
-def find_run(root: Path, name: str, stage_dir: str) -> Path:
-    """root/train/<name> or root/finetune/<name>: the first complete one."""
+def find_run(root: Path, name: str, stage_dir: str, preset: str = "") -> Path:
+    """root/train/<name> or root/finetune/<name>: the first complete one. A missing one names
+    the command that makes it, in this root (`preset`: the one evaluate runs with)."""
     candidates = [stage_dir] if stage_dir else list(RUN_STAGES)
     for stage in candidates:
         if is_complete(root / stage / name):
             return root / stage / name
     started = [root / s / name for s in candidates if (root / s / name).is_dir()]
     if started:
-        remake = remake_command(started[0])
-        how = f"`{remake[1]}`" if remake else f"make {started[0].parent.name} RUN=..."
+        remake = remake_command(started[0], preset)
+        how = f"`{remake[1]}`" if remake else f"the {started[0].parent.name} command that began it"
         raise RunError(
             f"run {name!r} in {started[0]} is not complete (its training did not finish); "
             f"rerun it before evaluating it: {how}"
         )
     where = " or ".join(str(root / s / name) for s in candidates)
-    remake = remake_command(root / "train" / name)
-    how = f"`{remake[1]}`" if remake else f"make train RUN={name}"
+    remake = remake_command(root / "train" / name, preset)
+    how = (
+        f"`{remake[1]}`"
+        if remake
+        else f"train with --set out={root.parent} name={root.name} run={name}"
+    )
     raise RunError(f"run {name!r} has no trained weights in {where}; train it first: {how}")
 
 
@@ -329,12 +340,13 @@ def run(cfg: Config) -> Path:
         if not pairs:
             found = f" (only the internal run(s) {', '.join(internal)})" if internal else ""
             raise ShardError(
-                f"no trained runs under {cfg.root}/train or /finetune{found}: run `make train` "
-                "first" + (", or evaluate them with SET=internal_runs=1" if internal else "")
+                f"no trained runs under {cfg.root}/train or /finetune{found}: train one first: "
+                f"`{stage_command('train', cfg.root, cfg.classes_file or cfg.preset)}`"
+                + (", or evaluate them with internal_runs=1" if internal else "")
             )
         if internal:
             log.info(
-                "evaluate: leaving out the internal run(s) %s (SET=internal_runs=1 includes them)",
+                "evaluate: leaving out the internal run(s) %s (internal_runs=1 includes them)",
                 ", ".join(internal),
             )
         for stage, name in pairs:
@@ -346,7 +358,9 @@ def run(cfg: Config) -> Path:
         return report
     # 1. Runs, and the evaluations this call owes: skip those already made from the same inputs.
     names = cfg.run_names()
-    folders = {n: find_run(cfg.root, n, cfg.stage_dir) for n in names}
+    folders = {
+        n: find_run(cfg.root, n, cfg.stage_dir, cfg.classes_file or cfg.preset) for n in names
+    }
     outputs = plan_outputs(cfg, folders)
     settings = {"ts_criterion": cfg.ts_criterion, "predictions_format": evals.PREDICTIONS_FORMAT}
     stale = [n for n, o in outputs.items() if not evals.is_current(o.folder, o.upstream, settings)]

@@ -163,7 +163,7 @@ def render(
         lines_ += [
             f"Left out: the internal run(s) {', '.join(left_out)} (a classifier the stages "
             "used as a tool, e.g. annotate's encoder or a fidelity judge, or a study tuning "
-            "run); `make evaluate SET=internal_runs=1` lists them.",
+            "run); evaluate with `--set internal_runs=1` lists them.",
             "",
         ]
     for key, heading in (

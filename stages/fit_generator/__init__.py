@@ -66,7 +66,14 @@ from models.generators import (
 )
 from models.generators.objective import denoising_loss, denoising_target
 from shards.checkpoints import LOAD_KWARGS, MARKER, Checkpointer, CheckpointError
-from shards.manifest import Manifest, ShardError, is_complete, manifest_digest, write_manifest
+from shards.manifest import (
+    Manifest,
+    ShardError,
+    is_complete,
+    manifest_digest,
+    read_manifest,
+    write_manifest,
+)
 from shards.reader import load_split
 from shards.writer import write_config
 from stages.common.fidelity import FidelityCheck, fidelity_scalars, make_judges, sample_grid
@@ -74,6 +81,20 @@ from stages.configs.fit_generator import Config
 from stages.fit_generator.recheck import recheck, recheck_fields
 
 WEIGHTS = Path("unet") / "diffusion_pytorch_model.safetensors"
+
+
+def check_weights(folder: Path) -> None:
+    """A complete generator's weights are the file its manifest pins (size and sha256): a rerun
+    never calls a truncated or replaced file complete, it names it and the fix."""
+    path, expected = folder / WEIGHTS, read_manifest(folder).info.get("weights_sha256")
+    if expected and (not path.is_file() or sha256_file(path) != expected):
+        what = "is missing" if not path.is_file() else "differs from its manifest's sha256"
+        raise ShardError(
+            f"{path} {what} (damaged after fit-generator finished); remove {folder} and rerun "
+            "the same command"
+        )
+
+
 CHECKPOINTS = "checkpoints"
 
 
@@ -336,6 +357,7 @@ def run(cfg: Config) -> Path:
     if procs.is_main or (folder / "config.json").is_file():
         write_config(folder, config)
     if is_complete(folder):
+        check_weights(folder)
         log.info("fit-generator: %s is complete already", folder)
         return folder
     names = split.class_names

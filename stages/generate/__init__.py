@@ -1,4 +1,4 @@
-"""generate: real/ (+ generator/ or a pretrained model) -> runs/<classes>/series/ (METHODS §1).
+"""generate: real/ (+ generator/ or a pretrained model) -> runs/<classes>/series/ (docs/methods.md §1).
 
     python -m pipeline generate --preset digits
     python -m pipeline generate --preset cifar100 --set model=/models/sd-v1-5 limit=64

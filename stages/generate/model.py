@@ -1,4 +1,4 @@
-"""generate, part 2: the inputs and the generator (METHODS §1).
+"""generate, part 2: the inputs and the generator (docs/methods.md §1).
 
 Inputs are checked on every rank before anything is written. The backend is built from the config
 without reading its weights (``lazy``): its ``metadata()`` is the identity recorded with every
@@ -117,11 +117,13 @@ def check_generator_weights(folder: Path, manifest: Manifest) -> None:
     missing, truncated or swapped file is refused in one line before diffusers reads it."""
     path = folder / UNET_WEIGHTS
     expected = manifest.info.get("weights_sha256")
+    remake = remake_command(folder)
+    fix = f"remove {folder} and rerun fit-generator" + (f": `{remake[1]}`" if remake else "")
     if not path.is_file():
-        raise GenerationError(f"{path} is missing: {folder} is damaged; rerun fit-generator")
+        raise GenerationError(f"{path} is missing: {folder} is damaged; {fix}")
     if expected and sha256_file(path) != expected:
         raise GenerationError(
-            f"{path}: sha256 differs from its manifest (truncated or replaced); rerun fit-generator"
+            f"{path}: sha256 differs from its manifest (truncated or replaced); {fix}"
         )
 
 

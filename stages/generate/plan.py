@@ -1,4 +1,4 @@
-"""generate, part 1: the plan, which series exist (METHODS §1), a pure function of the config.
+"""generate, part 1: the plan, which series exist (docs/methods.md §1), a pure function of the config.
 
 Every unordered pair a < b (k-way: every k-subset), walked in order and cycled until the budget
 (``series_per_pair`` per pair) is used: series s takes pair s mod P, its noise seed is

@@ -98,6 +98,7 @@ def with_recipe(data: Preset, recipe: Preset) -> Preset:
         stages=stages,
         chain=recipe.chain,
         reads=data.reads,
+        reads_fields=data.reads_fields,
         edm_checkpoint=data.edm_checkpoint,
         data_license=data.data_license,
     )
@@ -173,6 +174,16 @@ def chain_steps(preset: str) -> list[Step]:
     """The steps of the chain (`make chain`) of a --preset value."""
     chain = lookup(preset)[0].chain
     return list(DEFAULT_CHAIN if chain is None else chain)
+
+
+def reads_fields(source: str) -> tuple[str, ...]:
+    """The prepare fields `source=`'s reader reads (where its data come from)."""
+    return PRESETS[source].reads_fields
+
+
+def unread_fields(source: str, values: dict[str, Any]) -> list[str]:
+    """The prepare fields among `values` (those set) that `source=`'s reader never reads."""
+    return [k for k, v in values.items() if v and k not in PRESETS[source].reads_fields]
 
 
 def reader(source: str) -> Callable[[Any], Any]:

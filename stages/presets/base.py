@@ -30,6 +30,9 @@ class Preset:
     # prepare's reader of `source=<name>`: (prepare config) -> shards.sources.Source; None: the
     # preset reads no data of its own
     reads: Callable[[Any], Any] | None = None
+    # the prepare fields that reader reads: a value in one it ignores is refused, never a
+    # silent run on other data (`--preset digits --set data_dir=...`)
+    reads_fields: tuple[str, ...] = ("data_dir", "hf_dataset")
     edm_checkpoint: str = ""  # where the paper's EDM network for these classes is published
     # (Hub license id, what the data is): the in-house UNet learns only from the real training
     # set, so the images it makes carry the data's license (shards.card.license_for)
@@ -45,20 +48,20 @@ DEFAULT_CHAIN: tuple[Step, ...] = (("prepare", ()), ("generate", ()), ("annotate
 CLIP = dict(encoder="openclip", encoder_model="ViT-B-32", encoder_pretrained="openai")
 
 # Pretrained text-to-image model of the photo presets; a local save_pretrained folder works too
-# (model=/path). Generated at 512x512 and resized to the dataset's resolution (METHODS §1).
+# (model=/path). Generated at 512x512 and resized to the dataset's resolution (docs/methods.md §1).
 SD15 = "stable-diffusion-v1-5/stable-diffusion-v1-5"
 SD = dict(backend="sd", model=SD15, steps=25, guidance=7.5, batch_size=16)
 
 
 def edm(steps: int) -> dict:
-    """`--set backend=edm` on a photo preset: the paper's EDM sampling (METHODS §1): Heun,
+    """`--set backend=edm` on a photo preset: the paper's EDM sampling (docs/methods.md §1): Heun,
     σ 0.002..80, ρ 7, no guidance; the EDM networks are CC BY-NC-SA 4.0."""
     values = dict(model="", sampler="heun", steps=steps, guidance=1.0, batch_size=256)
     return {"backend=edm": values | dict(license="cc-by-nc-sa-4.0")}
 
 
 def fedlas(ls: Mapping[str, float], mbls: Mapping[str, float]) -> dict[str, float]:
-    """The FeDLaS fields of train and finetune from METHODS §5's per-dataset values of the
+    """The FeDLaS fields of train and finetune from docs/methods.md §5's per-dataset values of the
     -LS and -MbLS variants (the gate's θ is the LS variant's)."""
     return dict(
         fedlas_ls_alpha=ls["alpha"],

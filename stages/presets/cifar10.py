@@ -41,15 +41,15 @@ PRESET = Preset(
     name="cifar10",
     stages={
         "prepare": dict(source="cifar10", hf_dataset="uoft-cs/cifar10", image_size=32),
-        # METHODS §3: ResNet-50, SGD 0.1, 200 epochs (the train config's defaults); FeDLaS:
-        # METHODS §5's CIFAR-10 values, the train and finetune configs' defaults
+        # docs/methods.md §3: ResNet-50, SGD 0.1, 200 epochs (the train config's defaults); FeDLaS:
+        # docs/methods.md §5's CIFAR-10 values, the train and finetune configs' defaults
         "train": dict(model="resnet50"),
         "finetune": {},
         "fit-generator": FIT,
-        # METHODS §1 reference budget: 444 series per pair (about 160k images); `--set
+        # docs/methods.md §1 reference budget: 444 series per pair (about 160k images); `--set
         # backend=edm` switches to the paper's EDM network with its 20 Heun steps
         "generate": dict(SD, series_per_pair=444, when=edm(20)),
-        "annotate": dict(CLIP, sharpening=4.0),  # METHODS §2's s
+        "annotate": dict(CLIP, sharpening=4.0),  # docs/methods.md §2's s
     },
     reads=lambda cfg: cifar_source(LAYOUT, cfg.data_dir, cfg.hf_dataset),
     edm_checkpoint="https://nvlabs-fi-cdn.nvidia.com/edm/pretrained/edm-cifar10-32x32-cond-vp.pkl",

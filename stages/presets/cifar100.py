@@ -17,7 +17,7 @@ LAYOUT = CifarLayout(
     hf_columns=("img", "fine_label"),
 )
 
-# METHODS §5's CIFAR-100 values
+# docs/methods.md §5's CIFAR-100 values
 FEDLAS = fedlas(
     ls={"alpha": 0.1, "beta": 4.0, "theta": 0.5},
     mbls={"alpha": 0.1, "beta": 1.0, "theta": 0.5, "margin": 6.0},
@@ -30,9 +30,9 @@ PRESET = Preset(
         "prepare": dict(source="cifar100", hf_dataset="uoft-cs/cifar100"),
         "train": FEDLAS,
         "finetune": FEDLAS,
-        # METHODS §1: 4 series per pair (about 158k images); EDM: 25 Heun steps
+        # docs/methods.md §1: 4 series per pair (about 158k images); EDM: 25 Heun steps
         "generate": dict(series_per_pair=4, when=edm(25)),
-        # METHODS §2: 2.3 for the 100-class set, where prototypes crowd closer
+        # docs/methods.md §2: 2.3 for the 100-class set, where prototypes crowd closer
         "annotate": dict(sharpening=2.3),
     },
     reads=lambda cfg: cifar_source(LAYOUT, cfg.data_dir, cfg.hf_dataset),

@@ -69,11 +69,11 @@ PRESET = Preset(
         ),
         # the real-only classifier's pooled features (train run "encoder") are the annotation
         # space (docs/architecture.md). workers=0: on the few CPU cores digits targets, decode
-        # processes would fight the encoder. Sharpening: CIFAR-10's 4.0 (METHODS §2 uses 2.3
+        # processes would fight the encoder. Sharpening: CIFAR-10's 4.0 (docs/methods.md §2 uses 2.3
         # only for the 100-class set, where prototypes crowd closer).
         "annotate": dict(encoder="classifier", sharpening=4.0, workers=0, fidelity_run="encoder"),
         # the train recipe's augmentation (crop pad 2, no flips) and its last lr (0.05 / 100)
-        # for FeDLaS; MaC-Cal keeps METHODS' lr 0.1 and batch 128 but runs 20 epochs (its q
+        # for FeDLaS; MaC-Cal keeps docs/methods.md's lr 0.1 and batch 128 but runs 20 epochs (its q
         # schedule scales with the epoch count). Seconds on 2 CPU cores. FeDLaS: CIFAR-10's.
         "finetune": dict(
             crop_pad=2,
@@ -93,6 +93,7 @@ PRESET = Preset(
         ("annotate", ()),
     ),
     reads=_read,
+    reads_fields=(),
     data_license=(
         "cc-by-4.0",
         "scikit-learn's handwritten digits (UCI Optical Recognition of Handwritten Digits)",

@@ -43,7 +43,8 @@ PRESET = Preset(
         "train": dict(model="resnet50"),
         "finetune": {},
         "generate": dict(SD, series_per_pair=4),
-        "annotate": dict(CLIP, sharpening=4.0),  # CIFAR-10's s (METHODS §2)
+        "annotate": dict(CLIP, sharpening=4.0),  # CIFAR-10's s (docs/methods.md §2)
     },
     reads=_read,
+    reads_fields=("data_dir",),
 )

@@ -45,4 +45,5 @@ PRESET = Preset(
         "annotate": dict(CLIP, sharpening=4.0),  # GUESS: the papers give none; Tiny-ImageNet's
     },
     reads=_read,
+    reads_fields=("data_dir",),
 )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from stages.presets.base import CLIP, SD, Preset, edm, fedlas
 
-# METHODS §5's Tiny-ImageNet values
+# docs/methods.md §5's Tiny-ImageNet values
 FEDLAS = fedlas(
     ls={"alpha": 0.05, "beta": 4.0, "theta": 0.5},
     mbls={"alpha": 0.05, "beta": 0.5, "theta": 0.5, "margin": 10.0},
@@ -27,11 +27,12 @@ PRESET = Preset(
         "prepare": dict(source="tiny-imagenet", image_size=64),
         "train": dict(model="resnet50", mbls_margin=10.0, mbls_lam=0.05, **FEDLAS),
         "finetune": FEDLAS,
-        # METHODS §1: 2 series per pair (about 318k images); EDM: 25 Heun steps
+        # docs/methods.md §1: 2 series per pair (about 318k images); EDM: 25 Heun steps
         "generate": dict(SD, series_per_pair=2, when=edm(25)),
-        "annotate": dict(CLIP, sharpening=4.0),  # METHODS §2's s
+        "annotate": dict(CLIP, sharpening=4.0),  # docs/methods.md §2's s
     },
     reads=_read,
+    reads_fields=("data_dir",),
     edm_checkpoint="the Tiny-ImageNet 64x64 cond-vp EDM of DM-Improves-AT "
     "(https://huggingface.co/wzekai99/DM-Improves-AT, folder others/)",
 )
