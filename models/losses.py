@@ -19,7 +19,7 @@ registry `LOSSES` maps a flag to the class; `build_loss(name, C, **params)` buil
 | mmce_weighted | lam=2.0, width=0.4, normalization="paper" | NLL + λ·sqrt(MMD_w + 1e-10), correct/incorrect weighted |
 
 (`lam` stands for λ: `lambda` is a Python keyword; MMCE's kernel width and FLSD-53's threshold
-are part of the methods' definitions, not parameters.) The LS α is a GUESS (METHODS leaves it open;
+are part of the methods' definitions, not parameters.) The LS α is a GUESS (docs/methods.md leaves it open;
 0.05 matches FeDLaS-LS's CIFAR-10 value); MMCE's λ is the low end of docs/methods.md's 2-4.
 `mmce_weighted`'s normalization="focal_calibration" is the MMD_w of the baselines later papers
 report (torrvision/focal_calibration), which divides its pair sums differently (`mmd_weighted`).

@@ -93,10 +93,6 @@ def test_no_doc_cites_the_founding_teams_papers(doc):
 OWN_SECTION = re.compile(r"docs/methods\.md §(\d+)(?:-§?(\d+))?")
 
 
-# study_tune.py's comments still cite the design papers (its §8 is no section of
-# docs/methods.md); another change owns that file for now
-UNSWEPT = ("pipeline/study_tune.py",)
-
 
 def methods_sections() -> set[int]:
     """The numbered sections of docs/methods.md (`## 3. CSM training`)."""
@@ -136,8 +132,6 @@ def test_code_help_and_docs_cite_only_what_the_repository_holds():
         if path.endswith((".py", ".md", ".toml")) or path == "Makefile"
     }
     texts.pop("tests/test_docs.py")  # the patterns themselves
-    for path in [p for p in texts if p.startswith(UNSWEPT)]:
-        del texts[path]
     texts |= help_screens()
     sections = methods_sections()
     foreign, missing = [], []
