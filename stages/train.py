@@ -96,11 +96,12 @@ def load_data(
     cfg: Config, path: DataPathChoice, device: torch.device
 ) -> tuple[RealSplit, RealSplit]:
     real = cfg.root / "real"
-    train = datapath.open_split(real / "train", path, device)
+    if cfg.train_limit:
+        train = datapath.open_head(real / "train", cfg.train_limit, path, device)
+    else:
+        train = datapath.open_split(real / "train", path, device)
     val = datapath.open_split(real / "val", path, device)
     check_same_classes(f"{real / 'val'}", val.class_names, train.class_names, "real/train")
-    if cfg.train_limit:
-        train = datapath.head(train, cfg.train_limit)
     return train, val
 
 
