@@ -333,7 +333,7 @@ def fit_epochs(
         mean=torch.as_tensor(data.mean, dtype=torch.float32, device=dev),
         std=torch.as_tensor(data.std, dtype=torch.float32, device=dev),
         pixels=pixels,
-        channels_last=is_channels_last(module),
+        channels_last=dev.type == "cuda" or is_channels_last(module),
     )
     ckpt = Checkpointer(
         run_dir / "checkpoints",
