@@ -38,6 +38,7 @@ from models.training import collect_logits, is_channels_last, normalize, random_
 
 BATCH, EVAL_BATCH, CLASSES = 128, 512, 10
 STACK = 5  # seeds in the sitting's stack
+SHIFT_IMAGES = 2000  # test images per corruption and severity, as the study's robustness table
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -272,7 +273,9 @@ def _timed(cmd: list[str], code: Path) -> float:
     done = subprocess.run(cmd, cwd=code, env=env, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd[:6])} failed:\n{done.stderr[-2000:]}")
-    return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    print(f"  {code.name}: {' '.join(cmd[2:5])} ... {seconds:.1f} s", flush=True)
+    return seconds
 
 
 def sitting(before: Path, tmp: Path) -> tuple[list[dict], list[str]]:
@@ -287,7 +290,7 @@ def sitting(before: Path, tmp: Path) -> tuple[list[dict], list[str]]:
         return _timed([*cmd, *sets], code)
 
     stage(REPO, "prepare", f"data_dir={idx}")
-    stage(REPO, "shift")
+    stage(REPO, "shift", f"limit={SHIFT_IMAGES}")
     stage(REPO, "ood")
     ood = ",".join(str(root / "ood" / s) for s in ("digits", "uniform"))
     shifted = [f"corruptions={root / 'shift' / 'test-c'}", f"ood={ood}", "ts_criterion=nll"]
@@ -311,8 +314,9 @@ def sitting(before: Path, tmp: Path) -> tuple[list[dict], list[str]]:
         f"Sitting: before = {before} (SEMIX_BEFORE), now = this checkout, in turn on one root; "
         "each command a fresh process with OMP_NUM_THREADS=1 (the preset's cpu_threads=1): "
         "wall time with its start, data decode, validation every epoch, checkpoints, outputs.",
-        "Evaluate: real/test + real/val, the shift stage's 14 corruptions x 5 severities and "
-        "two OOD sets (digits, uniform), ts_criterion=nll.",
+        f"Evaluate: real/test + real/val, the shift stage's corruptions x 5 severities of "
+        f"{SHIFT_IMAGES} test images (the study's) and two OOD sets (digits, uniform), "
+        "ts_criterion=nll.",
         f"Data: {'Debian' if idx.parts[1] == 'usr' else 'sklearn digits at 28x28 with noise'} "
         "(Fashion-MNIST's shapes and sizes: 54k/6k/10k, 28x28 grey, 10 classes).",
     ]
