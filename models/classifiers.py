@@ -270,7 +270,10 @@ class ConvMLP(Classifier):
         _init_weights(self)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.flatten(F.adaptive_avg_pool2d(self.body(x), 7), 1))
+        h = self.body(x)
+        if h.shape[-2:] != (7, 7):  # 28x28 inputs are 7x7 here already: no pass over them
+            h = F.adaptive_avg_pool2d(h, 7)
+        return self.fc(torch.flatten(h, 1))
 
 
 class TimmClassifier(Classifier):
