@@ -223,6 +223,17 @@ def roofline() -> tuple[list[dict], list[dict], list[str]]:
         torch.set_num_threads(threads)
     notes = [
         f"Peak: a 2048^3 matmul on one thread, {fp32:.0f} GFLOP/s fp32, {bf16:.0f} GFLOP/s bf16.",
+        "What it shows: NCHW BatchNorm, ReLU and max-pool over the 28x28x32 activations cost "
+        "more than the convolutions; channels_last (oneDNN's layout) halves the step, and "
+        "folding BatchNorm into the convolutions for evaluation triples the logits' rate. "
+        "K seeds as one vmapped network are slower per image than K steps of one (the "
+        "batched BatchNorm and convolutions fall off oneDNN's fast paths), so a stack takes "
+        "its runs' epochs in turn (stages/train.py, run_stack).",
+        "Largest remaining loss: the training step runs fp32 while this CPU does bf16 natively "
+        "(the bf16 row: 1.5x the step); the classifier loop keeps fp32 on CPUs so that a run's "
+        "bytes do not depend on the CPU model (core/precision.py): precision=bf16 is the "
+        "study's choice to make (it changes the runs' config.json). Next: validation, fp32 "
+        "logits of 6,001 images every epoch, a third of a run.",
         "Step parts timed around their own calls, best of 3 x 30 steps; data = index, flip and "
         "normalise of uint8 images already in memory; backward includes the grad-norm clip.",
     ]

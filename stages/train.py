@@ -15,6 +15,10 @@ metrics.json (per-epoch history, rewritten each epoch) and host.json (this machi
 and seconds per epoch: not in the manifest), then model.safetensors + model.json, curves.png
 and manifest.json (kind "run", last: the run is complete). A rerun of a complete run only
 reads; one made from other inputs (upstream digests) is refused.
+
+Several seeds at once: `run_stack(configs)` trains runs that differ only by seed (and run name)
+in one process, the data read once, each run's folder exactly as alone (docs/train.md, "Several
+seeds at once"); `run(cfg)` is a stack of one. From Python: `pipeline.registry.run_train_stack`.
 """
 
 from __future__ import annotations
