@@ -204,6 +204,33 @@ def _eval_row(name: str, channels_last_fold: bool, peak: float) -> dict:
     }
 
 
+def gpu_row() -> dict:
+    """ResNet-18 on CIFAR-sized images (32x32, batch 512), bf16 autocast + channels_last, on
+    the GPU (what docs/scale.md's cost model reads where a GPU is lent)."""
+    dev = torch.device("cuda")
+    model = build_classifier("resnet18", CLASSES, 3).to(dev, memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+    x = torch.randn(512, 3, 32, 32, device=dev).contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, CLASSES, (512,), device=dev)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        torch.cuda.synchronize()
+
+    seconds = _best(step, repeats=3, number=10)
+    return {
+        "training step (batch 128)": f"GPU: resnet18, 32x32, batch 512, bf16 + channels_last "
+        f"({torch.cuda.get_device_name(0)})",
+        "img/s per core": f"{512 / seconds:,.0f} (per GPU)",
+        **dict.fromkeys(("MFLOP/img", "GFLOP/s", "peak GFLOP/s", "share"), ""),
+        "data / fwd / bwd / opt (ms)": "",
+    }
+
+
 def roofline() -> tuple[list[dict], list[dict], list[str]]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -221,6 +248,8 @@ def roofline() -> tuple[list[dict], list[dict], list[str]]:
         ]
     finally:
         torch.set_num_threads(threads)
+    if torch.cuda.is_available():
+        train.append(gpu_row())
     notes = [
         f"Peak: a 2048^3 matmul on one thread, {fp32:.0f} GFLOP/s fp32, {bf16:.0f} GFLOP/s bf16.",
         "What it shows: NCHW BatchNorm, ReLU and max-pool over the 28x28x32 activations cost "
