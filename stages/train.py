@@ -24,7 +24,7 @@ seeds at once"); `run(cfg)` is a stack of one. From Python: `pipeline.registry.r
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -122,8 +122,16 @@ def upstream(cfg: Config, needs_mixed: bool) -> dict[str, str]:
 
 
 def run(cfg: Config) -> Path:
-    """Train one run (see the module docstring); returns the run folder."""
+    """Train one run (see the module docstring); returns the run folder. With `seeds=`, the
+    stack of runs <run>-s<seed> (`stack_of`); returns the folder that holds them."""
+    if cfg.seeds:
+        return run_stack(stack_of(cfg))[0].parent
     return run_stack([cfg])[0]
+
+
+def stack_of(cfg: Config) -> list[Config]:
+    """The runs `seeds=` names: `cfg` with run <run>-s<seed> and that seed, in order."""
+    return [replace(cfg, run=f"{cfg.run}-s{s}", seed=s, seeds=()) for s in cfg.seeds]
 
 
 @dataclass

@@ -15,6 +15,7 @@ from conftest import kill_when, snapshot, subprocess_env
 from safetensors.torch import load_file
 
 from core.config import ConfigError
+from pipeline.cli import main
 from pipeline.registry import resolve_stage_config, run_stage, run_train_stack
 from shards.manifest import manifest_digest
 from shards.runs import run_complete
@@ -150,3 +151,19 @@ def test_a_killed_stack_resumes_to_the_bytes_of_one_not_killed(digits_root, tmp_
         for name in ("model.safetensors", "config.json", "manifest.json"):
             assert (a / name).read_bytes() == (b / name).read_bytes(), (seed, name)
         assert history(a) == history(b)
+
+
+def test_seeds_on_the_command_line_train_a_stack_whose_runs_are_plain_runs(roots, capsys):
+    stacked, alone = roots
+    sets = [f"out={stacked.parent}", "run=cli", "seeds=6,7", "loss=ce", *TINY]
+    assert main(["train", "--preset", "digits", "--set", *sets]) == 0
+    assert f"done -> {stacked / 'train'}" in capsys.readouterr().out
+    for seed in (6, 7):
+        folder = stacked / "train" / f"cli-s{seed}"
+        assert run_complete(folder, made_from(stacked))
+        assert "seeds" not in json.loads((folder / "config.json").read_text())
+        plain = [f"out={alone.parent}", f"run=cli-s{seed}", f"seed={seed}", "loss=ce", *TINY]
+        single = run_stage("train", "digits", plain)
+        assert (folder / "config.json").read_bytes() == (single / "config.json").read_bytes()
+    with pytest.raises(ConfigError, match="must be distinct"):
+        resolve_stage_config("train", "digits", ["seeds=1,1"])
