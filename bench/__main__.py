@@ -5,7 +5,7 @@
     python -m bench plan            # plan, manifest, series index at 10 / 100 / 1,000 classes
 
 Each module defines `run() -> dict` with `title`, `rows` (list of dicts, one table row
-each), optional `notes` (list of str); or None when it has nothing to measure on this checkout
+each), optional `tables` ({caption: rows}, after the first), optional `notes` (list of str); or None when it has nothing to measure on this checkout
 (it says why; its old section stays). Timings are measured here, never asserted in tests.
 """
 
@@ -71,6 +71,8 @@ def main(argv: list[str]) -> int:
             "",
         ]
         body.append(table(result["rows"]))
+        for caption, rows in result.get("tables", {}).items():  # optional further tables
+            body += [f"{caption}:", "", table(rows)]
         body += [f"- {n}" for n in result.get("notes", [])]
         sections[result["title"]] = "\n".join(body).rstrip() + "\n"
         print(sections[result["title"]], flush=True)

@@ -50,9 +50,8 @@ def run() -> dict:
     notes = [
         "load = shards.datasets.load_real (read, check, parse, PNG decode, stack), best of 7, "
         "page cache warm; `sha256 alone` hashes the same number of bytes in memory.",
-        "The train bench's step rate (shard data path vs random tensors) excludes the one-off "
-        "load, so hashing leaves its ratio unchanged; the last column is the hash time over a "
-        f"3-epoch digits run ({epochs_s:.2f} s of steps at 8,158 img/s, bench/RESULTS.md) plus "
+        "A training step never hashes: only the one-off load does; the last column is the "
+        f"hash time over a 3-epoch digits run ({epochs_s:.2f} s of steps at 8,158 img/s) plus "
         "its load.",
     ]
     return {"title": "Hashing shards on read (verify_sha256)", "rows": rows, "notes": notes}

@@ -213,6 +213,13 @@ class CifarResNet(Classifier):
         return torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)
 
 
+def _pooled_unit(c_in: int, c_out: int) -> list[nn.Module]:
+    """conv-BN, then 2x2 max-pool and ReLU: relu(pool(x)) = pool(relu(x)) exactly (ReLU is
+    monotone, so both take the same maximum; gradients too), and the ReLU then reads a quarter
+    of the activations. Parameter names are those of conv-BN-ReLU-pool (ReLU and pool have none)."""
+    return [_conv3x3(c_in, c_out), nn.BatchNorm2d(c_out), nn.MaxPool2d(2), nn.ReLU(inplace=True)]
+
+
 class DigitsCNN(Classifier):
     """Small CNN for 16x16 digits: conv-BN-ReLU blocks of width 32 @16x16, 64 @8x8 and
     128 @4x4 (max-pool between), then GAP.
@@ -228,15 +235,12 @@ class DigitsCNN(Classifier):
         super().__init__(arch, num_classes, in_channels, feature_dim=4 * width)
         self.args = dict(width=width)
 
-        def unit(c_in: int, c_out: int) -> list[nn.Module]:
-            return [_conv3x3(c_in, c_out), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True)]
-
         self.body = nn.Sequential(
-            *unit(in_channels, width),
-            nn.MaxPool2d(2),
-            *unit(width, 2 * width),
-            nn.MaxPool2d(2),
-            *unit(2 * width, 4 * width),
+            *_pooled_unit(in_channels, width),
+            *_pooled_unit(width, 2 * width),
+            _conv3x3(2 * width, 4 * width),
+            nn.BatchNorm2d(4 * width),
+            nn.ReLU(inplace=True),
         )
         _init_weights(self)
 
@@ -261,17 +265,15 @@ class ConvMLP(Classifier):
         super().__init__(arch, num_classes, in_channels, feature_dim=hidden)
         self.args = dict(width=width, hidden=hidden)
 
-        def unit(c_in: int, c_out: int) -> list[nn.Module]:
-            return [_conv3x3(c_in, c_out), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True)]
-
-        self.body = nn.Sequential(
-            *unit(in_channels, width), nn.MaxPool2d(2), *unit(width, width), nn.MaxPool2d(2)
-        )
+        self.body = nn.Sequential(*_pooled_unit(in_channels, width), *_pooled_unit(width, width))
         self.fc = nn.Sequential(nn.Linear(width * 7 * 7, hidden), nn.ReLU(inplace=True))
         _init_weights(self)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.flatten(F.adaptive_avg_pool2d(self.body(x), 7), 1))
+        h = self.body(x)
+        if h.shape[-2:] != (7, 7):  # 28x28 inputs are 7x7 here already: no pass over them
+            h = F.adaptive_avg_pool2d(h, 7)
+        return self.fc(torch.flatten(h, 1))
 
 
 class TimmClassifier(Classifier):

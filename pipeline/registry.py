@@ -13,6 +13,7 @@ import importlib
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from core.config import ConfigError, describe_fields, resolve
@@ -143,6 +144,22 @@ def check_out(config) -> None:
             if not path.is_dir():
                 raise ConfigError(f"out={config.out}: {path} is a file, not a folder; set out=")
             return
+
+
+def run_train_stack(preset: str, sets_per_run: Sequence[Sequence[str]]) -> list[Path]:
+    """train's runs that differ only by `seed=` (and `run=`), trained together in one process
+    (stages.train.run_stack: the data read once, each run's folder as `run_stage` makes it);
+    their folders, in order. Under a launcher the runs go one by one through `run_stage`."""
+    cfg_mod, run_mod = stage_modules("train")
+    configs = [resolve(cfg_mod.Config, cfg_mod.PRESETS, preset, sets) for sets in sets_per_run]
+    for config in configs:
+        check_out(config)
+    check_launcher()
+    if launch_world() > 1:
+        return [run_stage("train", preset, sets) for sets in sets_per_run]
+    run_mod.check_stack(configs)  # one cpu_threads and verify_sha256 for all
+    with cpu_threads(configs[0].cpu_threads), hash_on_read(configs[0].verify_sha256):
+        return run_mod.run_stack(configs)
 
 
 def run_stage(stage: str, preset: str, sets: Sequence[str] = ()):

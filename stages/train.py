@@ -15,16 +15,22 @@ metrics.json (per-epoch history, rewritten each epoch) and host.json (this machi
 and seconds per epoch: not in the manifest), then model.safetensors + model.json, curves.png
 and manifest.json (kind "run", last: the run is complete). A rerun of a complete run only
 reads; one made from other inputs (upstream digests) is refused.
+
+Several seeds at once: `run_stack(configs)` trains runs that differ only by seed (and run name)
+in one process, the data read once, each run's folder exactly as alone (docs/train.md, "Several
+seeds at once"); `run(cfg)` is a stack of one. From Python: `pipeline.registry.run_train_stack`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from core.config import given_folder
+from core.config import ConfigError, given_folder
 from core.logs import log
 from core.runtime import code_version, derive_seed, make_generator
 from models.annotation import soft_targets
@@ -38,7 +44,7 @@ from shards.datasets import RealSplit, check_same_classes
 from shards.manifest import ShardError, manifest_digest, read_manifest
 from shards.runs import split_history
 from stages.common import data as datapath
-from stages.common.loop import Data, LoopState, Mixed, write_run
+from stages.common.loop import Data, LoopState, Mixed, Result, write_run
 from stages.common.training_run import TrainingRun
 from stages.configs.train import Config
 
@@ -94,11 +100,12 @@ def load_data(
     cfg: Config, path: DataPathChoice, device: torch.device
 ) -> tuple[RealSplit, RealSplit]:
     real = cfg.root / "real"
-    train = datapath.open_split(real / "train", path, device)
+    if cfg.train_limit:
+        train = datapath.open_head(real / "train", cfg.train_limit, path, device)
+    else:
+        train = datapath.open_split(real / "train", path, device)
     val = datapath.open_split(real / "val", path, device)
     check_same_classes(f"{real / 'val'}", val.class_names, train.class_names, "real/train")
-    if cfg.train_limit:
-        train = datapath.head(train, cfg.train_limit)
     return train, val
 
 
@@ -115,59 +122,131 @@ def upstream(cfg: Config, needs_mixed: bool) -> dict[str, str]:
 
 
 def run(cfg: Config) -> Path:
-    """Train one run (see the module docstring); returns the run folder."""
-    # 1. Accelerator, the run folder, what it is made from; a complete run only reads.
-    run = TrainingRun.open(cfg, "train", cfg.run, OTHER_RUN)
+    """Train one run (see the module docstring); returns the run folder. With `seeds=`, the
+    stack of runs <run>-s<seed> (`stack_of`); returns the folder that holds them."""
+    if cfg.seeds:
+        return run_stack(stack_of(cfg))[0].parent
+    return run_stack([cfg])[0]
+
+
+def stack_of(cfg: Config) -> list[Config]:
+    """The runs `seeds=` names: `cfg` with run <run>-s<seed> and that seed, in order."""
+    return [replace(cfg, run=f"{cfg.run}-s{s}", seed=s, seeds=()) for s in cfg.seeds]
+
+
+@dataclass
+class Member:
+    """One run of a stack: its config, folder and the generator of its epochs."""
+
+    cfg: Config
+    run: TrainingRun
+    module: TrainingModule
+    epochs: Generator[LoopState, None, Result]
+    section: Callable[[LoopState, bool], dict[str, Any]]
+
+
+def run_stack(cfgs: Sequence[Config]) -> list[Path]:
+    """Train runs that differ only by `seed` (and `run`, their folders) together in one process;
+    returns their folders, in order. What they share is read once: the data (decoded, or its
+    stream workers), the normalisation, the validation images; each run keeps its own folder,
+    config.json, init, data order, augmentation, checkpoints and resume, and takes its epochs
+    in turn with the others, each step exactly the step it takes alone (the same bytes as a
+    plain `train` of that seed). Complete runs only read; `run(cfg)` is a stack of one."""
+    check_stack(cfgs)
+    # 1. Accelerators, the run folders, what they are made from; complete runs only read.
+    runs = [TrainingRun.open(c, "train", c.run, OTHER_RUN) for c in cfgs]
+    cfg = cfgs[0]
     classes = read_manifest(cfg.root / "real" / "train").class_names
     probe = build_objective(cfg.loss, len(classes), torch.Generator(), **cfg.loss_params())
     needs_mixed = probe.needs_mixed
     made_from = upstream(cfg, needs_mixed)
-    if run.complete(made_from):
-        return run.folder
-    run.check_resume()
+    pending = [(c, r) for c, r in zip(cfgs, runs, strict=True) if not r.complete(made_from)]
+    if not pending:
+        return [r.folder for r in runs]
+    for _, r in pending:
+        r.check_resume()
 
     # 2. Data, decoded into device memory or opened for streaming (bad input fails here, before
-    #    anything is written); DataLoader workers start now, before the model exists.
-    accelerator, dev = run.accelerator, run.device
+    #    anything is written); DataLoader workers start now, before the models exist.
+    cfg, first = pending[0]
+    accelerator, dev = first.accelerator, first.device
     path = datapath.choose_path(cfg, data_folders(cfg, needs_mixed), dev, accelerator)
     train, val = load_data(cfg, path, dev)
     mixed = load_mixed(cfg, train, path, dev) if needs_mixed else None
     budget = train_run_images(cfg.root, cfg.train_limit, mixed_folder(cfg) if needs_mixed else None)
-    if run.main:
-        log.info("train %s: %s", cfg.run, path.describe())
-    run.write_config()
+    if first.main:
+        log.info("train %s: %s", ", ".join(c.run for c, _ in pending), path.describe())
+    for _, r in pending:
+        r.write_config()
     mean, std = datapath.statistics(train, cfg.in_channels, cfg)  # normalisation: real/train
     val = datapath.sequential(val, cfg.eval_batch_size, cfg)
     series = mixed.images if mixed else None
     pixels = datapath.pixel_source(train, series, probe.mixes_rows, accelerator, cfg)
     data = Data(train, val, mean, std, train.image_size, mixed, pixels)
 
-    # 3. Model (+ objective parameters) and optimizer; init from (seed, "init").
+    # 3.-4. Each run's model and optimizer, then their epochs in turn.
+    try:
+        members = [_member(c, r, data, path, len(classes), budget) for c, r in pending]
+        results = _in_turn([m.epochs for m in members])
+    finally:
+        datapath.close(data.pixels, data.val)
+
+    # 5. Outputs (main): the best epoch's weights with what a reader needs, metrics, curves,
+    #    the manifest last.
+    for m, result in zip(members, results, strict=True):
+        if m.run.main:
+            _write(m, result, path, classes, data, made_from)
+    return [r.done() for r in runs]
+
+
+def check_stack(cfgs: Sequence[Config]) -> None:
+    """A stack is runs of one config that differ only by seed (and run names, all distinct)."""
+    if not cfgs:
+        raise ConfigError("train stack: no runs given")
+    names = [c.run for c in cfgs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"train stack: run names repeat ({', '.join(names)}); one each")
+    first = cfgs[0].to_dict()
+    for c in cfgs[1:]:
+        other = c.to_dict()
+        differ = [k for k in first if k not in STACK_FREE and first[k] != other.get(k)]
+        if differ:
+            raise ConfigError(
+                f"train stack: run {c.run} differs from {cfgs[0].run} in {', '.join(differ)}; "
+                "a stack's runs differ only by seed"
+            )
+
+
+STACK_FREE = ("seed", "run")  # what may differ between the runs of a stack
+
+
+def _member(
+    cfg: Config, run: TrainingRun, data: Data, path: DataPathChoice, classes: int, budget: Any
+) -> Member:
+    """A run's model (+ objective parameters), init from (seed, "init"), its optimizer and the
+    generator of its epochs (nothing trains until it is advanced)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(cfg.seed, "train", "init"))
-        model = build_classifier(
-            cfg.model, len(classes), cfg.in_channels, pretrained=cfg.pretrained
-        )
+        model = build_classifier(cfg.model, classes, cfg.in_channels, pretrained=cfg.pretrained)
     objective = build_objective(
         cfg.loss,
-        len(classes),
+        classes,
         generator=make_generator(cfg.seed, "train", "objective-init"),
-        num_samples=len(train),
+        num_samples=len(data.train),
         **cfg.loss_params(),
     )
-    module = TrainingModule(model, objective).to(dev)
-    if dev.type == "cuda":
-        module = module.to(memory_format=torch.channels_last)
+    # channels_last: oneDNN's fast layout for convolutions on CPU as on GPU (bench/RESULTS.md)
+    module = TrainingModule(model, objective).to(run.device, memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(
         module.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
     )
+    accelerator = run.accelerator
     log.info(
         "train %s: %s, loss %s, %d train / %d val images, %d process(es) on %s%s",
-        *(cfg.run, cfg.model, cfg.loss, len(train), len(val), accelerator.num_processes, dev),
+        *(cfg.run, cfg.model, cfg.loss, len(data.train), len(data.val)),
+        *(accelerator.num_processes, run.device),
         ", bf16" if accelerator.mixed_precision == "bf16" else "",
     )
-
-    # 4. The loop: train, validate, checkpoint every epoch; keep the best validation epoch.
     recipe = run.recipe(
         key=(cfg.seed, "train"),
         lr=lambda e: multistep_lr(e, cfg.lr, cfg.milestones, cfg.lr_gamma),
@@ -177,31 +256,52 @@ def run(cfg: Config) -> Path:
     def section(state: LoopState, finished: bool) -> dict[str, Any]:
         return _section(cfg, state, finished, budget)
 
-    result = run.fit(recipe, module, optimizer, data, path, section)
+    epochs = run.fit_epochs(recipe, module, optimizer, data, path, section)
+    return Member(cfg, run, module, epochs, section)
 
-    # 5. Outputs (main): the best epoch's weights with what a reader needs, metrics, curves,
-    #    the manifest last.
-    if run.main:
-        state, net = result.state, accelerator.unwrap_model(module).model
-        meta = {
-            "arch": net.arch_config(),
-            "class_names": list(classes),
-            "image_size": train.image_size,
-            "normalize": {"mean": mean, "std": std},
-            "run": cfg.run,
-            "loss": cfg.loss,
-            "best_epoch": state.best_epoch,
-            "best_val_acc": state.best_val_acc,
-            "code_version": code_version(),
-        }
-        metrics = run.final_metrics(result, path, section)  # host.json too
-        plots = [run.curves(state.history, f"{cfg.run} ({cfg.loss})")]
-        write_run(run.folder, result.weights, meta, metrics, plots, made_from)
-        log.info(
-            "train %s: best epoch %d of %d, val acc %.2f %% -> %s",
-            *(cfg.run, state.best_epoch, cfg.epochs, state.best_val_acc, run.folder),
-        )
-    return run.done()
+
+def _in_turn(runs: list[Generator[LoopState, None, Result]]) -> list[Result]:
+    """Advance each run's epochs in turn, one epoch each, until all are done; their Results."""
+    results: dict[int, Result] = {}
+    while len(results) < len(runs):
+        for i, epochs in enumerate(runs):
+            if i not in results:
+                try:
+                    next(epochs)
+                except StopIteration as done:
+                    results[i] = done.value
+    return [results[i] for i in range(len(runs))]
+
+
+def _write(
+    m: Member,
+    result: Result,
+    path: DataPathChoice,
+    classes: Sequence[str],
+    data: Data,
+    made_from: dict[str, str],
+) -> None:
+    """A finished run's outputs (main process), the manifest last."""
+    cfg, run, state = m.cfg, m.run, result.state
+    net = run.accelerator.unwrap_model(m.module).model
+    meta = {
+        "arch": net.arch_config(),
+        "class_names": list(classes),
+        "image_size": data.image_size,
+        "normalize": {"mean": data.mean, "std": data.std},
+        "run": cfg.run,
+        "loss": cfg.loss,
+        "best_epoch": state.best_epoch,
+        "best_val_acc": state.best_val_acc,
+        "code_version": code_version(),
+    }
+    metrics = run.final_metrics(result, path, m.section)  # host.json too
+    plots = [run.curves(state.history, f"{cfg.run} ({cfg.loss})")]
+    write_run(run.folder, result.weights, meta, metrics, plots, made_from)
+    log.info(
+        "train %s: best epoch %d of %d, val acc %.2f %% -> %s",
+        *(cfg.run, state.best_epoch, cfg.epochs, state.best_val_acc, run.folder),
+    )
 
 
 def _section(cfg: Config, state: LoopState, finished: bool, budget: int | None) -> dict[str, Any]:

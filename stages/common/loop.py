@@ -24,7 +24,7 @@ on the number of processes: BatchNorm normalises with each process's batch stati
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,7 @@ from models.training import (
     collect_logits,
     csm_targets,
     epoch_batches,
+    is_channels_last,
     normalize,
     random_crop_flip,
     sample_csm_members,
@@ -105,6 +106,7 @@ class Data:
     image_size: int
     mixed: Mixed | None = None
     pixels: PixelSource | None = None
+    channels_last: bool = False  # the model's layout: `fit` sets it, the batches follow it
 
 
 @dataclass
@@ -180,11 +182,10 @@ def make_batch(
     (see the module docstring). `pixels` (shards.prefetch.Pixels): the plan's uint8 images,
     real [B, ...] and for CSM syn [2B, ...]."""
     idx, mixed = plan.idx, data.mixed
-    cl = idx.device.type == "cuda"  # channels_last on GPU
     mean, std = data.mean, data.std
 
     def norm(images: Tensor) -> Tensor:
-        return normalize(images, mean, std, data.image_size, channels_last=cl)
+        return normalize(images, mean, std, data.image_size, channels_last=data.channels_last)
 
     y = data.train.labels[idx]
     images = random_crop_flip(pixels.real, augment, recipe.crop_pad, recipe.flip)
@@ -296,6 +297,35 @@ def fit(
     """Train `module` for recipe.epochs, resuming from run_dir/checkpoints; a checkpoint after
     every epoch. `on_epoch` (main process) sees the state after each checkpoint, `describe`
     adds to the epoch's log line."""
+    epochs = fit_epochs(
+        run_dir, recipe, module, optimizer, data, accelerator, name, on_epoch, describe
+    )
+    return drain(epochs)
+
+
+def drain(epochs: Generator[LoopState, None, Result]) -> Result:
+    """Run a `fit_epochs` generator to its end; its Result."""
+    while True:
+        try:
+            next(epochs)
+        except StopIteration as stop:
+            return stop.value
+
+
+def fit_epochs(
+    run_dir: Path,
+    recipe: Recipe,
+    module: TrainingModule,
+    optimizer: torch.optim.Optimizer,
+    data: Data,
+    accelerator: Accelerator,
+    name: str,
+    on_epoch: Callable[[LoopState], None] = lambda state: None,
+    describe: Callable[[dict[str, Any]], str] = lambda stats: "",
+) -> Generator[LoopState, None, Result]:
+    """`fit` one epoch at a time: yields the state after each epoch's checkpoint, returns the
+    Result. What lets a stack of runs (stages/train.py, `run_stack`) take their epochs in turn
+    in one process, each exactly as it would alone."""
     main, dev = accelerator.is_main_process, accelerator.device
     pixels = data.pixels or PixelSource(data.train.images, data.mixed and data.mixed.images)
     data = replace(
@@ -303,6 +333,7 @@ def fit(
         mean=torch.as_tensor(data.mean, dtype=torch.float32, device=dev),
         std=torch.as_tensor(data.std, dtype=torch.float32, device=dev),
         pixels=pixels,
+        channels_last=dev.type == "cuda" or is_channels_last(module),
     )
     ckpt = Checkpointer(
         run_dir / "checkpoints",
@@ -378,6 +409,7 @@ def fit(
                 stats["images_per_s"],
                 ", " + describe(stats) if describe(stats) else "",
             )
+            yield state
     if recipe.keep == "last" or best is None:
         best = {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}
     return Result(state, best)

@@ -24,7 +24,7 @@ writes the run itself (`stages.common.loop.write_run`): the last step of its `ru
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -41,7 +41,16 @@ from shards.datapath import DataPathChoice
 from shards.runs import run_complete, write_host
 from shards.writer import OTHER_ROOT, write_config
 from stages.common import data as datapath
-from stages.common.loop import Data, LoopState, Recipe, Result, check_resume, fit, make_accelerator
+from stages.common.loop import (
+    Data,
+    LoopState,
+    Recipe,
+    Result,
+    check_resume,
+    drain,
+    fit_epochs,
+    make_accelerator,
+)
 
 # metrics.json's section of a run: (the loop's state, finished?) -> what the stage records
 Section = Callable[[LoopState, bool], dict[str, Any]]
@@ -158,6 +167,23 @@ class TrainingRun:
         """stages.common.loop.fit, with metrics.json and host.json rewritten after every epoch (main)
         and the trackers open around it; the data's pixel source and validation reader are
         closed, and the trackers finished, before anything else is written."""
+        try:
+            return drain(self.fit_epochs(recipe, module, optimizer, data, path, section, describe))
+        finally:
+            datapath.close(data.pixels, data.val)
+
+    def fit_epochs(
+        self,
+        recipe: Recipe,
+        module: TrainingModule,
+        optimizer: torch.optim.Optimizer,
+        data: Data,
+        path: DataPathChoice,
+        section: Section,
+        describe: Callable[[dict[str, Any]], str] = lambda stats: "",
+    ) -> Generator[LoopState, None, Result]:
+        """`fit` one epoch at a time (stages.common.loop.fit_epochs), the data left open: the
+        runs of a stack share it, and whoever opened it closes it."""
 
         def progress(state: LoopState) -> None:
             atomic_write_json(self.folder / "metrics.json", {self.stage: section(state, False)})
@@ -166,11 +192,13 @@ class TrainingRun:
         name, accelerator = f"{self.stage} {self.name}", self.accelerator
         self.tracking.start(accelerator, self.cfg.to_dict())  # closed before the outputs
         try:
-            return fit(
-                self.folder, recipe, module, optimizer, data, accelerator, name, progress, describe
+            return (
+                yield from fit_epochs(
+                    *(self.folder, recipe, module, optimizer, data, accelerator, name),
+                    *(progress, describe),
+                )
             )
         finally:
-            datapath.close(data.pixels, data.val)
             self.tracking.finish(accelerator)
 
     # ------------------------------------------------------------ outputs (main process)

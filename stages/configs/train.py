@@ -71,6 +71,9 @@ class Config(StageConfig):
     checkpoint_limit: int = 2  # complete checkpoints kept (a save never touches the older ones)
     # auto | latest | "" (start over) | <checkpoint folder>; how to continue, not what to train
     resume: str = not_recorded("auto")
+    # several seeds at once: train runs <run>-s<seed> of these seeds together in one process
+    # (a stack: docs/train.md); each run's config.json is its plain run's, so not recorded
+    seeds: tuple[int, ...] = not_recorded(())
     eval_batch_size: int = 512
     # experiment tracking (core/tracking.py): none | tensorboard | wandb | mlflow | trackio, or
     # several (tensorboard,mlflow); not part of the run's identity
@@ -97,6 +100,8 @@ class Config(StageConfig):
         check_data_fields(self)
         parse_trackers(self.tracker)
         check_range("cpu_threads", self.cpu_threads, 0)
+        if len(set(self.seeds)) != len(self.seeds) or any(s < 0 for s in self.seeds):
+            raise ConfigError(f"seeds={list(self.seeds)} must be distinct seeds >= 0")
         if list(self.milestones) != sorted(self.milestones):
             raise ConfigError(f"milestones={list(self.milestones)} must be increasing")
 
