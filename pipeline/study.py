@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -154,8 +154,21 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
         planned = {t.name for t in tasks}
         for g in plan_groups(method) if cfg.tune else ():
             tasks += [t for t in tuned[g] if t.name not in planned]
+        m = METHODS[method]
+        prepare, tuning = None, set()
+        if cfg.tune and chosen_groups(method):  # its hyper-parameters as chosen on val
+            tuning = {t.name for g in plan_groups(method) for t in tuned[g]}
+            prepare = functools.partial(chosen_sets, root, tuned, chosen_groups(method))
+        stacks = {}
+        if cfg.stack and m.stage == "train":  # one stack per mixed set: they differ by seed only
+            for seed in cfg.seeds_of(method):
+                stacks.setdefault(cfg.mixed_set(method, seed) or 0, []).append(seed)
+            for index, seeds in stacks.items():
+                mixed = set_variant(m.variant, index)
+                after = ({chain_task(mixed)} if m.needs_mixed else set()) | tuning
+                tasks.append(stack_task(root, method, mixed, seeds, train_sets, after, prepare))
         for seed in cfg.seeds_of(method):
-            m, name = METHODS[method], run_name(method, seed)
+            name = run_name(method, seed)
             mixed = set_variant(m.variant, cfg.mixed_set(method, seed) or 0)
             if m.stage == "train":
                 make = ("train", [*train_sets, *m.sets, f"run={name}", f"seed={seed}"])
@@ -166,22 +179,47 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
                 make = ("finetune", [*ft_sets, *m.sets, f"run={base}", f"seed={seed}"])
             stage_dir = "train" if m.stage == "train" else "finetune"
             evaluate = ("evaluate", [*eval_sets, f"run={name}", f"stage_dir={stage_dir}"])
-            after = ({chain_task(mixed)} if m.needs_mixed else set()) | robust
+            after = ({chain_task(mixed)} if m.needs_mixed else set()) | robust | tuning
             if m.base:
                 after.add(run_name(m.base, seed))
-            prepare = None
-            if cfg.tune and chosen_groups(method):  # its hyper-parameters as chosen on val
-                after |= {t.name for g in plan_groups(method) for t in tuned[g]}
-                prepare = functools.partial(chosen_sets, root, tuned, chosen_groups(method))
             folder = evals.eval_dir(root, stage_dir, name)
             done = _evaluated(folder, cfg.ts_criterion) and (
                 not cfg.robustness or study_shift.read_them(folder, preset)
             )
-            tasks.append(Task(name, [make, evaluate], after, done, prepare, extra_step=0))
+            if stacks:  # trained by its stack: this task evaluates
+                after.add(stack_name(method, mixed))
+                tasks.append(Task(name, [evaluate], after, done))
+            else:
+                tasks.append(Task(name, [make, evaluate], after, done, prepare, extra_step=0))
     for t in tasks[1:]:  # every task reads the data: each waits for it, directly or not
         if not t.after:
             t.after.add(DATA)
     return tasks
+
+
+def stack_name(method: str, mixed: str) -> str:
+    """The task that trains a method's seeds on one mixed set together."""
+    return f"train-{method}" + (f"-{mixed}" if mixed else "")
+
+
+def stack_task(
+    root: Path,
+    method: str,
+    mixed: str,
+    seeds: Sequence[int],
+    train_sets: Sequence[str],
+    after: set[str],
+    prepare: Callable[[], list[str] | None] | None,
+) -> Task:
+    """`train run=<method> seeds=a,b,...`: runs <method>-s<seed>, each its own folder and
+    config.json as when trained alone (stages/train.py run_stack), in one process. Done when
+    every run is complete; a rerun trains only the seeds that are not."""
+    m = METHODS[method]
+    sets = [*train_sets, *m.sets, f"run={method}", f"seeds={','.join(map(str, seeds))}"]
+    if mixed:  # csm's set 0 is <root>/mixed, the train stage's default
+        sets.append(f"mixed={variant_root(root, mixed) / 'mixed'}")
+    done = all(is_complete(root / "train" / run_name(method, s)) for s in seeds)
+    return Task(stack_name(method, mixed), [("train", sets)], after, done, prepare)
 
 
 def generate_seed(preset: str, chain_sets: Sequence[str]) -> int:

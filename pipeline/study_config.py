@@ -88,6 +88,10 @@ class StudyConfig:
     # `mixed_set`), so the generator's variance is in the comparisons
     mixed_sets: int = 3
     jobs: int = 2  # runs at a time (subprocesses)
+    # a train method's seeds that share a mixed set train as one stack (train seeds=...): one
+    # process, the data read once, each run its own folder as when trained alone; off: a
+    # process per seed
+    stack: bool = True
     bootstrap: int = 2000  # resamples for the 95 % intervals
     ts_criterion: str = "nll"  # evaluate's temperature-scaling criterion
     # every method's own hyper-parameters chosen on val, each from a grid of the same size

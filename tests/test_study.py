@@ -3,6 +3,7 @@
 
 import json
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -100,7 +101,7 @@ def test_ce_and_csm_run_every_seed_the_primary_five_and_the_exploratory_three(tm
     )
     assert cfg.seeds == tuple(range(10))  # the defaults: >= 10, >= 5 and 3 seeds
     names = [t.name for t in plan(cfg, "digits", [], tmp_path)]
-    runs = [n for n in names if n != "prepare" and not n.startswith("chain")]
+    runs = [n for n in names if n != "prepare" and not n.startswith(("chain", "train-"))]
     assert runs == [
         *(f"ce-s{k}" for k in range(10)), *(f"csm-s{k}" for k in range(10)),
         *(f"csm3-s{k}" for k in range(5)), *(f"ls-s{k}" for k in range(3)),
@@ -121,7 +122,7 @@ def test_each_csm_seed_trains_on_one_of_three_independent_mixed_sets(tmp_path):
     from pipeline.study_kway import prepare_set
 
     root = tmp_path / "digits"
-    cfg = StudyConfig(
+    cfg = StudyConfig(stack=False,
         methods=("ce", "csm", "csm3", "csm+maccal"), seeds=(0, 1, 2, 3), tune=False,
         robustness=False,
     )  # fmt: skip
@@ -160,7 +161,11 @@ def test_every_method_meets_ce_and_the_verdicts_pairs_meet_theirs():
 
 def test_plan_orders_tasks_by_what_they_need_and_skips_evaluated_runs(tmp_path):
     cfg = StudyConfig(
-        methods=("ce", "ls", "csm-ratio", "ce+maccal"), seeds=(0,), tune=False, robustness=False
+        stack=False,
+        methods=("ce", "ls", "csm-ratio", "ce+maccal"),
+        seeds=(0,),
+        tune=False,
+        robustness=False,
     )
     tasks = {t.name: t for t in plan(cfg, "digits", ["train.epochs=1"], tmp_path)}
     assert list(tasks) == ["prepare", "chain", "ce-s0", "ls-s0", "csm-ratio-s0", "ce-s0-maccal"]
@@ -176,7 +181,9 @@ def test_plan_orders_tasks_by_what_they_need_and_skips_evaluated_runs(tmp_path):
     )
     assert "epochs=1" in tasks["ls-s0"].steps[0][1]  # train. overrides reach train only
     assert not any(s.startswith("epochs") for s in evaluate[1])
-    no_mixed = StudyConfig(methods=("ce", "ls"), seeds=(0,), tune=False, robustness=False)
+    no_mixed = StudyConfig(
+        stack=False, methods=("ce", "ls"), seeds=(0,), tune=False, robustness=False
+    )
     assert [t.name for t in plan(no_mixed, "digits", [], tmp_path)][:2] == ["prepare", "ce-s0"]
     # a complete evaluation of the run as it is, with the study's criterion, marks the task
     # done; another criterion, a run retrained since (other digest), or an evaluation without
@@ -237,7 +244,7 @@ def test_study_runs_reports_and_resumes_only_what_is_missing(digits_root, tmp_pa
     host = json.loads((report.parent / "host.json").read_text())
     assert not any("seconds" in key for key in study)
     assert set(host["task_seconds_this_invocation"]) == {
-        "shift", "ood", "ce-s0", "ce-s1", "ce-s0-maccal", "ce-s1-maccal",
+        "shift", "ood", "train-ce", "ce-s0", "ce-s1", "ce-s0-maccal", "ce-s1-maccal",
     }  # fmt: skip
     for r in study["records"]:  # each record is the run's own evaluation
         ev = json.loads((tmp_path / "digits" / "eval" / r["run"] / "metrics.json").read_text())
@@ -268,7 +275,8 @@ def test_study_runs_reports_and_resumes_only_what_is_missing(digits_root, tmp_pa
     third = json.loads((report.parent / "host.json").read_text())
     assert list(third["task_seconds_this_invocation"]) == ["ce-s1"]
     log = (report.parent / "logs" / "ce-s1.log").read_text()
-    assert "already finished" in log  # train skipped the finished run; only evaluate ran again
+    # the stack of ce's seeds is complete: only ce-s1's evaluation ran again
+    assert "-m pipeline evaluate" in log and "-m pipeline train" not in log
 
 
 def _mixed_manifest(folder, num_samples: int, num_classes: int = 10):
@@ -327,7 +335,12 @@ def test_csm3_plan_trains_on_the_kway_set_after_its_chain(tmp_path):
 
     root = tmp_path / "digits"
     cfg = StudyConfig(
-        methods=("ce", "csm", "csm3"), seeds=(0, 1), tune=False, robustness=False, mixed_sets=1
+        stack=False,
+        methods=("ce", "csm", "csm3"),
+        seeds=(0, 1),
+        tune=False,
+        robustness=False,
+        mixed_sets=1,
     )
     tasks = {t.name: t for t in plan(cfg, "digits", [f"out={tmp_path}"], root)}
     assert tasks["chain-k3"].after == {"chain"} and tasks["chain-k3"].prepare is not None
@@ -348,7 +361,9 @@ def test_csm_redraw_plan_trains_on_its_own_checked_set_after_its_chain(tmp_path)
     from pipeline.study_kway import prepare_redraw
 
     root = tmp_path / "digits"
-    cfg = StudyConfig(methods=("ce", "csm", "csm-redraw"), seeds=(0,), tune=False, robustness=False)
+    cfg = StudyConfig(
+        stack=False, methods=("ce", "csm", "csm-redraw"), seeds=(0,), tune=False, robustness=False
+    )
     tasks = {t.name: t for t in plan(cfg, "digits", [f"out={tmp_path}"], root)}
     chain = tasks["chain-redraw"]
     assert chain.after == {"chain"} and "name=digits-redraw" in chain.steps[0][1]
@@ -364,3 +379,36 @@ def test_csm_redraw_plan_trains_on_its_own_checked_set_after_its_chain(tmp_path)
     ).read_bytes() == b"train/judge/m.json"
     with pytest.raises(ConfigError, match="add csm"):
         StudyConfig(methods=("ce", "csm-redraw"))
+
+
+def test_a_train_methods_seeds_on_one_mixed_set_train_as_one_stack(tmp_path):
+    """study.stack (the default): one `train seeds=...` task per method and mixed set, the
+    seed tasks evaluate after it; off: a train step in every seed's task."""
+    root = tmp_path / "digits"
+    cfg = StudyConfig(methods=("ce", "csm", "ce+maccal"), seeds=(0, 1, 2, 3), tune=False,
+                      robustness=False)  # fmt: skip
+    tasks = {t.name: t for t in plan(cfg, "digits", [f"out={tmp_path}"], root)}
+    ce = tasks["train-ce"]
+    ((stage, sets),) = ce.steps
+    assert stage == "train" and "run=ce" in sets and "seeds=0,1,2,3" in sets and not ce.done
+    assert [tasks[f"ce-s{k}"].steps[0][0] for k in range(4)] == ["evaluate"] * 4
+    assert all("train-ce" in tasks[f"ce-s{k}"].after for k in range(4))
+    # csm: one stack per mixed set (seed k on set k mod 3), each after its own chain
+    assert "seeds=0,3" in tasks["train-csm"].steps[0][1] and "chain" in tasks["train-csm"].after
+    csm1 = tasks["train-csm-m1"]
+    assert "seeds=1" in csm1.steps[0][1] and "chain-m1" in csm1.after
+    assert any(s.startswith("mixed=") and "-m1" in s for s in csm1.steps[0][1])
+    assert "train-csm-m2" in tasks["csm-s2"].after
+    # fine-tunings are not stacked; done once every run of the stack is complete
+    assert (
+        tasks["ce-s0-maccal"].steps[0][0] == "finetune" and "ce-s0" in tasks["ce-s0-maccal"].after
+    )
+    for k in range(4):
+        _run_and_evaluation(root, "train", f"ce-s{k}", "nll")
+    again = {t.name: t for t in plan(cfg, "digits", [f"out={tmp_path}"], root)}
+    assert again["train-ce"].done and not again["train-csm"].done
+    apart = {
+        t.name: t for t in plan(replace(cfg, stack=False), "digits", [f"out={tmp_path}"], root)
+    }
+    assert not any(n.startswith("train-") for n in apart)
+    assert [s[0] for s in apart["ce-s1"].steps] == ["train", "evaluate"]

@@ -96,7 +96,7 @@ def test_every_run_waits_for_the_sets_and_is_redone_until_it_read_them(tmp_path)
     from pipeline.study import plan
     from pipeline.study_config import StudyConfig
 
-    cfg = StudyConfig(methods=("ce", "csm-ratio"), seeds=(0,), tune=False)
+    cfg = StudyConfig(stack=False, methods=("ce", "csm-ratio"), seeds=(0,), tune=False)
     tasks = {t.name: t for t in plan(cfg, "digits", [], tmp_path)}
     assert list(tasks) == ["prepare", "chain", "shift", "ood", "ce-s0", "csm-ratio-s0"]
     # the sets read real/ only: they (and the runs that need no mixed set) start beside the chain
@@ -109,7 +109,9 @@ def test_every_run_waits_for_the_sets_and_is_redone_until_it_read_them(tmp_path)
     # an evaluation of the clean test split only is not done: its evaluate step runs again
     _run_and_evaluation(tmp_path, "train", "ce-s0", "nll")
     assert not next(t for t in plan(cfg, "digits", [], tmp_path) if t.name == "ce-s0").done
-    quiet = StudyConfig(methods=("ce", "csm-ratio"), seeds=(0,), tune=False, robustness=False)
+    quiet = StudyConfig(
+        stack=False, methods=("ce", "csm-ratio"), seeds=(0,), tune=False, robustness=False
+    )
     assert next(t for t in plan(quiet, "digits", [], tmp_path) if t.name == "ce-s0").done
 
 

@@ -127,7 +127,9 @@ SEEDS = (TUNE_SEED, TUNE_SEED + 1, TUNE_SEED + 2)  # StudyConfig.tune_seeds = 3
 
 def test_plan_gives_every_method_the_same_grid_at_the_same_tuning_seeds(tmp_path):
     root = tmp_path / "digits"
-    cfg = StudyConfig(methods=("ce", "ls", "focal", "ce+maccal"), seeds=(0,), robustness=False)
+    cfg = StudyConfig(
+        stack=False, methods=("ce", "ls", "focal", "ce+maccal"), seeds=(0,), robustness=False
+    )
     tasks = {t.name: t for t in plan(cfg, "digits", ["train.epochs=1"], root)}
     tune = {n for n in tasks if n.startswith("tune-")}
     points = {
@@ -177,7 +179,9 @@ def test_plan_gives_every_method_the_same_grid_at_the_same_tuning_seeds(tmp_path
     }  # fmt: skip
     names = list(tasks)  # a grid joins the list just before its method's runs
     assert names.index("tune-ls-ext-a-t102") < names.index("ls-s0") < names.index("tune-focal-g1")
-    untuned = StudyConfig(methods=cfg.methods, seeds=(0,), tune=False, robustness=False)
+    untuned = StudyConfig(
+        stack=False, methods=cfg.methods, seeds=(0,), tune=False, robustness=False
+    )
     assert not any(t.name.startswith("tune-") for t in plan(untuned, "digits", [], root))
     with pytest.raises(ConfigError, match="tune_seeds >= 2"):
         StudyConfig(tune_seeds=1)
@@ -220,7 +224,7 @@ def _point(root, group: str, at, nll: float, spread=(0.0, 0.01, 0.02)) -> None:
 
 def _tasks(root, methods, ce: bool = True):
     """The plan's tasks; `ce`: with ce's grid run, its reference chosen (the report reads it)."""
-    cfg = StudyConfig(methods=methods, seeds=(0,), robustness=False)
+    cfg = StudyConfig(stack=False, methods=methods, seeds=(0,), robustness=False)
     if ce and not (root / "train" / "tune-ce-wd0p0005").exists():
         for wd in GRIDS["ce"]["weight_decay"]:
             _point(root, "ce", {"weight_decay": wd}, 0.3 if wd == 5e-4 else 0.4)
@@ -378,7 +382,7 @@ def test_a_tiny_grid_runs_chooses_on_val_and_is_not_run_again(digits_root, tmp_p
     shutil.copytree(digits_root / "real", tmp_path / "digits" / "real")
     root = tmp_path / "digits"
     sets = [f"out={tmp_path}", "train.epochs=1", "train.milestones="]
-    cfg = StudyConfig(methods=("ce", "ls"), seeds=(0,), robustness=False, tune_seeds=2)
+    cfg = StudyConfig(stack=False, methods=("ce", "ls"), seeds=(0,), robustness=False, tune_seeds=2)
     tasks = plan(cfg, "digits", sets, root)
     tune = [t for t in tasks if t.name.startswith("tune-ls")]
     assert len(tune) == (4 + 1) * 2  # ls's grid + its extension, at each seed
