@@ -93,7 +93,6 @@ def test_no_doc_cites_the_founding_teams_papers(doc):
 OWN_SECTION = re.compile(r"docs/methods\.md §(\d+)(?:-§?(\d+))?")
 
 
-
 def methods_sections() -> set[int]:
     """The numbered sections of docs/methods.md (`## 3. CSM training`)."""
     text = (REPO / "docs" / "methods.md").read_text()
