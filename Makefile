@@ -134,7 +134,7 @@ pull: $(STAMP) ## download a published dataset (REPO=user/name [REVISION=...])
 demo: $(STAMP) $(DATA) ## digits: ce vs csm (3 seeds each) and calibration fine-tuning, report.md
 	$(SEMIX) demo $(PRESET) --set $(SETS)
 
-study: $(STAMP) $(DATA) ## every method x 3 seeds, mean ± std + bootstrap (CLASSES=fashion-mnist) -> study/
+study: $(STAMP) $(DATA) ## every method x its seeds (ce, csm 10; csm3 5; others 3), paired intervals (CLASSES=fashion-mnist) -> study/
 	$(SEMIX) study $(PRESET) --set $(SETS)
 
 bench: $(STAMP) ## benchmarks -> bench/RESULTS.md
