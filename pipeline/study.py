@@ -170,13 +170,6 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
         for seed in cfg.seeds_of(method):
             name = run_name(method, seed)
             mixed = set_variant(m.variant, cfg.mixed_set(method, seed) or 0)
-            if m.stage == "train":
-                make = ("train", [*train_sets, *m.sets, f"run={name}", f"seed={seed}"])
-                if mixed:  # csm's set 0 is <root>/mixed, the train stage's default
-                    make[1].append(f"mixed={variant_root(root, mixed) / 'mixed'}")
-            else:
-                base = run_name(m.base, seed)
-                make = ("finetune", [*ft_sets, *m.sets, f"run={base}", f"seed={seed}"])
             stage_dir = "train" if m.stage == "train" else "finetune"
             evaluate = ("evaluate", [*eval_sets, f"run={name}", f"stage_dir={stage_dir}"])
             after = ({chain_task(mixed)} if m.needs_mixed else set()) | robust | tuning
@@ -189,8 +182,14 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
             if stacks:  # trained by its stack: this task evaluates
                 after.add(stack_name(method, mixed))
                 tasks.append(Task(name, [evaluate], after, done))
+                continue
+            if m.stage == "train":
+                own = (f"run={name}", f"seed={seed}")
+                make = train_step(root, method, mixed, train_sets, *own)
             else:
-                tasks.append(Task(name, [make, evaluate], after, done, prepare, extra_step=0))
+                base = run_name(m.base, seed)
+                make = ("finetune", [*ft_sets, *m.sets, f"run={base}", f"seed={seed}"])
+            tasks.append(Task(name, [make, evaluate], after, done, prepare, extra_step=0))
     for t in tasks[1:]:  # every task reads the data: each waits for it, directly or not
         if not t.after:
             t.after.add(DATA)
@@ -214,12 +213,21 @@ def stack_task(
     """`train run=<method> seeds=a,b,...`: runs <method>-s<seed>, each its own folder and
     config.json as when trained alone (stages/train.py run_stack), in one process. Done when
     every run is complete; a rerun trains only the seeds that are not."""
-    m = METHODS[method]
-    sets = [*train_sets, *m.sets, f"run={method}", f"seeds={','.join(map(str, seeds))}"]
-    if mixed:  # csm's set 0 is <root>/mixed, the train stage's default
-        sets.append(f"mixed={variant_root(root, mixed) / 'mixed'}")
+    own = (f"run={method}", f"seeds={','.join(map(str, seeds))}")
+    step = train_step(root, method, mixed, train_sets, *own)
     done = all(is_complete(root / "train" / run_name(method, s)) for s in seeds)
-    return Task(stack_name(method, mixed), [("train", sets)], after, done, prepare)
+    return Task(stack_name(method, mixed), [step], after, done, prepare)
+
+
+def train_step(
+    root: Path, method: str, mixed: str, train_sets: Sequence[str], *own: str
+) -> tuple[str, list[str]]:
+    """train's step of `method` with the run's `own` values, on mixed set `mixed` (csm's set 0
+    is <root>/mixed, the train stage's default)."""
+    sets = [*train_sets, *METHODS[method].sets, *own]
+    if mixed:
+        sets.append(f"mixed={variant_root(root, mixed) / 'mixed'}")
+    return "train", sets
 
 
 def generate_seed(preset: str, chain_sets: Sequence[str]) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import os
 import subprocess
 import sys
@@ -26,6 +27,8 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
+
+from core.io import sha256_file
 
 REPO = Path(__file__).resolve().parents[1]
 DATA_SUFFIXES = (".tar", ".safetensors", ".png", ".npz", ".npy")
@@ -41,7 +44,7 @@ def is_data(relpath: str) -> bool:
 def tree(root: Path) -> dict[str, str]:
     """sha256 of every file under ``root``, by relative path."""
     return {
-        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        p.relative_to(root).as_posix(): sha256_file(p)
         for p in sorted(root.rglob("*"))
         if p.is_file()
     }
@@ -72,7 +75,7 @@ def archive(commit: str, dest: Path) -> str:
     dest.mkdir(parents=True)
     blob = subprocess.run(["git", "-C", str(REPO), "archive", full], check=True,
                           capture_output=True).stdout  # fmt: skip
-    with tarfile.open(fileobj=__import__("io").BytesIO(blob)) as tar:
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
         tar.extractall(dest, filter="data")
     return full
 
