@@ -6,10 +6,10 @@ recorded before this vocabulary (`no` in fit-generator's `mixed_precision`, gene
 bytes. `resolve_precision` says once what `auto` is:
 
 - on a GPU: bf16 where the GPU computes it, else fp32 (never fp16 silently);
-- on a CPU: fp32, unless the stage measured that bf16 pays there (`cpu_bf16=True`: fit-generator,
-  1.3x faster on CPUs with AVX512-BF16 or AMX; bench/RESULTS.md), and then only on such a CPU.
-  The classifier loop, the samplers and the encoders keep fp32 on CPUs, so their bytes do not
-  depend on the CPU model;
+- on a CPU: fp32, unless the stage measured that bf16 pays there (`cpu_bf16=True`), and then only
+  on a CPU that computes bf16 natively (AVX512-BF16 or AMX): fit-generator's step (1.3x) and the
+  classifier loop's train step (1.4x; bench/RESULTS.md). The samplers and the encoders keep fp32
+  on CPUs, and so do the classifier's logits wherever they are measured (validation, evaluate);
 - under `accelerate launch`, accelerate's own mixed precision wins over `auto`, and a stage value
   that names another one is refused in one line (core.runtime.launcher_precision).
 """

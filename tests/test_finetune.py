@@ -237,9 +237,10 @@ def test_killed_finetune_resumes_to_identical_weights(root, tmp_path, sets):
 def test_maccal_on_two_processes_equals_one(root, tmp_path):
     """MaC-Cal's backbone is frozen in eval mode and its head has no BatchNorm, so nothing in
     a step depends on the number of processes but the order of float sums: 2 ranks (torchrun,
-    gloo) end within float32 rounding of 1 rank, q trajectory included."""
+    gloo) end within float32 rounding of 1 rank, q trajectory included (fp32: bf16's rounding
+    of the per-rank sums would hide what is compared)."""
     one, two = _copy(root, tmp_path / "one"), _copy(root, tmp_path / "two")
-    sets = ("method=maccal", "maccal_epochs=3")
+    sets = ("method=maccal", "maccal_epochs=3", "precision=fp32")
     env = subprocess_env() | {"OMP_NUM_THREADS": "1"}
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     for where, launch in ((one, []), (two, torchrun)):

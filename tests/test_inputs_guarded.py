@@ -14,7 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
+from core.precision import native_bf16
 from pipeline.cli import main
 
 QUOTED = re.compile(r"`(python -m pipeline [^`]*)`")
@@ -132,12 +134,16 @@ def test_every_printed_command_keeps_the_users_root_and_run(case, tmp_path, caps
 # ---------------------------------------------------------------- the precision on disk
 
 
-@pytest.mark.parametrize("launcher, computed", [("", "fp32"), ("bf16", "bf16")])
+NATIVE = "bf16" if native_bf16(torch.device("cpu")) else "fp32"  # what auto is on this CPU
+
+
+@pytest.mark.parametrize("launcher, computed", [("", NATIVE), ("bf16", "bf16"), ("no", "fp32")])
 def test_host_json_says_the_precision_the_run_computed_in(
     launcher, computed, digits_root, tmp_path, capsys, monkeypatch
 ):
-    """config.json keeps `auto`; host.json says what it became (on this CPU: fp32; under
-    accelerate launch --mixed_precision bf16, which sets ACCELERATE_MIXED_PRECISION: bf16)."""
+    """config.json keeps `auto`; host.json says what it became (on this CPU: bf16 where it
+    computes bf16 natively, else fp32; under accelerate launch --mixed_precision X, which sets
+    ACCELERATE_MIXED_PRECISION: X)."""
     if launcher:
         monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", launcher)
     out = tmp_path / "runs"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -9,6 +11,8 @@ import core.precision as precision
 from core.config import ConfigError
 from core.precision import canonical, check_precision, resolve_precision
 from pipeline.registry import resolve_stage_config
+from shards.checkpoints import MARKER
+from stages.common.loop import PRECISION_KEY, run_precision
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda")
 
@@ -100,3 +104,44 @@ def test_check_precision_takes_a_stages_subset():
         check_precision("precision", "fp16", ("auto", "fp32", "bf16"))
     with pytest.raises(ConfigError, match="choose one of: auto, fp32, bf16, fp16$"):
         check_precision("precision", "fp64")
+
+
+def _checkpoint(run_dir, n: int, state: dict) -> None:
+    folder = run_dir / "checkpoints" / f"checkpoint_{n}"
+    folder.mkdir(parents=True)
+    (folder / MARKER).write_text(json.dumps(state))
+
+
+def test_a_resumed_auto_run_keeps_its_checkpoints_precision(tmp_path, native):
+    """The classifier loop's `auto` is bf16 on a CPU that computes it natively; a run's precision
+    is fixed when it starts, so an `auto` run resumed computes in what its newest checkpoint
+    records (one written before the record: fp32, the CPU rule then)."""
+    native["cpu"] = True
+    assert resolve_precision("precision", "auto", CPU, cpu_bf16=True) == "bf16"
+    run = tmp_path / "run"
+    assert run_precision(run, "auto", "auto") == "auto"  # nothing to resume: auto decides
+    _checkpoint(run, 1, {"loop": {}, PRECISION_KEY: "bf16"})
+    assert run_precision(run, "auto", "auto") == "bf16"
+    _checkpoint(run, 2, {"loop": {}, PRECISION_KEY: "fp32"})  # the newest one decides
+    assert run_precision(run, "auto", "auto") == "fp32"
+    assert run_precision(run, "auto", "") == "auto"  # starting over: auto decides again
+    assert run_precision(run, "bf16", "auto") == "bf16"  # a named precision is the run's own
+    old = tmp_path / "old"
+    _checkpoint(old, 1, {"loop": {}})
+    cpu_only = not torch.cuda.is_available()
+    assert run_precision(old, "auto", "auto") == ("fp32" if cpu_only else "auto")
+
+
+def test_a_run_records_its_precision_in_every_checkpoint(tmp_path):
+    """What run_precision reads is what the loop writes: the marker of each checkpoint holds the
+    precision of host.json (the one the run computes in)."""
+    from pipeline.registry import run_stage
+
+    root = tmp_path / "root"
+    run_stage("prepare", "digits", [f"out={root}"])
+    run_dir = run_stage("train", "digits", [f"out={root}", "epochs=1"])
+    host = json.loads((run_dir / "host.json").read_text())
+    saved = json.loads((run_dir / "checkpoints" / "checkpoint_1" / MARKER).read_text())
+    assert saved[PRECISION_KEY] == host["precision"]
+    computes = "bf16" if precision.native_bf16(CPU) else "fp32"
+    assert host["precision"] == computes

@@ -16,6 +16,7 @@ from conftest import Killed, KillPoints, kill_when, snapshot, subprocess_env
 from safetensors.torch import load_file
 
 from core.io import sha256_file
+from core.precision import native_bf16
 from core.runtime import make_generator
 from models.calibration import ece, nll, topk_accuracy
 from models.classifiers import classifier_from_config
@@ -148,7 +149,9 @@ def test_every_loss_trains_a_complete_run(root, loss):
     assert (run_dir / "checkpoints" / "checkpoint_1" / "semix_state.json").is_file()
     # the machine's facts are next to the outputs, outside the manifest (host.json)
     host = json.loads((run_dir / "host.json").read_text())
-    assert set(host) == {"precision", "data_path", "epochs"} and host["precision"] == "fp32"
+    # auto: bf16 where this CPU computes it natively (AVX512-BF16 or AMX), else fp32
+    computes = "bf16" if native_bf16(torch.device("cpu")) else "fp32"
+    assert set(host) == {"precision", "data_path", "epochs"} and host["precision"] == computes
     assert [e["epoch"] for e in host["epochs"]] == [1]
 
 

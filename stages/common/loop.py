@@ -23,6 +23,7 @@ on the number of processes: BatchNorm normalises with each process's batch stati
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Generator
 from dataclasses import asdict, dataclass, field, replace
@@ -36,7 +37,7 @@ from torch import Tensor
 
 from core.io import atomic_write_json
 from core.logs import log, progress
-from core.precision import ACCELERATE, resolve_precision
+from core.precision import ACCELERATE, FROM_ACCELERATE, canonical, resolve_precision
 from core.runtime import code_version, make_generator, share_from_main
 from core.runtime import make_accelerator as new_accelerator
 from core.tracking import scalars
@@ -52,7 +53,13 @@ from models.training import (
     random_crop_flip,
     sample_csm_members,
 )
-from shards.checkpoints import LOAD_KWARGS, Checkpointer, CheckpointError, checkpoint_number
+from shards.checkpoints import (
+    LOAD_KWARGS,
+    MARKER,
+    Checkpointer,
+    CheckpointError,
+    checkpoint_number,
+)
 from shards.datasets import RealSplit
 from shards.prefetch import PixelSource, StepPlan
 from shards.runs import finish_run, write_weights
@@ -121,6 +128,9 @@ class LoopState:
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
+PRECISION_KEY = "precision"  # a checkpoint's record of the precision its run computes in
+
+
 @dataclass
 class Result:
     state: LoopState
@@ -128,14 +138,30 @@ class Result:
 
 
 def make_accelerator(precision: str, **tracking: Any) -> Accelerator:
-    """DDP under a launcher; bf16 autocast for precision=auto on a bf16 GPU, fp32 on a CPU (bf16
-    forces it); under `accelerate launch`, auto follows accelerate's mixed precision
-    (core/precision.py). `tracking`: the trackers' Accelerator arguments
-    (core.tracking.Tracking.accelerator_kwargs)."""
+    """DDP under a launcher; bf16 autocast for precision=auto where the device computes bf16
+    natively (a bf16 GPU; a CPU with AVX512-BF16 or AMX, where the classifier step measured
+    1.4x faster: bench/RESULTS.md), else fp32; under `accelerate launch`, auto follows
+    accelerate's mixed precision (core/precision.py). `tracking`: the trackers' Accelerator
+    arguments (core.tracking.Tracking.accelerator_kwargs)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    mixed = ACCELERATE[resolve_precision("precision", precision, device)]
+    mixed = ACCELERATE[resolve_precision("precision", precision, device, cpu_bf16=True)]
     # cpu=True without CUDA, so that torchrun ranks on a CPU machine use gloo
     return new_accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed, **tracking)
+
+
+def run_precision(run_dir: Path, precision: str, resume: str) -> str:
+    """The precision a run computes in, fixed when it starts: `precision`, except that an `auto`
+    run resumed keeps the one its checkpoint was computed in (on another machine, or one that
+    semix resolved to fp32 on CPUs before bf16 paid there, `auto` could mean another now)."""
+    if canonical(precision) != "auto" or resume == "":
+        return precision
+    chosen = Checkpointer(run_dir / "checkpoints", keep=1).choose(resume, verify=False)
+    if chosen is None:
+        return precision
+    saved = json.loads((chosen / MARKER).read_text())
+    # a checkpoint without the record: written when `auto` was fp32 on every CPU
+    cpu = not torch.cuda.is_available()
+    return saved.get(PRECISION_KEY, "fp32" if cpu else precision)
 
 
 def check_resume(run_dir: Path, resume: str) -> None:
@@ -349,6 +375,7 @@ def fit_epochs(
     net, objective = inner.model, inner.objective
 
     # 1. Resume: the newest complete checkpoint (or the one named); later ones are replayed.
+    computes = FROM_ACCELERATE[accelerator.mixed_precision]
     state, best = LoopState(), None
     checkpoint = ckpt.choose(recipe.resume)
     if checkpoint is not None:
@@ -358,6 +385,13 @@ def fit_epochs(
         if "loop" not in saved:
             raise CheckpointError(
                 f"{checkpoint} was written by an older semix; start over (resume=) or remove it"
+            )
+        computed = saved.get(PRECISION_KEY, computes)
+        if computed != computes:
+            raise CheckpointError(
+                f"{checkpoint} was computed in {computed}, this process computes in {computes}; "
+                f"resume it in {computed} (accelerate launch --mixed_precision), or start over "
+                f"(resume=)"
             )
         state = LoopState(**saved["loop"])
         objective.load_extra_state(saved["objective"] | tensors.get(OBJECTIVE, {}))
@@ -391,7 +425,7 @@ def fit_epochs(
             ckpt.save(
                 epoch + 1,  # checkpoint_<n>: after epoch n
                 lambda folder: accelerator.save_state(str(folder)),
-                {"loop": asdict(state), "objective": json_state},
+                {"loop": asdict(state), "objective": json_state, PRECISION_KEY: computes},
                 files,
             )
             if main:

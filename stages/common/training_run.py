@@ -50,6 +50,7 @@ from stages.common.loop import (
     drain,
     fit_epochs,
     make_accelerator,
+    run_precision,
 )
 
 # metrics.json's section of a run: (the loop's state, finished?) -> what the stage records
@@ -93,11 +94,13 @@ class TrainingRun:
 
     @classmethod
     def open(cls, cfg: RunConfig, stage: str, name: str, fix: str = OTHER_ROOT) -> TrainingRun:
-        """The accelerator (DDP under a launcher, bf16 on GPU: stages.common.loop.make_accelerator)
+        """The accelerator (DDP under a launcher, bf16 where the device computes it natively:
+        stages.common.loop.make_accelerator)
         with the trackers of `tracker=`, whose files go outside the run's own."""
         folder = cfg.root / stage / name
         tracking = Tracking.of(cfg.tracker, folder, cfg.root)
-        accelerator = make_accelerator(cfg.precision, **tracking.accelerator_kwargs())
+        precision = run_precision(folder, cfg.precision, cfg.resume)
+        accelerator = make_accelerator(precision, **tracking.accelerator_kwargs())
         return cls(cfg, stage, name, fix, folder, tracking, accelerator)
 
     @property

@@ -60,7 +60,8 @@ class Config(StageConfig):
     stream_workers: int = DEFAULT_STREAM_WORKERS  # DataLoader workers per process (stream)
     stream_prefetch: int = DEFAULT_STREAM_PREFETCH  # steps each worker decodes ahead
     # machinery
-    precision: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
+    precision: str = "auto"  # auto: bf16 where the device computes it natively, else fp32
+    # images per validation pass on a GPU; a CPU's passes take at most 64 (models.training)
     eval_batch_size: int = 512
     checkpoint_limit: int = 2  # complete checkpoints kept (one after every epoch)
     # auto | latest | "" (start over) | <checkpoint folder>; how to continue, not what to tune

@@ -67,13 +67,14 @@ class Config(StageConfig):
     stream_workers: int = DEFAULT_STREAM_WORKERS  # DataLoader workers per process (stream)
     stream_prefetch: int = DEFAULT_STREAM_PREFETCH  # steps each worker decodes ahead
     # machinery
-    precision: str = "auto"
+    precision: str = "auto"  # auto: bf16 where the device computes it natively, else fp32
     checkpoint_limit: int = 2  # complete checkpoints kept (a save never touches the older ones)
     # auto | latest | "" (start over) | <checkpoint folder>; how to continue, not what to train
     resume: str = not_recorded("auto")
     # several seeds at once: train runs <run>-s<seed> of these seeds together in one process
     # (a stack: docs/train.md); each run's config.json is its plain run's, so not recorded
     seeds: tuple[int, ...] = not_recorded(())
+    # images per validation pass on a GPU; a CPU's passes take at most 64 (models.training)
     eval_batch_size: int = 512
     # experiment tracking (core/tracking.py): none | tensorboard | wandb | mlflow | trackio, or
     # several (tensorboard,mlflow); not part of the run's identity
