@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import shutil
 import subprocess
@@ -34,7 +35,14 @@ from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from models.classifiers import build_classifier
-from models.training import collect_logits, is_channels_last, normalize, random_crop_flip
+from models.training import (
+    CPU_PASS,
+    collect_logits,
+    inference_copy,
+    is_channels_last,
+    normalize,
+    random_crop_flip,
+)
 
 BATCH, EVAL_BATCH, CLASSES = 128, 512, 10
 STACK = 5  # seeds in the sitting's stack
@@ -177,7 +185,10 @@ def _vmap_row(k: int, peak: float) -> dict:
     }
 
 
-def _eval_row(name: str, channels_last_fold: bool, peak: float) -> dict:
+def _eval_row(name: str, how: str, peak: float) -> dict:
+    """Validation's logits of 6,000 images: `plain` (eval mode, NCHW, BatchNorm its own pass,
+    passes of 512), `folded` (inference_copy, passes of 512) or `now` (collect_logits: folded,
+    passes of at most CPU_PASS on a CPU)."""
     model = build_classifier("conv-mlp", CLASSES, 1).eval()
     images = torch.randint(0, 256, (6000, 28, 28, 3), dtype=torch.uint8)
     x = normalize(images[:EVAL_BATCH], [0.29], [0.35])
@@ -185,18 +196,22 @@ def _eval_row(name: str, channels_last_fold: bool, peak: float) -> dict:
         model(x)
     flops = counter.get_total_flops() / EVAL_BATCH
 
-    def plain() -> None:  # the loop before: eval mode, NCHW, BatchNorm as its own pass
+    def passes(net: torch.nn.Module, cl: bool) -> None:
         with torch.inference_mode():
             for s in range(0, len(images), EVAL_BATCH):
-                model(normalize(images[s : s + EVAL_BATCH], [0.29], [0.35]))
+                batch = images[s : s + EVAL_BATCH]
+                net(normalize(batch, [0.29], [0.35], channels_last=cl))
 
-    def folded() -> None:
-        collect_logits(model, images, [0.29], [0.35], batch_size=EVAL_BATCH)
-
-    seconds = _best(folded if channels_last_fold else plain, repeats=3, number=1)
+    folded = inference_copy(model)
+    run = {
+        "plain": lambda: passes(model, False),
+        "folded": lambda: passes(folded, True),
+        "now": lambda: collect_logits(model, images, [0.29], [0.35], batch_size=EVAL_BATCH),
+    }[how]
+    seconds = _best(run, repeats=3, number=1)
     rate = len(images) / seconds
     return {
-        "evaluation logits (batch 512)": name,
+        "evaluation logits (fp32)": name,
         "img/s per core": f"{rate:,.0f}",
         "MFLOP/img": f"{flops / 1e6:.2f}",
         "GFLOP/s": f"{flops * rate / 1e9:.1f}",
@@ -238,13 +253,14 @@ def roofline() -> tuple[list[dict], list[dict], list[str]]:
         fp32, bf16 = peak_gflops(torch.float32), peak_gflops(torch.bfloat16)
         train = [
             _train_row("NCHW, fp32 (the layout before)", Step(channels_last=False), fp32),
-            _train_row("now: channels_last, fp32", Step(channels_last=True), fp32),
-            _train_row("channels_last, bf16 autocast", Step(True, bf16=True), bf16),
+            _train_row("channels_last, fp32 (auto without native bf16)", Step(True), fp32),
+            _train_row("now: channels_last, bf16 autocast (auto here)", Step(True, True), bf16),
             _vmap_row(4, fp32),
         ]
         evals = [
-            _eval_row("eval mode, NCHW (before)", False, fp32),
-            _eval_row("now: BN folded, channels_last", True, fp32),
+            _eval_row("eval mode, NCHW, passes of 512 (before)", "plain", fp32),
+            _eval_row("BN folded, channels_last, passes of 512", "folded", fp32),
+            _eval_row(f"now: BN folded, channels_last, passes of {CPU_PASS}", "now", fp32),
         ]
     finally:
         torch.set_num_threads(threads)
@@ -258,11 +274,11 @@ def roofline() -> tuple[list[dict], list[dict], list[str]]:
         "K seeds as one vmapped network are slower per image than K steps of one (the "
         "batched BatchNorm and convolutions fall off oneDNN's fast paths), so a stack takes "
         "its runs' epochs in turn (stages/train.py, run_stack).",
-        "Largest remaining loss: the training step runs fp32 while this CPU does bf16 natively "
-        "(the bf16 row: 1.5x the step); the classifier loop keeps fp32 on CPUs so that a run's "
-        "bytes do not depend on the CPU model (core/precision.py): precision=bf16 is the "
-        "study's choice to make (it changes the runs' config.json). Next: validation, fp32 "
-        "logits of 6,001 images every epoch, a third of a run.",
+        "precision=auto is bf16 autocast on a CPU that computes bf16 natively (AVX512-BF16 or "
+        "AMX; this one does): the bf16 row is the step a run takes here, the fp32 row the one "
+        "it takes on other CPUs. Validation and evaluation logits stay fp32; a pass of "
+        f"{CPU_PASS} images keeps the 28x28x32 activations in the core's cache (2x a pass of "
+        f"{EVAL_BATCH}).",
         "Step parts timed around their own calls, best of 3 x 30 steps; data = index, flip and "
         "normalise of uint8 images already in memory; backward includes the grad-norm clip.",
     ]
@@ -354,6 +370,8 @@ def sitting(before: Path, tmp: Path) -> tuple[list[dict], list[str]]:
         f"Sitting: before = {before} (SEMIX_BEFORE), now = this checkout, in turn on one root; "
         "each command a fresh process with OMP_NUM_THREADS=1 (the preset's cpu_threads=1): "
         "wall time with its start, data decode, validation every epoch, checkpoints, outputs.",
+        "Precision: before computed fp32 (its auto on every CPU); now computed "
+        f"{_computed(root / 'train' / 'now')} (host.json: what auto is on this CPU).",
         f"Evaluate: real/test + real/val, the shift stage's corruptions x 5 severities of "
         f"{SHIFT_IMAGES} test images (the study's) and two OOD sets (digits, uniform), "
         "ts_criterion=nll.",
@@ -361,6 +379,10 @@ def sitting(before: Path, tmp: Path) -> tuple[list[dict], list[str]]:
         "(Fashion-MNIST's shapes and sizes: 54k/6k/10k, 28x28 grey, 10 classes).",
     ]
     return rows, notes
+
+
+def _computed(run_dir: Path) -> str:
+    return json.loads((run_dir / "host.json").read_text()).get("precision", "fp32")
 
 
 def _row(what: str, runs: int, seconds: float, ratio: float) -> dict:
