@@ -21,7 +21,8 @@ and fedlas-ls their loss parameters; ce+maccal and csm+maccal MaC-Cal's r and q0
 its base method's chosen grid runs (seed by seed), because the best head for a ce backbone need
 not be the best for a csm one. MaC-Cal writes finetune/<run>-maccal, so each of its points
 fine-tunes its own name of the base: train/tune-ce-r128-q0p7 is a hard-linked copy of ce's chosen
-run (mixed_sets.link_complete) and its fine-tuning is finetune/tune-ce-r128-q0p7-maccal.
+run (pipeline.study.mixed_sets.link_complete) and its fine-tuning is
+finetune/tune-ce-r128-q0p7-maccal.
 
 Run names: tune-<group>-<letter><value>... at TUNE_SEED, tune-<group>-...-t<seed> at the others
 (MaC-Cal: tune-<base>-...[-t<seed>]-maccal).
@@ -33,6 +34,9 @@ their chosen values; then the choice is made again, by the same rule, over all t
 points. An interior choice leaves the tasks nothing to do: their prepare returns None and the
 study skips them. A method's runs take the final choice through their task's prepare, so they
 wait for the extension tasks too.
+
+The grids, names and the rule live here; their runs as tasks of the study's plan, and study.json's
+"tuning", in pipeline/study/tuning_plan.py.
 """
 
 from __future__ import annotations
