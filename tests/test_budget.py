@@ -14,8 +14,8 @@ import torch
 
 from core.io import atomic_write_json
 from pipeline.registry import run_stage
-from pipeline.study_config import StudyError, check_budget
-from pipeline.study_records import recorded_budget
+from pipeline.study.config import StudyError, check_budget
+from pipeline.study.records import recorded_budget
 from shards.budget import labelled_images, train_run_images
 from shards.manifest import Manifest, write_manifest
 from stages.common.fidelity import FidelityCheck, Judge, make_judges

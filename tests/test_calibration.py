@@ -385,9 +385,9 @@ def test_temperature_edges_are_flagged():
 
 
 def test_the_study_numpy_debiased_ece_is_the_same_estimator():
-    """pipeline/study_stats.py keeps a numpy copy (for its bootstraps) of the debiased l2 error:
+    """pipeline/study/stats.py keeps a numpy copy (for its bootstraps) of the debiased l2 error:
     the same number, so one of the two can go."""
-    from pipeline.study_stats import Predictions
+    from pipeline.study.stats import Predictions
 
     logits, labels = random_case(7, n=1500)
     study = Predictions.from_logits(logits.double().numpy(), labels.numpy(), 1.7)

@@ -23,6 +23,7 @@ import pipeline.chain
 import pipeline.cli
 import pipeline.demo
 import pipeline.study
+import pipeline.study.command
 from core.config import field_docs
 from pipeline.chain import scope_fields
 from pipeline.cli import main
@@ -101,7 +102,7 @@ def test_fields_and_print_config_never_start_work(command, flag, tmp_path, capsy
         (pipeline.cli, "run_stage"),
         (pipeline.chain, "run_stage"),
         (pipeline.demo, "run_stage"),
-        (pipeline.study, "execute"),
+        (pipeline.study.command, "execute"),
     ]:
         monkeypatch.setattr(module, name, no_work)
     out = tmp_path / "runs"

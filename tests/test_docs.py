@@ -101,7 +101,7 @@ def methods_sections() -> set[int]:
 
 def test_the_citation_patterns_see_what_they_check():
     assert FOREIGN.search("as in METHODS §2") and FOREIGN.search("see ARCHITECTURE.md")
-    assert not FOREIGN.search("pipeline/study_config.py METHODS[m]")
+    assert not FOREIGN.search("pipeline/study/config.py METHODS[m]")
     cited = [
         m.groups() for m in OWN_SECTION.finditer("(docs/methods.md §4-§5), docs/methods.md §2")
     ]

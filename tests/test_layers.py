@@ -58,11 +58,11 @@ def test_a_lazy_upward_import_breaks_the_layers(copy):
 
 
 def test_a_cycle_between_modules_of_a_package_breaks_the_contract(copy):
-    with open(copy / "pipeline" / "study_config.py", "a") as f:
-        f.write("\n\ndef _planted():\n    from pipeline.study import plan  # closes a loop\n")
+    with open(copy / "pipeline" / "study" / "config.py", "a") as f:
+        f.write("\n\ndef _planted():\n    from pipeline.study.plan import plan  # closes a loop\n")
     result = lint(copy)
     assert result.returncode == 1 and "2 kept, 1 broken" in result.stdout
-    assert ".study_config -> .study" in result.stdout
+    assert ".config -> .plan" in result.stdout
 
 
 def test_a_stage_importing_another_breaks_the_stages_contract(copy):

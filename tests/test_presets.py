@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO
 from PIL import Image
 
-import pipeline.study
+import pipeline.study.plan
 import stages.presets as presets
 from core.config import every_field
 from pipeline.cli import main
@@ -25,7 +25,7 @@ from shards.reader import load_split
 RECIPE = "imagefolder+fashion-mnist"  # what `--preset imagefolder --recipe fashion-mnist` names
 # the modules outside stages/presets that still name a preset: both name scikit-learn's digits
 # as the far-OOD data set (stages/ood.py builds it, the study's robustness table reads it)
-NAMING_ALLOWED = {"stages/ood.py", "pipeline/study_shift.py"}
+NAMING_ALLOWED = {"stages/ood.py", "pipeline/study/robustness.py"}
 
 
 def _string_literals(path: Path) -> set[str]:
@@ -137,7 +137,7 @@ def test_the_study_on_a_tiny_imagefolder_with_the_fashion_recipe(tmp_path, capsy
     names = [t["name"] for t in plan["tasks"]]  # real/ first: every other task waits for it
     assert names[0] == "prepare" and "chain" in names and not any(t["done"] for t in plan["tasks"])
     # the chain: the fashion chain's steps with fashion's values, on the folder
-    _, root, tasks = pipeline.study.setup(RECIPE, sets)
+    _, root, tasks = pipeline.study.plan.setup(RECIPE, sets)
     assert root == out / RECIPE
     commands = [cmd for task in tasks for cmd in task.commands(RECIPE)]
     assert all(cmd[cmd.index("--preset") + 1] == RECIPE for cmd in commands)

@@ -11,9 +11,10 @@ import torch
 
 from core.config import ConfigError
 from models.calibration import ece
-from pipeline.study import plan, run_study
-from pipeline.study_config import StudyConfig, comparison_pairs, run_name
-from pipeline.study_stats import Predictions, paired_bootstrap
+from pipeline.study import run_study
+from pipeline.study.config import StudyConfig, comparison_pairs, run_name
+from pipeline.study.plan import plan
+from pipeline.study.stats import Predictions, paired_bootstrap
 from shards import evals
 
 
@@ -119,7 +120,7 @@ def test_each_csm_seed_trains_on_one_of_three_independent_mixed_sets(tmp_path):
     """Seed k's run of a csm-family method trains on mixed set k mod 3 of its family, each set
     its own chain with its own generate seed (the chain's + the set's index); its fine-tuning
     and its record carry the same set."""
-    from pipeline.study_kway import prepare_set
+    from pipeline.study.mixed_sets import prepare_set
 
     root = tmp_path / "digits"
     cfg = StudyConfig(stack=False,
@@ -210,7 +211,7 @@ def test_a_done_chain_whose_generator_the_config_no_longer_asks_for_is_refused(t
     """The study reuses a done chain as it is: a generator fitted with another config (a preset
     changed since) stops it in one line naming the field and the fixes, never a silent reuse."""
     from pipeline.registry import resolve_stage_config
-    from pipeline.study import setup
+    from pipeline.study.plan import setup
     from shards.manifest import ShardError
 
     out = [f"out={tmp_path}"]
@@ -299,7 +300,7 @@ def test_kway_set_gets_the_image_budget_of_csm(tmp_path, images, classes, tuples
     image count / 15, every tuple the same number of series, at most C(n, 3) tuples."""
     from math import comb
 
-    from pipeline.study_kway import KWAY_LATTICE, prepare_kway
+    from pipeline.study.mixed_sets import KWAY_LATTICE, prepare_kway
 
     root = tmp_path / "digits"
     _mixed_manifest(root / "mixed", images, classes)
@@ -311,7 +312,7 @@ def test_kway_set_gets_the_image_budget_of_csm(tmp_path, images, classes, tuples
 
 
 def test_kway_chain_shares_complete_upstream_folders_by_link(tmp_path):
-    from pipeline.study_kway import kway_root, prepare_kway
+    from pipeline.study.mixed_sets import kway_root, prepare_kway
 
     root = tmp_path / "digits"
     _mixed_manifest(root / "mixed", 2160)
@@ -331,7 +332,7 @@ def test_kway_chain_shares_complete_upstream_folders_by_link(tmp_path):
 
 
 def test_csm3_plan_trains_on_the_kway_set_after_its_chain(tmp_path):
-    from pipeline.study import plan
+    from pipeline.study.plan import plan
 
     root = tmp_path / "digits"
     cfg = StudyConfig(
@@ -357,8 +358,8 @@ def test_csm3_plan_trains_on_the_kway_set_after_its_chain(tmp_path):
 
 
 def test_csm_redraw_plan_trains_on_its_own_checked_set_after_its_chain(tmp_path):
-    from pipeline.study import plan
-    from pipeline.study_kway import prepare_redraw
+    from pipeline.study.mixed_sets import prepare_redraw
+    from pipeline.study.plan import plan
 
     root = tmp_path / "digits"
     cfg = StudyConfig(

@@ -7,9 +7,10 @@ import json
 import pytest
 
 from core.config import ConfigError
-from pipeline.study import plan, resolved, run_study, setup
-from pipeline.study_config import METHODS, StudyConfig, StudyError, Task
-from pipeline.study_exec import FAILURES, LINE_CHARS, execute, failure_line, last_error
+from pipeline.study import resolved, run_study
+from pipeline.study.config import METHODS, StudyConfig, StudyError, Task
+from pipeline.study.execute import FAILURES, LINE_CHARS, execute, failure_line, last_error
+from pipeline.study.plan import plan, setup
 from shards.manifest import ShardError
 
 

@@ -1,4 +1,4 @@
-"""The study's intervals (pipeline/study_intervals.py) on constructed studies whose true
+"""The study's intervals (pipeline/study/intervals.py) on constructed studies whose true
 difference is known: their coverage with 5 and 10 seeds (and 3 mixed sets), the labels and the
 verdict two intervals agree on, the z0 flag, and the hierarchical layer against scipy.stats on
 the cases where both resample one level."""
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from pipeline.study_intervals import (
+from pipeline.study.intervals import (
     PRIMARY_ENDPOINTS,
     Units,
     acceleration,
@@ -26,7 +26,7 @@ from pipeline.study_intervals import (
     t_interval,
     units_of,
 )
-from pipeline.study_stats import Predictions, compare, paired_difference
+from pipeline.study.stats import Predictions, compare, paired_difference
 
 IMAGES = 100
 # A study's per-image differences of a mean metric (NLL-like) between method and reference:
@@ -210,7 +210,7 @@ def test_one_level_of_seeds_is_scipys_bootstrap_and_ttest():
 
 
 def test_one_level_of_images_is_scipys_paired_bootstrap():
-    """One seed: the study's resampling (pipeline/study_stats.py) draws test images only, paired
+    """One seed: the study's resampling (pipeline/study/stats.py) draws test images only, paired
     across the two methods as scipy's paired=True does. 80 images: each jackknife block is one
     image, so BCa's acceleration is scipy's exactly."""
     g = _rng(5)
@@ -331,7 +331,7 @@ def test_comparisons_say_which_are_the_primary_endpoints():
 
 
 def test_the_report_puts_primary_endpoints_first_and_flags_z0():
-    from pipeline.study_report import _paired
+    from pipeline.study.report import _paired
 
     g = _rng(12)
     per_seed = np.array([0.1, 0.3])

@@ -1,4 +1,4 @@
-"""The study's robustness table (pipeline/study_shift.py): its plan, its records and its
+"""The study's robustness table (pipeline/study/robustness.py): its plan, its records and its
 statistics paired by image, on constructed inputs with a known answer."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline import study_shift
-from pipeline.study_shift import SEVERE, ShiftPredictions, comparisons, record
-from pipeline.study_stats import Predictions, paired_difference
+from pipeline.study import robustness
+from pipeline.study.robustness import SEVERE, ShiftPredictions, comparisons, record
+from pipeline.study.stats import Predictions, paired_difference
 
 
 def _npz(path, logits, labels):
@@ -74,15 +74,15 @@ def test_record_reads_the_evaluations_shift_and_ood_sections():
 
 
 def test_the_plan_builds_the_sets_first_and_every_evaluation_reads_them(tmp_path):
-    tasks, reads = study_shift.robustness_tasks(
+    tasks, reads = robustness.robustness_tasks(
         tmp_path / "fashion-mnist", "fashion-mnist", {"chain"}
     )
     assert [t.name for t in tasks] == ["shift", "ood"] and all(t.after == {"chain"} for t in tasks)
-    assert tasks[0].steps == [("shift", [f"limit={study_shift.SHIFT_IMAGES}"])]
+    assert tasks[0].steps == [("shift", [f"limit={robustness.SHIFT_IMAGES}"])]
     assert tasks[1].steps == [("ood", ["sets=digits,uniform"])]
     assert reads[0].endswith("shift/test-c") and reads[1].count(",") == 1
     # scikit-learn's digits is no OOD set for the digits preset
-    assert study_shift.ood_sets("digits") == ("uniform",)
+    assert robustness.ood_sets("digits") == ("uniform",)
     assert comparisons(["ce", "csm", "ls"]) == [
         ("after_ts", "ece", "csm", "ce"), ("after_ts", "nll", "csm", "ce"),
         ("after_ts", "ece", "ls", "ce"), ("after_ts", "nll", "ls", "ce"),
@@ -93,8 +93,8 @@ def test_the_plan_builds_the_sets_first_and_every_evaluation_reads_them(tmp_path
 def test_every_run_waits_for_the_sets_and_is_redone_until_it_read_them(tmp_path):
     from test_study import _run_and_evaluation
 
-    from pipeline.study import plan
-    from pipeline.study_config import StudyConfig
+    from pipeline.study.config import StudyConfig
+    from pipeline.study.plan import plan
 
     cfg = StudyConfig(stack=False, methods=("ce", "csm-ratio"), seeds=(0,), tune=False)
     tasks = {t.name: t for t in plan(cfg, "digits", [], tmp_path)}
@@ -127,9 +127,9 @@ def test_auroc_shortfall_is_one_minus_sklearns_auroc_with_ties_and_resampled_ima
     labels = g.integers(0, 3, 60)
     test = np.round(g.normal(size=(60, 3)) * 2, 1)  # rounded: tied scores, counted half
     ood = np.round(g.normal(size=(25, 3)), 1).astype(np.float32)
-    p = study_shift.OODPredictions.load(_ood_npz(tmp_path / "p.npz", test, ood, labels), "noise")
+    p = robustness.OODPredictions.load(_ood_npz(tmp_path / "p.npz", test, ood, labels), "noise")
     msp = np.concatenate([
-        study_shift.softmax(test.astype(np.float32)).max(axis=1), study_shift.softmax(ood).max(axis=1)
+        robustness.softmax(test.astype(np.float32)).max(axis=1), robustness.softmax(ood).max(axis=1)
     ])  # fmt: skip
     is_id = np.r_[np.ones(60), np.zeros(25)]
     assert len(np.unique(msp)) < len(msp)  # the case has ties
@@ -158,12 +158,12 @@ def test_ood_paired_finds_the_method_that_separates_the_sets_better(tmp_path):
             if method == "sharp":  # trained on a mixed set of its own: the top-level unit
                 record["mixed_set"] = f"m{seed}"
             records.append(record)
-    out = study_shift.ood_paired(tmp_path, records, ["ce", "sharp"], 300, study_shift.rng)
+    out = robustness.ood_paired(tmp_path, records, ["ce", "sharp"], 300, robustness.rng)
     r = out["noise"]["sharp"]
     assert r["metric"] == "auroc_shortfall" and r["seeds"] == [0, 1, 2] and r["n_test"] == 280
     assert r["difference"] < 0 and r["ci95"][1] < 0 and r["verdict"] == "better"
     assert r["units"] == {"level": "mixed_set", "groups": [[0], [1], [2]]}
-    lines = "\n".join(study_shift.report_lines(
+    lines = "\n".join(robustness.report_lines(
         [{"method": m, "shift": {"after_ts": {str(s): {"ece": 1, "nll": 1, "top1": 1}
                                               for s in range(1, 6)}}, "ood": {}}
          for m in ("ce", "sharp")], {}, out,

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from models.calibration import ece
-from pipeline.study_intervals import bca
-from pipeline.study_stats import (
+from pipeline.study.intervals import bca
+from pipeline.study.stats import (
     MARGINS,
     METRICS,
     Predictions,

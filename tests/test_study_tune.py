@@ -1,4 +1,4 @@
-"""`make study`'s tuning (pipeline/study_tune.py): one grid of the same size per method, chosen
+"""`make study`'s tuning (pipeline/study/tuning.py): one grid of the same size per method, chosen
 by val NLL, a choice on the grid's edge extending it once; on fake metrics.json files and on a
 tiny real grid (digits, one epoch per run, subprocesses as in real use)."""
 
@@ -12,9 +12,10 @@ import pytest
 from scipy.stats import sem
 
 from core.config import ConfigError
-from pipeline.study import _execute, execute, plan
-from pipeline.study_config import METHODS, StudyConfig
-from pipeline.study_tune import (
+from pipeline.study.config import METHODS, StudyConfig
+from pipeline.study.execute import _execute, execute
+from pipeline.study.plan import plan
+from pipeline.study.tuning import (
     GRIDS,
     LETTERS,
     POINTS,
@@ -26,9 +27,8 @@ from pipeline.study_tune import (
     step_out,
     tune_run,
     tuning_group,
-    tuning_report,
-    tuning_tasks,
 )
+from pipeline.study.tuning_plan import tuning_report, tuning_tasks
 from stages.configs import finetune as finetune_config
 from stages.configs import train as train_config
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from core.io import atomic_write_bytes, read_json
 from core.logs import log
+from core.tables import table
 from models.posthoc import POSTHOC
 from shards import evals
 from shards.manifest import ShardError
@@ -58,9 +59,14 @@ SUMMARY_COLUMNS = [
     ("nll", "before_ts"),
     ("ece", "after_ts"),
 ]
+SEVERITIES = [f"s{i}" for i in range(1, 6)]  # the corruption tables' columns
+OOD_HEADINGS = [
+    "run", "stage", "OOD set", "MSP AUROC", "FPR95", "entropy AUROC", "MSP AUROC after TS",
+    "MSP AUPR-in / out", "max-logit AUROC", "energy AUROC",
+]  # fmt: skip
 
 
-# The study's grid of csm runs that choose w and s on val (pipeline/study_tune.py).
+# The study's grid of csm runs that choose w and s on val (pipeline/study/tuning.py).
 INTERNAL_PREFIXES = ("tune-",)
 
 
@@ -113,17 +119,17 @@ def seed_summary(rows: list[tuple[str, str, dict]]) -> list[str]:
         "",
         "Runs named `<name>-s<seed>[-<method>]`, grouped by everything but the seed.",
         "",
-        "| runs | stage | n | top-1 | ECE | NLL | ECE after TS |",
-        "|---|---|---|---|---|---|---|",
     ]
+    table_rows = []
     for (stage, name), evs in sorted(groups.items()):
         cells = []
         for metric, when in SUMMARY_COLUMNS:
             v = np.array([ev[when][metric] for ev in evs], dtype=float)
             digits = 3 if metric == "nll" else 2
             cells.append(f"{v.mean():.{digits}f} ± {v.std(ddof=1):.{digits}f}")
-        lines_.append(f"| {name} | {stage} | {len(evs)} | " + " | ".join(cells) + " |")
-    return [*lines_, ""]
+        table_rows.append([name, stage, str(len(evs)), *cells])
+    headings = ("runs", "stage", "n", "top-1", "ECE", "NLL", "ECE after TS")
+    return [*lines_, *table(headings, table_rows), ""]
 
 
 def collect_rows(
@@ -149,7 +155,6 @@ def collect_rows(
 def render(
     title: str, rows: list[tuple[str, str, dict[str, Any]]], left_out: Sequence[str] = ()
 ) -> str:
-    head = "| run | stage | loss | " + " | ".join(c[1] for c in REPORT_COLUMNS)
     lines_ = [
         f"# {title}: evaluated runs",
         "",
@@ -170,54 +175,51 @@ def render(
         ("before_ts", "Before temperature scaling"),
         ("after_ts", "After temperature scaling"),
     ):
-        extra = " | T |" if key == "after_ts" else " |"
-        lines_ += [
-            f"## {heading}",
-            "",
-            head + extra,
-            "|" + "---|" * (len(REPORT_COLUMNS) + 3 + (key == "after_ts")),
+        after = key == "after_ts"
+        headings = [
+            "run",
+            "stage",
+            "loss",
+            *(c[1] for c in REPORT_COLUMNS),
+            *(["T"] if after else []),
         ]
+        cells = []
         for stage, name, ev in rows:
-            cells = [f"{ev[key][c]:.{d}f}" for c, _, d in REPORT_COLUMNS]
             edge = "!" if ev.get("temperature_on_edge") else ""
-            t = [f"{ev['temperature']:.2f}{edge}"] if key == "after_ts" else []
-            lines_.append(
-                "| " + " | ".join([name, stage, ev.get("loss", "") or "-", *cells, *t]) + " |"
-            )
-        lines_.append("")
+            t = [f"{ev['temperature']:.2f}{edge}"] if after else []
+            metrics = [f"{ev[key][c]:.{d}f}" for c, _, d in REPORT_COLUMNS]
+            cells.append([name, stage, ev.get("loss", "") or "-", *metrics, *t])
+        lines_ += [f"## {heading}", "", *table(headings, cells), ""]
     lines_ += more_metrics(rows) + posthoc_table(rows) + seed_summary(rows)
     ood = [(s, n, ev) for s, n, ev in rows if "ood" in ev]
     if ood:
         lines_ += [
             "## OOD detection (ID = positive)",
             "",
-            "| run | stage | OOD set | MSP AUROC | FPR95 | entropy AUROC | MSP AUROC after TS "
-            "| MSP AUPR-in / out | max-logit AUROC | energy AUROC |",
-            "|---|---|---|---|---|---|---|---|---|---|",
         ]
+        cells = []
         for s, n, ev in ood:
             for set_name, section in ev["ood"].items():
                 b, a = section["before_ts"], section["after_ts"]
                 aupr = f"{_cell(b, 'msp_aupr_in')} / {_cell(b, 'msp_aupr_out')}"
-                lines_.append(
-                    f"| {n} | {s} | {set_name} | {b['msp_auroc']:.2f} | {b['msp_fpr95']:.2f} "
-                    f"| {b['entropy_auroc']:.2f} | {a['msp_auroc']:.2f} | {aupr} "
-                    f"| {_cell(b, 'maxlogit_auroc')} | {_cell(b, 'energy_auroc')} |"
-                )
-        lines_.append("")
+                cells.append([
+                    n, s, set_name, f"{b['msp_auroc']:.2f}", f"{b['msp_fpr95']:.2f}",
+                    f"{b['entropy_auroc']:.2f}", f"{a['msp_auroc']:.2f}", aupr,
+                    _cell(b, "maxlogit_auroc"), _cell(b, "energy_auroc"),
+                ])  # fmt: skip
+        lines_ += [*table(OOD_HEADINGS, cells), ""]
     corr = [(s, n, ev) for s, n, ev in rows if "corruptions" in ev]
     if corr:
         lines_ += [
             "## Corruptions: mean ECE per severity (before / after TS)",
             "",
-            "| run | stage | " + " | ".join(f"s{i}" for i in range(1, 6)) + " |",
-            "|---|---|" + "---|" * 5,
         ]
+        severities = []
         for s, n, ev in corr:
             b, a = ev["corruptions"]["before_ts"]["mean"], ev["corruptions"]["after_ts"]["mean"]
             cells = [f"{b[str(i)]['ece']:.2f} / {a[str(i)]['ece']:.2f}" for i in range(1, 6)]
-            lines_.append(f"| {n} | {s} | " + " | ".join(cells) + " |")
-        lines_.append("")
+            severities.append([n, s, *cells])
+        lines_ += [*table(["run", "stage", *SEVERITIES], severities), ""]
         lines_ += corruption_nll(corr)
     return "\n".join(lines_)
 
@@ -239,14 +241,14 @@ def more_metrics(rows: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
         "cw-l2-ECE: plug-in l2 top-label and classwise errors; AURC, AUGRC: areas under the "
         "(generalised) risk-coverage curve; risk@80: error of the 80 % most confident. All x100.",
         "",
-        "| run | stage | " + " | ".join(c[1] for c in MORE_COLUMNS) + " |",
-        "|---|---|" + "---|" * len(MORE_COLUMNS),
     ]
+    table_rows = []
     for stage, name, ev in rows:
         b, a = ev["before_ts"], ev["after_ts"]
         cells = [f"{_cell(b, k)} / {_cell(a, k)}" for k, _ in MORE_COLUMNS]
-        lines_.append(f"| {name} | {stage} | " + " | ".join(cells) + " |")
-    return [*lines_, ""]
+        table_rows.append([name, stage, *cells])
+    headings = ["run", "stage", *(c[1] for c in MORE_COLUMNS)]
+    return [*lines_, *table(headings, table_rows), ""]
 
 
 def posthoc_table(rows: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
@@ -261,9 +263,8 @@ def posthoc_table(rows: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
         "",
         f"* = the best by {rows[0][2]['posthoc']['criterion']} (models/posthoc.py).",
         "",
-        "| run | stage | " + " | ".join(methods) + " |",
-        "|---|---|" + "---|" * len(methods),
     ]
+    table_rows = []
     for stage, name, ev in rows:
         after, best = ev["posthoc"]["after"], ev["posthoc"]["best"]
         cells = [
@@ -272,8 +273,8 @@ def posthoc_table(rows: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
             else "-"
             for m in methods
         ]
-        lines_.append(f"| {name} | {stage} | " + " | ".join(cells) + " |")
-    return [*lines_, ""]
+        table_rows.append([name, stage, *cells])
+    return [*lines_, *table(["run", "stage", *methods], table_rows), ""]
 
 
 def corruption_nll(corr: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
@@ -284,15 +285,14 @@ def corruption_nll(corr: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
     lines_ = [
         "## Corruptions: mean NLL per severity (before / after TS / after the best post-hoc)",
         "",
-        "| run | stage | post-hoc | " + " | ".join(f"s{i}" for i in range(1, 6)) + " |",
-        "|---|---|---|" + "---|" * 5,
     ]
+    table_rows = []
     for s, n, ev in corr:
         c = ev["corruptions"]
         b, a, p = (c[w]["mean"] for w in ("before_ts", "after_ts", "after_posthoc"))
         cells = [" / ".join(f"{m[str(i)]['nll']:.3f}" for m in (b, a, p)) for i in range(1, 6)]
-        lines_.append(f"| {n} | {s} | {c['posthoc_method']} | " + " | ".join(cells) + " |")
-    return [*lines_, ""]
+        table_rows.append([n, s, c["posthoc_method"], *cells])
+    return [*lines_, *table(["run", "stage", "post-hoc", *SEVERITIES], table_rows), ""]
 
 
 def write_report(root: Path, leave_out: Callable[[str], bool] = lambda name: False) -> Path:

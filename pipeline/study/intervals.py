@@ -1,4 +1,4 @@
-"""The intervals of a study's paired comparisons (pipeline/study_stats.py), from the differences
+"""The intervals of a study's paired comparisons (pipeline/study/stats.py), from the differences
 it measured: each seed's difference on every test image, and the same on `n` resamples of the
 test images. Three intervals, each carrying the seeds (and, for the csm family, the mixed sets)
 as the units they are, the test images beside them:

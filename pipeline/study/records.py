@@ -1,8 +1,6 @@
 """What a study reads from its runs' folders: one record per (method, seed) from its evaluation
 (eval/<stage>/<run>/metrics.json, the run's labelled budget, the best post-hoc calibrator, the
 robustness entries), and each record's test predictions for the paired statistics.
-
-Split from `pipeline.study` (which plans and runs the study) so each reads top to bottom.
 """
 
 from __future__ import annotations
@@ -13,9 +11,9 @@ from typing import Any
 import numpy as np
 
 from core.io import read_json
-from pipeline import study_shift
-from pipeline.study_config import METHODS, METRICS, POSTHOC, StudyConfig, run_name
-from pipeline.study_stats import Predictions
+from pipeline.study import robustness
+from pipeline.study.config import METHODS, METRICS, POSTHOC, StudyConfig, run_name
+from pipeline.study.stats import Predictions
 from shards import evals
 from shards.budget import labelled_split_images
 
@@ -43,7 +41,7 @@ def collect(cfg: StudyConfig, root: Path) -> list[dict[str, Any]]:
                     "before_ts": {k: ev["before_ts"][k] for k in METRICS},
                     "after_ts": {k: ev["after_ts"][k] for k in METRICS},
                     **posthoc_entries(ev),
-                    **(study_shift.record(ev) if cfg.robustness else {}),
+                    **(robustness.record(ev) if cfg.robustness else {}),
                 }
             )
     return records
@@ -63,7 +61,8 @@ def posthoc_entries(ev: dict[str, Any]) -> dict[str, Any]:
 
 def recorded_budget(run: Path) -> int | None:
     """The labelled images a run recorded when it was made (metrics.json, shards/budget.py);
-    None for a run made before runs recorded it (a fine-tuning then read all of real/train)."""
+    None for a run whose metrics.json does not record it (such a fine-tuning read all of
+    real/train)."""
     section = "finetune" if run.parent.name == "finetune" else "train"
     return read_json(run / "metrics.json")[section].get("labelled_train_images")
 

@@ -4,8 +4,8 @@ comparisons paired by seed and by test image as in the main table.
 
 The study plans two more tasks before its runs' evaluations, `shift` (the first SHIFT_IMAGES test
 images under every corruption and severity) and `ood` (OOD_SETS), and each run's evaluate step
-reads them (`corruptions=`, `ood=`). A run evaluated before without them is evaluated again (its
-training is kept). Each record of study.json gains
+reads them (`corruptions=`, `ood=`). A run whose evaluation did not read them is evaluated again
+(its training is kept). Each record of study.json carries
 
     shift: {before_ts|after_ts: {"1".."5": {ece, nll, brier, top1}},   the mean over corruptions
             per_corruption: {before_ts|after_ts: {corruption: {"1".."5": {...}}}}}
@@ -13,8 +13,7 @@ training is kept). Each record of study.json gains
 
 and study.json's `shift_paired` holds the paired bootstrap of the mean over corruptions and
 severities SEVERE of ECE and NLL (the logits evaluate keeps in predictions.npz), each method
-against ce, before and after TS, with the margins of the main table. Split from pipeline.study
-(which plans and runs the study) so each reads top to bottom.
+against ce, before and after TS, with the margins of the main table.
 """
 
 from __future__ import annotations
@@ -27,10 +26,11 @@ from typing import Any
 import numpy as np
 
 from core.runtime import derive_seed
+from core.tables import table
 from pipeline.chain import split_sets
-from pipeline.study_config import Task
-from pipeline.study_intervals import mixed_sets_of
-from pipeline.study_stats import MARGINS, N_BINS, Predictions, paired_difference, softmax
+from pipeline.study.config import Task
+from pipeline.study.intervals import mixed_sets_of
+from pipeline.study.stats import MARGINS, N_BINS, Predictions, paired_difference, softmax
 from shards import evals
 from shards.manifest import is_complete, read_manifest
 
@@ -39,6 +39,22 @@ SEVERE = (3, 4, 5)  # the severities the verdict reads (MaC-Cal's Fig. 5 separat
 OOD_SETS = ("digits", "uniform")  # a far-OOD set of real images and a synthetic one
 SHIFT_METRICS = ("ece", "nll")
 GOAL = 0.2  # csm + TS's ECE under severe shift at least 20 % below ce + TS's
+SHIFT_HEADINGS = (
+    "method",
+    "ECE after TS, severity 1 / 2 / 3 / 4 / 5",
+    "NLL after TS, 1 / 3 / 5",
+    "top-1, 1 / 3 / 5",
+)
+PAIRED_HEADINGS = (
+    "",
+    "metric",
+    "method − reference",
+    "difference",
+    "relative",
+    "95 % t interval",
+    "verdict",
+)
+OOD_PAIRED_HEADINGS = ("OOD set", "method − ce", "AUROC difference", "95 % t interval", "verdict")
 
 
 def shift_folder(root: Path) -> Path:
@@ -118,7 +134,7 @@ def record(ev: dict[str, Any]) -> dict[str, Any]:
 @dataclass(frozen=True)
 class ShiftPredictions:
     """One run's predictions on the SEVERE corrupted sets (every corruption x severity, the
-    same N test images in each): the metrics of pipeline.study_stats.Predictions, each the mean
+    same N test images in each): the metrics of pipeline.study.stats.Predictions, each the mean
     over the sets, on the images `idx` of every set at once."""
 
     bins: np.ndarray  # [K, N] confidence bin of each image in each set
@@ -268,22 +284,21 @@ def report_lines(
         "docs/shift.md); the mean over corruptions, then over seeds. Temperature and every "
         "calibrator fitted on clean val.",
         "",
-        "| method | ECE after TS, severity 1 / 2 / 3 / 4 / 5 | NLL after TS, 1 / 3 / 5 | top-1, 1 / 3 / 5 |",
-        "|---|---|---|---|",
     ]
+    rows = []
     for m in methods:
         ece = " / ".join(f"{mean(m, 'after_ts', str(s), 'ece'):.2f}" for s in range(1, 6))
         nll = " / ".join(f"{mean(m, 'after_ts', str(s), 'nll'):.3f}" for s in (1, 3, 5))
         top1 = " / ".join(f"{mean(m, 'after_ts', str(s), 'top1'):.1f}" for s in (1, 3, 5))
-        lines.append(f"| {m} | {ece} | {nll} | {top1} |")
+        rows.append([m, ece, nll, top1])
+    lines += table(SHIFT_HEADINGS, rows)
     lines += [
         "",
         f"Paired by seed and test image, severities {', '.join(map(str, SEVERE))}, mean over "
         "corruptions (method − ce; margins as in the main table):",
         "",
-        "| | metric | method − reference | difference | relative | 95 % t interval | verdict |",
-        "|---|---|---|---|---|---|---|",
     ]
+    rows = []
     for when, by_metric in paired.items():
         for metric, by_ref in by_metric.items():
             for reference, by_method in by_ref.items():
@@ -291,11 +306,12 @@ def report_lines(
                     d = 4 if metric == "nll" else 2
                     rel = "–" if r["relative"] is None else f"{100 * r['relative']:+.0f} %"
                     lo, hi = r["ci95"]
-                    lines.append(
-                        f"| {when.replace('_ts', ' TS').replace('_', ' ')} | {metric} | "
-                        f"{method} − {reference} | {r['difference']:+.{d}f} | {rel} | "
-                        f"[{lo:+.{d}f}, {hi:+.{d}f}]{_which(r)} | {r['verdict']} |"
-                    )
+                    rows.append([
+                        when.replace("_ts", " TS").replace("_", " "), metric,
+                        f"{method} − {reference}", f"{r['difference']:+.{d}f}", rel,
+                        f"[{lo:+.{d}f}, {hi:+.{d}f}]{_which(r)}", r["verdict"],
+                    ])  # fmt: skip
+    lines += table(PAIRED_HEADINGS, rows)
     goal = paired.get("after_ts", {}).get("ece", {}).get("ce", {}).get("csm")
     if goal:
         better = goal["verdict"] == "better"
@@ -312,16 +328,17 @@ def report_lines(
             "",
             "## Far-OOD detection (max softmax, ID = positive; x100)",
             "",
-            "| method | " + " | ".join(f"{s} AUROC | {s} FPR95" for s in sets) + " |",
-            "|---|" + "---|---|" * len(sets),
         ]
+        headings = ["method", *(f"{s} {key}" for s in sets for key in ("AUROC", "FPR95"))]
+        rows = []
         for m in methods:
             cells = []
             for s in sets:
                 for key in ("auroc", "fpr95"):
                     v = [r["ood"][s][key] for r in by[m]]
                     cells.append(f"{np.mean(v):.1f} ± {np.std(v, ddof=1) if len(v) > 1 else 0:.1f}")
-            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+            rows.append([m, *cells])
+        lines += table(headings, rows)
     if ood_paired:
         lines += [
             "",
@@ -329,16 +346,16 @@ def report_lines(
             "together; the verdict on 1 − AUROC against a margin of "
             f"{MARGINS['auroc_shortfall']:g} AUROC point, fixed before the run):",
             "",
-            "| OOD set | method − ce | AUROC difference | 95 % t interval | verdict |",
-            "|---|---|---|---|---|",
         ]
+        rows = []
         for ood_set, by_method in ood_paired.items():
             for method, r in by_method.items():
                 lo, hi = (-v for v in r["ci95"])  # AUROC = 100 − shortfall: the signs flip
-                lines.append(
-                    f"| {ood_set} | {method} − ce | {-r['difference']:+.2f} | "
-                    f"[{hi:+.2f}, {lo:+.2f}]{_which(r)} | {r['verdict']} |"
-                )
+                rows.append([
+                    ood_set, f"{method} − ce", f"{-r['difference']:+.2f}",
+                    f"[{hi:+.2f}, {lo:+.2f}]{_which(r)}", r["verdict"],
+                ])  # fmt: skip
+        lines += table(OOD_PAIRED_HEADINGS, rows)
     return [*lines, ""]
 
 

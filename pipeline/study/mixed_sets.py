@@ -1,8 +1,6 @@
 """`make study`'s other mixed sets, each its own chain into <root>-<variant>/ sharing csm's real/,
 generator/ and classifier runs: k-way sets (`csm3`: <root>-k3/, sized to csm) and fidelity-aware
 series (`csm-redraw`: <root>-redraw/, generate's endpoint_check=redraw).
-
-Split from `pipeline.study` (which plans and runs the study) so each reads top to bottom.
 """
 
 from __future__ import annotations

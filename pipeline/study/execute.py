@@ -1,7 +1,5 @@
 """How `make study` runs its plan: tasks as subprocesses, `jobs` at a time, in dependency order,
 and a failed sitting summed up in one short line.
-
-Split from `pipeline.study` (which plans the study and reports on it) so each reads top to bottom.
 """
 
 from __future__ import annotations
@@ -13,7 +11,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from core.logs import log, progress
-from pipeline.study_config import StudyError, Task
+from pipeline.study.config import StudyError, Task
 
 FAILURES = "failures.log"  # in the study's logs/: every failed task, its cause and its log
 LINE_CHARS = 300  # the sitting's last line, at most (the cause is cut to fit)

@@ -1,80 +1,25 @@
-"""`make study`: does semix calibrate? Every method x seed on one dataset, side by side.
-
-    make study CLASSES=fashion-mnist
-    python -m pipeline study --preset fashion-mnist --set study.seeds=0,1 study.other_seeds=1
-
-1. The generation chain (`make generate`), when a method needs mixed/ (skipped when complete).
-2. For every method and seed: train (or fine-tune its Stage-I run), then evaluate. Runs are
-   subprocesses, `jobs` at a time (each stage pins its own CPU threads), so one slow run does
-   not hold the others; a method that needs mixed/ waits for the chain, the others start at once.
-3. study/study.json (one record per run + summaries) and study/report.md: mean ± std over seeds
-   of every metric before and after temperature scaling, and a bootstrap 95 % interval of each
-   method's ECE difference to `ce`; figures: reliability diagrams of ce vs csm (seeds pooled)
-   and ECE per method with error bars. The seconds this invocation took go to study/host.json,
-   so study.json is the same bytes on any machine.
-
-Resumable: a run whose evaluation exists is not touched again, and train/finetune resume from
-their own checkpoints, so a killed study reruns only what is missing. Every run writes its log
-to study/logs/<run>.log.
-"""
+"""A study's plan: its config from `study.key=value`, then every task it runs in order (the data,
+the chains of its mixed sets, the tuning grids, a train or fine-tuning run per method and seed,
+each evaluated), each task's config checked before any task starts."""
 
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-
-from core.config import describe_fields, parse_sets
-from core.io import atomic_write_json
-from core.logs import log
-from core.runtime import derive_seed
-from pipeline import study_shift
-from pipeline.chain import chain_fields, check_chain, scoped_errors, split_sets
+from core.config import parse_sets
+from pipeline.chain import check_chain, scoped_errors, split_sets
 from pipeline.registry import resolve_stage_config
-from pipeline.study_config import (
-    METHODS,
-    METRICS,
-    POSTHOC,
-    StudyConfig,
-    Task,
-    check_budget,
-    comparison_pairs,
-    run_name,
-)
-from pipeline.study_exec import _execute, execute  # noqa: F401 (the study's runner)
-from pipeline.study_intervals import mixed_sets_of
-from pipeline.study_kway import (
-    chain_task,
-    mixed_images,
-    prepare_set,
-    set_variant,
-    variant_root,
-)
-from pipeline.study_records import collect, seed_predictions
-from pipeline.study_report import figures, write_report
-from pipeline.study_stats import (
-    MARGINS,
-    compare,
-    summarize,
-)
-from pipeline.study_tune import (
-    chosen_groups,
-    chosen_sets,
-    plan_groups,
-    tuning_report,
-    tuning_tasks,
-)
+from pipeline.study import robustness
+from pipeline.study.config import METHODS, StudyConfig, Task, run_name
+from pipeline.study.mixed_sets import chain_task, prepare_set, set_variant, variant_root
+from pipeline.study.tuning import chosen_groups, chosen_sets, plan_groups
+from pipeline.study.tuning_plan import tuning_tasks
 from shards import evals
-from shards.budget import labelled_split_images
 from shards.manifest import ShardError, is_complete, read_manifest
 from shards.writer import check_config
 from stages.presets import chain_steps, reader
-
-RUNS = ("train", "finetune", "evaluate")  # the stages a study runs after the chain
 
 
 def _evaluated(folder: Path, criterion: str) -> bool:
@@ -108,7 +53,7 @@ def data_task(preset: str, chain_sets: Sequence[str], root: Path) -> Task:
 
 
 def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list[Task]:
-    """The chain (if needed), the tuning grids the methods need (pipeline/study_tune.py) and
+    """The chain (if needed), the tuning grids the methods need (pipeline/study/tuning.py) and
     one task per (method, seed): train/finetune + evaluate."""
     needs_chain = any(METHODS[m].needs_mixed for m in cfg.methods)
     chain_sets = [s for s in sets if not s.startswith("study.")]
@@ -137,7 +82,7 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
     robust: set[str] = set()  # the tasks every evaluation waits for: the shift and OOD sets
     if cfg.robustness:
         # the shift and OOD sets read real/ only: made beside the chain
-        extra, reads = study_shift.robustness_tasks(root, preset, {DATA}, chain_sets)
+        extra, reads = robustness.robustness_tasks(root, preset, {DATA}, chain_sets)
         tasks += extra
         eval_sets += reads
         robust = {t.name for t in extra}
@@ -177,7 +122,7 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
                 after.add(run_name(m.base, seed))
             folder = evals.eval_dir(root, stage_dir, name)
             done = _evaluated(folder, cfg.ts_criterion) and (
-                not cfg.robustness or study_shift.read_them(folder, preset)
+                not cfg.robustness or robustness.read_them(folder, preset)
             )
             if stacks:  # trained by its stack: this task evaluates
                 after.add(stack_name(method, mixed))
@@ -239,9 +184,6 @@ def generate_seed(preset: str, chain_sets: Sequence[str]) -> int:
         ).seed
 
 
-# ---------------------------------------------------------------- report
-
-
 def setup(
     preset: str, sets: Sequence[str], data: bool = True
 ) -> tuple[StudyConfig, Path, list[Task]]:
@@ -279,8 +221,9 @@ def check_tasks(preset: str, tasks: Sequence[Task], data: bool = True) -> None:
 
 def check_generator(preset: str, chain_sets: Sequence[str], root: Path) -> None:
     """A done chain is reused as it is, so its generator must be the one this config asks for:
-    a preset that changed since (fashion-mnist's prediction_type did) would otherwise be reported
-    on with the old generator's data. Refused in one line naming the fields and both fixes."""
+    a preset whose generator fields differ from the chain's (fashion-mnist's prediction_type, for
+    one) would otherwise be reported on with another generator's data. Refused in one line
+    naming the fields and both fixes."""
     folder = root / "generator"
     if not (folder / "config.json").is_file():
         return  # this chain has no in-house generator (sd, dit, edm backends)
@@ -293,137 +236,3 @@ def check_generator(preset: str, chain_sets: Sequence[str], root: Path) -> None:
         "it has; unset = the default before the field existed, prediction_type=epsilon> to "
         "report on it, or set out= to a new root to build the chain anew",
     )
-
-
-def pair_rng(*key: str) -> np.random.Generator:
-    """The generator of one paired comparison: (when, metric, method, reference)."""
-    return np.random.default_rng(derive_seed(0, "study-paired", *key))
-
-
-def run_study(preset: str, sets: Sequence[str]) -> Path:
-    # 0. The study's config, the run root, and the plan, every run's config resolved.
-    cfg, root, tasks = setup(preset, sets)
-    out = root / "study"
-    # 1-2. The chain and every run (skipping what is complete).
-    todo = [t.name for t in tasks if not t.done]
-    log.info(
-        "study %s: %d methods x %d seeds, %d of %d tasks to run, %d at a time -> %s",
-        *(root.name, len(cfg.methods), len(cfg.seeds), len(todo), len(tasks), cfg.jobs, out),
-    )
-    t0 = time.perf_counter()
-    seconds = execute(tasks, preset, cfg.jobs, out / "logs")
-    # 3. Records, statistics, report and figures.
-    records = collect(cfg, root)
-    budget = check_budget(records)
-    summary = summarize(records, METRICS)
-    by_seed = seed_predictions(root, records)
-    # paired by seed and test image (mixed sets the top-level units where records carry them),
-    # the intervals of pipeline/study_intervals.py, verdicts against the margins fixed in
-    # pipeline/study_stats.py (MARGINS) before any run
-    pairs = comparison_pairs(cfg.methods)
-    if POSTHOC in by_seed["after_ts"]:  # after TS only
-        pairs += [(m, POSTHOC) for m in ("ce", "csm") if m in cfg.methods]
-    paired = {
-        when: compare(
-            p,
-            [pair for pair in pairs if POSTHOC not in pair or when == "after_ts"],
-            cfg.bootstrap,
-            functools.partial(pair_rng, when),
-            mixed_sets=mixed_sets_of(records),
-            when=when,
-        )
-        for when, p in by_seed.items()
-    }
-    robust: dict[str, Any] = {"shift": None, "ood": None}
-    if cfg.robustness:
-        wanted = study_shift.comparisons(cfg.methods)
-        robust = {
-            "shift": study_shift.shift_paired(
-                root, records, wanted, cfg.bootstrap, study_shift.rng
-            ),
-            "ood": study_shift.ood_paired(
-                root, records, cfg.methods, cfg.bootstrap, study_shift.rng
-            ),
-        }
-    tuning = tuning_report(cfg, root, sets) if cfg.tune else {}
-    variants = sorted(
-        set_variant(METHODS[m].variant, cfg.mixed_set(m, seed))
-        for m in cfg.methods
-        if METHODS[m].needs_mixed
-        for seed in cfg.seeds_of(m)
-    )
-    variants = [v for v in dict.fromkeys(variants) if v]
-    images = mixed_images(root, variants) if variants else None
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(
-        out / "study.json",
-        {
-            "dataset": root.name,
-            "labelled_images": labelled_split_images(root, budget),
-            "labelled_train_images": budget,
-            "config": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.__dict__.items()},
-            "records": records,
-            "summary": summary,
-            "paired": paired,
-            "margins": MARGINS,
-            "tuning": tuning,
-            "mixed_images": images,
-            "shift_paired": robust["shift"],
-            "ood_paired": robust["ood"],
-        },
-    )
-    # what this machine took, apart: study.json is the same bytes wherever the study ran
-    atomic_write_json(
-        out / "host.json",
-        {
-            "task_seconds_this_invocation": seconds,
-            "wall_seconds_this_invocation": round(time.perf_counter() - t0, 1),
-        },
-    )
-    figures(cfg, root, out, {m: list(p.values()) for m, p in by_seed["before_ts"].items()}, summary)
-    report = write_report(
-        cfg, root, out, records, summary, paired, tuning, images,
-        robust if cfg.robustness else None,
-    )  # fmt: skip
-    if cfg.robustness:
-        study_shift.figure(records, out / "shift.png", f"{root.name}: under corruption, after TS")
-    return report
-
-
-def fields_text(preset: str) -> str:
-    """`semix study --fields`: the study's own fields (`study.key`), then the chain's and those
-    of the runs it makes."""
-    head = f"semix study --preset {preset}: the study, the chain, then train/finetune/evaluate runs"
-    study = describe_fields(StudyConfig, spell=lambda key: f"study.{key}")
-    return "\n".join(
-        [head, "study: --set study.key=value", *study, "", *chain_fields(preset, RUNS)]
-    )
-
-
-def resolved(preset: str, sets: Sequence[str]) -> dict[str, Any]:
-    """`semix study --print-config`: the study's config and its plan (every task, whether it is
-    done, and the commands it runs); nothing runs, and the data need not be at hand."""
-    cfg, root, tasks = setup(preset, sets, data=False)
-    return {
-        "study": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.__dict__.items()},
-        "root": str(root),
-        "tasks": [
-            {
-                "name": t.name,
-                "done": t.done,
-                "after": sorted(t.after),
-                "steps": [{"stage": stage, "sets": list(s)} for stage, s in t.steps],
-            }
-            for t in tasks
-        ],
-    }
-
-
-def main(preset: str, sets: Sequence[str]) -> None:
-    """`python -m pipeline study`: run it, then print where the report is and its goal."""
-    report = run_study(preset, sets)
-    print(f"semix study: report in {report}")
-    text = report.read_text()
-    start = text.find("## The goal")
-    if start >= 0:
-        print(text[start:].split("\n## ", 1)[0])

@@ -1,6 +1,6 @@
-"""Statistics of a study (pipeline/study.py): ECE, debiased ECE and NLL from stored test
+"""Statistics of a study (pipeline/study/): ECE, debiased ECE and NLL from stored test
 predictions, method − reference differences paired by seed and by test image with their
-intervals and verdicts (pipeline/study_intervals.py) against margins fixed here, and mean ± std
+intervals and verdicts (pipeline/study/intervals.py) against margins fixed here, and mean ± std
 over seeds.
 
 No file I/O: the caller loads predictions.npz and passes arrays.
@@ -14,12 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.study_intervals import intervals, is_primary, units_of
+from pipeline.study.intervals import intervals, is_primary, units_of
 
 N_BINS = 15  # equal-width bins ((m-1)/15, m/15], as evaluate uses
 METRICS = ("ece", "debiased_ece", "nll")  # each the name of a Predictions method
 # OOD detection, lower is better like every metric here: 1 − AUROC of the max softmax (ID =
-# positive), a method of pipeline.study_shift.OODPredictions
+# positive), a method of pipeline.study.robustness.OODPredictions
 OOD_METRICS = ("auroc_shortfall",)
 # ECEs and 1 − AUROC in points (x100), NLL in nats
 SCALE = {"ece": 100.0, "debiased_ece": 100.0, "nll": 1.0, "auroc_shortfall": 100.0}
@@ -184,7 +184,7 @@ def paired_difference(
     top-level units); `when` ("before_ts"/"after_ts") names the endpoint, primary or not.
 
     Each of the `n` test-image resamples draws the images once for every run and gives each
-    seed's difference on them; pipeline.study_intervals.intervals turns those into the t
+    seed's difference on them; pipeline.study.intervals.intervals turns those into the t
     (primary), hierarchical-bootstrap percentile and BCa intervals and the verdict. Refused when
     the two methods share no seed or their test labels differ. Returns (JSON-serialisable):
 

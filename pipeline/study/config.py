@@ -1,7 +1,7 @@
 """What a study is made of: its config, its methods and its tasks.
 
-Its own module so that the study's planner (pipeline.study), its tuning grid
-(pipeline.study_tune) and its report (pipeline.study_report) all import it and not each other.
+Its own module so that the study's plan (pipeline.study.plan), its tuning grids
+(pipeline.study.tuning) and its report (pipeline.study.report) all import it and not each other.
 """
 
 from __future__ import annotations
@@ -95,15 +95,15 @@ class StudyConfig:
     bootstrap: int = 2000  # resamples for the 95 % intervals
     ts_criterion: str = "nll"  # evaluate's temperature-scaling criterion
     # every method's own hyper-parameters chosen on val, each from a grid of the same size
-    # (pipeline/study_tune.py GRIDS: a run per point and tuning seed, one more point per edge
+    # (pipeline/study/tuning.py GRIDS: a run per point and tuning seed, one more point per edge
     # choice); off: the presets'
     tune: bool = True
     # the seeds every grid point runs at (100, 101, ...): its score is the mean val NLL over
     # them, and a winner whose advantage over the reference point is within one standard error
-    # of their paired differences gives way to the reference (pipeline/study_tune.choose_point)
+    # of their paired differences gives way to the reference (pipeline/study/tuning.py choose_point)
     tune_seeds: int = 3
     # every run also evaluated under shift (the corrupted test split) and on far-OOD sets, the
-    # comparisons paired as in the main table (pipeline/study_shift.py); off: the clean test only
+    # comparisons paired as in the main table (pipeline/study/robustness.py); off: the clean test only
     robustness: bool = True
 
     def __post_init__(self):

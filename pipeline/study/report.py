@@ -1,19 +1,16 @@
-"""`make study`'s outputs: study/report.md (tables of every method against ce) and the figures.
-
-Split from `pipeline.study` (which plans and runs the study) so each reads top to bottom.
+"""The study's report.md: every method against ce before and after temperature scaling, the
+goals, the paired comparisons with their intervals and verdicts, the tuning grids, the other
+mixed sets, the robustness table and every run (pipeline/study/figures.py draws the figures).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from core.io import atomic_write_bytes
-from core.plots import error_bars, reliability_diagram
-from pipeline.study_config import VERDICT_METHODS, StudyConfig
-from pipeline.study_intervals import PRIMARY_ENDPOINTS, Z0_FLAG
-from pipeline.study_stats import Predictions, softmax
+from core.tables import table
+from pipeline.study.config import VERDICT_METHODS, StudyConfig
+from pipeline.study.intervals import PRIMARY_ENDPOINTS, Z0_FLAG
 
 # the labels whose interval lies below the margin: the non-inferiority goal is met
 NOT_WORSE = ("better", "not worse", "worse, within the margin")
@@ -36,14 +33,14 @@ def _ci(b: dict, digits: int = 2, key: str = "ci95") -> str:
 
 
 def _paired_result(paired: dict | None, when: str, metric: str, method: str, reference: str):
-    """One comparison of `paired` ({when: pipeline.study_stats.compare(...)}), or None."""
+    """One comparison of `paired` ({when: pipeline.study.stats.compare(...)}), or None."""
     return (paired or {}).get(when, {}).get(metric, {}).get(reference, {}).get(method)
 
 
 def _no_worse(label: str, r: dict, digits: int = 2) -> tuple[str, bool]:
     """A "not worse" goal: the verdict of the paired comparison `r` (what its t and percentile
     intervals both show), the upper ends below the margin fixed in
-    pipeline.study_stats.MARGINS."""
+    pipeline.study.stats.MARGINS."""
     return (
         f"{label} {r['interval']} interval {_ci(r, digits)}, percentile "
         f"{_ci(r, digits, 'ci95_percentile')} (goal: not worse, the upper ends below the margin "
@@ -87,6 +84,13 @@ def _goal(summary: dict, paired: dict) -> list[str]:
 
 
 WHEN = {"before_ts": "before TS", "after_ts": "after TS"}
+PAIRED_HEADINGS = (
+    "", "endpoint", "metric", "method − reference", "difference", "units", "95 % t",
+    "95 % percentile", "95 % BCa", "margin", "verdict",
+)  # fmt: skip
+DIFFERENCE_HEADINGS = (
+    "method", "top-1", "ΔECE before TS", "relative", "ΔECE after TS", "ΔNLL after TS"
+)  # fmt: skip
 
 
 def _units(r: dict) -> str:
@@ -105,7 +109,7 @@ def _verdict(r: dict) -> str:
 
 def _paired(paired: dict) -> list[str]:
     """The paired comparisons, the primary endpoints first, with every interval and the
-    verdict; `paired`: {when: pipeline.study_stats.compare(...)} = {when: {metric: {reference:
+    verdict; `paired`: {when: pipeline.study.stats.compare(...)} = {when: {metric: {reference:
     {method: result}}}}."""
     results = [
         (when, r)
@@ -141,20 +145,18 @@ def _paired(paired: dict) -> list[str]:
         + ", ".join(sorted({f"{r['metric']} {r['margin']:g}" for _, r in results}))
         + ".",
         "",
-        "| | endpoint | metric | method − reference | difference | units | 95 % t | "
-        "95 % percentile | 95 % BCa | margin | verdict |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    rows = []
     for when, r in results:
         d = 4 if r["metric"] == "nll" else 2
         flag = f" ⚑ z0 {r['bca']['z0']:+.2f}" if r["bca"]["z0_flagged"] else ""
-        lines.append(
-            f"| {WHEN[when]} | {'**primary**' if r['primary'] else 'exploratory'} | "
-            f"{r['metric']} | {r['method']} − {r['reference']} | {r['difference']:+.{d}f} | "
-            f"{_units(r)} | {_ci(r, d, 'ci95_t')} | {_ci(r, d, 'ci95_percentile')} | "
-            f"{_ci(r, d, 'ci95_bca')}{flag} | {r['margin']:g} | {_verdict(r)} |"
-        )
-    return [*lines, ""]
+        rows.append([
+            WHEN[when], "**primary**" if r["primary"] else "exploratory", r["metric"],
+            f"{r['method']} − {r['reference']}", f"{r['difference']:+.{d}f}", _units(r),
+            _ci(r, d, "ci95_t"), _ci(r, d, "ci95_percentile"), f"{_ci(r, d, 'ci95_bca')}{flag}",
+            f"{r['margin']:g}", _verdict(r),
+        ])  # fmt: skip
+    return [*lines, *table(PAIRED_HEADINGS, rows), ""]
 
 
 def _tuning(tuning: dict) -> list[str]:
@@ -163,23 +165,21 @@ def _tuning(tuning: dict) -> list[str]:
     lines = [
         "## Every method's hyper-parameters, chosen on the val split",
         "",
-        "Each method's grid has the same number of points (pipeline/study_tune.py GRIDS), each a "
+        "Each method's grid has the same number of points (pipeline/study/tuning.py GRIDS), each a "
         "run with seed 100 (no study seed); a choice on the edge of its grid adds one point "
         "outward (ext). The lowest val NLL wins. The test split is not read.",
         "",
-        "| grid | run | values | val top-1 | val ECE | val NLL | |",
-        "|---|---|---|---|---|---|---|",
     ]
+    rows = []
     for group, result in tuning.items():
         for r in result["grid"]:
             values = ", ".join(f"{k} = {r[k]:g}" for k in result["chosen"] if r.get(k) is not None)
             note = "**chosen**" if r["run"] == result["chosen_run"] else ""
             note += " (ext)" if r.get("extension") else ""
-            lines.append(
-                f"| {group} | {r['run']} | {values} | {r['val_acc']:.2f} | "
-                f"{r['val_ece']:.2f} | {r['val_nll']:.4f} | {note} |"
-            )
-    return [*lines, ""]
+            scores = (f"{r['val_acc']:.2f}", f"{r['val_ece']:.2f}", f"{r['val_nll']:.4f}")
+            rows.append([group, r["run"], values, *scores, note])
+    headings = ("grid", "run", "values", "val top-1", "val ECE", "val NLL", "")
+    return [*lines, *table(headings, rows), ""]
 
 
 def _differences(
@@ -206,11 +206,7 @@ def _differences(
                 rel = r["relative"]
                 cells.append("–" if rel is None else f"{100 * rel:+.0f} %")
         else:
-            rows.append(
-                f"| {method} | {_pm(summary[method]['before_ts.top1'])} | "
-                + " | ".join(cells)
-                + " |"
-            )
+            rows.append([method, _pm(summary[method]["before_ts.top1"]), *cells])
     if not rows:
         return []
     return [
@@ -220,9 +216,7 @@ def _differences(
         "Method − reference, paired by seed and test image; the primary (t) interval of the "
         "table below, which gives every interval and the verdicts.",
         "",
-        "| method | top-1 | ΔECE before TS | relative | ΔECE after TS | ΔNLL after TS |",
-        "|---|---|---|---|---|---|",
-        *rows,
+        *table(DIFFERENCE_HEADINGS, rows),
         "",
     ]
 
@@ -240,11 +234,11 @@ def write_report(
 ) -> Path:
     """study/report.md: the tables a reader needs to judge every method against ce.
 
-    `paired`: {"before_ts"/"after_ts": pipeline.study_stats.compare(...)}, the seed- and
+    `paired`: {"before_ts"/"after_ts": pipeline.study.stats.compare(...)}, the seed- and
     image-paired comparisons with their non-inferiority verdicts. `tuning`: {group: the val grid
-    and its choice} (pipeline/study_tune.py). `images`: {mixed folder: generated images} when
+    and its choice} (pipeline/study/tuning.py). `images`: {mixed folder: generated images} when
     the study has methods on other mixed sets than csm's. `shift`: the paired comparisons
-    under shift and on the OOD sets ({"shift": ..., "ood": ...}, pipeline/study_shift.py); with
+    under shift and on the OOD sets ({"shift": ..., "ood": ...}, pipeline/study/robustness.py); with
     it, the records carry `shift` and `ood`."""
     others = cfg.seeds[: cfg.other_seeds]
     lines = [
@@ -263,26 +257,18 @@ def write_report(
         ("before_ts", "Before temperature scaling"),
         ("after_ts", "After temperature scaling"),
     ):
-        t_col = " T |" if when == "after_ts" else ""
-        lines += [
-            f"## {title}",
-            "",
-            "| method | " + " | ".join(c[1] for c in COLUMNS) + " |" + t_col,
-            "|---|" + "---|" * len(COLUMNS) + ("---|" if t_col else ""),
-        ]
+        after = when == "after_ts"
+        rows = []
         for method, stats in summary.items():
             cells = [_pm(stats[f"{when}.{k}"], d) for k, _, d in COLUMNS]
-            if t_col:
-                cells.append(_pm(stats["temperature"], 2))
-            lines.append(f"| {method} | " + " | ".join(cells) + " |")
-        if when == "after_ts" and "after_posthoc.ece" in summary.get("ce", {}):
+            rows.append([method, *cells, *([_pm(stats["temperature"], 2)] if after else [])])
+        if after and "after_posthoc.ece" in summary.get("ce", {}):
             ce = summary["ce"]  # the baseline: ce + the best post-hoc calibrator on val
             cells = [_pm(ce[f"after_posthoc.{k}"], d) for k, _, d in COLUMNS]
             methods = sorted({r["posthoc_method"] for r in records if r["method"] == "ce"})
-            lines.append(
-                f"| ce + best post-hoc ({', '.join(methods)}) | " + " | ".join(cells) + " | - |"
-            )
-        lines.append("")
+            rows.append([f"ce + best post-hoc ({', '.join(methods)})", *cells, "-"])
+        headings = ["method", *(c[1] for c in COLUMNS), *(["T"] if after else [])]
+        lines += [f"## {title}", "", *table(headings, rows), ""]
     lines += _differences(summary, paired, "ce", "Difference to ce")
     if "csm" in summary:
         lines += _goal(summary, paired)
@@ -302,54 +288,25 @@ def write_report(
             methods=[m for m in others if m in ("csm3", "csm-redraw")],
         )
     if shift is not None:
-        from pipeline.study_shift import report_lines
+        from pipeline.study.robustness import report_lines
 
         lines += report_lines(records, shift["shift"], shift.get("ood"))
     lines += [
         "## Every run",
         "",
-        "| run | seed | top-1 | ECE | NLL | T | ECE after TS |",
-        "|---|---|---|---|---|---|---|",
     ]
+    runs = []
     for r in records:
         edge = " (edge!)" if r["temperature_on_edge"] else ""
-        lines.append(
-            f"| {r['run']} | {r['seed']} | {r['before_ts']['top1']:.2f} | {r['before_ts']['ece']:.2f} | "
-            f"{r['before_ts']['nll']:.4f} | {r['temperature']:.2f}{edge} | {r['after_ts']['ece']:.2f} |"
-        )
+        b = r["before_ts"]
+        runs.append([
+            r["run"], str(r["seed"]), f"{b['top1']:.2f}", f"{b['ece']:.2f}", f"{b['nll']:.4f}",
+            f"{r['temperature']:.2f}{edge}", f"{r['after_ts']['ece']:.2f}",
+        ])  # fmt: skip
+    lines += table(("run", "seed", "top-1", "ECE", "NLL", "T", "ECE after TS"), runs)
     figs = "[reliability.png](reliability.png), [ece.png](ece.png)"
     figs += ", [shift.png](shift.png)" if shift is not None else ""
     lines += ["", f"Figures: {figs}.", ""]
     path = out / "report.md"
     atomic_write_bytes(path, "\n".join(lines).encode())
     return path
-
-
-def figures(cfg: StudyConfig, root: Path, out: Path, preds: dict, summary: dict) -> None:
-    """reliability.png (ce vs csm, csm3 and csm-redraw, seeds pooled); ece.png (ECE per method, error bars)."""
-    import torch
-
-    from models.calibration import reliability_bins
-
-    panels = {}
-    for method in [m for m in ("ce", "csm", "csm3", "csm-redraw") if m in preds]:
-        runs = preds[method]
-        pooled = Predictions(
-            *(np.concatenate([getattr(p, f) for p in runs]) for f in Predictions.FIELDS)
-        )
-        prob = softmax(pooled.logits)
-        correct = torch.from_numpy(prob.argmax(axis=1) == pooled.labels)
-        bins = reliability_bins(torch.from_numpy(prob.max(axis=1)), correct)
-        panels[f"{method} ({len(runs)} seeds pooled)"] = {
-            k: bins[k].tolist() for k in ("acc", "conf", "count")
-        } | {"ece": 100.0 * pooled.ece()}
-    reliability_diagram(panels, out / "reliability.png", title=f"{root.name}: test, before TS")
-    error_bars(
-        {
-            when: {m: (s[f"{key}.ece"]["mean"], s[f"{key}.ece"]["std"]) for m, s in summary.items()}
-            for when, key in (("before TS", "before_ts"), ("after TS", "after_ts"))
-        },
-        out / "ece.png",
-        ylabel="test ECE (%)",
-        title=f"{root.name}: ECE per method, mean ± std over seeds",
-    )

@@ -21,7 +21,8 @@ and fedlas-ls their loss parameters; ce+maccal and csm+maccal MaC-Cal's r and q0
 its base method's chosen grid runs (seed by seed), because the best head for a ce backbone need
 not be the best for a csm one. MaC-Cal writes finetune/<run>-maccal, so each of its points
 fine-tunes its own name of the base: train/tune-ce-r128-q0p7 is a hard-linked copy of ce's chosen
-run (study_kway.link_complete) and its fine-tuning is finetune/tune-ce-r128-q0p7-maccal.
+run (pipeline.study.mixed_sets.link_complete) and its fine-tuning is
+finetune/tune-ce-r128-q0p7-maccal.
 
 Run names: tune-<group>-<letter><value>... at TUNE_SEED, tune-<group>-...-t<seed> at the others
 (MaC-Cal: tune-<base>-...[-t<seed>]-maccal).
@@ -33,14 +34,16 @@ their chosen values; then the choice is made again, by the same rule, over all t
 points. An interior choice leaves the tasks nothing to do: their prepare returns None and the
 study skips them. A method's runs take the final choice through their task's prepare, so they
 wait for the extension tasks too.
+
+The grids, names and the rule live here; their runs as tasks of the study's plan, and study.json's
+"tuning", in pipeline/study/tuning_plan.py.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,10 +51,7 @@ from typing import Any
 import numpy as np
 
 from core.io import read_json
-from pipeline.chain import split_sets
-from pipeline.study_config import METHODS, StudyConfig, Task
-from pipeline.study_kway import link_complete, variant_root
-from shards.manifest import is_complete
+from pipeline.study.config import METHODS, StudyConfig, Task
 
 TUNE_SEED = 100  # the first tuning seed: no study seed, a tuning run is never a study run
 POINTS = 4  # every group's grid size: the same tuning budget for every method
@@ -330,123 +330,3 @@ def base_run(root: Path, tuned: dict[str, list[TuneTask]], group: str, seed: int
     chosen point's run at that seed (paired: every point's seed k starts from the same run)."""
     runs = choose(root, tuned[NEEDS[group]])["chosen_runs"]
     return runs[seed - TUNE_SEED]
-
-
-# ---------------------------------------------------------------- the tasks
-
-
-def _prepare_extension(
-    root: Path, tasks: list[TuneTask], param: str, fixed: Callable[[], list[str]] | None
-) -> list[str] | None:
-    """An extension task's --set values, or None when its grid's choice is interior."""
-    point = extension_point(root, tasks, param)
-    if point is None:
-        return None
-    return [*(fixed() if fixed else []), *(f"{k}={v:g}" for k, v in point.items())]
-
-
-def _prepare_finetune(
-    root: Path,
-    tuned: dict[str, list[TuneTask]],
-    group: str,
-    name: str,
-    seed: int,
-    values: Callable[[], list[str] | None] | None,
-) -> list[str] | None:
-    """Before a MaC-Cal tuning run: its own name for the base run (hard links), then its
-    values (None: an extension with nothing to do, and no copy)."""
-    sets = values() if values else []
-    if sets is not None:
-        link_complete(root / "train" / base_run(root, tuned, group, seed), root / "train" / name)
-    return sets
-
-
-def _extension_done(root: Path, tasks: list[TuneTask], task: TuneTask) -> bool:
-    """Its run is complete, or its grid is and chose an interior value (nothing to run)."""
-    if is_complete(root / task.stage_dir / task.name):
-        return True
-    if not all(t.done for t in tasks if t.role == "grid"):
-        return False
-    try:
-        return extension_point(root, tasks, task.param) is None
-    except (OSError, ValueError, KeyError, StopIteration):  # a grid run's metrics unreadable
-        return False
-
-
-def _group_tasks(
-    group: str,
-    root: Path,
-    train_sets: Sequence[str],
-    ft_sets: Sequence[str],
-    tuned: dict[str, list[TuneTask]],
-    seeds: Sequence[int],
-) -> list[TuneTask]:
-    """A group's tasks: its grid and one extension per parameter, each at every tuning seed."""
-    m = METHODS[group]
-    stage = "finetune" if m.stage == "finetune" else "train"
-    tasks: list[TuneTask] = []
-    after: set[str] = {"chain"} if m.needs_mixed and not m.variant else set()
-    extra: list[str] = []  # sets of every run of the group
-    fixed = None  # --set values from another group's choice, computed when a run starts
-    if m.variant:
-        after = {f"chain-{m.variant}"}
-        extra = [f"mixed={variant_root(root, m.variant) / 'mixed'}"]
-    if group in NEEDS:
-        after |= {t.name for t in tuned[NEEDS[group]]}
-        if stage == "train":  # csm3: csm's chosen w
-            fixed = functools.partial(chosen_sets, root, tuned, (NEEDS[group],), ("csm_weight",))
-
-    def make(at: dict[str, float] | str, seed: int, prepare, **kw) -> TuneTask:
-        """The run of grid point `at` (or the extension of parameter `at`) at `seed`."""
-        name = tune_run(group, at, seed)
-        values = [] if isinstance(at, str) else [f"{k}={v:g}" for k, v in at.items()]
-        if stage == "finetune":
-            run = tuning_alias(name)
-            sets = [*ft_sets, *m.sets, *values, f"run={run}", f"seed={seed}"]
-            prepare = functools.partial(_prepare_finetune, root, tuned, group, run, seed, prepare)
-        else:
-            sets = [*train_sets, *m.sets, *extra, *values, f"run={name}", f"seed={seed}"]
-        done = is_complete(root / stage / name)
-        return TuneTask(
-            name, [(stage, sets)], set(after), done, prepare, group=group, stage_dir=stage,
-            seed=seed, key=tune_run(group, at), **kw,
-        )  # fmt: skip
-
-    grid = [make(p, seed, fixed, point=p) for p in grid_points(group) for seed in seeds]
-    tasks += grid
-    after |= {t.name for t in grid}  # an extension: the whole grid first, it decides the step
-    for param in GRIDS[group]:
-        prepare = functools.partial(_prepare_extension, root, tasks, param, fixed)
-        tasks += [make(param, seed, prepare, role="ext", param=param) for seed in seeds]
-    for t in tasks:
-        if t.role == "ext":
-            t.done = _extension_done(root, tasks, t)
-    return tasks
-
-
-def tuning_tasks(cfg: StudyConfig, root: Path, sets: Sequence[str]) -> dict[str, list[TuneTask]]:
-    """The tasks of every group the study's methods need ({group: tasks}, in the order they
-    run: ce before ce+maccal, csm before csm3 and csm+maccal). Grid runs read the val split only
-    (never evaluated)."""
-    groups = dict.fromkeys(g for method in cfg.methods for g in plan_groups(method))
-    train_sets, ft_sets = split_sets(sets, "train"), split_sets(sets, "finetune")
-    tuned: dict[str, list[TuneTask]] = {}
-    for group in groups:
-        tuned[group] = _group_tasks(group, root, train_sets, ft_sets, tuned, tune_seeds(cfg))
-    return tuned
-
-
-def tuning_report(cfg: StudyConfig, root: Path, sets: Sequence[str]) -> dict[str, Any]:
-    """Every group's grid, extensions and choice, as the study's runs were given them
-    (study.json "tuning"): csm3 adds the csm w it ran at ("at"), a MaC-Cal group its base runs
-    (one per tuning seed). Every study method has a grid (tuning_group)."""
-    tuned = tuning_tasks(cfg, root, sets)
-    report: dict[str, Any] = {}
-    for group, tasks in tuned.items():
-        result = {"params": {k: list(v) for k, v in GRIDS[group].items()}, **choose(root, tasks)}
-        if group == "csm3":
-            result["at"] = {"csm_weight": choose(root, tuned["csm"])["chosen"]["csm_weight"]}
-        if METHODS[group].stage == "finetune":
-            result["base"] = choose(root, tuned[NEEDS[group]])["chosen_runs"]
-        report[group] = result
-    return report

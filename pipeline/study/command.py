@@ -1,0 +1,169 @@
+"""The `semix study` command: the plan run, then study.json, report.md and the figures; and the
+command's --fields and --print-config (pipeline/study/__init__.py says what a study does)."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from core.config import describe_fields
+from core.io import atomic_write_json
+from core.logs import log
+from core.runtime import derive_seed
+from pipeline.chain import chain_fields
+from pipeline.study import robustness
+from pipeline.study.config import (
+    METHODS,
+    METRICS,
+    POSTHOC,
+    StudyConfig,
+    check_budget,
+    comparison_pairs,
+)
+from pipeline.study.execute import execute
+from pipeline.study.figures import figures
+from pipeline.study.intervals import mixed_sets_of
+from pipeline.study.mixed_sets import mixed_images, set_variant
+from pipeline.study.plan import setup
+from pipeline.study.records import collect, seed_predictions
+from pipeline.study.report import write_report
+from pipeline.study.stats import MARGINS, compare, summarize
+from pipeline.study.tuning_plan import tuning_report
+from shards.budget import labelled_split_images
+
+RUNS = ("train", "finetune", "evaluate")  # the stages a study runs after the chain
+
+
+def pair_rng(*key: str) -> np.random.Generator:
+    """The generator of one paired comparison: (when, metric, method, reference)."""
+    return np.random.default_rng(derive_seed(0, "study-paired", *key))
+
+
+def run_study(preset: str, sets: Sequence[str]) -> Path:
+    # 0. The study's config, the run root, and the plan, every run's config resolved.
+    cfg, root, tasks = setup(preset, sets)
+    out = root / "study"
+    # 1-2. The chain and every run (skipping what is complete).
+    todo = [t.name for t in tasks if not t.done]
+    log.info(
+        "study %s: %d methods x %d seeds, %d of %d tasks to run, %d at a time -> %s",
+        *(root.name, len(cfg.methods), len(cfg.seeds), len(todo), len(tasks), cfg.jobs, out),
+    )
+    t0 = time.perf_counter()
+    seconds = execute(tasks, preset, cfg.jobs, out / "logs")
+    # 3. Records, statistics, report and figures.
+    records = collect(cfg, root)
+    budget = check_budget(records)
+    summary = summarize(records, METRICS)
+    by_seed = seed_predictions(root, records)
+    # paired by seed and test image (mixed sets the top-level units where records carry them),
+    # the intervals of pipeline/study/intervals.py, verdicts against the margins fixed in
+    # pipeline/study/stats.py (MARGINS) before any run
+    pairs = comparison_pairs(cfg.methods)
+    if POSTHOC in by_seed["after_ts"]:  # after TS only
+        pairs += [(m, POSTHOC) for m in ("ce", "csm") if m in cfg.methods]
+    paired = {
+        when: compare(
+            p,
+            [pair for pair in pairs if POSTHOC not in pair or when == "after_ts"],
+            cfg.bootstrap,
+            functools.partial(pair_rng, when),
+            mixed_sets=mixed_sets_of(records),
+            when=when,
+        )
+        for when, p in by_seed.items()
+    }
+    robust: dict[str, Any] = {"shift": None, "ood": None}
+    if cfg.robustness:
+        wanted = robustness.comparisons(cfg.methods)
+        robust = {
+            "shift": robustness.shift_paired(root, records, wanted, cfg.bootstrap, robustness.rng),
+            "ood": robustness.ood_paired(root, records, cfg.methods, cfg.bootstrap, robustness.rng),
+        }
+    tuning = tuning_report(cfg, root, sets) if cfg.tune else {}
+    variants = sorted(
+        set_variant(METHODS[m].variant, cfg.mixed_set(m, seed))
+        for m in cfg.methods
+        if METHODS[m].needs_mixed
+        for seed in cfg.seeds_of(m)
+    )
+    variants = [v for v in dict.fromkeys(variants) if v]
+    images = mixed_images(root, variants) if variants else None
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(
+        out / "study.json",
+        {
+            "dataset": root.name,
+            "labelled_images": labelled_split_images(root, budget),
+            "labelled_train_images": budget,
+            "config": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.__dict__.items()},
+            "records": records,
+            "summary": summary,
+            "paired": paired,
+            "margins": MARGINS,
+            "tuning": tuning,
+            "mixed_images": images,
+            "shift_paired": robust["shift"],
+            "ood_paired": robust["ood"],
+        },
+    )
+    # what this machine took, apart: study.json is the same bytes wherever the study ran
+    atomic_write_json(
+        out / "host.json",
+        {
+            "task_seconds_this_invocation": seconds,
+            "wall_seconds_this_invocation": round(time.perf_counter() - t0, 1),
+        },
+    )
+    figures(cfg, root, out, {m: list(p.values()) for m, p in by_seed["before_ts"].items()}, summary)
+    report = write_report(
+        cfg, root, out, records, summary, paired, tuning, images,
+        robust if cfg.robustness else None,
+    )  # fmt: skip
+    if cfg.robustness:
+        robustness.figure(records, out / "shift.png", f"{root.name}: under corruption, after TS")
+    return report
+
+
+def fields_text(preset: str) -> str:
+    """`semix study --fields`: the study's own fields (`study.key`), then the chain's and those
+    of the runs it makes."""
+    head = f"semix study --preset {preset}: the study, the chain, then train/finetune/evaluate runs"
+    study = describe_fields(StudyConfig, spell=lambda key: f"study.{key}")
+    return "\n".join(
+        [head, "study: --set study.key=value", *study, "", *chain_fields(preset, RUNS)]
+    )
+
+
+def resolved(preset: str, sets: Sequence[str]) -> dict[str, Any]:
+    """`semix study --print-config`: the study's config and its plan (every task, whether it is
+    done, and the commands it runs); nothing runs, and the data need not be at hand."""
+    cfg, root, tasks = setup(preset, sets, data=False)
+    return {
+        "study": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.__dict__.items()},
+        "root": str(root),
+        "tasks": [
+            {
+                "name": t.name,
+                "done": t.done,
+                "after": sorted(t.after),
+                "steps": [{"stage": stage, "sets": list(s)} for stage, s in t.steps],
+            }
+            for t in tasks
+        ],
+    }
+
+
+def main(preset: str, sets: Sequence[str]) -> None:
+    """`python -m pipeline study`: run it, then print where the report is and its goal."""
+    report = run_study(preset, sets)
+    print(f"semix study: report in {report}")
+    text = report.read_text()
+    start = text.find("## The goal")
+    if start >= 0:
+        print(text[start:].split("\n## ", 1)[0])
