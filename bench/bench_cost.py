@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from bench import RESULTS
 from bench.bench_generate import PEAK_BF16
 from pipeline.registry import resolve_stage_config
 from stages.generate import make_plan
@@ -259,8 +260,7 @@ def cpu_dit_forward() -> float:
 
 def _stream_rows() -> str:
     """The 256 px rows of `python -m bench stream` (bench/RESULTS.md), reused, not re-measured."""
-    path = Path(__file__).with_name("RESULTS.md")
-    lines = path.read_text().splitlines() if path.is_file() else []
+    lines = RESULTS.read_text().splitlines() if RESULTS.is_file() else []
     cells = [
         [c.strip() for c in s.strip("|").split("|")] for s in lines if s.startswith("| 256 px")
     ]
