@@ -223,7 +223,7 @@ def render(
 
 
 def _cell(metrics: dict[str, Any], key: str, digits: int = 2) -> str:
-    """One number, or "-" where an older evaluation did not record it."""
+    """One number, or "-" where the evaluation did not record it."""
     return f"{metrics[key]:.{digits}f}" if key in metrics else "-"
 
 
