@@ -105,7 +105,7 @@ def child(classes: int, path: str) -> dict[str, Any]:
     import torch
 
     from core.io import atomic_write_json
-    from models.annotation import annotation_stats
+    from models.annotation_stats import annotation_stats
     from stages.annotate.report import columns, concat_columns
 
     n_shards = math.ceil(classes * (classes - 1) // 2 / (SHARD // K))

@@ -224,10 +224,10 @@ def shard_bytes(work: dict[str, Any], pngs: Sequence[bytes], tmp: Path) -> dict[
 
 def annotation_json(work: dict[str, Any], pairs: int = 6000) -> float:
     """annotation.json bytes (canonical_json of annotation_stats, as annotate writes it) for
-    `pairs` pairs: above models.annotation.PER_PAIR_CAP the per-pair table gives way to its
+    `pairs` pairs: above models.annotation_stats.PER_PAIR_CAP the per-pair table gives way to its
     summary, so the size no longer grows with the number of pairs (the preset's 499,500 too)."""
     from core.io import canonical_json
-    from models.annotation import PER_PAIR_CAP, annotation_stats
+    from models.annotation_stats import PER_PAIR_CAP, annotation_stats
 
     plan, k = work["plan"], work["members"]
     assert pairs > PER_PAIR_CAP, "measure where the preset's size behaves like the preset"

@@ -36,8 +36,9 @@ from core.logs import log
 from core.plots import lines
 from core.runtime import code_version, make_generator
 from models.classifiers import Classifier
+from models.fedlas import GATE_MODES
 from models.finetuning import arch_with_head, build_model, require_separable_head
-from models.heads import GATE_MODES, MaskedSGD, RetentionSchedule
+from models.heads import MaskedSGD, RetentionSchedule
 from models.objectives import Objective, TrainingModule, build_objective, maccal
 from models.training import collect_logits
 from shards.budget import labelled_images

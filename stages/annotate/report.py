@@ -19,7 +19,7 @@ from core.io import atomic_write_json
 from core.logs import log
 from core.plots import scatter, ternary
 from core.runtime import make_generator
-from models.annotation import annotation_stats, fidelity_stats
+from models.annotation_stats import annotation_stats, fidelity_stats
 from models.simplex import lattice_points, simplex_stats
 from shards.reader import iter_folder
 from stages.common.fidelity import cnn_judge
@@ -66,7 +66,7 @@ def concat_columns(parts: Sequence[Columns]) -> Columns:
 def generator_fidelity(cfg: Config, series: Path, class_names, device) -> dict[str, Any] | None:
     """Does the generator draw each class as that class? A real-only classifier (`fidelity_run`)
     on the pure-class images of every series (α = 1: class a, α = 0: class b), next to the same
-    classifier on real/test (models.annotation.fidelity_stats)."""
+    classifier on real/test (models.annotation_stats.fidelity_stats)."""
     if not cfg.fidelity_run:
         return None
     judge = cnn_judge(cfg.root, cfg.fidelity_run, device, cfg.batch_size, key="fidelity_run")
