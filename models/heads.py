@@ -222,7 +222,8 @@ class RetentionSchedule:
 
 
 class EpochAccConf:
-    """acc_t and conf_t (mean max-softmax) over one epoch's training forward passes (§4).
+    """acc_t and conf_t (mean max-softmax) over one epoch's training forward passes
+    (docs/methods.md §4).
 
     Totals stay on the logits' device (no per-step sync); `totals` = [correct, Σconf, n] in
     float64 can be all-reduced across ranks before `compute()`. Soft targets count as their argmax.
