@@ -3,13 +3,28 @@
 import os
 from pathlib import Path
 
+BENCH = Path(__file__).resolve().parent  # the bench_*.py modules
+REPO = BENCH.parent  # the checkout they measure
+RESULTS = BENCH / "RESULTS.md"  # what `make bench` writes
+FITTED = "generator/fidelity.json"  # in a run root: a fitted in-house generator
 
-def run_root(env: str, defaults: tuple[str, ...], marker: str) -> Path | None:
-    """The run root a bench reads: $env if set, else the first of `defaults`; None unless it
-    holds `marker` (a file the bench needs, relative to the root)."""
+
+def run_root(
+    bench: str, env: str, defaults: tuple[str, ...], marker: str, needs: str
+) -> Path | None:
+    """The run root a bench reads: $env if set, else the first of `defaults` that holds
+    `marker` (a file the bench needs, relative to the root). None, said in one line (what is
+    missing, how to make it; the bench's section in RESULTS.md is kept), when none does."""
     named = os.environ.get(env)
     candidates = [Path(named)] if named else [Path(d) for d in defaults]
-    return next((c for c in candidates if (c / marker).is_file()), None)
+    root = next((c for c in candidates if (c / marker).is_file()), None)
+    if root is None:
+        one = len(defaults) == 1
+        where = f"{defaults[0] if one else 'runs/<preset>'}/{marker}"
+        make = f"make generate CLASSES={Path(defaults[0]).name}" if one else "make generate"
+        print(f"bench {bench}: no {needs} ({where}): run `{make}` first, or set {env}=<run root>; "
+              "section kept")  # fmt: skip
+    return root
 
 
 def fitted_generator(root: Path) -> tuple[dict, dict, list]:

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from bench import BENCH, RESULTS
 
 
 def machine() -> str:
@@ -48,8 +48,8 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    names = argv or sorted(p.stem.removeprefix("bench_") for p in HERE.glob("bench_*.py"))
-    results_path = HERE / "RESULTS.md"
+    names = argv or sorted(p.stem.removeprefix("bench_") for p in BENCH.glob("bench_*.py"))
+    results_path = RESULTS
     sections = {}
     if results_path.is_file():  # keep sections of benchmarks not rerun this time
         text = results_path.read_text()

@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import REPO
+
 CASES = (100, 300, 1000)
 K = 8
 SHARD = 1000  # images a shard (125 series of 8)
@@ -89,7 +91,7 @@ def _stats_before():
     """`annotation_stats` at commit BEFORE (its models/annotation.py imports torch only)."""
     src = subprocess.run(
         ["git", "show", f"{BEFORE}:models/annotation.py"],
-        cwd=Path(__file__).resolve().parent.parent,
+        cwd=REPO,
         capture_output=True,
         text=True,
         check=True,
@@ -103,7 +105,7 @@ def child(classes: int, path: str) -> dict[str, Any]:
     import torch
 
     from core.io import atomic_write_json
-    from models.annotation import annotation_stats
+    from models.annotation_stats import annotation_stats
     from stages.annotate.report import columns, concat_columns
 
     n_shards = math.ceil(classes * (classes - 1) // 2 / (SHARD // K))

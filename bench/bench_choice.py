@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from bench import fitted_generator, run_root
+from bench import FITTED, fitted_generator, run_root
 from models.generators import load_generator, make_scheduler
 from shards.datasets import load_real
 from stages.common.fidelity import endpoint_fidelity
@@ -39,10 +39,10 @@ def choose(cells: dict[tuple[bool, str], dict], chooser: str) -> tuple[bool, str
 
 
 def run() -> dict | None:
-    root = run_root("SEMIX_BENCH_CHOICE", ("runs/fashion-mnist",), "generator/fidelity.json")
+    root = run_root(
+        "choice", "SEMIX_BENCH_CHOICE", ("runs/fashion-mnist",), FITTED, "fitted generator"
+    )
     if root is None:
-        print("bench choice: no fitted generator (runs/fashion-mnist/generator/fidelity.json): "
-              "run `make generate CLASSES=fashion-mnist` first; section kept")  # fmt: skip
         return None
     config, fidelity, judges = fitted_generator(root)
     names = load_real(root / "real" / "test").class_names

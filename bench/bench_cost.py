@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from bench import RESULTS
 from bench.bench_generate import PEAK_BF16
 from pipeline.registry import resolve_stage_config
 from stages.generate import make_plan
@@ -223,10 +224,10 @@ def shard_bytes(work: dict[str, Any], pngs: Sequence[bytes], tmp: Path) -> dict[
 
 def annotation_json(work: dict[str, Any], pairs: int = 6000) -> float:
     """annotation.json bytes (canonical_json of annotation_stats, as annotate writes it) for
-    `pairs` pairs: above models.annotation.PER_PAIR_CAP the per-pair table gives way to its
+    `pairs` pairs: above models.annotation_stats.PER_PAIR_CAP the per-pair table gives way to its
     summary, so the size no longer grows with the number of pairs (the preset's 499,500 too)."""
     from core.io import canonical_json
-    from models.annotation import PER_PAIR_CAP, annotation_stats
+    from models.annotation_stats import PER_PAIR_CAP, annotation_stats
 
     plan, k = work["plan"], work["members"]
     assert pairs > PER_PAIR_CAP, "measure where the preset's size behaves like the preset"
@@ -259,8 +260,7 @@ def cpu_dit_forward() -> float:
 
 def _stream_rows() -> str:
     """The 256 px rows of `python -m bench stream` (bench/RESULTS.md), reused, not re-measured."""
-    path = Path(__file__).with_name("RESULTS.md")
-    lines = path.read_text().splitlines() if path.is_file() else []
+    lines = RESULTS.read_text().splitlines() if RESULTS.is_file() else []
     cells = [
         [c.strip() for c in s.strip("|").split("|")] for s in lines if s.startswith("| 256 px")
     ]

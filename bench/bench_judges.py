@@ -43,10 +43,14 @@ def corners(images: torch.Tensor) -> torch.Tensor:
 
 
 def run() -> dict | None:
-    root = run_root("SEMIX_BENCH_JUDGES", ("runs/fashion-mnist",), "series/manifest.json")
+    root = run_root(
+        "judges",
+        "SEMIX_BENCH_JUDGES",
+        ("runs/fashion-mnist",),
+        "series/manifest.json",
+        "generated series",
+    )
     if root is None:
-        print("bench judges: no generated series (runs/fashion-mnist/series): run `make generate "
-              "CLASSES=fashion-mnist` first, or set SEMIX_BENCH_JUDGES=<run root>; section kept")  # fmt: skip
         return None
     generator = json.loads((root / "generator" / "config.json").read_text())
     fidelity = json.loads((root / "generator" / "fidelity.json").read_text())
@@ -83,8 +87,9 @@ def run() -> dict | None:
     annotation = root / "mixed" / "annotation.json"
     spearman = (
         json.loads(annotation.read_text()).get("spearman_lambda_alpha")
-        if annotation.is_file() else None
-    )  # fmt: skip
+        if annotation.is_file()
+        else None
+    )
     notes = [
         f"{root}: generator {generator['unet']}, {generator['steps']} fit steps, "
         f"{generator.get('prediction_type', 'epsilon')}, hflip={generator.get('hflip')}, "

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from bench import fitted_generator, run_root
+from bench import FITTED, fitted_generator, run_root
 from bench.bench_judges import corners
 from models.generators import load_generator, make_scheduler
 from shards.datasets import load_real
@@ -73,10 +73,10 @@ class ClipCounter:
 
 
 def run() -> dict | None:
-    root = run_root("SEMIX_BENCH_LEVERS", ("runs/fashion-mnist",), "generator/fidelity.json")
+    root = run_root(
+        "levers", "SEMIX_BENCH_LEVERS", ("runs/fashion-mnist",), FITTED, "fitted generator"
+    )
     if root is None:
-        print("bench levers: no fitted generator (runs/fashion-mnist/generator/fidelity.json): "
-              "run `make generate CLASSES=fashion-mnist` first; section kept")  # fmt: skip
         return None
     config, fidelity, judges = fitted_generator(root)
     chosen = float(fidelity["guidance"])

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from bench import run_root
+from bench import FITTED, run_root
 from models.generators import load_generator, load_unet
 from models.generators.objective import predicted_x0
 from shards.datasets import load_real
@@ -61,11 +61,13 @@ def x0_error_by_t(root: Path, n: int = 512) -> str:
 
 def run() -> dict | None:
     root = run_root(
-        "SEMIX_BENCH_SAMPLER", ("runs/fashion-mnist", "runs/digits"), "generator/fidelity.json"
+        "sampler",
+        "SEMIX_BENCH_SAMPLER",
+        ("runs/fashion-mnist", "runs/digits"),
+        FITTED,
+        "fitted generator",
     )
     if root is None:
-        print("bench sampler: no fitted generator (runs/<preset>/generator/fidelity.json): "
-              "run `make generate` first, or set SEMIX_BENCH_SAMPLER=<run root>; section kept")  # fmt: skip
         return None
     config = json.loads((root / "generator" / "config.json").read_text())
     chosen = float(json.loads((root / "generator" / "fidelity.json").read_text())["guidance"])

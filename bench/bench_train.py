@@ -34,6 +34,7 @@ import torch
 from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+from bench import REPO
 from models.classifiers import build_classifier
 from models.training import (
     CPU_PASS,
@@ -48,7 +49,6 @@ BATCH, EVAL_BATCH, CLASSES = 128, 512, 10
 REPEATS = 3  # one-run-per-process timings of each checkout
 STACK = 5  # seeds in the sitting's stack
 SHIFT_IMAGES = 2000  # test images per corruption and severity, as the study's robustness table
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _best(fn, repeats: int = 5, number: int = 10) -> float:

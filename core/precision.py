@@ -1,9 +1,8 @@
 """One precision vocabulary and one resolver for every stage.
 
-Every precision field takes the same words, `auto | fp32 | bf16 | fp16`; the spellings fields
-recorded before this vocabulary (`no` in fit-generator's `mixed_precision`, generate's `""` and
-`float32 | bfloat16 | float16`) mean the same and stay valid, so every config.json keeps its
-bytes. `resolve_precision` says once what `auto` is:
+Every precision field takes the same words, `auto | fp32 | bf16 | fp16`; `ALIASES` maps the
+other spellings a config.json may hold (`no`, `""`, `float32 | bfloat16 | float16`) to them, so
+those files keep their bytes (docs/compat.md). `resolve_precision` says once what `auto` is:
 
 - on a GPU: bf16 where the GPU computes it, else fp32 (never fp16 silently);
 - on a CPU: fp32, unless the stage measured that bf16 pays there (`cpu_bf16=True`), and then only
@@ -25,7 +24,7 @@ from core.runtime import launcher_precision
 
 Precision = Literal["fp32", "bf16", "fp16"]
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-# older spellings, recorded in config.json before the one vocabulary: the same meaning
+# the other spellings a config.json may hold, and the word each means
 ALIASES = {"": "auto", "no": "fp32", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -38,7 +37,7 @@ TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # the 
 
 
 def canonical(value: str) -> str:
-    """`value` in the one vocabulary (an older spelling mapped to its word)."""
+    """`value` in the one vocabulary (an alias mapped to its word)."""
     return ALIASES.get(value, value)
 
 
@@ -71,7 +70,7 @@ def native_bf16(device: torch.device) -> bool:
 def resolve_precision(
     field: str, value: str, device: torch.device, *, cpu_bf16: bool = False, launcher: bool = True
 ) -> Precision:
-    """The precision a stage computes in: `value` (a word or an older spelling), `auto` resolved
+    """The precision a stage computes in: `value` (a word or an alias), `auto` resolved
     as the module docstring says. `launcher`: the stage runs under accelerate (its mixed precision
     is accelerate's to set); a stage that casts by itself (generate, annotate) passes False."""
     word = canonical(value)

@@ -27,7 +27,7 @@ A model is rebuilt from `arch_config()` (JSON-able) with `classifier_from_config
 save config.json + safetensors and load them back without pickles. The config holds every
 constructor argument (its `family`, the class in FAMILIES, and the widths and depths), so a
 saved model rebuilds as it was even if the registry's entry for its name changes; a config of
-the name alone (written before, or a class of no family) is rebuilt through CLASSIFIERS.
+the name alone (a class of no family; docs/compat.md) is rebuilt through CLASSIFIERS.
 """
 
 from __future__ import annotations
@@ -391,8 +391,8 @@ FAMILIES = {c.family: c for c in (CifarResNet, DigitsCNN, ConvMLP, TimmClassifie
 
 def classifier_from_config(config: dict) -> Classifier:
     """Inverse of `Classifier.arch_config()`: same architecture, freshly initialised weights.
-    A config with a `family` is built from its own arguments; one of the name alone (model.json
-    of runs written before, or a registered class of no family) through CLASSIFIERS. Keys a
+    A config with a `family` is built from its own arguments; one of the name alone (a registered
+    class of no family; docs/compat.md) through CLASSIFIERS. Keys a
     caller adds for itself (`head`: models.finetuning) are not the classifier's.
 
     Weights are never fetched here (load the saved state dict on top), so this works offline.

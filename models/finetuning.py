@@ -18,7 +18,8 @@ import torch
 from torch import Tensor, nn
 
 from models.classifiers import Classifier, classifier_from_config
-from models.heads import GATE_MODES, MaskedBottleneckHead
+from models.fedlas import GATE_MODES
+from models.heads import MaskedBottleneckHead
 
 MASKED_BOTTLENECK = "masked-bottleneck"
 

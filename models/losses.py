@@ -27,7 +27,7 @@ report (torrvision/focal_calibration), which divides its pair sums differently (
 Every class here is also a train loss (models/objectives.OBJECTIVES wraps each in a
 `CriterionObjective`); losses that need more than (logits, labels) are objectives there: `csm`
 (CE on real + w·`soft_l2` on synthetic, separate forward passes), `mixup` (a batch transform,
-`mixup_batch`, plus `mixup_loss`) and `fedlas-*` (models/heads.py's criterion).
+`mixup_batch`, plus `mixup_loss`) and `fedlas-*` (models/fedlas.py's criterion).
 """
 
 from __future__ import annotations

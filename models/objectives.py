@@ -30,8 +30,9 @@ from torch.nn import functional as F
 from core.config import ConfigError
 from core.parts import Params, param
 from models.classifiers import Classifier
+from models.fedlas import FeDLaSCriterion
 from models.finetuning import GateTracker, require_separable_head
-from models.heads import EpochAccConf, FeDLaSCriterion, MaskedBottleneckHead, RetentionSchedule
+from models.heads import EpochAccConf, MaskedBottleneckHead, RetentionSchedule
 from models.losses import LOSSES, mixup_batch, mixup_loss, soft_l2
 
 Reduce = Callable[[Tensor], Tensor]  # sum over processes (accelerator.reduce); identity alone

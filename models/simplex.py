@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models.annotation import spearman
+from models.annotation_stats import spearman
 
 
 def lattice_points(k: int, m: int) -> tuple[tuple[int, ...], ...]:

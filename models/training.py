@@ -221,7 +221,7 @@ def collect_logits(
     return (out, torch.cat(feats)) if features else out
 
 
-# ------------------------------------------------------------------------- CSM sampler (§3)
+# ----------------------------------------------------------- CSM sampler (docs/methods.md §3)
 
 
 class SeriesIndex:

@@ -108,8 +108,8 @@ def verify_checkpoint(
     """(the state the marker holds, whether it carries a file record) of a complete checkpoint
     whose files are all its record's: each listed file present with its size and (`hashes`)
     its sha256, none unlisted, names as `check_checkpoint` allows. Raises CheckpointError naming
-    the first file that is not. A marker without a record (written before semix kept one)
-    passes: (state, False), its files unverified."""
+    the first file that is not. A marker without a record passes: (state,
+    False), its files unverified (docs/compat.md)."""
     folder = check_checkpoint(folder, MARKER, ours)
     marker = folder / MARKER
     try:
@@ -308,8 +308,7 @@ class Checkpointer:
         state, recorded = verify_checkpoint(path, self.files)
         if not recorded:
             log.warning(
-                "%s has no sha256 record (written by an older semix): its files are loaded "
-                "unverified",
+                "%s has no sha256 record: its files are loaded unverified",
                 path,
             )
         self._verified[Path(path)] = state

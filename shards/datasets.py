@@ -121,10 +121,26 @@ def load_series_table(
     series is complete when it holds each position 0..K−1 exactly once.
     """
     folder = Path(folder)
+    manifest = mixed_manifest(folder, class_names)
+    return series_table(folder, manifest, iter_folder(folder, verify), device, image_size)
+
+
+def mixed_manifest(folder: Path, class_names: Sequence[str] | None) -> Manifest:
+    """mixed/'s manifest, its class list checked against the real one when given."""
     manifest = read_manifest(folder)
     if class_names is not None:
         check_same_classes(f"mixed folder {folder}", manifest.class_names, class_names, "real/")
-    return series_table(folder, manifest, iter_folder(folder, verify), device, image_size)
+    return manifest
+
+
+def check_image_size(folder: Path, height_width: Sequence[int], image_size: int | None) -> None:
+    """Mixed images must have the real ones' size (`image_size`, square; None: not checked)."""
+    h, w = height_width
+    if image_size is not None and (h, w) != (image_size, image_size):
+        raise ShardError(
+            f"{folder}: mixed images are {w}x{h}, real images {image_size}x{image_size}; "
+            "regenerate at the dataset resolution"
+        )
 
 
 def series_table(
@@ -179,12 +195,8 @@ def series_table(
         raise ShardError(f"{folder}: no complete series of {k} members")
     rows = [[by_series[sid][p] for p in range(k)] for sid in complete]
     images = np.stack([np.stack([r[0] for r in row]) for row in rows])
-    pixels = images.ndim == 5  # else sample numbers [S, K]
-    if pixels and image_size is not None and images.shape[2:4] != (image_size, image_size):
-        raise ShardError(
-            f"{folder}: mixed images are {images.shape[3]}x{images.shape[2]}, real images "
-            f"{image_size}x{image_size}; regenerate at the dataset resolution"
-        )
+    if images.ndim == 5:  # pixels, else sample numbers [S, K]
+        check_image_size(folder, images.shape[2:4], image_size)
     if len({len(row[0][1]) for row in rows}) != 1:
         raise ShardError(f"{folder}: series mix different numbers of classes")
     classes = torch.tensor([row[0][1] for row in rows], dtype=torch.int64)

@@ -56,7 +56,7 @@ class EvalError(ShardError):
     every `except ShardError` (a damaged evaluation is redone or left out of the report)."""
 
 
-# The layout of predictions.npz, in every evaluation's settings: one written with an older
+# The layout of predictions.npz, in every evaluation's settings: one written with another
 # layout is stale and redone. 2: the OOD sets' logits too (ood_logits_key).
 PREDICTIONS_FORMAT = 2
 

@@ -81,7 +81,7 @@ class PlannedFile:
 
 def upload_plan(folder: Path, manifest: Manifest, card: bytes) -> list[PlannedFile]:
     """Shards in manifest order, manifest.json, the card (from memory), then the extras that
-    exist. A README.md lying in the folder (left by an older semix) is not uploaded."""
+    exist. A README.md lying in the folder is not uploaded (the card is)."""
     names = [rec.name for rec in manifest.shards] + [MANIFEST]
     missing = [n for n in names if not (folder / n).is_file()]
     if missing:

@@ -11,7 +11,7 @@ is renamed into place and before the shard's completion record (docs/architectur
 own bytes are untouched, so existing shards keep their bytes and manifests their digests.
 
 The index is a cache, never a source of truth: it is used only when its name, size and sha256
-are the manifest record's, else (a folder written before indexes existed, pulled from the Hub,
+are the manifest record's, else (a folder without `.index/`, one pulled from the Hub,
 or an index for other bytes) the offsets come from scanning the tar headers, one 512-byte read
 per member, and nothing is written (a complete folder is never modified). And every payload
 read (`read_member`) reads the member's header block with it and checks its name, size and

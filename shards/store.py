@@ -38,8 +38,9 @@ from core.io import sha256_file
 from shards.datasets import (
     RealSplit,
     SeriesTable,
+    check_image_size,
     check_real,
-    check_same_classes,
+    mixed_manifest,
     series_table,
 )
 from shards.manifest import (
@@ -280,15 +281,8 @@ def open_series_table(
     """`shards.datasets.load_series_table` for the streaming path: the same table (same
     series, order, fields, checks) with `images` a SeriesImages instead of pixels."""
     folder = Path(folder)
-    manifest = read_manifest(folder)
-    if class_names is not None:  # before hashing anything
-        check_same_classes(f"mixed folder {folder}", manifest.class_names, class_names, "real/")
+    mixed_manifest(folder, class_names)  # the class lists, before hashing anything
     store = ImageStore.open(folder, verify)
     table = series_table(folder, store.manifest, store.samples(), device)
-    h, w = store.image_shape[:2]
-    if image_size is not None and (h, w) != (image_size, image_size):
-        raise ShardError(
-            f"{folder}: mixed images are {w}x{h}, real images {image_size}x{image_size}; "
-            "regenerate at the dataset resolution"
-        )
+    check_image_size(folder, store.image_shape[:2], image_size)
     return dataclasses.replace(table, images=SeriesImages(store, table.images))

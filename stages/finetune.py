@@ -8,12 +8,13 @@ The trained run's classifier goes through the same training loop as `train` (sta
 accelerate, checkpoints after every epoch, resume, progress), with a constant lr, and the last
 epoch's weights are kept (no selection on val: evaluate fits its temperature there):
 
-- FeDLaS (§5) is training with `init=` the trained run and the FeDLaS objective (the loss=
-  fedlas-* of `train`): the whole model continues, a fresh gate joins the SGD optimizer (same
-  lr and weight decay) but not the gradient clipping.
-- MaC-Cal (§4) is the objective `models.objectives.MacCalObjective`: the backbone frozen in
-  eval mode (BatchNorm statistics stay as trained), a fresh masked bottleneck head trained with
-  cross-entropy under MaskedSGD, one Bernoulli(q) mask per epoch, then q <- RetentionSchedule.
+- FeDLaS (docs/methods.md §5) is training with `init=` the trained run and the FeDLaS objective
+  (the loss= fedlas-* of `train`): the whole model continues, a fresh gate joins the SGD
+  optimizer (same lr and weight decay) but not the gradient clipping.
+- MaC-Cal (docs/methods.md §4) is the objective `models.objectives.MacCalObjective`: the backbone
+  frozen in eval mode (BatchNorm statistics stay as trained), a fresh masked bottleneck head
+  trained with cross-entropy under MaskedSGD, one Bernoulli(q) mask per epoch, then
+  q <- RetentionSchedule.
   With augmentation off (crop_pad=0, flip=false) the features of real/train are computed once.
 
 Folder, laid out like a train run: config.json, checkpoints/, metrics.json (section
@@ -36,8 +37,9 @@ from core.logs import log
 from core.plots import lines
 from core.runtime import code_version, make_generator
 from models.classifiers import Classifier
+from models.fedlas import GATE_MODES
 from models.finetuning import arch_with_head, build_model, require_separable_head
-from models.heads import GATE_MODES, MaskedSGD, RetentionSchedule
+from models.heads import MaskedSGD, RetentionSchedule
 from models.objectives import Objective, TrainingModule, build_objective, maccal
 from models.training import collect_logits
 from shards.budget import labelled_images

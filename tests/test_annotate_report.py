@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.annotation import PER_PAIR_CAP, annotation_stats
+from models.annotation_stats import PER_PAIR_CAP, annotation_stats
 from models.simplex import edge_monotone_share, lattice_points, lattice_weights, simplex_stats
 from stages.annotate.report import columns, concat_columns
 
@@ -194,7 +194,7 @@ def test_per_pair_summary_is_the_spread_of_the_pair_means():
 
 
 def test_grouping_by_row_codes_is_unique_over_rows():
-    from models.annotation import _group_mean_std
+    from models.annotation_stats import _group_mean_std
 
     g = torch.Generator().manual_seed(4)
     keys = torch.stack(

@@ -12,15 +12,17 @@ from models.annotation import (
     ANNOTATORS,
     PrototypeAccumulator,
     annotate,
-    annotation_stats,
     class_prototypes,
+    project_lambda,
+    soft_targets,
+    text_prototypes,
+)
+from models.annotation_stats import (
+    annotation_stats,
     fidelity_stats,
     monotone_share,
-    project_lambda,
     rankdata,
-    soft_targets,
     spearman,
-    text_prototypes,
 )
 
 

@@ -1,6 +1,7 @@
 """The docs cite only what the repository holds: make targets the Makefile has, links to
 committed files, no design papers of the founding team (METHODS.md, NOTES.md, ARCHITECTURE.md,
-which are not in the repository); and `make clean` removes only what it should."""
+STYLE.md, which are not in the repository), no path to a .md file or section that is not
+committed; and `make clean` removes only what it should."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 SPAN = re.compile(r"`([^`\n]+)`")
 MAKE = re.compile(r"(?<![\w./-])make\s+([a-z][\w-]*)")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
-FOREIGN = re.compile(r"\b(METHODS|NOTES|ARCHITECTURE)(\.md\b|\s*§)")
+FOREIGN = re.compile(r"\b(METHODS|NOTES|ARCHITECTURE|STYLE)(\.md\b|\s*§)")
 
 
 def code_of(text: str) -> list[str]:
@@ -88,25 +89,70 @@ def test_no_doc_cites_the_founding_teams_papers(doc):
     assert not cites, f"{doc.name} cites {cites}"
 
 
-# Where the code cites a section of the repository's own methods doc: `docs/methods.md §3`,
+# Where the code cites a section of one of the repository's docs: `docs/methods.md §3`,
 # `docs/methods.md §4-5`, `docs/methods.md §4-§5`.
-OWN_SECTION = re.compile(r"docs/methods\.md §(\d+)(?:-§?(\d+))?")
+OWN_SECTION = re.compile(r"(docs/[\w/-]+\.md) §(\d+)(?:-§?(\d+))?")
+# A section with no file before it on its line, `(§4)`, is one of docs/methods.md (the one doc
+# with numbered sections) unless a paper is named before it (`Kumar et al. 2019, §5`).
+BARE_SECTION = re.compile(r"(?<!\.md )§(\d+)(?:-§?(\d+))?")
+PAPER = re.compile(r"et al\.|\.md\b")
+# A path to a Markdown file under one of the repository's top folders (`docs/compat.md`,
+# `bench/RESULTS.md`); an output a stage writes (`eval/report.md`) starts with no such folder.
+MD_PATH = re.compile(r"(?<![\w/.-])((?:[\w-]+/)+[\w.-]+\.md)\b")
+
+
+def sections(page: str) -> set[int]:
+    """The numbered sections of a doc (`## 3. CSM training`), empty if it has none or is missing."""
+    path = REPO / page
+    text = path.read_text() if path.is_file() else ""
+    return {int(n) for n in re.findall(r"^## (\d+)\.", text, re.M)}
 
 
 def methods_sections() -> set[int]:
-    """The numbered sections of docs/methods.md (`## 3. CSM training`)."""
-    text = (REPO / "docs" / "methods.md").read_text()
-    return {int(n) for n in re.findall(r"^## (\d+)\.", text, re.M)}
+    return sections("docs/methods.md")
+
+
+def cited_sections(text: str) -> list[tuple[str, str, int, int]]:
+    """(what the text says, the doc, first and last section) of every section citation: a
+    doc's own path, else docs/methods.md for a bare `§N` in code that names no paper."""
+    found = []
+    for line in text.splitlines():
+        for m in OWN_SECTION.finditer(line):
+            first, last = int(m.group(2)), int(m.group(3) or m.group(2))
+            found.append((m.group(0), m.group(1), first, last))
+        for m in BARE_SECTION.finditer(line):
+            if not PAPER.search(line[: m.start()]):
+                first, last = int(m.group(1)), int(m.group(2) or m.group(1))
+                found.append((m.group(0), "docs/methods.md", first, last))
+    return found
+
+
+def uncommitted_md_paths(text: str, files: set[str]) -> list[str]:
+    """Paths to .md files under a top folder of the repository that are not committed."""
+    tops = {f.split("/", 1)[0] for f in files if "/" in f}
+    return [
+        m.group(1)
+        for m in MD_PATH.finditer(text)
+        if m.group(1).split("/", 1)[0] in tops and m.group(1) not in files
+    ]
 
 
 def test_the_citation_patterns_see_what_they_check():
     assert FOREIGN.search("as in METHODS §2") and FOREIGN.search("see ARCHITECTURE.md")
     assert not FOREIGN.search("pipeline/study/config.py METHODS[m]")
-    cited = [
-        m.groups() for m in OWN_SECTION.finditer("(docs/methods.md §4-§5), docs/methods.md §2")
+    assert FOREIGN.search("see STYLE.md") and not FOREIGN.search("a STYLE of its own")
+    cited = cited_sections("(docs/methods.md §4-§5), docs/methods.md §2\nthe sampler (§3)")
+    assert [(doc, a, b) for _, doc, a, b in cited] == [
+        ("docs/methods.md", 4, 5),
+        ("docs/methods.md", 2, 2),
+        ("docs/methods.md", 3, 3),
     ]
-    assert cited == [("4", "5"), ("2", None)]
-    assert methods_sections() >= {1, 2, 3, 4, 5, 6}
+    assert cited_sections("(docs/study.md §9)")[0][1:] == ("docs/study.md", 9, 9)
+    assert not cited_sections("Lin et al. (2024) §3.4: the guided std")  # a paper's section
+    assert methods_sections() >= {1, 2, 3, 4, 5, 6} and not sections("docs/nowhere.md")
+    files = {"docs/methods.md", "bench/RESULTS.md", "README.md"}
+    text = "docs/methods.md, bench/RESULTS.md, docs/gone.md, eval/report.md, see [a](a.md)"
+    assert uncommitted_md_paths(text, files) == ["docs/gone.md"]
 
 
 def help_screens() -> dict[str, str]:
@@ -123,25 +169,30 @@ def help_screens() -> dict[str, str]:
 
 
 def test_code_help_and_docs_cite_only_what_the_repository_holds():
-    """No code, help screen or doc cites a design paper that is not in the repository, and every
-    `docs/methods.md §N` names a section docs/methods.md has."""
+    """No code, help screen or doc cites a design paper that is not in the repository or a path
+    to a .md file that is not committed, and every `docs/<page>.md §N` (a bare `§N` in code:
+    docs/methods.md's) names a section that page has."""
+    files = committed()
     texts = {
         path: (REPO / path).read_text()
-        for path in sorted(committed())
+        for path in sorted(files)
         if path.endswith((".py", ".md", ".toml")) or path == "Makefile"
     }
     texts.pop("tests/test_docs.py")  # the patterns themselves
     texts |= help_screens()
-    sections = methods_sections()
-    foreign, missing = [], []
+    foreign, paths, missing = [], [], []
     for where, text in texts.items():
         foreign += [f"{where}: {m.group(0)}" for m in FOREIGN.finditer(text)]
-        for m in OWN_SECTION.finditer(text):
-            first, last = int(m.group(1)), int(m.group(2) or m.group(1))
-            if not set(range(first, last + 1)) <= sections:
-                missing.append(f"{where}: {m.group(0)}")
+        paths += [f"{where}: {p}" for p in uncommitted_md_paths(text, files)]
+        bare_ok = not where.endswith(".md")  # in a doc, a bare § follows its page's link
+        for said, doc, first, last in cited_sections(text):
+            if not bare_ok and not said.startswith("docs/"):
+                continue
+            if not set(range(first, last + 1)) <= sections(doc):
+                missing.append(f"{where}: {said} ({doc})")
     assert not foreign, f"citations of files not in the repository: {foreign}"
-    assert not missing, f"sections docs/methods.md does not have: {missing}"
+    assert not paths, f"paths to .md files that are not committed: {paths}"
+    assert not missing, f"sections the cited docs do not have: {missing}"
 
 
 def test_make_help_shows_no_unexpanded_variable():

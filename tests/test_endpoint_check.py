@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import save_generator
 
-import stages.generate as generate
+import stages.generate.stage as generate
 from core.runtime import derive_seed
 from models.generators import MixSpec, SeriesSpec, build_unet
 from pipeline.registry import run_stage

@@ -292,7 +292,7 @@ def test_rerun_only_reads_and_a_retrained_run_is_redone(tmp_path, read_only, mon
 
 
 def test_a_failed_evaluation_never_replaces_or_half_writes(tmp_path, monkeypatch):
-    import stages.evaluate
+    import stages.evaluate.stage
 
     root = constructed_root(tmp_path)
     evaluate(root, "run=over")
@@ -306,7 +306,7 @@ def test_a_failed_evaluation_never_replaces_or_half_writes(tmp_path, monkeypatch
     def full_disk(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(stages.evaluate, "reliability_diagram", full_disk)
+    monkeypatch.setattr(stages.evaluate.stage, "reliability_diagram", full_disk)
     with pytest.raises(OSError, match="No space"):
         evaluate(root, "run=over")
     assert snapshot(root / "eval") == complete  # the old, complete evaluation is still there

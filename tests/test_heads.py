@@ -1,4 +1,4 @@
-"""MaC-Cal and FeDLaS math (models/heads.py, docs/methods.md §4-§5): tiny CPU tensors only."""
+"""MaC-Cal and FeDLaS math (models/heads.py, models/fedlas.py, docs/methods.md §4-§5): tiny CPU tensors only."""
 
 from __future__ import annotations
 
@@ -11,18 +11,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.heads import (
+from models.fedlas import (
     NCI,
-    EpochAccConf,
     FeDLaSCriterion,
     FeDLaSGate,
-    MaskedBottleneckHead,
-    MaskedSGD,
-    RetentionSchedule,
     fedlas_ls_loss,
     fedlas_mbls_loss,
     smoothing_weights,
 )
+from models.heads import EpochAccConf, MaskedBottleneckHead, MaskedSGD, RetentionSchedule
 
 D, C = 6, 3
 

@@ -8,7 +8,7 @@ from torch.nn import functional as F
 
 from models import training
 from models.classifiers import build_classifier
-from models.heads import FeDLaSCriterion
+from models.fedlas import FeDLaSCriterion
 from models.losses import LOSSES, build_loss, mixup_batch, mixup_loss
 from models.objectives import OBJECTIVES, TrainingModule, build_objective
 from models.training import (

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core import parts
+from core.precision import DTYPES, TORCH_NAMES
 
 from .spec import MixSpec, Spec
 
@@ -52,13 +53,6 @@ class NonFiniteImageError(RuntimeError):
         super().__init__(
             f"non-finite pixels in series {list(self.series_ids)} (dtype {dtype}); retry them in float32"
         )
-
-
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
 
 
 def _ddim(config: Any) -> SchedulerMixin:
@@ -110,11 +104,14 @@ def make_scheduler(sampler: str, config: Any) -> SchedulerMixin:
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+    """A generator's dtype: a torch dtype, or torch's name of it (float32, bfloat16, float16:
+    the words a series manifest records; core.precision.TORCH_NAMES)."""
+    by_name = {name: DTYPES[word] for word, name in TORCH_NAMES.items()}
+    if isinstance(dtype, torch.dtype) and dtype in by_name.values():
         return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
+    if dtype not in by_name:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(by_name)}")
+    return by_name[dtype]
 
 
 class MixableEmbedding(nn.Embedding):

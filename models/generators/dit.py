@@ -23,7 +23,7 @@ import torch
 from core.parts import Params, param
 
 from .base import Generator, MixableEmbedding, Shared, make_mixable, make_scheduler, mix_weights
-from .loading import dtype_kwarg, load_pretrained, require_cached
+from .loading import load_pipeline
 
 
 class DiTGenerator(Generator):
@@ -34,7 +34,7 @@ class DiTGenerator(Generator):
 
     @dataclass(frozen=True)
     class Params(Params):
-        """The generate field dit owns: `dit_class_ids`, as recorded since the first run."""
+        """The generate field dit owns: `dit_class_ids`, the name config.json records."""
 
         class_ids: tuple[int, ...] = param(
             (), doc="dit: ImageNet id of each of our classes, in order"
@@ -58,16 +58,7 @@ class DiTGenerator(Generator):
             self.load()
 
     def _load(self) -> None:
-        # an uncached hub id offline fails before the pipeline's imports (seconds)
-        require_cached(self.model, self.revision)
-        from diffusers import DiTPipeline
-
-        pipe = load_pretrained(
-            DiTPipeline.from_pretrained,
-            self.model,
-            revision=self.revision,
-            **dtype_kwarg(self.dtype),
-        )
+        pipe = load_pipeline("DiTPipeline", self.model, self.revision, self.dtype)
         self.transformer = pipe.transformer.to(self.device).eval()
         self.vae = pipe.vae.to(self.device).eval()
         self.scheduler = make_scheduler(self.sampler, pipe.scheduler.config)

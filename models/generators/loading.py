@@ -90,3 +90,14 @@ def load_pretrained(load: Callable[..., Any], model: str | Path, **kwargs: Any) 
         return load(model, **kwargs, **({"local_files_only": True} if offline else {}))
     except (OSError, ValueError) as err:
         raise _not_found(model, offline) from err
+
+
+def load_pipeline(name: str, model: str | Path, revision: str | None, dtype: Any, **kwargs: Any):
+    """diffusers' pipeline class `name` (``StableDiffusionPipeline``, ``DiTPipeline``) loaded
+    from `model` at `revision` in `dtype`: an uncached hub id offline fails before diffusers'
+    pipeline imports (seconds), any other failure in ``load_pretrained``'s one line."""
+    require_cached(model, revision)
+    import diffusers
+
+    load = getattr(diffusers, name).from_pretrained
+    return load_pretrained(load, model, revision=revision, **dtype_kwarg(dtype), **kwargs)

@@ -20,7 +20,7 @@ from core.config import ConfigError
 from core.parts import Params, param
 
 from .base import Generator, Shared, make_scheduler
-from .loading import dtype_kwarg, load_pretrained, require_cached
+from .loading import load_pipeline
 
 
 class SDGenerator(Generator):
@@ -31,7 +31,7 @@ class SDGenerator(Generator):
 
     @dataclass(frozen=True)
     class Params(Params):
-        """The generate fields sd owns, recorded under these names since the first run."""
+        """The generate fields sd owns, under the names config.json records."""
 
         prompt_template: str = param(
             "a photo of a {name}",
@@ -82,15 +82,11 @@ class SDGenerator(Generator):
             self.load()
 
     def _load(self) -> None:
-        # an uncached hub id offline fails before the pipeline's imports (seconds)
-        require_cached(self.model, self.revision)
-        from diffusers import StableDiffusionPipeline
-
-        pipe = load_pretrained(
-            StableDiffusionPipeline.from_pretrained,
+        pipe = load_pipeline(
+            "StableDiffusionPipeline",
             self.model,
-            revision=self.revision,
-            **dtype_kwarg(self.dtype),
+            self.revision,
+            self.dtype,
             safety_checker=None,
             requires_safety_checker=False,
         )

@@ -183,7 +183,7 @@ class UNetGenerator(Generator):
 
     def metadata(self) -> dict[str, Any]:
         meta = super().metadata()
-        if self.clip_sample is not None:  # recorded only when chosen: older series keep their bytes
+        if self.clip_sample is not None:  # recorded only when chosen (docs/compat.md)
             meta["clip_sample"] = self.clip_sample
         return meta
 

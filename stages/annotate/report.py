@@ -19,7 +19,7 @@ from core.io import atomic_write_json
 from core.logs import log
 from core.plots import scatter, ternary
 from core.runtime import make_generator
-from models.annotation import annotation_stats, fidelity_stats
+from models.annotation_stats import annotation_stats, fidelity_stats
 from models.simplex import lattice_points, simplex_stats
 from shards.reader import iter_folder
 from stages.common.fidelity import cnn_judge
@@ -66,7 +66,7 @@ def concat_columns(parts: Sequence[Columns]) -> Columns:
 def generator_fidelity(cfg: Config, series: Path, class_names, device) -> dict[str, Any] | None:
     """Does the generator draw each class as that class? A real-only classifier (`fidelity_run`)
     on the pure-class images of every series (α = 1: class a, α = 0: class b), next to the same
-    classifier on real/test (models.annotation.fidelity_stats)."""
+    classifier on real/test (models.annotation_stats.fidelity_stats)."""
     if not cfg.fidelity_run:
         return None
     judge = cnn_judge(cfg.root, cfg.fidelity_run, device, cfg.batch_size, key="fidelity_run")
@@ -104,15 +104,22 @@ def report(
     fidelity: dict | None = None,
     endpoint: dict | None = None,
 ) -> dict:
-    """annotation.json (models.annotation.annotation_stats + generator fidelity) and
-    annotation.png (λ̂ vs α); k-way: report_kway."""
-    if cols.kway:
-        return report_kway(cfg, cols, mixed, fidelity, endpoint)
-    lam, alpha = torch.from_numpy(cols.lambda_hat), torch.from_numpy(cols.mix)
+    """annotation.json (how λ̂ follows the generation weights, the generator's fidelity and
+    generate's endpoint check) and annotation.png (λ̂ vs α; k-way: λ̂_i vs w_i over every class,
+    and for k = 3 ternary.png, λ̂ in the simplex triangle)."""
+    lam, mix = torch.from_numpy(cols.lambda_hat), torch.from_numpy(cols.mix)
+    series = torch.from_numpy(cols.series)
     stats = {"method": cfg.method, "sharpening": cfg.sharpening}
-    stats.update(
-        annotation_stats(lam, alpha, torch.from_numpy(cols.series), torch.from_numpy(cols.classes))
-    )
+    if cols.kway:  # models.simplex.simplex_stats over the lattice the weights lie on
+        k = mix.shape[1]
+        points = lattice_points(k, round(1 / mix[mix > 0].min().item()))
+        stats.update(simplex_stats(lam, mix, series, torch.from_numpy(cols.position), points))
+        rho, lead = stats["spearman_lambda_weight"], f", k = {k}: Spearman ρ(w, λ̂) = "
+        axes = ("w_i (generation weight of class i)", "λ̂_i (re-annotated weight of i)")
+    else:
+        stats.update(annotation_stats(lam, mix, series, torch.from_numpy(cols.classes)))
+        rho, lead = stats["spearman_lambda_alpha"], ": Spearman ρ = "
+        axes = ("α (generation weight of class a)", "λ̂ (re-annotated weight of a)")
     stats["generator_fidelity"] = fidelity
     if endpoint is not None:  # generate's endpoint check: series redrawn or dropped
         stats["endpoint_check"] = endpoint
@@ -120,50 +127,13 @@ def report(
     # at most PLOT_POINTS points (seeded choice): the picture is the same, the plot stays fast
     keep = torch.randperm(cols.n_images, generator=make_generator(cfg.seed, "annotation-plot"))
     keep = keep[:PLOT_POINTS].sort().values
-    rho = stats["spearman_lambda_alpha"]
+    title = f"{cfg.method}{lead}{rho:.3f}" if rho is not None else cfg.method
     scatter(
-        alpha[keep],
-        lam[keep],
-        mixed / "annotation.png",
-        xlabel="α (generation weight of class a)",
-        ylabel="λ̂ (re-annotated weight of a)",
-        title=f"{cfg.method}: Spearman ρ = {rho:.3f}" if rho is not None else cfg.method,
-        diagonal=True,
-        jitter=0.01,
-        seed=cfg.seed,
-    )
-    return stats
-
-
-def report_kway(
-    cfg: Config, cols: Columns, mixed: Path, fidelity: dict | None, endpoint: dict | None = None
-) -> dict:
-    """annotation.json (models.simplex.simplex_stats + generator fidelity), annotation.png
-    (λ̂_i vs w_i over every class) and, for k = 3, ternary.png (λ̂ in the simplex triangle)."""
-    lam, w = torch.from_numpy(cols.lambda_hat), torch.from_numpy(cols.mix)
-    k = w.shape[1]
-    m = round(1 / w[w > 0].min().item())
-    points = lattice_points(k, m)
-    series, positions = torch.from_numpy(cols.series), torch.from_numpy(cols.position)
-    stats = {"method": cfg.method, "sharpening": cfg.sharpening}
-    stats.update(simplex_stats(lam, w, series, positions, points))
-    stats["generator_fidelity"] = fidelity
-    if endpoint is not None:  # generate's endpoint check: series redrawn or dropped
-        stats["endpoint_check"] = endpoint
-    atomic_write_json(mixed / "annotation.json", stats)
-    keep = torch.randperm(cols.n_images, generator=make_generator(cfg.seed, "annotation-plot"))
-    keep = keep[:PLOT_POINTS].sort().values
-    rho = stats["spearman_lambda_weight"]
-    title = (
-        f"{cfg.method}, k = {k}: Spearman ρ(w, λ̂) = {rho:.3f}" if rho is not None else cfg.method
-    )
-    scatter(
-        w[keep].flatten(), lam[keep].flatten(), mixed / "annotation.png",
-        xlabel="w_i (generation weight of class i)", ylabel="λ̂_i (re-annotated weight of i)",
-        title=title, diagonal=True, jitter=0.01, seed=cfg.seed,
+        mix[keep].flatten(), lam[keep].flatten(), mixed / "annotation.png",
+        xlabel=axes[0], ylabel=axes[1], title=title, diagonal=True, jitter=0.01, seed=cfg.seed,
     )  # fmt: skip
-    if k == 3:
-        ternary(w[keep], lam[keep], mixed / "ternary.png", title=title,
+    if cols.kway and mix.shape[1] == 3:
+        ternary(mix[keep], lam[keep], mixed / "ternary.png", title=title,
                 corners=("class 1 (first of the tuple)", "class 2", "class 3"))  # fmt: skip
     return stats
 

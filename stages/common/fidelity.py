@@ -1,7 +1,7 @@
 """Generator fidelity: does the generator draw the class it is asked for?
 
 A *judge* classifies generated pure-class images (series endpoints); fidelity is the share it
-assigns to the class they were generated for (models.annotation.fidelity_stats). Two judges,
+assigns to the class they were generated for (models.annotation_stats.fidelity_stats). Two judges,
 because the answer depends on who asks:
 
 - ``cnn_judge``: a real-only classifier run of the train stage (``train/<run>``), the judge of
@@ -33,7 +33,7 @@ from core.logs import log
 from core.plots import curves, image_grid
 from core.runtime import derive_seed
 from core.tracking import scalars
-from models.annotation import fidelity_stats
+from models.annotation_stats import fidelity_stats
 from models.classifiers import classifier_from_config
 from models.generators import Generator, SeriesSpec, load_generator
 from models.training import collect_logits

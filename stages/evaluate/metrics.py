@@ -1,6 +1,6 @@
 """The numbers of one evaluation, from logits (part of the evaluate stage; docs/evaluate.md).
 
-Kept apart so that stages/evaluate/__init__.py reads as the stage (runs, data, folders): here are the
+Kept apart so that stages/evaluate/stage.py reads as the stage (runs, data, folders): here are the
 metric sections of `metrics.json`'s "evaluation" besides `before_ts` / `after_ts`:
 
     posthoc      every post-hoc calibrator (models/posthoc.py) fitted on val, its test metrics,

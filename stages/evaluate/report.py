@@ -1,6 +1,6 @@
 """eval/report.md: every complete evaluation under runs/<classes>/eval/ side by side.
 
-Part of the evaluate stage (its summary output), kept apart so that stages/evaluate/__init__.py reads as
+Part of the evaluate stage (its summary output), kept apart so that stages/evaluate/stage.py reads as
 the evaluation itself. The report is a view, not a finished output: its bytes are a function of
 the complete evaluation folders on disk (each checked against its manifest), it lives inside
 evaluate's own folder `eval/`, it is rewritten (temp file + rename) only when those bytes
@@ -225,7 +225,7 @@ def render(
 
 
 def _cell(metrics: dict[str, Any], key: str, digits: int = 2) -> str:
-    """One number, or "-" where an older evaluation did not record it."""
+    """One number, or "-" where the evaluation did not record it."""
     return f"{metrics[key]:.{digits}f}" if key in metrics else "-"
 
 
@@ -297,7 +297,7 @@ def corruption_nll(corr: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
 
 def write_report(root: Path, leave_out: Callable[[str], bool] = lambda name: False) -> Path:
     """Rebuild eval/report.md from disk, without the runs `leave_out` names (internal runs:
-    stages.evaluate.left_out); untouched when its bytes would not change (so a rerun that
+    stages.evaluate.report.left_out); untouched when its bytes would not change (so a rerun that
     evaluates nothing new writes nothing)."""
     path = evals.report_path(root)
     data = render(Path(root).name, *collect_rows(root, leave_out)).encode()

@@ -171,7 +171,7 @@ def _unet_kwargs(cfg: Config, inputs: Inputs) -> dict[str, Any]:
         "model": inputs.generator,
         "revision": inputs.generator_info.get("weights_sha256"),
         "guidance": w,
-        # x̂₀ clipping as fit-generator chose it with w (absent in older fits: the saved config's)
+        # x̂₀ clipping as fit-generator chose it with w (None: the saved scheduler config's)
         "clip_sample": inputs.generator_info.get("clip_sample"),
     }
 
