@@ -75,7 +75,7 @@ def test_fields_show_default_preset_value_and_the_source_description(capsys):
     row = _row(out, "model")  # default, then the digits preset's value
     assert row.index("resnet50") < row.index("digits-cnn")
     assert "torch intra-op threads" in _row(out, "cpu_threads")  # a comment block above
-    assert "milestones" in out and "20,26" in _row(out, "milestones")  # as --set spells it
+    assert "20,26" in _row(out, "optim.milestones")  # a section's leaf, as --set spells it
     assert ["preset"] not in [line.split()[:1] for line in out.splitlines()]  # --preset sets it
     # a value that applies only under a condition says so
     assert main(["generate", "--preset", "cifar10", "--fields"]) == 0

@@ -15,6 +15,7 @@ import sys
 import pytest
 from conftest import REPO, subprocess_env
 
+from core.tree import leaves
 from pipeline.cli import COMMANDS, STAGES, main
 from pipeline.registry import config_module
 from stages.presets import NAMES as PRESET_NAMES
@@ -55,7 +56,7 @@ def test_train_help_shows_purpose_fields_choices_presets_and_examples(capsys):
     own = section(out, "train's fields")
     shared = section(out, "fields every stage shares")
     rows = [line.split()[0] for line in own + shared if not line.startswith("  --")]
-    names = sorted(f.name for f in dataclasses.fields(Config) if f.name != "preset")
+    names = sorted(leaf.path for leaf in leaves(Config) if leaf.path != "preset")
     assert sorted(r for r in rows if r != "field") == names
     assert {"out", "seed", "verify_sha256"} <= {line.split()[0] for line in shared}
     assert (
