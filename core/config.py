@@ -21,11 +21,11 @@ import functools
 import inspect
 import io
 import re
-import sys
 import textwrap
 import tokenize
 import types
 import typing
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -252,14 +252,13 @@ def parse_sets(
     return values
 
 
-_RENAMED: set[str] = set()
+class RenamedField(FutureWarning):
+    """A flat --set spelling that names a leaf of the config tree now: still taken, and said
+    once per spelling (the CLI prints the message alone, pipeline/cli.py)."""
 
 
 def renamed(old: str, new: str) -> None:
-    """Say once per process that a flat --set spelling has a new name; it is still taken."""
-    if old not in _RENAMED:
-        _RENAMED.add(old)
-        print(f"{old} is now {new}", file=sys.stderr)
+    warnings.warn(f"{old} is now {new}", RenamedField, stacklevel=2)
 
 
 def _unknown_field(key: str, valid: Sequence[str], spell: Callable[[str], str]) -> str:
