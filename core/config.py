@@ -245,7 +245,7 @@ def parse_sets(
             raise ConfigError(f"--set expects key=value, got {item!r}")
         path = spelt(config_cls, key)
         if path not in valid:
-            raise ConfigError(_unknown_field(key, valid, spell))
+            raise ConfigError(_unknown_field(config_cls, key, valid, spell))
         if path != key:
             renamed(spell(key), spell(path))
         values[path] = _coerce(spell(path), text, hints[path])
@@ -261,10 +261,14 @@ def renamed(old: str, new: str) -> None:
     warnings.warn(f"{old} is now {new}", RenamedField, stacklevel=2)
 
 
-def _unknown_field(key: str, valid: Sequence[str], spell: Callable[[str], str]) -> str:
-    """A misspelt key gets the field it was likely meant for, not a list of every field (train
-    has 52); with no close one, the list is the help there is."""
-    guess = did_you_mean(key, valid, spell)
+def _unknown_field(
+    config_cls: type, key: str, valid: Sequence[str], spell: Callable[[str], str]
+) -> str:
+    """A misspelt key gets the field it was likely meant for (its path, when it is near a flat
+    name), not a list of every field (train has 52); with no close one, the list is the help
+    there is."""
+    names = [*valid, *getattr(config_cls, "LEGACY", {})]
+    guess = did_you_mean(key, names, lambda k: spell(spelt(config_cls, k)))
     if guess:
         return f"unknown field {spell(key)!r}; {guess}(--fields lists all {len(valid)})"
     return f"unknown field {spell(key)!r}; valid fields: {', '.join(map(spell, valid))}"

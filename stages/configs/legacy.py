@@ -40,6 +40,48 @@ LEGACY: dict[str, dict[str, str]] = {
         **CHECKPOINT,
     },
     "evaluate": DATA,
+    "generate": {
+        "steps": "sample_steps",
+        "dtype": "precision",
+        **{
+            name: f"mixing.{name}"
+            for name in ("alphas", "series_per_pair", "pairs", "mix_classes", "lattice")
+        },
+        **{name: f"mixing.{name}" for name in ("tuples", "series_per_tuple", "limit")},
+        "series_per_shard": "shards.series_per_shard",
+        "min_shards": "shards.min_shards",
+        "endpoint_check": "endpoint.check",
+        "endpoint_judge": "endpoint.judge",
+        "endpoint_tries": "endpoint.tries",
+    },
+    "annotate": {"method": "annotator", "fidelity_run": "judge"},
+    "fit-generator": {
+        "steps": "train_steps",
+        "lr": "optim.lr",
+        "warmup_steps": "optim.warmup_steps",
+        "lr_schedule": "optim.lr_schedule",
+        "weight_decay": "optim.weight_decay",
+        "grad_clip": "optim.clip_norm",
+        "ema_decay": "optim.ema_decay",
+        "min_snr_gamma": "optim.min_snr_gamma",
+        "prediction_type": "noise.prediction_type",
+        "num_train_timesteps": "noise.num_train_timesteps",
+        "beta_schedule": "noise.beta_schedule",
+        "zero_terminal_snr": "noise.zero_terminal_snr",
+        "hflip": "augment.flip",
+        "mixed_precision": "precision",
+        "judge_run": "fidelity.judge",
+        "report_judges": "fidelity.report_judges",
+        "guidance_grid": "fidelity.guidance_grid",
+        "clip_choice": "fidelity.clip_choice",
+        "fidelity_every": "fidelity.every",
+        "fidelity_per_class": "fidelity.per_class",
+        "checkpoint_every": "checkpoint.every",
+        "checkpoints_total_limit": "checkpoint.limit",
+        "resume": "checkpoint.resume",
+        "samples_per_class": "preview.per_class",
+        "sample_steps": "preview.sample_steps",
+    },
 }
 
 
