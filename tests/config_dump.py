@@ -62,18 +62,20 @@ VARIANTS: dict[str, tuple[tuple[str, ...], ...]] = {
 }
 
 
-def cases() -> Iterator[tuple[str, str, tuple[str, ...]]]:
-    """(stage, preset, --set values) of every case the snapshot holds."""
+def cases() -> Iterator[tuple[str, str, str, tuple[str, ...]]]:
+    """(name, stage, preset, --set values) of every case the snapshot holds; a chain step is
+    named by its place in the chain, not by how the preset spells its values."""
     for stage in STAGES:
         for preset in NAMES:
-            yield stage, preset, REQUIRED.get(stage, ())
+            sets = REQUIRED.get(stage, ())
+            yield " ".join([stage, preset, *sets]), stage, preset, sets
     for preset in NAMES:
-        for stage, extra in chain_steps(preset):
-            yield stage, preset, tuple(extra)
+        for i, (stage, extra) in enumerate(chain_steps(preset)):
+            yield f"chain {preset} step {i} {stage}", stage, preset, tuple(extra)
     for stage, variants in VARIANTS.items():
         for preset in ("digits", "cifar10"):
             for sets in variants:
-                yield stage, preset, sets
+                yield " ".join([stage, preset, *sets]), stage, preset, sets
 
 
 def config_json(stage: str, preset: str, sets: tuple[str, ...]) -> str:
@@ -86,8 +88,7 @@ def config_json(stage: str, preset: str, sets: tuple[str, ...]) -> str:
 def dump() -> dict[str, str]:
     """{"stage preset set set ...": config.json text (or the error a case raises)}."""
     out: dict[str, str] = {}
-    for stage, preset, sets in cases():
-        key = " ".join([stage, preset, *sets])
+    for key, stage, preset, sets in cases():
         try:
             out[key] = config_json(stage, preset, sets)
         except Exception as e:  # a case that does not resolve is recorded as its error

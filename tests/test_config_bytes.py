@@ -23,6 +23,6 @@ def test_the_snapshot_covers_every_stage_preset_and_variant():
     from pipeline.registry import STAGES
     from stages.presets import NAMES
 
-    covered = {(stage, preset) for stage, preset, _ in cases()}
+    covered = {(stage, preset) for _, stage, preset, _ in cases()}
     assert covered >= {(stage, preset) for stage in STAGES for preset in NAMES}
     assert not any(text.startswith("error:") for text in dump().values())

@@ -41,7 +41,7 @@ def _read(cfg):
 
 
 # a measuring judge: a real-only CNN on all of real/train (never inside a study's budget)
-_JUDGE = ("loss=ce", "train_limit=0", "epochs=8", "milestones=4,7", "crop_pad=2")
+_JUDGE = ("loss=ce", "train_limit=0", "epochs=8", "optim.milestones=4,7", "augment.crop_pad=2")
 
 PRESET = Preset(
     name="fashion-mnist",
@@ -128,7 +128,7 @@ PRESET = Preset(
     chain=(
         ("prepare", ()),
         ("train", ("run=judge", *_JUDGE)),
-        ("train", ("run=judge-noflip", *_JUDGE, "flip=false")),
+        ("train", ("run=judge-noflip", *_JUDGE, "augment.flip=false")),
         ("train", ("run=encoder", "loss=ce")),
         ("fit-generator", ()),
         ("generate", ()),
