@@ -247,7 +247,7 @@ def parse_sets(
         if path not in valid:
             raise ConfigError(_unknown_field(config_cls, key, valid, spell))
         if path != key:
-            renamed(spell(key), spell(path))
+            renamed(key, spell(key), spell(path))
         values[path] = _coerce(spell(path), text, hints[path])
     return values
 
@@ -257,8 +257,15 @@ class RenamedField(FutureWarning):
     once per spelling (the CLI prints the message alone, pipeline/cli.py)."""
 
 
-def renamed(old: str, new: str) -> None:
-    warnings.warn(f"{old} is now {new}", RenamedField, stacklevel=2)
+# the flat names said in this process (a chain resolves a step's config more than once)
+SAID: set[str] = set()
+
+
+def renamed(name: str, old: str, new: str) -> None:
+    """Say that the flat name `name` (spelt `old` on this command line) is `new` now, once."""
+    if name not in SAID:
+        SAID.add(name)
+        warnings.warn(f"{old} is now {new}", RenamedField, stacklevel=2)
 
 
 def _unknown_field(

@@ -9,7 +9,7 @@ import warnings
 import pytest
 from conftest import REPO
 
-from core.config import ConfigError, RenamedField
+from core.config import SAID, ConfigError, RenamedField
 from core.tree import leaves
 from pipeline.registry import STAGES, config_module, resolve_stage_config
 from stages.configs.legacy import LEGACY
@@ -59,6 +59,7 @@ def test_every_flat_name_maps_onto_a_leaf_and_shadows_none():
 
 
 def test_a_flat_name_sets_its_leaf_and_says_its_new_name():
+    SAID.clear()  # said once per process: maybe already, by another test
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         old = resolve_stage_config("train", "digits", ["loss=csm", "lr=0.02", "flip=true"])
