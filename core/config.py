@@ -1,11 +1,12 @@
 """Typed stage configs, named presets and `--set key=value` overrides.
 
 Each stage has one frozen dataclass in `stages/configs/<stage>.py` deriving from
-`StageConfig`, plus `PRESETS`: its values of every preset (stages/presets/, the one place that
-names them), the field values that differ from the dataclass defaults. Resolution order:
-dataclass defaults < preset < `--set`. A preset may hold `when={"field=value": {...}}`: values
-that apply only when the field resolves to that value. The resolved config is what a stage writes
-into its folder as config.json.
+`StageConfig`, a tree of leaves and typed sections (core/tree.py: `optim.lr`), plus `PRESETS`:
+its values of every preset (stages/presets/, the one place that names them), the leaf values
+that differ from the defaults, by path. Resolution order: dataclass defaults < preset < `--set`.
+A preset may hold `when={"field=value": {...}}`: values that apply only when the field resolves
+to that value. The resolved config is what a stage writes into its folder as config.json, under
+the flat names the stage's `LEGACY` gives (stages/configs/legacy.py).
 
 A field's description is the `# comment` at the end of its line (else the comment lines right
 above it): `--fields` reads them from the source (`field_docs`), so they live in one place.
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
-from core.tree import Tree, get, is_section, leaves, spelt
+from core.tree import Tree, get, is_section, items, leaves, spelt
 
 # The preset names, as stages/presets registers them when it is imported: core sits below the
 # presets and names none. For the layers below the stages, which cannot import them
@@ -98,8 +99,11 @@ class StageConfig(metaclass=Tree):
         return Path(self.out) / (self.name or self.preset)
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field (what the trackers are given); config.json holds `recorded()`."""
-        return every_field(self)
+        """Every leaf under the name config.json records it by (what the trackers are given,
+        so a tracked run's hyperparameters read as its config.json); config.json holds
+        `recorded()`, which leaves some out."""
+        flat = {path: name for name, path in type(self).LEGACY.items()}
+        return {flat.get(path, path): _jsonable(value) for path, value in items(self)}
 
     def __getattr__(self, name: str) -> Any:
         """A legacy flat name reads its leaf (`cfg.csm_weight`: `cfg.loss...`)."""
