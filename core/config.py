@@ -1,11 +1,12 @@
 """Typed stage configs, named presets and `--set key=value` overrides.
 
 Each stage has one frozen dataclass in `stages/configs/<stage>.py` deriving from
-`StageConfig`, plus `PRESETS`: its values of every preset (stages/presets/, the one place that
-names them), the field values that differ from the dataclass defaults. Resolution order:
-dataclass defaults < preset < `--set`. A preset may hold `when={"field=value": {...}}`: values
-that apply only when the field resolves to that value. The resolved config is what a stage writes
-into its folder as config.json.
+`StageConfig`, a tree of leaves and typed sections (core/tree.py: `optim.lr`), plus `PRESETS`:
+its values of every preset (stages/presets/, the one place that names them), the leaf values
+that differ from the defaults, by path. Resolution order: dataclass defaults < preset < `--set`.
+A preset may hold `when={"field=value": {...}}`: values that apply only when the field resolves
+to that value. The resolved config is what a stage writes into its folder as config.json, under
+the flat names the stage's `LEGACY` gives (stages/configs/legacy.py).
 
 A field's description is the `# comment` at the end of its line (else the comment lines right
 above it): `--fields` reads them from the source (`field_docs`), so they live in one place.
@@ -17,6 +18,7 @@ import ast
 import contextlib
 import dataclasses
 import difflib
+import functools
 import inspect
 import io
 import re
@@ -24,11 +26,14 @@ import textwrap
 import tokenize
 import types
 import typing
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, ClassVar, Literal, Protocol, TypeVar
+
+from core.tree import Tree, get, is_section, items, leaves, spelt
 
 # The preset names, as stages/presets registers them when it is imported: core sits below the
 # presets and names none. For the layers below the stages, which cannot import them
@@ -65,9 +70,13 @@ def recorded_along(default: Any, other: str) -> Any:
 
 
 @dataclass(frozen=True)
-class StageConfig:
+class StageConfig(metaclass=Tree):
     """Fields every stage shares: where the run root is and the seed everything derives from.
-    `preset` is what --preset named (`resolve` sets it; stages/presets holds every preset)."""
+    `preset` is what --preset named (`resolve` sets it; stages/presets holds every preset).
+    A stage's own fields are leaves and typed sections (core/tree.py); `LEGACY` maps the flat
+    names its config.json records onto their paths (stages/configs/legacy.py)."""
+
+    LEGACY: ClassVar[dict[str, str]] = {}
 
     preset: str = ""
     out: str = not_recorded("runs")  # parent of every run root
@@ -90,27 +99,44 @@ class StageConfig:
         return Path(self.out) / (self.name or self.preset)
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field (what the trackers are given); config.json holds `recorded()`."""
-        return every_field(self)
+        """Every leaf under the name config.json records it by (what the trackers are given,
+        so a tracked run's hyperparameters read as its config.json); config.json holds
+        `recorded()`, which leaves some out."""
+        flat = {path: name for name, path in type(self).LEGACY.items()}
+        return {flat.get(path, path): _jsonable(value) for path, value in items(self)}
+
+    def __getattr__(self, name: str) -> Any:
+        """A legacy flat name reads its leaf (`cfg.csm_weight`: `cfg.loss...`)."""
+        path = type(self).LEGACY.get(name)
+        if path is None or path == name:
+            raise AttributeError(f"{type(self).__name__} has no field {name!r}")
+        return get(self, path)
 
     def recorded(self) -> dict[str, Any]:
-        """What the stage writes as its config.json: the fields as their metadata says."""
-        fields = {f.name: f for f in dataclasses.fields(self)}
+        """What the stage writes as its config.json: the leaves as their metadata says, each
+        under its legacy flat name (`LEGACY`), so every config.json keeps its bytes."""
+        rows = {leaf.path: leaf for leaf in leaves(type(self))}
+        flat = {path: name for name, path in type(self).LEGACY.items()}
 
-        def kept(f: dataclasses.Field) -> bool:
+        def kept(path: str) -> bool:
+            f = rows[path].field
             rule = f.metadata.get(IDENTITY)
-            if rule == ALONG:
-                return kept(fields[f.metadata[ALONG]])
-            off = rule == OFF_DEFAULT and getattr(self, f.name) == _default(f)
+            if rule == ALONG:  # a sibling in the same section
+                return kept(path.rpartition(".")[0] + "." * ("." in path) + f.metadata[ALONG])
+            off = rule == OFF_DEFAULT and get(self, path) == _default(f)
             return rule != SKIP and not off
 
-        return {n: _jsonable(getattr(self, n)) for n, f in fields.items() if kept(f)}
+        return {flat.get(p, p): _jsonable(get(self, p)) for p in rows if kept(p)}
 
 
 def every_field(config: Any) -> dict[str, Any]:
-    """Every field of a config, default-valued ones included: what --print-config shows, so it
-    agrees with --fields (config.json, `recorded`, leaves some out)."""
-    return {f.name: _jsonable(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    """Every field of a config as its tree, default-valued ones included: what --print-config
+    shows, so it agrees with --fields (config.json, `recorded`, leaves some out)."""
+    found = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        found[f.name] = every_field(value) if is_section(type(value)) else _jsonable(value)
+    return found
 
 
 def _jsonable(value: Any) -> Any:
@@ -210,26 +236,50 @@ def parse_sets(
     """--set values -> {field: typed value}; a later value of a field wins. `spell(field)` is how
     the command line names a field (a chain: `generate.steps`), for the error messages. A
     config's SECTIONS spell dotted keys (`loss.gamma=2`; `known`: the preset's values)."""
-    hints = typing.get_type_hints(config_cls)
-    valid = [f.name for f in dataclasses.fields(config_cls)]
+    hints = {leaf.path: leaf.hint for leaf in leaves(config_cls)}
+    valid = list(hints)
+    known = {spelt(config_cls, k): v for k, v in (known or {}).items()}
     for section in getattr(config_cls, "SECTIONS", ()):
-        sets = section.unnest(sets, known or {}, spell)
+        sets = section.unnest(sets, known, spell)
     values: dict[str, Any] = {}
     for item in sets:
         key, sep, text = item.partition("=")
         key = key.strip().replace("-", "_")
         if not sep:
             raise ConfigError(f"--set expects key=value, got {item!r}")
-        if key not in valid:
-            raise ConfigError(_unknown_field(key, valid, spell))
-        values[key] = _coerce(spell(key), text, hints[key])
+        path = spelt(config_cls, key)
+        if path not in valid:
+            raise ConfigError(_unknown_field(config_cls, key, valid, spell))
+        if path != key:
+            renamed(key, spell(key), spell(path))
+        values[path] = _coerce(spell(path), text, hints[path])
     return values
 
 
-def _unknown_field(key: str, valid: Sequence[str], spell: Callable[[str], str]) -> str:
-    """A misspelt key gets the field it was likely meant for, not a list of every field (train
-    has 52); with no close one, the list is the help there is."""
-    guess = did_you_mean(key, valid, spell)
+class RenamedField(FutureWarning):
+    """A flat --set spelling that names a leaf of the config tree now: still taken, and said
+    once per spelling (the CLI prints the message alone, pipeline/cli.py)."""
+
+
+# the flat names said in this process (a chain resolves a step's config more than once)
+SAID: set[str] = set()
+
+
+def renamed(name: str, old: str, new: str) -> None:
+    """Say that the flat name `name` (spelt `old` on this command line) is `new` now, once."""
+    if name not in SAID:
+        SAID.add(name)
+        warnings.warn(f"{old} is now {new}", RenamedField, stacklevel=2)
+
+
+def _unknown_field(
+    config_cls: type, key: str, valid: Sequence[str], spell: Callable[[str], str]
+) -> str:
+    """A misspelt key gets the field it was likely meant for (its path, when it is near a flat
+    name), not a list of every field (train has 52); with no close one, the list is the help
+    there is."""
+    names = [*valid, *getattr(config_cls, "LEGACY", {})]
+    guess = did_you_mean(key, names, lambda k: spell(spelt(config_cls, k)))
     if guess:
         return f"unknown field {spell(key)!r}; {guess}(--fields lists all {len(valid)})"
     return f"unknown field {spell(key)!r}; valid fields: {', '.join(map(spell, valid))}"
@@ -258,13 +308,16 @@ def resolve(
     class-names text file, DATA+RECIPE). `spell`: how the command line names a field
     (parse_sets)."""
     preset, values = presets.lookup(preset)
+    when = values.pop("when", {})
+    values = {spelt(config_cls, k): v for k, v in values.items()}  # presets' flat names
     sets_values = parse_sets(config_cls, sets, spell, values)
     # "when": {"backend=edm": {...}} = preset values that apply when that field (after --set)
     # has that value, e.g. the paper's steps once `--set backend=edm` picks its generator
-    for condition, overrides in values.pop("when", {}).items():
+    for condition, overrides in when.items():
         field, _, value = condition.partition("=")
+        field = spelt(config_cls, field)
         if str(sets_values.get(field, values.get(field))) == value:
-            values.update(overrides)
+            values.update({spelt(config_cls, k): v for k, v in overrides.items()})
     values.update(sets_values)
     values["preset"] = preset
     # a default that follows another field (train's run: its loss), filled before the frozen
@@ -338,6 +391,7 @@ def _class_comments(cls: type) -> dict[str, tuple[str, str]]:
     return found
 
 
+@functools.cache
 def _comments(config_cls: type) -> dict[str, tuple[str, str]]:
     """`_class_comments` over the classes that declare the fields (a redeclaration wins)."""
     found: dict[str, tuple[str, str]] = {}
@@ -380,6 +434,13 @@ def _default(f: dataclasses.Field) -> Any:
     return "(required)"
 
 
+def _section_doc(cls: type, name: str) -> str:
+    """`name`: the first line of the section class's docstring (a section's --fields heading)."""
+    doc = (cls.__doc__ or "").strip()
+    own = doc and not doc.startswith(f"{cls.__name__}(")  # not the one @dataclass writes
+    return f"{name}: {doc.splitlines()[0]}" if own else name
+
+
 def _with_choices(doc: str, choices: Sequence[Any]) -> str:
     """A field's description, ending in its choices unless the comment names them all."""
     names = [set_value(c) for c in choices]
@@ -401,22 +462,30 @@ def describe_fields(
     spells it, its default, the preset's value where it differs (values that apply `when`
     another field has a value say so), and its description (`field_docs`) with the field's
     choices (`field_choices`) where the description does not name them. A header first."""
-    docs, sections = field_docs(config_cls), field_sections(config_cls)
     chosen: dict[str, Any] = {}
     label = ""
     if preset is not None and presets is not None:
         label, chosen = presets.lookup(preset)
-    when = chosen.pop("when", {})
+    when = {
+        c: {spelt(config_cls, k): v for k, v in values.items()}
+        for c, values in chosen.pop("when", {}).items()
+    }
     choices = field_choices(config_cls, {**chosen, **({"preset": label} if label else {})})
-    rows = []
-    for f in dataclasses.fields(config_cls):
-        if f.name in ("preset", *skip):
+    chosen = {spelt(config_cls, k): v for k, v in chosen.items()}
+    rows, heads = [], set()
+    for leaf in leaves(config_cls):
+        head = leaf.path.partition(".")[0]
+        if head in ("preset", *skip) or leaf.path in skip:
             continue
-        default = _default(f)
-        own = [set_value(chosen[f.name])] if f.name in chosen and chosen[f.name] != default else []
-        own += [f"{set_value(v[f.name])} when {c}" for c, v in when.items() if f.name in v]
-        doc = _with_choices(docs[f.name], choices.get(f.name, ()))
-        rows.append((spell(f.name), set_value(default), "; ".join(own), doc, sections.get(f.name)))
+        doc, heading = _comments(leaf.owner).get(leaf.field.name, ("", ""))
+        if "." in leaf.path and head not in heads:  # a section's first leaf: its heading
+            heads.add(head)
+            heading = " ".join(x for x in (_section_doc(leaf.owner, head), heading) if x)
+        name, default = leaf.path, _default(leaf.field)
+        own = [set_value(chosen[name])] if name in chosen and chosen[name] != default else []
+        own += [f"{set_value(v[name])} when {c}" for c, v in when.items() if name in v]
+        doc = _with_choices(doc, choices.get(name, ()))
+        rows.append((spell(name), set_value(default), "; ".join(own), doc, heading or None))
     header = ("field", "default", label, "description", None)
     # columns: name, default, the preset's value (only when some field has one), description
     columns = (0, 1, 2) if any(r[2] for r in rows) else (0, 1)

@@ -19,6 +19,7 @@ from typing import Any
 
 from core.config import ConfigError, StageConfig, describe_fields, every_field, parse_sets
 from core.logs import log
+from core.tree import leaves, spelt
 from pipeline.registry import STAGES, check_out, config_module, resolve_stage_config, run_stage
 from shards.manifest import is_complete
 from stages.presets import chain_steps
@@ -27,7 +28,14 @@ SHARED_FIELDS = ("out", "name", "seed", "classes_file", "verify_sha256")
 
 
 def field_names(stage: str) -> list[str]:
-    return [f.name for f in dataclasses.fields(config_module(stage).Config)]
+    """Every leaf path of `stage`'s config tree and every flat name it still takes."""
+    config = config_module(stage).Config
+    return [*(leaf.path for leaf in leaves(config)), *config.LEGACY]
+
+
+def _path(stage: str, name: str) -> str:
+    """The leaf path a field name of `stage` spells (a flat name: its path)."""
+    return spelt(config_module(stage).Config, name)
 
 
 def scoped(stage: str) -> Callable[[str], str]:
@@ -48,7 +56,8 @@ def split_sets(sets: Sequence[str], stage: str) -> list[str]:
         elif not dot and key in SHARED_FIELDS:
             mine.append(item)
         elif not dot:
-            owners = [f"{s}.{key}=..." for s in STAGES if key.replace("-", "_") in field_names(s)]
+            name = key.replace("-", "_")
+            owners = [f"{s}.{_path(s, name)}=..." for s in STAGES if name in field_names(s)]
             how = f"scope it: {' or '.join(owners)}" if owners else "no stage has such a field"
             raise ConfigError(
                 f"{key!r} is not shared by every stage of the chain; {how} "

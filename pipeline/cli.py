@@ -21,12 +21,13 @@ import os
 import re
 import sys
 import traceback
+import warnings
 from collections.abc import Sequence
 from typing import NoReturn
 
 from safetensors import SafetensorError
 
-from core.config import ConfigError, did_you_mean, every_field
+from core.config import ConfigError, RenamedField, did_you_mean, every_field
 from core.environment import check_environment
 from core.logs import log, setup_logging
 from pipeline.plugins import load_plugins
@@ -190,7 +191,18 @@ def show(text: str) -> int:
     return 0
 
 
+def _format_warning(message, category, *args, **kwargs) -> str:
+    """A renamed --set spelling is one line, its message alone; other warnings as Python says."""
+    if issubclass(category, RenamedField):
+        return f"{message}\n"
+    return _python_format(message, category, *args, **kwargs)
+
+
+_python_format = warnings.formatwarning
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    warnings.formatwarning = _format_warning
     try:  # first: a plugin's loss, preset or stage is in every config and help (plugins.py)
         load_plugins()
     except ConfigError as e:

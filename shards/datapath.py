@@ -5,12 +5,12 @@ once and indexes device tensors: the fastest there is, and impossible once the d
 outgrows memory (ImageNet at 224 px: ~190 GB of uint8). The streaming path (`shards.store` +
 `shards.prefetch`) keeps only metadata in memory and decodes each step's images in DataLoader
 workers, with the same draws and the same bytes. A stage picks with `choose_data_path`, from
-its config fields (the names train and evaluate use, defaults below):
+its config's `data` section (`Data`, below: train, finetune and evaluate hold one):
 
-    data_path = "auto" | "memory" | "stream"   auto: memory iff the decoded size fits the budget
-    memory_budget_gb = 0.0                     0 = derived from this machine (default_budget)
-    stream_workers = 2                         DataLoader workers per process (streaming path)
-    stream_prefetch = 2                        steps each worker decodes ahead
+    data.path = "auto" | "memory" | "stream"   auto: memory iff the decoded size fits the budget
+    data.memory_budget_gb = 0.0                0 = derived from this machine (default_budget)
+    data.stream_workers = 2                    DataLoader workers per process (streaming path)
+    data.stream_prefetch = 2                   steps each worker decodes ahead
 
 The decoded size is estimated from the manifests alone (num_samples x H x W x 3), before
 anything is read.
@@ -40,16 +40,25 @@ DEFAULT_STREAM_PREFETCH = 2
 # twice the decoded size while loading, whatever device the tensors end on
 HOST_PEAK_FACTOR = 2
 GB = 1e9
-# the fields that say how to read, never what is computed: not part of a folder's identity
+# the config.json names of the fields that say how to read, never what is computed: not part
+# of a folder's identity
 DATA_FIELDS = ("data_path", "memory_budget_gb", "stream_workers", "stream_prefetch")
 
 
-def check_data_fields(cfg: Any) -> None:
-    """Config validation of the DATA_FIELDS (train and evaluate): one line per bad value."""
-    check_choice("data_path", cfg.data_path, DATA_PATHS)
-    check_range("memory_budget_gb", cfg.memory_budget_gb, 0.0)
-    check_range("stream_workers", cfg.stream_workers, 0)
-    check_range("stream_prefetch", cfg.stream_prefetch, 1)
+@dataclass(frozen=True)
+class Data:
+    """how the images are read (stages/common/data.py); not part of a run's identity"""
+
+    path: str = DEFAULT_DATA_PATH  # auto | memory | stream
+    memory_budget_gb: float = DEFAULT_MEMORY_BUDGET_GB  # auto's budget; 0 = from free memory
+    stream_workers: int = DEFAULT_STREAM_WORKERS  # DataLoader workers per process (stream)
+    stream_prefetch: int = DEFAULT_STREAM_PREFETCH  # steps each worker decodes ahead
+
+    def __post_init__(self) -> None:
+        check_choice("data.path", self.path, DATA_PATHS)
+        check_range("data.memory_budget_gb", self.memory_budget_gb, 0.0)
+        check_range("data.stream_workers", self.stream_workers, 0)
+        check_range("data.stream_prefetch", self.stream_prefetch, 1)
 
 
 def image_size_of(folder: Path) -> tuple[int, int]:

@@ -117,14 +117,14 @@ def maccal_method(cfg: Config, model: Classifier, data: Data) -> Method:
         features = features.to(data.train.labels.device)
     schedule = RetentionSchedule(**cfg.method_params(), total_epochs=cfg.epochs)
     init = make_generator(cfg.seed, SECTION, cfg.method, "head-init")
-    objective = maccal(model, cfg.maccal_r, schedule, init, features)
+    objective = maccal(model, cfg.maccal.r, schedule, init, features)
     head = model.head
     optimizer = MaskedSGD(
         head.parameters(),
         head.masked_weights,
-        lr=cfg.maccal_lr,
-        momentum=cfg.momentum,
-        weight_decay=cfg.weight_decay,
+        lr=cfg.maccal.lr,
+        momentum=cfg.optim.momentum,
+        weight_decay=cfg.optim.weight_decay,
     )
 
     def q_trace(folder: Path) -> None:
@@ -138,7 +138,7 @@ def maccal_method(cfg: Config, model: Classifier, data: Data) -> Method:
         title = f"MaC-Cal retention ({cfg.output})"
         lines(series, folder / "q_trace.png", xlabel="epoch", title=title)
 
-    return objective, optimizer, cfg.maccal_lr, [q_trace]
+    return objective, optimizer, cfg.maccal.lr, [q_trace]
 
 
 def fedlas_method(cfg: Config, model: Classifier, data: Data) -> Method:
@@ -152,9 +152,9 @@ def fedlas_method(cfg: Config, model: Classifier, data: Data) -> Method:
     )
     params = [*model.parameters(), *objective.parameters()]  # the gate: same lr and decay
     optimizer = torch.optim.SGD(
-        params, lr=cfg.fedlas_lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        params, lr=cfg.fedlas.lr, momentum=cfg.optim.momentum, weight_decay=cfg.optim.weight_decay
     )
-    return objective, optimizer, cfg.fedlas_lr, []
+    return objective, optimizer, cfg.fedlas.lr, []
 
 
 METHODS: dict[str, Callable[[Config, Classifier, Data], Method]] = {

@@ -238,7 +238,10 @@ def _member(
     # channels_last: oneDNN's fast layout for convolutions on CPU as on GPU (bench/RESULTS.md)
     module = TrainingModule(model, objective).to(run.device, memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(
-        module.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        module.parameters(),
+        lr=cfg.optim.lr,
+        momentum=cfg.optim.momentum,
+        weight_decay=cfg.optim.weight_decay,
     )
     accelerator = run.accelerator
     log.info(
@@ -249,7 +252,7 @@ def _member(
     )
     recipe = run.recipe(
         key=(cfg.seed, "train"),
-        lr=lambda e: multistep_lr(e, cfg.lr, cfg.milestones, cfg.lr_gamma),
+        lr=lambda e: multistep_lr(e, cfg.optim.lr, cfg.optim.milestones, cfg.optim.lr_gamma),
         keep="best",
     )
 

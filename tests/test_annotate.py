@@ -420,7 +420,7 @@ def test_bad_input_is_refused_with_one_line(runs, capsys, monkeypatch, tmp_path)
     root = runs / "digits"
     assert "encoder_run=nope" in _fails(capsys, runs, "encoder_run=nope")
     assert "needs an encoder with a text tower" in _fails(capsys, runs, "prototypes=text", code=2)
-    assert "method='mixup'" in _fails(capsys, runs, "method=mixup", code=2)
+    assert "annotator='mixup'" in _fails(capsys, runs, "annotator=mixup", code=2)
     # OpenCLIP tag that is not cached, offline
     import huggingface_hub.constants
 

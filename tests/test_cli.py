@@ -76,11 +76,11 @@ def test_fields_show_default_preset_value_and_the_source_description(capsys):
     row = _row(out, "model")  # default, then the digits preset's value
     assert row.index("resnet50") < row.index("digits-cnn")
     assert "torch intra-op threads" in _row(out, "cpu_threads")  # a comment block above
-    assert "milestones" in out and "20,26" in _row(out, "milestones")  # as --set spells it
+    assert "20,26" in _row(out, "optim.milestones")  # a section's leaf, as --set spells it
     assert ["preset"] not in [line.split()[:1] for line in out.splitlines()]  # --preset sets it
     # a value that applies only under a condition says so
     assert main(["generate", "--preset", "cifar10", "--fields"]) == 0
-    assert "20 when backend=edm" in _row(capsys.readouterr().out, "steps")
+    assert "20 when backend=edm" in _row(capsys.readouterr().out, "sample_steps")
 
 
 def test_field_docs_take_the_subclass_comment():
@@ -110,21 +110,28 @@ def test_fields_and_print_config_never_start_work(command, flag, tmp_path, capsy
     text = capsys.readouterr().out
     if flag == "--print-config":
         json.loads(text)
-    else:  # a chain's fields are scoped: the generate step's steps are generate.steps
-        assert "generate.steps" in text if command != "train" else "epochs" in text
+    else:  # a chain's fields are scoped: the generate step's steps are generate.sample_steps
+        assert "generate.sample_steps" in text if command != "train" else "epochs" in text
     assert not out.exists()
 
 
 def test_chain_print_config_resolves_every_step(tmp_path, capsys):
-    sets = ["--set", f"out={tmp_path}", "generate.limit=3", "--set", "train.epochs=2"]
+    sets = ["--set", f"out={tmp_path}", "generate.mixing.limit=3", "--set", "train.epochs=2"]
     assert main(["chain", "--print-config", *sets]) == 0
     steps = json.loads(capsys.readouterr().out)["chain"]
     assert [s["stage"] for s in steps] == [s for s, _ in chain_steps("digits")]
     by_stage = {s["stage"]: s["config"] for s in steps}
-    assert by_stage["generate"]["limit"] == 3 and by_stage["train"]["epochs"] == 2
+    assert by_stage["generate"]["mixing"]["limit"] == 3 and by_stage["train"]["epochs"] == 2
     assert by_stage["train"]["run"] == "encoder"  # the chain's own value
-    assert main(["chain", "--print-config", "--set", f"out={tmp_path}", "generate.limit=x"]) == 2
-    assert "generate.limit='x' is not a valid int" in capsys.readouterr().err
+    bad = ["--set", f"out={tmp_path}", "generate.mixing.limit=x"]
+    assert main(["chain", "--print-config", *bad]) == 2
+    assert "generate.mixing.limit='x' is not a valid int" in capsys.readouterr().err
+    # a flat spelling still works in a chain, and so does a loss parameter under its stage
+    loss = ["--set", f"out={tmp_path}", "generate.limit=4", "train.loss.weight=2"]
+    assert main(["chain", "--print-config", *loss, "train.loss=csm"]) == 0
+    by_stage = {s["stage"]: s["config"] for s in json.loads(capsys.readouterr().out)["chain"]}
+    assert by_stage["generate"]["mixing"]["limit"] == 4
+    assert by_stage["train"]["csm_weight"] == 2.0
 
 
 def test_demo_and_study_commands_reach_their_code(monkeypatch):

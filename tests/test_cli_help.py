@@ -15,6 +15,7 @@ import sys
 import pytest
 from conftest import REPO, subprocess_env
 
+from core.tree import leaves
 from pipeline.cli import COMMANDS, STAGES, main
 from pipeline.registry import config_module
 from stages.presets import NAMES as PRESET_NAMES
@@ -55,7 +56,7 @@ def test_train_help_shows_purpose_fields_choices_presets_and_examples(capsys):
     own = section(out, "train's fields")
     shared = section(out, "fields every stage shares")
     rows = [line.split()[0] for line in own + shared if not line.startswith("  --")]
-    names = sorted(f.name for f in dataclasses.fields(Config) if f.name != "preset")
+    names = sorted(leaf.path for leaf in leaves(Config) if leaf.path != "preset")
     assert sorted(r for r in rows if r != "field") == names
     assert {"out", "seed", "verify_sha256"} <= {line.split()[0] for line in shared}
     assert (
@@ -123,7 +124,7 @@ def test_semix_help_lists_every_stage_and_command(capsys):
         (["train", "--preset", "Digits"], "unknown preset 'Digits'; did you mean 'digits'?"),
         (["train", "--preset", "cifar-10"], "did you mean 'cifar10'?"),
         (["train", "--set", "loss=csn"], "loss='csn' is not valid; did you mean 'csm'?"),
-        (["chain", "--set", "generate.stepz=3"], "did you mean 'generate.steps'?"),
+        (["chain", "--set", "generate.stepz=3"], "did you mean 'generate.sample_steps'?"),
     ],
 )
 def test_a_typo_gets_one_line_with_a_guess(argv, needle, capsys):
@@ -161,7 +162,8 @@ def test_print_config_shows_every_field_fields_lists(stage, capsys):
 def test_print_config_includes_default_valued_fields_a_stage_leaves_out_of_config_json(capsys):
     assert main(["generate", "--print-config"]) == 0
     cfg = json.loads(capsys.readouterr().out)
-    assert (cfg["mix_classes"], cfg["lattice"], cfg["endpoint_check"]) == (2, 0, "off")
+    mixing, endpoint = cfg["mixing"], cfg["endpoint"]
+    assert (mixing["mix_classes"], mixing["lattice"], endpoint["check"]) == (2, 0, "off")
     assert main(["prepare", "--print-config"]) == 0
     assert json.loads(capsys.readouterr().out)["resize"] == "squash"
 

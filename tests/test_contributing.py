@@ -107,7 +107,7 @@ def test_a_preset_from_your_own_module_extends_one_and_resolves_through_the_cli(
     assert run.returncode == 0, run.stderr
     config = json.loads(run.stdout)
     digits = resolve_stage_config("train", "digits")
-    assert (config["preset"], config["epochs"], config["lr"]) == ("digits-quick", 3, 0.02)
+    assert (config["preset"], config["epochs"], config["optim"]["lr"]) == ("digits-quick", 3, 0.02)
     assert (config["model"], config["batch_size"]) == (digits.model, digits.batch_size)
     prepare = json.loads(semix(plugins, "toy_preset", "prepare", "--preset", "digits-quick",
                                "--print-config").stdout)  # fmt: skip

@@ -123,9 +123,9 @@ def test_zero_terminal_snr_ends_the_schedule_in_pure_noise_and_the_sampler_follo
 
 def test_zero_terminal_snr_needs_v_prediction(runs, capsys):
     assert main(["fit-generator", "--preset", "digits", "--set", f"out={runs}",
-                 "zero_terminal_snr=true", "prediction_type=epsilon"]) != 0  # fmt: skip
+                 "noise.zero_terminal_snr=true", "noise.prediction_type=epsilon"]) != 0  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
-    assert "zero_terminal_snr=true needs prediction_type=v_prediction" in err[-1]
+    assert "noise.zero_terminal_snr=true needs noise.prediction_type=v_prediction" in err[-1]
 
 
 def test_saved_weights_are_the_ema(runs):

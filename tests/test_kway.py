@@ -157,9 +157,9 @@ def test_k3_plan_walks_tuples_and_lattice():
 @pytest.mark.parametrize(
     "sets, message",
     [
-        (["mix_classes=3", "pairs=2"], "use tuples=N"),
-        (["pairs=2", "tuples=3"], "disagree"),
-        (["alphas=4", "lattice=5"], "alphas=4 and lattice=5 disagree"),
+        (["mixing.mix_classes=3", "mixing.pairs=2"], "use mixing.tuples=N"),
+        (["pairs=2", "tuples=3"], "disagree"),  # the flat names they had
+        (["mixing.alphas=4", "mixing.lattice=5"], "alphas=4 and mixing.lattice=5 disagree"),
         (["mix_classes=1"], "mix_classes"),
     ],
 )

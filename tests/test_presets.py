@@ -161,13 +161,13 @@ def test_the_study_on_a_tiny_imagefolder_with_the_fashion_recipe(tmp_path, capsy
         28,
     )
     fit = by_stage["fit-generator"]
-    assert (fit["unet"], fit["prediction_type"], fit["train_limit"]) == (
+    assert (fit["unet"], fit["noise"]["prediction_type"], fit["train_limit"]) == (
         "fashion-28",
         "v_prediction",
         5000,
     )
     assert by_stage["annotate"]["encoder"] == "classifier"
-    assert by_stage["annotate"]["fidelity_run"] == "judge"
+    assert by_stage["annotate"]["judge"] == "judge"
     # every study run (a stage command of a task) resolves to the fashion recipe's values
     seen = set()
     for cmd in commands:

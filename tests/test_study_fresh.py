@@ -62,7 +62,7 @@ def test_a_missing_data_folder_stops_the_study_before_any_task(tmp_path):
 @pytest.mark.parametrize(
     ("preset", "sets", "key"),
     [
-        ("digits", ["generate.steps=x"], "generate.steps"),  # a chain step's field
+        ("digits", ["generate.sample_steps=x"], "generate.sample_steps"),  # a chain step's field
         ("digits", ["prepare.val_fraction=0.9"], "val_fraction"),  # the data task's
         ("digits", ["study.seeds=0", "study.mixed_sets=0"], "mixed_sets"),
         ("digits+nope", [], "nope"),  # a recipe that does not exist

@@ -2,7 +2,6 @@
 by val NLL, a choice on the grid's edge extending it once; on fake metrics.json files and on a
 tiny real grid (digits, one epoch per run, subprocesses as in real use)."""
 
-import dataclasses
 import json
 import shutil
 from itertools import chain
@@ -12,6 +11,7 @@ import pytest
 from scipy.stats import sem
 
 from core.config import ConfigError
+from core.tree import leaves
 from pipeline.study.config import METHODS, StudyConfig
 from pipeline.study.execute import _execute, execute
 from pipeline.study.plan import plan
@@ -47,7 +47,8 @@ def test_every_method_gets_a_grid_of_the_same_size_over_its_own_fields():
             assert set(grid) <= own, group
         else:  # MaC-Cal's bottleneck width and its q schedule's start
             assert set(grid) <= {"maccal_r", *finetune_config.METHOD.fields_of("maccal").values()}
-            assert set(grid) <= {f.name for f in dataclasses.fields(finetune_config.Config)}
+            config = finetune_config.Config  # a name its --set takes: a leaf or a flat name
+            assert set(grid) <= {*(leaf.path for leaf in leaves(config)), *config.LEGACY}
         assert set(grid) <= set(LETTERS)
     # every method has a grid, ce too (the primary endpoints' methods above all)
     assert {m for m in METHODS if not tuning_group(m)} == set()
@@ -56,8 +57,8 @@ def test_every_method_gets_a_grid_of_the_same_size_over_its_own_fields():
 def test_every_grids_reference_is_a_grid_point_and_the_untuned_default():
     """The rule falls back to REFERENCE: a point of the grid, the value the method runs with
     untuned (the configs' defaults; csm's s is annotate's sharpening, 0 in train = take it)."""
-    train = {f.name: f.default for f in dataclasses.fields(train_config.Config)}
-    finetune = {f.name: f.default for f in dataclasses.fields(finetune_config.Config)}
+    train = train_config.Config(run="x").to_dict()  # the defaults, by their flat names
+    finetune = finetune_config.Config(run="x").to_dict()
     from pipeline.registry import resolve_stage_config
 
     for group, reference in REFERENCE.items():

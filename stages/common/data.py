@@ -12,12 +12,13 @@ their shards (`shards.store.ImageStore` / `SeriesImages`) and DataLoader workers
 of use (`shards.prefetch`), while labels, series fields and targets are in memory on both. The
 two give the same bytes, so a stage's results do not depend on the path (tests/test_train.py).
 
-The config fields (train and evaluate both have them; none is part of a run's identity):
+The config's `data` section (shards.datapath.Data: train, finetune and evaluate hold one;
+none of it is part of a run's identity):
 
-    data_path = "auto" | "memory" | "stream"   auto: memory iff the decoded size fits the budget
-    memory_budget_gb = 0                       0 = derived from this machine's free memory
-    stream_workers = 2                         DataLoader workers per process (stream only)
-    stream_prefetch = 2                        steps (or slices) each worker decodes ahead
+    data.path = "auto" | "memory" | "stream"   auto: memory iff the decoded size fits the budget
+    data.memory_budget_gb = 0                  0 = derived from this machine's free memory
+    data.stream_workers = 2                    DataLoader workers per process (stream only)
+    data.stream_prefetch = 2                   steps (or slices) each worker decodes ahead
 """
 
 from __future__ import annotations
@@ -30,17 +31,14 @@ import torch
 
 from core.runtime import share_from_main
 from models.training import channel_stats, stats_chunk
-from shards.datapath import DataPathChoice, choose_data_path
+from shards.datapath import Data, DataPathChoice, choose_data_path
 from shards.datasets import RealSplit, SeriesTable, load_real, load_series_table
 from shards.prefetch import PixelSource, SequentialImages
 from shards.store import ImageStore, open_real, open_series_table
 
 
 class DataFields(Protocol):
-    data_path: str
-    memory_budget_gb: float
-    stream_workers: int
-    stream_prefetch: int
+    data: Data  # the config's section of how images are read
 
 
 def choose_path(
@@ -51,7 +49,7 @@ def choose_path(
     `describe()` once the data opened: a bad input's error stays the only line.)"""
     choice = None
     if accelerator is None or accelerator.is_main_process:
-        choice = choose_data_path(cfg.data_path, folders, cfg.memory_budget_gb, device)
+        choice = choose_data_path(cfg.data.path, folders, cfg.data.memory_budget_gb, device)
     share = share_from_main(accelerator) if accelerator is not None else None
     return share(choice) if share else choice
 
@@ -99,7 +97,7 @@ def sequential(split: RealSplit, chunk: int, cfg: DataFields) -> RealSplit:
     model is built, and `close` the split when done."""
     if not isinstance(split.images, ImageStore):
         return split
-    ahead = SequentialImages(split.images, chunk, cfg.stream_workers, cfg.stream_prefetch)
+    ahead = SequentialImages(split.images, chunk, cfg.data.stream_workers, cfg.data.stream_prefetch)
     return RealSplit(ahead, split.labels, split.class_names)  # type: ignore[arg-type]
 
 
@@ -126,8 +124,8 @@ def pixel_source(
         train.images,
         series,
         *((0, 1) if mixes_rows else (rank, world)),
-        workers=cfg.stream_workers,
-        prefetch=cfg.stream_prefetch,
+        workers=cfg.data.stream_workers,
+        prefetch=cfg.data.stream_prefetch,
         device=accelerator.device,
     )
 

@@ -53,6 +53,7 @@ from stages.common.loop import (
     make_accelerator,
     run_precision,
 )
+from stages.configs.sections import Augment, Checkpoint
 
 # metrics.json's section of a run: (the loop's state, finished?) -> what the stage records
 Section = Callable[[LoopState, bool], dict[str, Any]]
@@ -64,14 +65,12 @@ class RunConfig(Protocol):
     root: Path  # runs/<classes>/
     tracker: str
     precision: str
-    resume: str
     epochs: int
     batch_size: int
-    clip_norm: float
-    crop_pad: int
-    flip: bool
+    optim: Any  # a section with clip_norm
+    augment: Augment
+    checkpoint: Checkpoint
     eval_batch_size: int
-    checkpoint_limit: int
 
     def recorded(self) -> dict[str, Any]: ...  # config.json
 
@@ -100,7 +99,7 @@ class TrainingRun:
         with the trackers of `tracker=`, whose files go outside the run's own."""
         folder = cfg.root / stage / name
         tracking = Tracking.of(cfg.tracker, folder, cfg.root)
-        precision = run_precision(folder, cfg.precision, cfg.resume)
+        precision = run_precision(folder, cfg.precision, cfg.checkpoint.resume)
         accelerator = make_accelerator(precision, **tracking.accelerator_kwargs())
         if accelerator.device.type == "cpu":
             keep_freed_memory()  # the step's activations keep their pages (core/allocator.py)
@@ -131,7 +130,7 @@ class TrainingRun:
 
     def check_resume(self) -> None:
         """A `resume=` that names no usable checkpoint fails now, before any data is read."""
-        check_resume(self.folder, self.cfg.resume)
+        check_resume(self.folder, self.cfg.checkpoint.resume)
 
     def write_config(self) -> None:
         """config.json, the run's first file (main process; refuses another config under the
@@ -151,13 +150,13 @@ class TrainingRun:
             epochs=cfg.epochs,
             batch_size=cfg.batch_size,
             lr=lr,
-            clip_norm=cfg.clip_norm,  # the classifier only: a FeDLaS gate is left out (§5)
-            crop_pad=cfg.crop_pad,
-            flip=cfg.flip,
+            clip_norm=cfg.optim.clip_norm,  # the classifier only: a FeDLaS gate is left out (§5)
+            crop_pad=cfg.augment.crop_pad,
+            flip=cfg.augment.flip,
             keep=keep,
             eval_batch_size=cfg.eval_batch_size,
-            checkpoint_limit=cfg.checkpoint_limit,
-            resume=cfg.resume,
+            checkpoint_limit=cfg.checkpoint.limit,
+            resume=cfg.checkpoint.resume,
         )
 
     def fit(

@@ -9,6 +9,7 @@ from core.parts import Params, Section, param
 from core.precision import check_precision
 from models.annotation import ANNOTATORS
 from models.encoders import ENCODERS, HFCLIPEncoder, OpenCLIPEncoder
+from stages.configs.legacy import legacy_names
 from stages.presets import stage_presets
 
 # encoder= -> its kind in the one encoder registry, models.encoders.ENCODERS. `classifier` is the
@@ -52,11 +53,12 @@ ENCODER = Section(
 @dataclass(frozen=True)
 @ENCODER.fields(after="encoder")  # every encoder's parameters, one field each
 class Config(StageConfig):
+    LEGACY = legacy_names("annotate")
+
     cpu_threads: int = 1  # pinned: CPU bytes must not depend on the launcher (StageConfig)
     encoder: str = "openclip"  # its parameters: the encoder_* fields, or encoder.<param>=
-    method: str = (
-        "projection"  # projection | similarity | ratio (docs/methods.md §2 and its ablations)
-    )
+    # projection | similarity | ratio (docs/methods.md §2 and its ablations)
+    annotator: str = "projection"
     sharpening: float = (
         4.0  # s in t_a = sigmoid(s (lambda_hat - 0.5)); presets set docs/methods.md's values
     )
@@ -74,11 +76,11 @@ class Config(StageConfig):
     series: str = ""  # series folder; "" = runs/<classes>/series
     # generator fidelity: a real-only classifier run under train/ classifies the series endpoints
     # (α = 0, 1); its accuracy there is written to annotation.json ("" = skip)
-    fidelity_run: str = ""
+    judge: str = ""
 
     def __post_init__(self):
         check_choice("encoder", self.encoder, tuple(ENCODER_KINDS))
-        check_choice("method", self.method, tuple(ANNOTATORS))
+        check_choice("annotator", self.annotator, tuple(ANNOTATORS))
         check_choice("prototypes", self.prototypes, PROTOTYPE_SOURCES)
         check_precision("precision", self.precision)
         check_range("batch_size", self.batch_size, 1)

@@ -11,14 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.config import ConfigError, StageConfig, check_choice, check_range
+from core.tree import section
 from models.calibration import TS_CRITERIA
-from shards.datapath import (
-    DEFAULT_DATA_PATH,
-    DEFAULT_MEMORY_BUDGET_GB,
-    DEFAULT_STREAM_PREFETCH,
-    DEFAULT_STREAM_WORKERS,
-    check_data_fields,
-)
+from shards.datapath import Data
+from stages.configs.legacy import legacy_names
 from stages.presets import stage_presets
 
 STAGE_DIRS = ("", "train", "finetune")  # "": look in train/ first, then finetune/
@@ -26,6 +22,8 @@ STAGE_DIRS = ("", "train", "finetune")  # "": look in train/ first, then finetun
 
 @dataclass(frozen=True)
 class Config(StageConfig):
+    LEGACY = legacy_names("evaluate")
+
     run: str = ""  # one run (RUN=name); with neither run nor runs: every user run, one by one
     runs: tuple[str, ...] = ()  # several runs (RUNS=a,b,c): each one, plus their deep ensemble
     stage_dir: str = ""  # pin where runs live: train | finetune
@@ -45,17 +43,12 @@ class Config(StageConfig):
     internal_runs: bool = False
     batch_size: int = 512
     device: str = ""  # "" = cuda if available, else cpu
-    # how test/val (and the OOD set) are read: decoded into memory or streamed (stages/common/data.py)
-    data_path: str = DEFAULT_DATA_PATH  # auto | memory | stream
-    memory_budget_gb: float = DEFAULT_MEMORY_BUDGET_GB  # auto's budget; 0 = from free memory
-    stream_workers: int = DEFAULT_STREAM_WORKERS  # DataLoader workers (stream)
-    stream_prefetch: int = DEFAULT_STREAM_PREFETCH  # batches each worker decodes ahead
+    data: Data = section(Data)  # how test/val (and the OOD set) are read
 
     def __post_init__(self):
         check_choice("stage_dir", self.stage_dir, STAGE_DIRS)
         check_choice("ts_criterion", self.ts_criterion, TS_CRITERIA)
         check_range("batch_size", self.batch_size, 1)
-        check_data_fields(self)
         for name in self.run_names():
             if not name or "/" in name or name.startswith("."):
                 raise ConfigError(f"run name {name!r} must be a plain folder name")

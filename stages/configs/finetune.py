@@ -14,18 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from core.config import ConfigError, StageConfig, check_choice, check_range, not_recorded
+from core.config import ConfigError, StageConfig, check_choice, check_range
 from core.parts import Section
 from core.precision import check_precision
 from core.tracking import parse_trackers
+from core.tree import section
 from models.heads import MaCCalPart
-from shards.datapath import (
-    DEFAULT_DATA_PATH,
-    DEFAULT_MEMORY_BUDGET_GB,
-    DEFAULT_STREAM_PREFETCH,
-    DEFAULT_STREAM_WORKERS,
-    check_data_fields,
-)
+from shards.datapath import Data
+from stages.configs.legacy import legacy_names
+from stages.configs.sections import Augment, Checkpoint
 from stages.configs.train import LOSS, PRECISIONS
 from stages.presets import stage_presets
 
@@ -36,36 +33,63 @@ METHOD = Section("method", {"maccal": MaCCalPart(), **{m: LOSS.parts[m] for m in
 
 
 @dataclass(frozen=True)
-@METHOD.fields(after="clip_norm")  # every method's parameters, one field each
+class Optim:
+    """SGD with momentum (docs/methods.md §4: momentum 0.9, wd 5e-4); each method's own lr"""
+
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    clip_norm: float = 2.0  # grad-norm clip of the classifier only (not the gate); 0 = off
+
+    def __post_init__(self) -> None:
+        for name in ("momentum", "weight_decay", "clip_norm"):
+            check_range(f"optim.{name}", getattr(self, name), 0.0)
+
+
+@dataclass(frozen=True)
+class MaCCal:
+    """MaC-Cal (docs/methods.md §4)"""
+
+    epochs: int = 40
+    lr: float = 0.1  # constant
+    r: int = 256  # bottleneck width r (GUESS); the schedule's maccal_*: models/heads.py
+
+    def __post_init__(self) -> None:
+        check_range("maccal.epochs", self.epochs, 1)
+        check_range("maccal.r", self.r, 1)
+        check_range("maccal.lr", self.lr, 0.0)
+
+
+@dataclass(frozen=True)
+class FeDLaS:
+    """FeDLaS fine-tuning (docs/methods.md §5)"""
+
+    epochs: int = 10  # GUESS: docs/methods.md gives no fine-tuning length
+    lr: float = 0.001  # constant; GUESS: the last lr of the CIFAR Stage-I recipe
+
+    def __post_init__(self) -> None:
+        check_range("fedlas.epochs", self.epochs, 1)
+        check_range("fedlas.lr", self.lr, 0.0)
+
+
+@dataclass(frozen=True)
+@METHOD.fields(after="method")  # every method's parameters, one field each
 class Config(StageConfig):
+    LEGACY = legacy_names("finetune")
+
     run: str = ""  # the trained run: runs/<classes>/train/<run>/ (RUN=)
     method: str = "maccal"  # maccal | fedlas-ls | fedlas-mbls (METHOD=)
     # shared recipe (docs/methods.md §4: batch 128, momentum 0.9, wd 5e-4)
     batch_size: int = 128
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    crop_pad: int = 4  # random crop after zero padding; crop_pad=0 and flip=false: no augmentation
-    flip: bool = True
-    # MaC-Cal (docs/methods.md §4)
-    maccal_epochs: int = 40
-    maccal_lr: float = 0.1  # constant
-    maccal_r: int = 256  # bottleneck width r (GUESS); the schedule's maccal_*: models/heads.py
-    # FeDLaS fine-tuning (docs/methods.md §5)
-    fedlas_epochs: int = 10  # GUESS: docs/methods.md gives no fine-tuning length
-    fedlas_lr: float = 0.001  # constant; GUESS: the last lr of the CIFAR Stage-I recipe
-    clip_norm: float = 2.0  # grad-norm clip of the classifier only (not the gate); 0 = off
-    # how real/train and real/val are read (stages/common/data.py); not part of the run's identity
-    data_path: str = DEFAULT_DATA_PATH  # auto | memory | stream
-    memory_budget_gb: float = DEFAULT_MEMORY_BUDGET_GB  # auto's budget; 0 = from free memory
-    stream_workers: int = DEFAULT_STREAM_WORKERS  # DataLoader workers per process (stream)
-    stream_prefetch: int = DEFAULT_STREAM_PREFETCH  # steps each worker decodes ahead
+    optim: Optim = section(Optim)
+    augment: Augment = section(Augment)
+    maccal: MaCCal = section(MaCCal)
+    fedlas: FeDLaS = section(FeDLaS)
+    data: Data = section(Data)  # how real/train and real/val are read
     # machinery
     precision: str = "auto"  # auto: bf16 where the device computes it natively, else fp32
     # images per validation pass on a GPU; a CPU's passes take at most 64 (models.training)
     eval_batch_size: int = 512
-    checkpoint_limit: int = 2  # complete checkpoints kept (one after every epoch)
-    # auto | latest | "" (start over) | <checkpoint folder>; how to continue, not what to tune
-    resume: str = not_recorded("auto")
+    checkpoint: Checkpoint = section(Checkpoint)  # one after every epoch
     # experiment tracking (core/tracking.py): none | tensorboard | wandb | mlflow | trackio, or
     # several (tensorboard,mlflow); not part of the run's identity
     tracker: str = "none"
@@ -78,16 +102,10 @@ class Config(StageConfig):
         check_choice("method", self.method, METHODS)
         METHOD.check(self)  # every method's parameters, as their dataclasses declare
         check_precision("precision", self.precision, PRECISIONS)
-        for name in ("batch_size", "maccal_epochs", "maccal_r", "fedlas_epochs"):
-            check_range(name, getattr(self, name), 1)
+        check_range("batch_size", self.batch_size, 1)
         check_range("eval_batch_size", self.eval_batch_size, 1)
-        check_data_fields(self)
         parse_trackers(self.tracker)
-        check_range("checkpoint_limit", self.checkpoint_limit, 1)
-        for name in ("maccal_lr", "fedlas_lr", "momentum", "weight_decay", "clip_norm"):
-            check_range(name, getattr(self, name), 0.0)
-        for name in ("crop_pad", "cpu_threads"):
-            check_range(name, getattr(self, name), 0)
+        check_range("cpu_threads", self.cpu_threads, 0)
 
     @property
     def output(self) -> str:
@@ -96,11 +114,11 @@ class Config(StageConfig):
 
     @property
     def augments(self) -> bool:
-        return self.crop_pad > 0 or self.flip
+        return self.augment.crop_pad > 0 or self.augment.flip
 
     @property
     def epochs(self) -> int:
-        return self.maccal_epochs if self.method == "maccal" else self.fedlas_epochs
+        return self.maccal.epochs if self.method == "maccal" else self.fedlas.epochs
 
     def method_params(self) -> dict[str, Any]:
         """RetentionSchedule kwargs (maccal) or FeDLaSCriterion kwargs (fedlas-*)."""

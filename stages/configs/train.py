@@ -19,15 +19,12 @@ from core.config import ConfigError, StageConfig, check_choice, check_range, not
 from core.parts import Section
 from core.precision import check_precision
 from core.tracking import parse_trackers
+from core.tree import section
 from models.classifiers import CLASSIFIERS, TIMM_PREFIX
 from models.objectives import OBJECTIVES
-from shards.datapath import (
-    DEFAULT_DATA_PATH,
-    DEFAULT_MEMORY_BUDGET_GB,
-    DEFAULT_STREAM_PREFETCH,
-    DEFAULT_STREAM_WORKERS,
-    check_data_fields,
-)
+from shards.datapath import Data
+from stages.configs.legacy import legacy_names
+from stages.configs.sections import Augment, Checkpoint
 from stages.presets import stage_presets
 
 # the losses (the registry as any plugin left it) and their parameters
@@ -40,8 +37,28 @@ PRECISIONS = ("auto", "fp32", "bf16")
 
 
 @dataclass(frozen=True)
-@LOSS.fields(after="flip")  # every loss's parameters, one field each, after `flip`
+class Optim:
+    """SGD with momentum; the lr times lr_gamma at each milestone epoch"""
+
+    lr: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    milestones: tuple[int, ...] = (80, 120)
+    lr_gamma: float = 0.1
+    clip_norm: float = 2.0  # gradient-norm clip of the classifier's parameters; 0 = off
+
+    def __post_init__(self) -> None:
+        check_range("optim.lr", self.lr, 0.0)
+        check_range("optim.clip_norm", self.clip_norm, 0.0)
+        if list(self.milestones) != sorted(self.milestones):
+            raise ConfigError(f"optim.milestones={list(self.milestones)} must be increasing")
+
+
+@dataclass(frozen=True)
+@LOSS.fields(after="loss")  # every loss's parameters, one field each, after `loss`
 class Config(StageConfig):
+    LEGACY = legacy_names("train")
+
     run: str = ""  # run folder: runs/<classes>/train/<run>/; "" = the loss (loss=focal: focal)
     loss: str = "ce"  # the objective; its parameters: its fields below, or loss.<param>=value
     model: str = "resnet50"  # models.classifiers name or timm:<name>
@@ -50,27 +67,15 @@ class Config(StageConfig):
     # recipe (docs/methods.md §3)
     epochs: int = 200
     batch_size: int = 128  # global, split over processes
-    lr: float = 0.1
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    milestones: tuple[int, ...] = (80, 120)
-    lr_gamma: float = 0.1
-    clip_norm: float = 2.0  # gradient-norm clip of the classifier's parameters; 0 = off
-    crop_pad: int = 4  # random crop after zero padding; 0 = off
-    flip: bool = True  # random horizontal flip
-    # data
+    optim: Optim = section(Optim)
+    augment: Augment = section(Augment)
+    # what it trains on
     mixed: str = ""  # mixed folder for loss=csm; "" = runs/<classes>/mixed
     train_limit: int = 0  # use only the first N training images (smoke tests); 0 = all
-    # how the images are read (stages/common/data.py); not part of the run's identity
-    data_path: str = DEFAULT_DATA_PATH  # auto | memory | stream
-    memory_budget_gb: float = DEFAULT_MEMORY_BUDGET_GB  # auto's budget; 0 = from free memory
-    stream_workers: int = DEFAULT_STREAM_WORKERS  # DataLoader workers per process (stream)
-    stream_prefetch: int = DEFAULT_STREAM_PREFETCH  # steps each worker decodes ahead
+    data: Data = section(Data)
     # machinery
     precision: str = "auto"  # auto: bf16 where the device computes it natively, else fp32
-    checkpoint_limit: int = 2  # complete checkpoints kept (a save never touches the older ones)
-    # auto | latest | "" (start over) | <checkpoint folder>; how to continue, not what to train
-    resume: str = not_recorded("auto")
+    checkpoint: Checkpoint = section(Checkpoint)
     # several seeds at once: train runs <run>-s<seed> of these seeds together in one process
     # (a stack: docs/train.md); each run's config.json is its plain run's, so not recorded
     seeds: tuple[int, ...] = not_recorded(())
@@ -93,18 +98,11 @@ class Config(StageConfig):
         check_precision("precision", self.precision, PRECISIONS)
         for name in ("epochs", "batch_size", "eval_batch_size"):
             check_range(name, getattr(self, name), 1)
-        check_range("checkpoint_limit", self.checkpoint_limit, 1)
-        check_range("lr", self.lr, 0.0)
-        check_range("crop_pad", self.crop_pad, 0)
-        check_range("clip_norm", self.clip_norm, 0.0)
         check_range("train_limit", self.train_limit, 0)
-        check_data_fields(self)
         parse_trackers(self.tracker)
         check_range("cpu_threads", self.cpu_threads, 0)
         if len(set(self.seeds)) != len(self.seeds) or any(s < 0 for s in self.seeds):
             raise ConfigError(f"seeds={list(self.seeds)} must be distinct seeds >= 0")
-        if list(self.milestones) != sorted(self.milestones):
-            raise ConfigError(f"milestones={list(self.milestones)} must be increasing")
 
     @classmethod
     def fill_defaults(cls, values: dict[str, Any]) -> dict[str, Any]:

@@ -50,13 +50,13 @@ CLIP = dict(encoder="openclip", encoder_model="ViT-B-32", encoder_pretrained="op
 # Pretrained text-to-image model of the photo presets; a local save_pretrained folder works too
 # (model=/path). Generated at 512x512 and resized to the dataset's resolution (docs/methods.md §1).
 SD15 = "stable-diffusion-v1-5/stable-diffusion-v1-5"
-SD = dict(backend="sd", model=SD15, steps=25, guidance=7.5, batch_size=16)
+SD = dict(backend="sd", model=SD15, sample_steps=25, guidance=7.5, batch_size=16)
 
 
-def edm(steps: int) -> dict:
+def edm(sample_steps: int) -> dict:
     """`--set backend=edm` on a photo preset: the paper's EDM sampling (docs/methods.md §1): Heun,
     σ 0.002..80, ρ 7, no guidance; the EDM networks are CC BY-NC-SA 4.0."""
-    values = dict(model="", sampler="heun", steps=steps, guidance=1.0, batch_size=256)
+    values = dict(model="", sampler="heun", sample_steps=sample_steps, guidance=1.0, batch_size=256)
     return {"backend=edm": values | dict(license="cc-by-nc-sa-4.0")}
 
 

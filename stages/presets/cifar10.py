@@ -23,19 +23,14 @@ LAYOUT = CifarLayout(
 # The fit follows DDPM (Ho et al. 2020) on EDM's DDPM++ capacity ("cifar" UNet): linear betas,
 # lr 2e-4 after 5k warm-up steps, EMA 0.9999, flips, bf16; 400k steps at batch 128 per GPU
 # (about a day on 8 GPUs); not run on the development machine.
-FIT = dict(
-    unet="cifar",
-    steps=400_000,
-    batch_size=128,
-    lr=2e-4,
-    warmup_steps=5000,
-    ema_decay=0.9999,
-    beta_schedule="linear",
-    hflip=True,
-    mixed_precision="bf16",
-    checkpoint_every=5000,
-    log_every=500,
-)
+FIT = dict(unet="cifar", train_steps=400_000, batch_size=128, precision="bf16", log_every=500) | {
+    "optim.lr": 2e-4,
+    "optim.warmup_steps": 5000,
+    "optim.ema_decay": 0.9999,
+    "noise.beta_schedule": "linear",
+    "augment.flip": True,
+    "checkpoint.every": 5000,
+}
 
 PRESET = Preset(
     name="cifar10",
@@ -48,7 +43,7 @@ PRESET = Preset(
         "fit-generator": FIT,
         # docs/methods.md §1 reference budget: 444 series per pair (about 160k images); `--set
         # backend=edm` switches to the paper's EDM network with its 20 Heun steps
-        "generate": dict(SD, series_per_pair=444, when=edm(20)),
+        "generate": SD | {"mixing.series_per_pair": 444, "when": edm(20)},
         "annotate": dict(CLIP, sharpening=4.0),  # docs/methods.md §2's s
     },
     reads=lambda cfg: cifar_source(LAYOUT, cfg.data_dir, cfg.hf_dataset),

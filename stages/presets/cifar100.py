@@ -31,7 +31,7 @@ PRESET = Preset(
         "train": FEDLAS,
         "finetune": FEDLAS,
         # docs/methods.md §1: 4 series per pair (about 158k images); EDM: 25 Heun steps
-        "generate": dict(series_per_pair=4, when=edm(25)),
+        "generate": {"mixing.series_per_pair": 4, "when": edm(25)},
         # docs/methods.md §2: 2.3 for the 100-class set, where prototypes crowd closer
         "annotate": dict(sharpening=2.3),
     },

@@ -41,7 +41,7 @@ def _read(cfg):
 
 
 # a measuring judge: a real-only CNN on all of real/train (never inside a study's budget)
-_JUDGE = ("loss=ce", "train_limit=0", "epochs=8", "milestones=4,7", "crop_pad=2")
+_JUDGE = ("loss=ce", "train_limit=0", "epochs=8", "optim.milestones=4,7", "augment.crop_pad=2")
 
 PRESET = Preset(
     name="fashion-mnist",
@@ -54,18 +54,18 @@ PRESET = Preset(
         # the whole study (10 methods x 3 seeds) runs on 2 CPU cores. Flips yes (clothes are
         # mirror symmetric), no crops. (A GAP-only CNN of this size underfits and stays
         # calibrated.)
-        "train": dict(
-            model="conv-mlp",
-            in_channels=1,
-            epochs=20,
-            batch_size=128,
-            lr=0.05,
-            milestones=(10, 16),
-            crop_pad=0,
-            flip=True,
-            train_limit=5000,
-            cpu_threads=1,
-        ),
+        "train": {
+            "model": "conv-mlp",
+            "in_channels": 1,
+            "epochs": 20,
+            "batch_size": 128,
+            "optim.lr": 0.05,
+            "optim.milestones": (10, 16),
+            "augment.crop_pad": 0,
+            "augment.flip": True,
+            "train_limit": 5000,
+            "cpu_threads": 1,
+        },
         # the fair study's generator: only the 5k training images the study's classifiers see
         # (train_limit), no flips (every Fashion-MNIST shoe points the same way: a flipped
         # sneaker is an image the data never has), the digits recipe's guidance, cosine lr and
@@ -77,34 +77,33 @@ PRESET = Preset(
         # 1,875 steps: the 2,500-step fit's curve is flat after 1,875 (docs/study.md), and the
         # fit takes ~22 min in bf16 on 2 idle cores (one check, at the end: the intermediate
         # ones would add ~2 min each with clip_choice's 12 cells)
-        "fit-generator": dict(
-            unet="fashion-28",
-            prediction_type="v_prediction",
-            steps=1875,
-            batch_size=128,
-            lr=2e-3,
-            lr_schedule="cosine",
-            min_snr_gamma=5.0,
-            warmup_steps=50,
-            ema_decay=0.998,
-            hflip=False,
-            train_limit=5000,
-            judge_run="encoder",
-            report_judges=("judge", "judge-noflip"),
+        "fit-generator": {
+            "unet": "fashion-28",
+            "noise.prediction_type": "v_prediction",
+            "train_steps": 1875,
+            "batch_size": 128,
+            "optim.lr": 2e-3,
+            "optim.lr_schedule": "cosine",
+            "optim.min_snr_gamma": 5.0,
+            "optim.warmup_steps": 50,
+            "optim.ema_decay": 0.998,
+            "augment.flip": False,
+            "train_limit": 5000,
+            "fidelity.judge": "encoder",
+            "fidelity.report_judges": ("judge", "judge-noflip"),
             # w and DDIM's x̂₀ clipping chosen together by the encoder (clipping on, the
             # scheduler's default, injects guidance's out-of-range x̂₀ error at every step:
             # bench/RESULTS.md, "the guided sampler's levers"); the grid extended once past 2.5,
             # where the choice sat on its edge (bench/RESULTS.md, "x̂₀ clipping chosen like w")
-            guidance_grid=(1.0, 1.5, 2.0, 2.5, 3.0, 3.5),
-            clip_choice=True,
-            fidelity_every=0,
-            checkpoint_every=250,
-            log_every=100,
-        ),
+            "fidelity.guidance_grid": (1.0, 1.5, 2.0, 2.5, 3.0, 3.5),
+            "fidelity.clip_choice": True,
+            "fidelity.every": 0,
+            "checkpoint.every": 250,
+            "log_every": 100,
+        },
         # the in-house 28x28 UNet; 45 pairs x 16 = 720 series, 5,760 images (~15 CPU minutes)
-        "generate": dict(
-            backend="unet", steps=25, series_per_pair=16, batch_size=64, endpoint_judge="encoder"
-        ),
+        "generate": dict(backend="unet", sample_steps=25, batch_size=64)
+        | {"mixing.series_per_pair": 16, "endpoint.judge": "encoder"},
         # the same reasoning as digits (grey 28x28; CLIP's photo features are a poor fit): the
         # real-only classifier on the study's 5k images ("encoder") is the annotation space;
         # fidelity is judged by the chain's separate 54k classifier ("judge")
@@ -112,13 +111,19 @@ PRESET = Preset(
             encoder="classifier",
             sharpening=4.0,
             workers=0,
-            fidelity_run="judge",
+            judge="judge",
             train_limit=5000,
         ),
         # the train recipe's augmentation (flips, no crops); MaC-Cal 20 epochs on the same 5k
         # training images as Stage I (stages/finetune.py reads the source run's train_limit
         # from its config.json: the fine-tuning set is the run's own)
-        "finetune": dict(crop_pad=0, flip=True, maccal_epochs=20, fedlas_epochs=5, cpu_threads=1),
+        "finetune": {
+            "augment.crop_pad": 0,
+            "augment.flip": True,
+            "maccal.epochs": 20,
+            "fedlas.epochs": 5,
+            "cpu_threads": 1,
+        },
     },
     # Fair to every study method (docs/study.md): the annotation encoder and the generator see
     # only the 5k labelled images the study's classifiers see (the train preset's train_limit;
@@ -128,7 +133,7 @@ PRESET = Preset(
     chain=(
         ("prepare", ()),
         ("train", ("run=judge", *_JUDGE)),
-        ("train", ("run=judge-noflip", *_JUDGE, "flip=false")),
+        ("train", ("run=judge-noflip", *_JUDGE, "augment.flip=false")),
         ("train", ("run=encoder", "loss=ce")),
         ("fit-generator", ()),
         ("generate", ()),

@@ -42,7 +42,7 @@ PRESET = Preset(
         "prepare": dict(source="imagefolder", image_size=32),
         "train": dict(model="resnet50"),
         "finetune": {},
-        "generate": dict(SD, series_per_pair=4),
+        "generate": SD | {"mixing.series_per_pair": 4},
         "annotate": dict(CLIP, sharpening=4.0),  # CIFAR-10's s (docs/methods.md §2)
     },
     reads=_read,

@@ -22,13 +22,8 @@ PRESET = Preset(
         "prepare": dict(source="imagenet", image_size=256, resize="center-crop"),
         # the ImageNet ResNet-50 (timm's, 7x7 stem for 224-256 px) and its standard recipe (90
         # epochs, lr ÷10 at 30 and 60, wd 1e-4, batch 256)
-        "train": dict(
-            model="timm:resnet50",
-            epochs=90,
-            milestones=(30, 60),
-            weight_decay=1e-4,
-            batch_size=256,
-        ),
+        "train": dict(model="timm:resnet50", epochs=90, batch_size=256)
+        | {"optim.milestones": (30, 60), "optim.weight_decay": 1e-4},
         # our class i, the i-th sorted wnid, is DiT's label i; 256 px, stored at real/'s
         # resolution. CSM's budget of ~3x the real training set: 1 series per pair = 499,500
         # series, 3,996,000 images. No guidance, as CSM (DiT's usual 1.5-4 is `--set
@@ -37,11 +32,11 @@ PRESET = Preset(
             backend="dit",
             model=DIT_XL_256,
             dit_class_ids=tuple(range(1000)),
-            steps=50,
+            sample_steps=50,
             guidance=1.0,
-            series_per_pair=1,
             batch_size=64,
-        ),
+        )
+        | {"mixing.series_per_pair": 1},
         "annotate": dict(CLIP, sharpening=4.0),  # GUESS: the papers give none; Tiny-ImageNet's
     },
     reads=_read,

@@ -28,7 +28,7 @@ PRESET = Preset(
         "train": dict(model="resnet50", mbls_margin=10.0, mbls_lam=0.05, **FEDLAS),
         "finetune": FEDLAS,
         # docs/methods.md §1: 2 series per pair (about 318k images); EDM: 25 Heun steps
-        "generate": dict(SD, series_per_pair=2, when=edm(25)),
+        "generate": SD | {"mixing.series_per_pair": 2, "when": edm(25)},
         "annotate": dict(CLIP, sharpening=4.0),  # docs/methods.md §2's s
     },
     reads=_read,
