@@ -305,7 +305,7 @@ def test_kway_set_gets_the_image_budget_of_csm(tmp_path, images, classes, tuples
     root = tmp_path / "digits"
     _mixed_manifest(root / "mixed", images, classes)
     sets = dict(s.split("=") for s in prepare_kway(root, 3))
-    assert sets["generate.mix_classes"] == "3" and int(sets["generate.lattice"]) == KWAY_LATTICE
+    assert sets["generate.mixing.mix_classes"] == "3" and int(sets["generate.mixing.lattice"]) == KWAY_LATTICE
     t, s = int(sets["generate.tuples"]), int(sets["generate.series_per_tuple"])
     assert (t, s) == (tuples, per_tuple)
     assert t <= comb(classes, 3) and t * s * 15 == images
@@ -374,7 +374,7 @@ def test_csm_redraw_plan_trains_on_its_own_checked_set_after_its_chain(tmp_path)
     for rel in ("real/train/manifest.json", "train/judge/m.json"):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_bytes(rel.encode())
-    assert prepare_redraw(root) == ["generate.endpoint_check=redraw"]
+    assert prepare_redraw(root) == ["generate.endpoint.check=redraw"]
     assert (
         tmp_path / "digits-redraw" / "train" / "judge" / "m.json"
     ).read_bytes() == b"train/judge/m.json"

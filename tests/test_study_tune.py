@@ -318,16 +318,16 @@ def test_maccal_is_tuned_on_its_base_methods_chosen_runs_seed_by_seed(tmp_path):
     for p in grid_points("ce+maccal"):
         _point(root, "ce+maccal", p, nll[tuple(p.values())])
     # (256, 0.9): both on their grid's upper edge
-    assert tasks["tune-ce-ext-r-maccal"].prepare() == ["maccal_r=512", "maccal_q0=0.9"]
-    assert tasks["tune-ce-ext-q-t102-maccal"].prepare() == ["maccal_r=256", "maccal_q0=1"]
+    assert tasks["tune-ce-ext-r-maccal"].prepare() == ["maccal.r=512", "maccal_q0=0.9"]
+    assert tasks["tune-ce-ext-q-t102-maccal"].prepare() == ["maccal.r=256", "maccal_q0=1"]
     for seed, name in ((100, "tune-ce-ext-r"), (102, "tune-ce-ext-q-t102")):
         base = root / "train" / tune_run("ce", {"weight_decay": 5e-4}, seed) / "model.safetensors"
         copy = root / "train" / name / "model.safetensors"  # the chosen ce run of its seed
         assert copy.stat().st_ino == base.stat().st_ino
     _point(root, "ce+maccal", "maccal_r", 0.35)
     _point(root, "ce+maccal", "maccal_q0", 0.25)
-    assert tasks["ce-s0-maccal"].prepare() == ["maccal_r=256", "maccal_q0=1"]
-    assert tasks["ce-s0"].prepare() == ["weight_decay=0.0005"]
+    assert tasks["ce-s0-maccal"].prepare() == ["maccal.r=256", "maccal_q0=1"]
+    assert tasks["ce-s0"].prepare() == ["optim.weight_decay=0.0005"]
     result = tuning_report(cfg, root, [])["ce+maccal"]
     assert result["base"] == [tune_run("ce", {"weight_decay": 5e-4}, seed) for seed in SEEDS]
     assert result["chosen_run"] == "tune-ce-ext-q-maccal"

@@ -1,6 +1,6 @@
 """`make study`'s other mixed sets, each its own chain into <root>-<variant>/ sharing csm's real/,
 generator/ and classifier runs: k-way sets (`csm3`: <root>-k3/, sized to csm) and fidelity-aware
-series (`csm-redraw`: <root>-redraw/, generate's endpoint_check=redraw).
+series (`csm-redraw`: <root>-redraw/, generate's endpoint.check=redraw).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def prepare_redraw(root: Path, dst: Path | None = None) -> list[str]:
     folders; the same plan as csm's, every series whose pure images the encoder rejects redrawn
     (docs/generate.md)."""
     share_upstream(root, dst or variant_root(root, "redraw"))
-    return ["generate.endpoint_check=redraw"]
+    return ["generate.endpoint.check=redraw"]
 
 
 def link_complete(src: Path, dst: Path) -> None:
@@ -111,10 +111,10 @@ def prepare_kway(root: Path, k: int, dst: Path | None = None) -> list[str]:
         *(k, series, per_series, mixed.num_samples, tuples),
     )
     return [
-        f"generate.mix_classes={k}",
-        f"generate.lattice={KWAY_LATTICE}",
-        f"generate.tuples={tuples}",
-        f"generate.series_per_tuple={series // tuples}",
+        f"generate.mixing.mix_classes={k}",
+        f"generate.mixing.lattice={KWAY_LATTICE}",
+        f"generate.mixing.tuples={tuples}",
+        f"generate.mixing.series_per_tuple={series // tuples}",
     ]
 
 

@@ -52,6 +52,7 @@ import numpy as np
 
 from core.io import read_json
 from pipeline.study.config import METHODS, StudyConfig, Task
+from stages.configs.legacy import LEGACY
 
 TUNE_SEED = 100  # the first tuning seed: no study seed, a tuning run is never a study run
 POINTS = 4  # every group's grid size: the same tuning budget for every method
@@ -322,7 +323,17 @@ def chosen_sets(
     for group in groups:
         chosen = choose(root, tuned[group])["chosen"]
         values |= {k: v for k, v in chosen.items() if keys is None or k in keys}
-    return [f"{k}={v:g}" for k, v in values.items()]
+    return set_values(values)
+
+
+# a grid parameter's path in the config tree; the grids, run names and study.json keep the flat
+# names config.json records (stages/configs/legacy.py)
+PATHS = {**LEGACY["train"], **LEGACY["finetune"]}
+
+
+def set_values(values: dict[str, float]) -> list[str]:
+    """`--set` values of grid parameters, each under its path in the config tree."""
+    return [f"{PATHS.get(k, k)}={v:g}" for k, v in values.items()]
 
 
 def base_run(root: Path, tuned: dict[str, list[TuneTask]], group: str, seed: int) -> str:

@@ -22,6 +22,7 @@ from pipeline.study.tuning import (
     extension_point,
     grid_points,
     plan_groups,
+    set_values,
     tune_run,
     tune_seeds,
     tuning_alias,
@@ -36,7 +37,7 @@ def _prepare_extension(
     point = extension_point(root, tasks, param)
     if point is None:
         return None
-    return [*(fixed() if fixed else []), *(f"{k}={v:g}" for k, v in point.items())]
+    return [*(fixed() if fixed else []), *set_values(point)]
 
 
 def _prepare_finetune(
@@ -93,7 +94,7 @@ def _group_tasks(
     def make(at: dict[str, float] | str, seed: int, prepare, **kw) -> TuneTask:
         """The run of grid point `at` (or the extension of parameter `at`) at `seed`."""
         name = tune_run(group, at, seed)
-        values = [] if isinstance(at, str) else [f"{k}={v:g}" for k, v in at.items()]
+        values = [] if isinstance(at, str) else set_values(at)
         if stage == "finetune":
             run = tuning_alias(name)
             sets = [*ft_sets, *m.sets, *values, f"run={run}", f"seed={seed}"]
