@@ -24,7 +24,7 @@ import torch
 from core.runtime import make_accelerator
 from models.generators import UNET_PRESETS, unet_from_preset
 from models.generators.objective import denoising_loss
-from stages.fit_generator import resolve_precision
+from stages.fit_generator.training import resolve_precision
 
 BATCH, BLOCK, BLOCKS, WARMUP = 128, 5, 4, 3
 

@@ -255,7 +255,8 @@ def _fake_generator(root: Path) -> Path:
     from models.generators import save_unet, unet_from_preset
     from shards.manifest import Manifest, manifest_digest, write_manifest
     from stages.configs.fit_generator import Config
-    from stages.fit_generator import WEIGHTS, noise_scheduler
+    from stages.fit_generator.stage import WEIGHTS
+    from stages.fit_generator.training import noise_scheduler
 
     folder = root / "generator"
     with torch.random.fork_rng(devices=[]):
@@ -315,26 +316,27 @@ class _Payload:
 
 
 def test_fit_generator_resume_never_unpickles_a_planted_payload(digits_root, tmp_path, capsys):
-    import stages.fit_generator as fit
+    from shards.checkpoints import Checkpointer
+    from stages.fit_generator.training import EMA, STATE
 
     root = copy_real(digits_root, tmp_path)
     quick = ["steps=4", "batch_size=8", "checkpoint_every=2", "samples_per_class=1", "judge_run="]
     argv = ["fit-generator", "--set", f"out={tmp_path}", *quick, "sample_steps=1"]
     saved = []
-    save = fit.save_checkpoint
+    save = Checkpointer.save
 
-    def save_then_die(*args):
-        save(*args)
+    def save_then_die(self, *args):
+        save(self, *args)
         saved.append(1)
         raise KeyboardInterrupt
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(fit, "save_checkpoint", save_then_die)
+    mp.setattr(Checkpointer, "save", save_then_die)
     assert main(argv) == 130  # Ctrl-C: one line, exit 130 (tests/test_faults.py)
     assert "interrupted" in capsys.readouterr().err
     mp.undo()
     ckpt = root / "generator" / "checkpoints" / "checkpoint_0"
-    assert (ckpt / fit.STATE).is_file() and (ckpt / fit.EMA).is_file()
+    assert (ckpt / STATE).is_file() and (ckpt / EMA).is_file()
     assert not list(ckpt.glob("custom_checkpoint_*"))  # semix pickles nothing itself
     marker = tmp_path / "payload-ran"
     (ckpt / "custom_checkpoint_0.pkl").write_bytes(pickle.dumps(_Payload(marker)))

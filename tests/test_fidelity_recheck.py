@@ -81,7 +81,7 @@ def test_the_clipping_override_reaches_a_live_fits_sampler_too():
 
     from models.generators import SeriesSpec, UNetGenerator, unet_from_preset
     from stages.configs.fit_generator import Config
-    from stages.fit_generator import noise_scheduler
+    from stages.fit_generator.training import noise_scheduler
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

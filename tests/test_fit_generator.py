@@ -15,13 +15,16 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-import stages.fit_generator as fit
 from core.io import sha256_file
 from models.generators import SeriesSpec, load_generator
 from models.generators.objective import denoising_loss, denoising_target
 from pipeline.cli import main
 from pipeline.registry import run_stage
+from shards.checkpoints import Checkpointer
 from shards.manifest import manifest_digest, read_manifest
+from stages.configs.fit_generator import Config
+from stages.fit_generator.stage import WEIGHTS
+from stages.fit_generator.training import batch_indices, fit_accelerator, noise_scheduler
 
 QUICK = [
     "steps=4", "batch_size=16", "checkpoint_every=2", "samples_per_class=2", "sample_steps=2",
@@ -43,12 +46,12 @@ def test_writes_generator_folder_that_loads_back(runs, capsys):
     assert manifest.class_names == tuple("0123456789")
     assert manifest.upstream == {"real": manifest_digest(runs / "digits" / "real" / "train")}
     info = manifest.info
-    assert info["weights_sha256"] == sha256_file(folder / fit.WEIGHTS)
+    assert info["weights_sha256"] == sha256_file(folder / WEIGHTS)
     assert info["class_names"] == list("0123456789") and info["image_size"] == 16
     assert info["train_steps"] == 4 and info["backend"] == "unet"
     config = json.loads((folder / "config.json").read_text())
     assert config["steps"] == 4 and "resume" not in config  # how to start is not what to make
-    assert "prediction_type" not in config  # epsilon: recorded as before the field existed
+    assert "prediction_type" not in config  # epsilon, the default: left out
     assert not (folder / "checkpoints").exists()  # training state goes once the manifest is there
     # sample grid: one row per class, samples_per_class columns of 16px tiles scaled x4
     with Image.open(folder / "sample_grid.png") as grid:
@@ -59,9 +62,9 @@ def test_writes_generator_folder_that_loads_back(runs, capsys):
     images = gen.generate_series([SeriesSpec(0, 3, 8, (1.0, 0.0), seed=1)])
     assert images.shape == (1, 2, 16, 16, 3)
     # complete: a rerun does nothing; another config is refused in one line
-    before = sha256_file(folder / fit.WEIGHTS)
+    before = sha256_file(folder / WEIGHTS)
     run_stage("fit-generator", "digits", [f"out={runs}", *QUICK, "resume="])
-    assert sha256_file(folder / fit.WEIGHTS) == before
+    assert sha256_file(folder / WEIGHTS) == before
     code = main(["fit-generator", "--set", f"out={runs}", *QUICK[1:], "steps=5"])
     errors = [
         e for e in capsys.readouterr().err.splitlines() if e.startswith("semix fit-generator")
@@ -116,9 +119,9 @@ def test_zero_terminal_snr_ends_the_schedule_in_pure_noise_and_the_sampler_follo
         assert float(gen.scheduler.alphas_cumprod[-1]) < 1e-7  # DPM-Solver keeps 2^-24 (no inf)
         images = gen.generate_series([SeriesSpec(0, 3, 8, (1.0, 0.5, 0.0), seed=1)])
         assert torch.isfinite(images.float()).all() and images.float().std() > 0
-    plain = fit.noise_scheduler(fit.Config(prediction_type="v_prediction"))
+    plain = noise_scheduler(Config(prediction_type="v_prediction"))
     assert float(plain.alphas_cumprod[-1]) > 0  # off: the linear schedule's ᾱ_T ≈ 4e-5
-    assert "zero_terminal_snr" not in fit.Config().recorded()  # off: earlier fits keep their bytes
+    assert "zero_terminal_snr" not in Config().recorded()  # off: existing fits keep their bytes
 
 
 def test_zero_terminal_snr_needs_v_prediction(runs, capsys):
@@ -135,7 +138,7 @@ def test_saved_weights_are_the_ema(runs):
     quick = ["steps=2", "batch_size=16", "samples_per_class=1", "sample_steps=1", "judge_run="]
     raw = run_stage("fit-generator", "digits", [f"out={runs}", "name=raw", *quick, "ema_decay=0"])
     ema = run_stage("fit-generator", "digits", [f"out={runs}", "name=ema", *quick])
-    w_raw, w_ema = load_file(raw / fit.WEIGHTS), load_file(ema / fit.WEIGHTS)
+    w_raw, w_ema = load_file(raw / WEIGHTS), load_file(ema / WEIGHTS)
     assert w_raw.keys() == w_ema.keys()
     assert not all(torch.equal(w_raw[k], w_ema[k]) for k in w_raw)
 
@@ -147,23 +150,23 @@ def test_resume_gives_the_same_weights(runs, monkeypatch):
     straight = run_stage("fit-generator", "digits", [f"out={runs}", *steps])
     # "kill" run b right after its second checkpoint (step 4 of 6)
     saved = []
-    save = fit.save_checkpoint
+    save = Checkpointer.save
 
-    def save_then_die(*args):
-        save(*args)
+    def save_then_die(self, *args):
+        save(self, *args)
         saved.append(1)
         if len(saved) == 2:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(fit, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(Checkpointer, "save", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         run_stage("fit-generator", "digits", [f"out={runs / 'b'}", *steps])
     folder = runs / "b" / "digits" / "generator"
     ckpts = sorted(p.name for p in (folder / "checkpoints").iterdir())
     assert ckpts == ["checkpoint_0", "checkpoint_1"] and not (folder / "manifest.json").exists()
-    monkeypatch.setattr(fit, "save_checkpoint", save)
+    monkeypatch.setattr(Checkpointer, "save", save)
     resumed = run_stage("fit-generator", "digits", [f"out={runs / 'b'}", *steps])
-    for name in (str(fit.WEIGHTS), "sample_grid.png", "manifest.json", "fidelity.json"):
+    for name in (str(WEIGHTS), "sample_grid.png", "manifest.json", "fidelity.json"):
         assert (resumed / name).read_bytes() == (straight / name).read_bytes(), name
     assert [p["step"] for p in json.loads((resumed / "fidelity.json").read_text())["curve"]] == [
         3,
@@ -215,20 +218,16 @@ def test_fidelity_curve_chooses_the_guidance_that_generate_uses(runs, capsys):
 
 def test_batches_are_epoch_permutations():
     n, batch = 10, 4
-    seen = torch.cat([fit.batch_indices(n, 0, s, batch, r, 2) for s in range(5) for r in range(2)])
+    seen = torch.cat([batch_indices(n, 0, s, batch, r, 2) for s in range(5) for r in range(2)])
     # global positions 0..39 cover 4 epochs, each a permutation of range(10)
     for e in range(4):
         assert sorted(seen[e * n : (e + 1) * n].tolist()) == list(range(n))
-    assert torch.equal(fit.batch_indices(n, 0, 3, batch, 1, 2), seen[7 * batch : 8 * batch])
-    assert not torch.equal(
-        fit.batch_indices(n, 1, 0, batch, 0, 1), fit.batch_indices(n, 0, 0, batch, 0, 1)
-    )
+    assert torch.equal(batch_indices(n, 0, 3, batch, 1, 2), seen[7 * batch : 8 * batch])
+    assert not torch.equal(batch_indices(n, 1, 0, batch, 0, 1), batch_indices(n, 0, 0, batch, 0, 1))
 
 
-# limit=1 reproduces the issue-12 failure on the code before the Checkpointer: accelerate's
-# save_state pruned the only complete checkpoint before writing the new one, and a kill while it
-# deleted files (5 of its 13 kill points) left a folder with its marker but without its model:
-# "No such file or directory: .../checkpoint_1/pytorch_model.bin" on resume.
+# limit=1: the one complete checkpoint must survive until the new one is complete; a save that
+# pruned it first would leave, killed while deleting, a folder with its marker but no model.
 @pytest.mark.parametrize("limit", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_kill_at_every_point_of_a_checkpoint_save_resumes(runs, monkeypatch, limit):
     """Kill fit-generator before each file-system change of its third checkpoint save (one that
@@ -241,17 +240,17 @@ def test_a_kill_at_every_point_of_a_checkpoint_save_resumes(runs, monkeypatch, l
     ref = run_stage("fit-generator", "digits", [f"out={runs}", "name=ref", *quick])
     points = KillPoints(monkeypatch, runs)
     saves = []
-    save = fit.save_checkpoint
+    save = Checkpointer.save
 
-    def third_save_armed(*args):
+    def third_save_armed(self, *args):
         saves.append(1)
         points.armed = len(saves) == 3
         try:
-            save(*args)
+            save(self, *args)
         finally:
             points.armed = False
 
-    monkeypatch.setattr(fit, "save_checkpoint", third_save_armed)
+    monkeypatch.setattr(Checkpointer, "save", third_save_armed)
     shutil.copytree(runs / "digits" / "real", runs / "count" / "real")
     run_stage("fit-generator", "digits", [f"out={runs}", "name=count", *quick])
     changes = list(points.changes)
@@ -270,7 +269,7 @@ def test_a_kill_at_every_point_of_a_checkpoint_save_resumes(runs, monkeypatch, l
         except Exception as e:  # collected: the assertion names every failure
             failures[change] = f"{type(e).__name__}: {str(e)[:160]}"
             continue
-        if (out / fit.WEIGHTS).read_bytes() != (ref / fit.WEIGHTS).read_bytes():
+        if (out / WEIGHTS).read_bytes() != (ref / WEIGHTS).read_bytes():
             failures[change] = "other weights"
     assert not failures, f"{len(failures)} of {len(changes)} kill points: {failures}"
 
@@ -283,7 +282,7 @@ def test_the_lr_schedule_counts_optimiser_steps_on_any_number_of_processes(monke
 
     from core.tracking import Tracking
 
-    accelerator = fit.fit_accelerator(True, "no", Tracking((), Path("."), Path(".")))
+    accelerator = fit_accelerator(True, "no", Tracking((), Path("."), Path(".")))
     layer = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(layer.parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))

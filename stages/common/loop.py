@@ -1,16 +1,20 @@
-"""The one training loop of `train` and `finetune` (not a stage: both stages call it).
+"""The one training loop (`train_units`) and the classifier's epochs on it (not a stage: train,
+finetune and fit-generator call it).
 
     accelerator = make_accelerator(cfg.precision)
     result = fit(run_dir, recipe, TrainingModule(model, objective), optimizer, data, accelerator)
     write_run(run_dir, result.weights, meta, metrics, plots, upstream, class_names)
 
-What is trained is the stages' business (a fresh classifier and a loss; a trained run and FeDLaS;
-a frozen backbone and MaC-Cal's head: models/objectives.py); this module does the rest, the
-same way for all: accelerate (DDP under torchrun / accelerate launch, bf16 on GPU), the rank
-guard (the main process writes), checkpoints and resume (shards/checkpoints.py), progress (tqdm
-with rates), validation and the kept weights.
+The loop resumes a run from its newest complete checkpoint (shards/checkpoints.py), then trains
+its units, each followed by a checkpoint. A run says what a unit is (`Units`): the classifier's
+is an epoch (`Epochs`, with validation and the kept weights), fit-generator's a block of
+optimizer steps (stages/fit_generator/training.py). What a classifier trains is the stages'
+business (a fresh classifier and a loss; a trained run and FeDLaS; a frozen backbone and
+MaC-Cal's head: models/objectives.py); this module does the rest, the same way for all:
+accelerate (DDP under torchrun / accelerate launch, bf16 on GPU), the rank guard (the main
+process writes), progress (tqdm with rates).
 
-Process independence: each epoch is planned first (`plan_steps`: the *global* batches and
+Process independence of the classifier's epochs: each epoch is planned first (`plan_steps`: the *global* batches and
 their CSM members), a `PixelSource` serves each planned step's pixels (device tensors, or
 shards decoded ahead by DataLoader workers: stages/common/data.py), every step augments and applies the
 objective's `prepare` (mixup) to the global batch as a whole, and each process then keeps
@@ -28,7 +32,7 @@ import time
 from collections.abc import Callable, Generator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from accelerate import Accelerator
@@ -151,15 +155,15 @@ def make_accelerator(precision: str, **tracking: Any) -> Accelerator:
 
 def run_precision(run_dir: Path, precision: str, resume: str) -> str:
     """The precision a run computes in, fixed when it starts: `precision`, except that an `auto`
-    run resumed keeps the one its checkpoint was computed in (on another machine, or one that
-    semix resolved to fp32 on CPUs before bf16 paid there, `auto` could mean another now)."""
+    run resumed keeps the one its checkpoint was computed in (`auto` can resolve to another
+    precision on another machine)."""
     if canonical(precision) != "auto" or resume == "":
         return precision
     chosen = Checkpointer(run_dir / "checkpoints", keep=1).choose(resume, verify=False)
     if chosen is None:
         return precision
     saved = json.loads((chosen / MARKER).read_text())
-    # a checkpoint without the record: written when `auto` was fp32 on every CPU
+    # a checkpoint without the record: fp32 on a CPU
     cpu = not torch.cuda.is_available()
     return saved.get(PRECISION_KEY, "fp32" if cpu else precision)
 
@@ -178,8 +182,7 @@ def plan_steps(data: Data, batches: list[Tensor], extra: torch.Generator) -> lis
     each real image's two series members (docs/methods.md §3: a random complete series containing
     its label, that series' best member for the label + a random interior one). Planned for
     the whole epoch first, so the streaming path can decode ahead; `extra` draws the members
-    of step 1, 2, ... in turn, then serves the objectives' `prepare` (no objective uses both,
-    so each draws what it drew when the two were interleaved step by step)."""
+    of step 1, 2, ... in turn, then serves the objectives' `prepare` (no objective uses both)."""
     mixed = data.mixed
     if mixed is None:
         return [StepPlan(idx) for idx in batches]
@@ -309,6 +312,187 @@ def validate(model: torch.nn.Module, data: Data, batch_size: int) -> dict[str, f
 # ---------------------------------------------------------------- the loop
 
 
+class Units(Protocol):
+    """A run's training cut into units, each ended by a checkpoint: the classifier's epochs
+    (`Epochs`), fit-generator's blocks of optimizer steps (stages/fit_generator/training.py).
+    `train_units` drives it; the run holds its own state (model, optimizer, counters)."""
+
+    count: int  # units in the whole run
+    files: tuple[str, ...]  # the run's own safetensors files in a checkpoint
+
+    def restore(self, path: Path, saved: dict[str, Any], tensors: dict[str, Any]) -> int:
+        """Take up the state of checkpoint `path` (accelerate's part is loaded already): the
+        marker's JSON `saved` and the run's own `tensors` files. Returns the units done."""
+
+    def bar(self, done: int) -> Any:
+        """The progress bar of the units from `done` on (core.logs.progress)."""
+
+    def train(self, unit: int, bar: Any) -> None:
+        """Train unit `unit` (counted from 0)."""
+
+    def checkpoint(self, unit: int) -> tuple[int, dict[str, Any], dict[str, dict[str, Tensor]]]:
+        """The checkpoint after `unit`: (its number, the marker's JSON state, {file: tensors})."""
+
+    def report(self, unit: int) -> None:
+        """After the unit's checkpoint: what it tells the logs, the trackers and the files."""
+
+
+def train_units(
+    units: Units, accelerator: Accelerator, run_dir: Path, keep: int, resume: str
+) -> Generator[int, None, None]:
+    """The one training loop: resume from run_dir/checkpoints (the newest complete checkpoint,
+    or the one `resume` names; the later ones are replayed), then train the units left, each
+    followed by its checkpoint (the newest `keep` are kept); yields each unit once done."""
+    ckpt = Checkpointer(
+        run_dir / "checkpoints",
+        keep=keep,
+        files=units.files,
+        is_main=accelerator.is_main_process,
+        barrier=accelerator.wait_for_everyone,
+        share=share_from_main(accelerator),
+        ranks=accelerator.num_processes,
+    )
+    checkpoint, done = ckpt.choose(resume), 0
+    if checkpoint is not None:
+        saved, tensors = ckpt.load(
+            checkpoint, lambda p: accelerator.load_state(str(p), load_kwargs=LOAD_KWARGS)
+        )
+        done = units.restore(checkpoint, saved, tensors)
+    ckpt.tidy(first_free=checkpoint_number(checkpoint) + 1 if checkpoint is not None else 0)
+    with units.bar(done) as bar:
+        for unit in range(done, units.count):
+            units.train(unit, bar)
+            number, state, tensors = units.checkpoint(unit)
+            ckpt.save(number, lambda folder: accelerator.save_state(str(folder)), state, tensors)
+            units.report(unit)
+            yield unit
+
+
+def drain(run: Generator[Any, None, Any]) -> Any:
+    """Run a generator (`fit_epochs`, `train_units`) to its end; what it returns."""
+    while True:
+        try:
+            next(run)
+        except StopIteration as stop:
+            return stop.value
+
+
+# ---------------------------------------------------------------- the classifier's epochs
+
+
+class Epochs:
+    """The classifier's units: one epoch each (train, validate on real/val, keep the best
+    weights), checkpoint_<n> after epoch n. `on_epoch` (main process) sees the state after each
+    checkpoint, `describe` adds to the epoch's log line."""
+
+    files = (BEST, OBJECTIVE)
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        data: Data,
+        accelerator: Accelerator,
+        name: str,
+        on_epoch: Callable[[LoopState], None],
+        describe: Callable[[dict[str, Any]], str],
+    ) -> None:
+        self.recipe, self.module, self.optimizer, self.data = recipe, module, optimizer, data
+        self.accelerator, self.name, self.on_epoch, self.describe = (
+            accelerator, name, on_epoch, describe
+        )  # fmt: skip
+        inner = accelerator.unwrap_model(module)
+        self.net, self.objective = inner.model, inner.objective
+        self.count = recipe.epochs
+        self.computes = FROM_ACCELERATE[accelerator.mixed_precision]
+        self.state, self.best = LoopState(), None
+        self.stats: dict[str, Any] = {}  # the last epoch's
+
+    def restore(self, path: Path, saved: dict[str, Any], tensors: dict[str, Any]) -> int:
+        """The loop's state, the objective's and the best weights of checkpoint `path`, which
+        must have been computed in this process's precision."""
+        if "loop" not in saved:
+            raise CheckpointError(
+                f"{path} was written by an older semix; start over (resume=) or remove it"
+            )
+        computed = saved.get(PRECISION_KEY, self.computes)
+        if computed != self.computes:
+            raise CheckpointError(
+                f"{path} was computed in {computed}, this process computes in {self.computes}; "
+                f"resume it in {computed} (accelerate launch --mixed_precision), or start over "
+                f"(resume=)"
+            )
+        self.state = LoopState(**saved["loop"])
+        self.objective.load_extra_state(saved["objective"] | tensors.get(OBJECTIVE, {}))
+        self.best = tensors.get(BEST)
+        log.info("%s: resumed from %s (epoch %d done)", self.name, path, self.state.next_epoch)
+        return self.state.next_epoch
+
+    def bar(self, done: int) -> Any:
+        """Progress in images."""
+        remaining = (self.count - done) * len(self.data.train)
+        main = self.accelerator.is_main_process
+        return progress(range(remaining), total=remaining, desc=self.name, unit="img", enabled=main)
+
+    def train(self, epoch: int, bar: Any) -> None:
+        """Train and validate (main process) one epoch; keep its weights if they are the best."""
+        recipe, state, data = self.recipe, self.state, self.data
+        t0 = time.perf_counter()
+        stats = train_epoch(recipe, epoch, self.accelerator, self.module, self.optimizer, data, bar)
+        seconds = time.perf_counter() - t0
+        main = self.accelerator.is_main_process
+        scores = [validate(self.net, data, recipe.eval_batch_size) if main else None]
+        stats |= broadcast_object_list(scores, from_process=0)[0]
+        stats |= {
+            "epoch": epoch + 1,  # epochs count from 1 wherever a person reads them
+            "seconds": round(seconds, 3),
+            "images_per_s": round(len(data.train) / seconds, 1),
+        }
+        if recipe.keep == "best" and stats["val_acc"] > state.best_val_acc:
+            state.best_val_acc, state.best_epoch = stats["val_acc"], epoch + 1
+            self.best = {k: v.detach().cpu().clone() for k, v in self.net.state_dict().items()}
+        state.history.append(stats)
+        state.next_epoch = epoch + 1
+        self.stats = stats
+
+    def checkpoint(self, epoch: int) -> tuple[int, dict[str, Any], dict[str, dict[str, Tensor]]]:
+        """checkpoint_<n> after epoch n: the loop's state, the objective's, the best weights."""
+        extra = self.objective.extra_state()
+        files = {OBJECTIVE: {k: v for k, v in extra.items() if isinstance(v, Tensor)}}
+        files = {k: v for k, v in ({BEST: self.best} | files).items() if v}
+        json_state = {k: v for k, v in extra.items() if not isinstance(v, Tensor)}
+        state = {"loop": asdict(self.state), "objective": json_state, PRECISION_KEY: self.computes}
+        return epoch + 1, state, files
+
+    def report(self, epoch: int) -> None:
+        """`on_epoch`, the trackers, the epoch's log line."""
+        stats, recipe = self.stats, self.recipe
+        if self.accelerator.is_main_process:
+            self.on_epoch(self.state)
+        # the trackers (main process; none without tracker=): the epoch's numbers, at the
+        # epoch metrics.json records
+        numbers = scalars({k: v for k, v in stats.items() if k != "epoch"})
+        self.accelerator.log(numbers, step=stats["epoch"])
+        described = self.describe(stats)
+        log.info(
+            "epoch %d/%d: loss %.4f, train acc %.1f %%, val acc %.2f %%, val ECE %.2f %%, "
+            "lr %.3g, %.0f img/s%s",
+            epoch + 1,
+            recipe.epochs,
+            *(stats[k] for k in ("loss", "train_acc", "val_acc", "val_ece", "lr")),
+            stats["images_per_s"],
+            ", " + described if described else "",
+        )
+
+    def result(self) -> Result:
+        """The state and the kept weights: the best epoch's, or the last's (keep="last")."""
+        best = self.best
+        if self.recipe.keep == "last" or best is None:
+            best = {k: v.detach().cpu().clone() for k, v in self.net.state_dict().items()}
+        return Result(self.state, best)
+
+
 def fit(
     run_dir: Path,
     recipe: Recipe,
@@ -321,21 +505,11 @@ def fit(
     describe: Callable[[dict[str, Any]], str] = lambda stats: "",
 ) -> Result:
     """Train `module` for recipe.epochs, resuming from run_dir/checkpoints; a checkpoint after
-    every epoch. `on_epoch` (main process) sees the state after each checkpoint, `describe`
-    adds to the epoch's log line."""
+    every epoch (`Epochs` says what `on_epoch` and `describe` do)."""
     epochs = fit_epochs(
         run_dir, recipe, module, optimizer, data, accelerator, name, on_epoch, describe
     )
     return drain(epochs)
-
-
-def drain(epochs: Generator[LoopState, None, Result]) -> Result:
-    """Run a `fit_epochs` generator to its end; its Result."""
-    while True:
-        try:
-            next(epochs)
-        except StopIteration as stop:
-            return stop.value
 
 
 def fit_epochs(
@@ -352,7 +526,7 @@ def fit_epochs(
     """`fit` one epoch at a time: yields the state after each epoch's checkpoint, returns the
     Result. What lets a stack of runs (stages/train.py, `run_stack`) take their epochs in turn
     in one process, each exactly as it would alone."""
-    main, dev = accelerator.is_main_process, accelerator.device
+    dev = accelerator.device
     pixels = data.pixels or PixelSource(data.train.images, data.mixed and data.mixed.images)
     data = replace(
         data,
@@ -361,92 +535,11 @@ def fit_epochs(
         pixels=pixels,
         channels_last=dev.type == "cuda" or is_channels_last(module),
     )
-    ckpt = Checkpointer(
-        run_dir / "checkpoints",
-        keep=recipe.checkpoint_limit,
-        files=(BEST, OBJECTIVE),
-        is_main=main,
-        barrier=accelerator.wait_for_everyone,
-        share=share_from_main(accelerator),
-        ranks=accelerator.num_processes,
-    )
     module, optimizer = accelerator.prepare(module, optimizer)
-    inner = accelerator.unwrap_model(module)
-    net, objective = inner.model, inner.objective
-
-    # 1. Resume: the newest complete checkpoint (or the one named); later ones are replayed.
-    computes = FROM_ACCELERATE[accelerator.mixed_precision]
-    state, best = LoopState(), None
-    checkpoint = ckpt.choose(recipe.resume)
-    if checkpoint is not None:
-        saved, tensors = ckpt.load(
-            checkpoint, lambda p: accelerator.load_state(str(p), load_kwargs=LOAD_KWARGS)
-        )
-        if "loop" not in saved:
-            raise CheckpointError(
-                f"{checkpoint} was written by an older semix; start over (resume=) or remove it"
-            )
-        computed = saved.get(PRECISION_KEY, computes)
-        if computed != computes:
-            raise CheckpointError(
-                f"{checkpoint} was computed in {computed}, this process computes in {computes}; "
-                f"resume it in {computed} (accelerate launch --mixed_precision), or start over "
-                f"(resume=)"
-            )
-        state = LoopState(**saved["loop"])
-        objective.load_extra_state(saved["objective"] | tensors.get(OBJECTIVE, {}))
-        best = tensors.get(BEST)
-        log.info("%s: resumed from %s (epoch %d done)", name, checkpoint, state.next_epoch)
-    ckpt.tidy(first_free=checkpoint_number(checkpoint) + 1 if checkpoint is not None else 0)
-
-    # 2. Epochs: train, validate (main), keep the weights, checkpoint.
-    remaining = (recipe.epochs - state.next_epoch) * len(data.train)
-    with progress(range(remaining), total=remaining, desc=name, unit="img", enabled=main) as bar:
-        for epoch in range(state.next_epoch, recipe.epochs):
-            t0 = time.perf_counter()
-            stats = train_epoch(recipe, epoch, accelerator, module, optimizer, data, bar)
-            seconds = time.perf_counter() - t0
-            scores = [validate(net, data, recipe.eval_batch_size) if main else None]
-            stats |= broadcast_object_list(scores, from_process=0)[0]
-            stats |= {
-                "epoch": epoch + 1,  # epochs count from 1 wherever a person reads them
-                "seconds": round(seconds, 3),
-                "images_per_s": round(len(data.train) / seconds, 1),
-            }
-            if recipe.keep == "best" and stats["val_acc"] > state.best_val_acc:
-                state.best_val_acc, state.best_epoch = stats["val_acc"], epoch + 1
-                best = {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}
-            state.history.append(stats)
-            state.next_epoch = epoch + 1
-            extra = objective.extra_state()
-            files = {OBJECTIVE: {k: v for k, v in extra.items() if isinstance(v, Tensor)}}
-            files = {k: v for k, v in ({BEST: best} | files).items() if v}
-            json_state = {k: v for k, v in extra.items() if not isinstance(v, Tensor)}
-            ckpt.save(
-                epoch + 1,  # checkpoint_<n>: after epoch n
-                lambda folder: accelerator.save_state(str(folder)),
-                {"loop": asdict(state), "objective": json_state, PRECISION_KEY: computes},
-                files,
-            )
-            if main:
-                on_epoch(state)
-            # the trackers (main process; none without tracker=): the epoch's numbers, at the
-            # epoch metrics.json records
-            numbers = scalars({k: v for k, v in stats.items() if k != "epoch"})
-            accelerator.log(numbers, step=stats["epoch"])
-            log.info(
-                "epoch %d/%d: loss %.4f, train acc %.1f %%, val acc %.2f %%, val ECE %.2f %%, "
-                "lr %.3g, %.0f img/s%s",
-                epoch + 1,
-                recipe.epochs,
-                *(stats[k] for k in ("loss", "train_acc", "val_acc", "val_ece", "lr")),
-                stats["images_per_s"],
-                ", " + describe(stats) if describe(stats) else "",
-            )
-            yield state
-    if recipe.keep == "last" or best is None:
-        best = {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}
-    return Result(state, best)
+    epochs = Epochs(recipe, module, optimizer, data, accelerator, name, on_epoch, describe)
+    for _ in train_units(epochs, accelerator, run_dir, recipe.checkpoint_limit, recipe.resume):
+        yield epochs.state
+    return epochs.result()
 
 
 def write_run(
