@@ -410,7 +410,7 @@ def test_moved_and_relative_runs_root_resume(trained, tmp_path, read_only, monke
 
 
 def test_chain_validates_every_stage_before_the_first_runs(tmp_path, capsys):
-    for bad, names in (("generate.nonsense=1", "nonsense"), ("annotate.method=x", "method")):
+    for bad, names in (("generate.nonsense=1", "nonsense"), ("annotate.annotator=x", "annotator")):
         one_line_error(capsys, ["chain", "--set", f"out={tmp_path}", bad], names, code=2)
     one_line_error(capsys, ["chain", "--set", f"out={tmp_path}", "genrate.steps=1"], "genrate", 2)
     assert not any(tmp_path.iterdir())  # nothing ran
