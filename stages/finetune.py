@@ -15,7 +15,8 @@ epoch's weights are kept (no selection on val: evaluate fits its temperature the
   frozen in eval mode (BatchNorm statistics stay as trained), a fresh masked bottleneck head
   trained with cross-entropy under MaskedSGD, one Bernoulli(q) mask per epoch, then
   q <- RetentionSchedule.
-  With augmentation off (crop_pad=0, flip=false) the features of real/train are computed once.
+  With augmentation off (augment.crop_pad=0, augment.flip=false) the features of real/train are
+  computed once.
 
 Folder, laid out like a train run: config.json, checkpoints/, metrics.json (section
 "finetune"), host.json (this machine's data path and seconds: not in the manifest),
