@@ -4,7 +4,7 @@
     make finetune CLASSES=cifar10 RUN=csm METHOD=fedlas-ls
     torchrun --nproc_per_node 2 -m pipeline finetune ...     (CPU, gloo)
 
-The trained run's classifier goes through the same training loop as `train` (stages/common/loop.py:
+The trained run's classifier goes through the same training loop as `train` (stages/common/epochs.py:
 accelerate, checkpoints after every epoch, resume, progress), with a constant lr, and the last
 epoch's weights are kept (no selection on val: evaluate fits its temperature there):
 
@@ -49,7 +49,7 @@ from shards.datasets import check_same_classes
 from shards.manifest import manifest_digest
 from shards.runs import Run, read_run, split_history
 from stages.common import data as datapath
-from stages.common.loop import Data, LoopState, write_run
+from stages.common.epochs import Data, LoopState, write_run
 from stages.common.training_run import TrainingRun
 from stages.configs.finetune import Config
 
