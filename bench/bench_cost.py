@@ -130,7 +130,7 @@ def imagenet_work(sets: Mapping[str, Sequence[str]] | None = None) -> dict[str, 
     return {
         "configs": cfg, "plan": plan, "classes": len(gen.dit_class_ids), "pairs": len(plan.pairs),
         "series": plan.num_series, "members": len(plan.alphas), "images": images,
-        "shards": plan.num_shards, "steps": gen.steps, "guidance": gen.guidance,
+        "shards": plan.num_shards, "steps": gen.sample_steps, "guidance": gen.guidance,
         "batch": gen.batch_size, "size": prep.image_size, "real_train": real_train,
         "real_val": val, "real_test": IMAGENET_VAL,
         "encoded": images + (real_train if ann.prototypes == "real" else 0),
@@ -196,14 +196,14 @@ def shard_bytes(work: dict[str, Any], pngs: Sequence[bytes], tmp: Path) -> dict[
     plan, gen = work["plan"], work["configs"]["generate"]
     specs = [plan.spec(s) for s in plan.shard_series(0)]
     ident = {"backend": gen.backend, "model_id": gen.model, "revision": gen.revision or None,
-             "sampler": gen.sampler, "steps": gen.steps, "guidance": gen.guidance}  # fmt: skip
+             "sampler": gen.sampler, "steps": gen.sample_steps, "guidance": gen.guidance}  # fmt: skip
     names = [f"n{c:08d}" for c in range(work["classes"])]  # wnid-long class names
     blank = torch.zeros(len(specs), work["members"], 1, 1, 3, dtype=torch.uint8)
     series = shard_samples(plan, specs, blank, names, ident)
     for i, s in enumerate(series):
         s["png"] = pngs[i % len(pngs)]  # photo PNG bytes, passed through by the writer
     # λ̂ by the ratio method (no encoder): float32 values, as long in json as real λ̂
-    ann = resolve_stage_config("annotate", "imagenet", ["method=ratio"])
+    ann = resolve_stage_config("annotate", "imagenet", ["annotator=ratio"])
     meta = [s["json"] for s in series]
     mixed = mixed_samples(series, label(ann, meta, np.zeros((len(meta), 1)), None, None))
     n_real = work["configs"]["prepare"].shard_size

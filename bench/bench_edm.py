@@ -49,13 +49,15 @@ def run() -> dict:
         for batch in BATCH_SIZES:
             for compile_ in (False, True):
                 sets = ["backend=edm", f"model={model}", f"batch_size={batch}",
-                        f"torch_compile={compile_}", "series_per_shard=32"]  # fmt: skip
+                        f"torch_compile={compile_}", "shards.series_per_shard=32"]  # fmt: skip
                 for tag, limit in (("warm", 32), ("timed", SERIES)):  # warm-up: kernels, compile
                     out = tmp / f"{tag}-{batch}-{compile_}"
                     _real(out / "cifar100", 100, 32)
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
-                    run_stage("generate", "cifar100", [*sets, f"out={out}", f"limit={limit}"])
+                    run_stage(
+                        "generate", "cifar100", [*sets, f"out={out}", f"mixing.limit={limit}"]
+                    )
                     torch.cuda.synchronize()
                     seconds = time.perf_counter() - t0
                     shutil.rmtree(out, ignore_errors=True)

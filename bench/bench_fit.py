@@ -81,7 +81,7 @@ def run() -> dict:
         )
     notes.append(
         f"batch {BATCH}, {BLOCKS} alternating blocks of {BLOCK} timed steps per precision after "
-        f"{WARMUP} warm-up steps, medians; mixed_precision=auto picks {native!r} on this CPU "
+        f"{WARMUP} warm-up steps, medians; precision=auto picks {native!r} on this CPU "
         "(bf16 where it has AVX512-BF16 or AMX)."
     )
     folder = os.environ.get("SEMIX_BENCH_FIT")

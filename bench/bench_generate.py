@@ -113,8 +113,8 @@ def cpu_section(tmp: Path) -> list[dict]:
     _real(root, 10, 16)
     folder = _unet_generator(root)
     # shards of BATCH rows: the stage makes the same model calls as the bare loop
-    sets = [f"limit={CPU_SERIES}", f"alphas={K}", f"steps={STEPS}", f"batch_size={BATCH}", "device=cpu",
-            f"series_per_shard={BATCH // K}"]  # fmt: skip
+    sets = [f"mixing.limit={CPU_SERIES}", f"mixing.alphas={K}", f"sample_steps={STEPS}",
+            f"batch_size={BATCH}", "device=cpu", f"shards.series_per_shard={BATCH // K}"]  # fmt: skip
     n = CPU_SERIES * K
     stage, bare = [], []
     for _ in range(3):  # alternate, best of 3: the machine is shared
@@ -205,10 +205,11 @@ def gpu_section(tmp: Path, device: str = "cuda", tiny: bool = False, n_series: i
     root = tmp / "cifar10"
     _real(root, 10, 32)
     steps, guidance, n = 25, 7.5, n_series * K
-    sets = [f"model={model}", f"limit={n_series}", f"alphas={K}", f"steps={steps}", f"guidance={guidance}",
-            f"device={device}", f"dtype={'bfloat16' if device == 'cuda' else 'float32'}", "batch_size=16",
-            "series_per_shard=2"]  # fmt: skip
-    _stage(root, [*sets[:1], "limit=1", *sets[2:]], "cifar10")  # warm-up: kernels, caches
+    precision = "bfloat16" if device == "cuda" else "float32"
+    sets = [f"model={model}", f"mixing.limit={n_series}", f"mixing.alphas={K}", f"sample_steps={steps}",
+            f"guidance={guidance}", f"device={device}", f"precision={precision}", "batch_size=16",
+            "shards.series_per_shard=2"]  # fmt: skip
+    _stage(root, [*sets[:1], "mixing.limit=1", *sets[2:]], "cifar10")  # warm-up: kernels, caches
     stage = _stage(root, sets, "cifar10")
     pipe = StableDiffusionPipeline.from_pretrained(model, **dtype_kwarg(dtype), safety_checker=None, requires_safety_checker=False).to(device)  # fmt: skip
     pipe.set_progress_bar_config(disable=True)

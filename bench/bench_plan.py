@@ -82,7 +82,7 @@ def _manifest(plan, classes: int, tmp: Path) -> Any:
              "class_ids": list(range(classes)), "license": ""}  # fmt: skip
     from pipeline.registry import resolve_stage_config
 
-    cfg = resolve_stage_config("generate", "digits", ["series_per_pair=1"])
+    cfg = resolve_stage_config("generate", "digits", ["mixing.series_per_pair=1"])
     manifest = folder.finish(
         plan.num_shards,
         kind="series",
@@ -120,7 +120,9 @@ def child(classes: int, k: int) -> dict[str, Any]:
     from pipeline.registry import resolve_stage_config
     from stages.generate import make_plan
 
-    sets = ["series_per_pair=1"] + (["mix_classes=3", "lattice=2"] if k == 3 else [])
+    sets = ["mixing.series_per_pair=1"] + (
+        ["mixing.mix_classes=3", "mixing.lattice=2"] if k == 3 else []
+    )
     cfg = resolve_stage_config("generate", "digits", sets)
     out: dict[str, Any] = {"classes": classes, "k": k}
     plan_m = _measure(lambda: make_plan(cfg, classes), repeats=3)

@@ -105,13 +105,6 @@ class StageConfig(metaclass=Tree):
         flat = {path: name for name, path in type(self).LEGACY.items()}
         return {flat.get(path, path): _jsonable(value) for path, value in items(self)}
 
-    def __getattr__(self, name: str) -> Any:
-        """A legacy flat name reads its leaf (`cfg.csm_weight`: `cfg.loss...`)."""
-        path = type(self).LEGACY.get(name)
-        if path is None or path == name:
-            raise AttributeError(f"{type(self).__name__} has no field {name!r}")
-        return get(self, path)
-
     def recorded(self) -> dict[str, Any]:
         """What the stage writes as its config.json: the leaves as their metadata says, each
         under its legacy flat name (`LEGACY`), so every config.json keeps its bytes."""

@@ -1,6 +1,6 @@
 """What the training loop optimises: `Objective`s and the `TrainingModule` DDP wraps.
 
-One loop (stages/common/loop.py) trains every classifier of semix; an objective says what one step
+One loop (stages/common/epochs.py) trains every classifier of semix; an objective says what one step
 computes and what an epoch adds around it:
 
     batch = objective.prepare(batch, generator)     # on the global batch, before the rank slice

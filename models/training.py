@@ -1,4 +1,4 @@
-"""Pure-torch data pieces of the classifier training loop (stages/common/loop.py): batches, on-device
+"""Pure-torch data pieces of the classifier training loop (stages/common/epochs.py): batches, on-device
 augmentation and normalisation, the eval loop, the CSM sampler. The objectives: models/objectives.py.
 
 Small datasets live on the device as uint8 [N, H, W, 3]; each step indexes a batch, augments it

@@ -119,8 +119,9 @@ def command_help(command: str, preset: str) -> str:
         chain,
         "",
         f"fields: the ones every stage shares as key=value ({', '.join(SHARED_FIELDS)}), one "
-        f"stage's as <stage>.key=value (generate.steps=15){study}; `semix {command} --fields` "
-        "lists them all, --print-config shows what would run (neither runs anything).",
+        f"stage's as <stage>.key=value (generate.sample_steps=15){study}; "
+        f"`semix {command} --fields` lists them all, --print-config shows what would run "
+        "(neither runs anything).",
     ])  # fmt: skip
 
 

@@ -4,7 +4,7 @@
     make finetune CLASSES=cifar10 RUN=csm METHOD=fedlas-ls
     torchrun --nproc_per_node 2 -m pipeline finetune ...     (CPU, gloo)
 
-The trained run's classifier goes through the same training loop as `train` (stages/common/loop.py:
+The trained run's classifier goes through the same training loop as `train` (stages/common/epochs.py:
 accelerate, checkpoints after every epoch, resume, progress), with a constant lr, and the last
 epoch's weights are kept (no selection on val: evaluate fits its temperature there):
 
@@ -15,7 +15,8 @@ epoch's weights are kept (no selection on val: evaluate fits its temperature the
   frozen in eval mode (BatchNorm statistics stay as trained), a fresh masked bottleneck head
   trained with cross-entropy under MaskedSGD, one Bernoulli(q) mask per epoch, then
   q <- RetentionSchedule.
-  With augmentation off (crop_pad=0, flip=false) the features of real/train are computed once.
+  With augmentation off (augment.crop_pad=0, augment.flip=false) the features of real/train are
+  computed once.
 
 Folder, laid out like a train run: config.json, checkpoints/, metrics.json (section
 "finetune"), host.json (this machine's data path and seconds: not in the manifest),
@@ -48,7 +49,7 @@ from shards.datasets import check_same_classes
 from shards.manifest import manifest_digest
 from shards.runs import Run, read_run, split_history
 from stages.common import data as datapath
-from stages.common.loop import Data, LoopState, write_run
+from stages.common.epochs import Data, LoopState, write_run
 from stages.common.training_run import TrainingRun
 from stages.configs.finetune import Config
 

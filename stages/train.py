@@ -5,7 +5,7 @@
     torchrun --nproc_per_node 2 -m pipeline train ...       (CPU, gloo)
 
 A fresh classifier (init from (seed, "init")) and the objective of `loss=` go through the one
-training loop (stages/common/loop.py): SGD with a multistep lr, a checkpoint after each epoch, resume
+training loop (stages/common/epochs.py): SGD with a multistep lr, a checkpoint after each epoch, resume
 from the newest complete one (bit for bit on CPU), the weights of the best validation epoch
 kept. The images are decoded into device memory, or streamed from the shards when they would
 not fit (`data_path=`, stages/common/data.py): the same steps and the same weights either way.
@@ -44,7 +44,7 @@ from shards.datasets import RealSplit, check_same_classes
 from shards.manifest import ShardError, manifest_digest, read_manifest
 from shards.runs import split_history
 from stages.common import data as datapath
-from stages.common.loop import Data, LoopState, Mixed, Result, write_run
+from stages.common.epochs import Data, LoopState, Mixed, Result, write_run
 from stages.common.training_run import TrainingRun
 from stages.configs.train import Config
 

@@ -77,11 +77,11 @@ def test_the_work_comes_from_the_presets_and_follows_their_overrides():
     gen = resolve_stage_config("generate", "imagenet")
     w = imagenet_work()
     assert w["pairs"] == math.comb(len(gen.dit_class_ids), 2)
-    assert w["images"] == w["pairs"] * gen.series_per_pair * gen.alphas
+    assert w["images"] == w["pairs"] * gen.mixing.series_per_pair * gen.mixing.alphas
     assert w["encoded"] == w["images"] + w["real_train"]  # prototypes from real/train
     assert w["real_train"] + w["real_val"] == 1_281_167
     more = imagenet_work(
-        {"generate": ["series_per_pair=3", "alphas=5"], "train": ["epochs=7"],
+        {"generate": ["mixing.series_per_pair=3", "mixing.alphas=5"], "train": ["epochs=7"],
          "annotate": ["prototypes=text"], "prepare": ["val_fraction=0.2"]}
     )  # fmt: skip
     assert more["images"] == w["pairs"] * 3 * 5

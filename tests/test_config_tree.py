@@ -10,7 +10,7 @@ import pytest
 from conftest import REPO
 
 from core.config import SAID, ConfigError, RenamedField
-from core.tree import leaves
+from core.tree import get, leaves
 from pipeline.registry import STAGES, config_module, resolve_stage_config
 from stages.configs.legacy import LEGACY
 
@@ -69,9 +69,20 @@ def test_a_flat_name_sets_its_leaf_and_says_its_new_name():
         "lr is now optim.lr",
         "flip is now augment.flip",
     ]
-    assert old.lr == 0.02  # a flat name still reads its leaf
     fit = resolve_stage_config("fit-generator", "digits", ["checkpoints_total_limit=3"])
     assert fit.checkpoint.limit == 3 and fit.recorded()["checkpoints_total_limit"] == 3
+
+
+def test_a_config_object_answers_its_paths_only():
+    """The flat names are config.json's, --set's and the presets'; code reads a leaf by its path,
+    so a flat name read in code fails at once instead of reading a leaf by another name."""
+    for stage in ("train", "fit-generator", "generate", "annotate"):
+        cfg = resolve_stage_config(stage, "digits")
+        for flat, path in LEGACY[stage].items():
+            assert not hasattr(cfg, flat) and flat in cfg.to_dict(), (stage, flat)
+            get(cfg, path)  # its leaf answers the path
+    with pytest.raises(AttributeError, match="has no attribute 'steps'"):
+        resolve_stage_config("fit-generator", "digits", ["steps=7"]).steps  # noqa: B018
 
 
 def test_a_leaf_keeps_its_check_and_names_itself():

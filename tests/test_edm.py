@@ -442,8 +442,9 @@ def test_presets_and_one_line_errors(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for preset, steps in (("cifar10", 20), ("cifar100", 25), ("tiny-imagenet", 25)):
         cfg = resolve_stage_config("generate", preset, ["backend=edm"])
-        assert (cfg.sampler, cfg.steps, cfg.guidance) == ("heun", steps, 1.0)
-    assert resolve_stage_config("generate", "cifar10", ["backend=edm", "steps=30"]).steps == 30
+        assert (cfg.sampler, cfg.sample_steps, cfg.guidance) == ("heun", steps, 1.0)
+    edm30 = resolve_stage_config("generate", "cifar10", ["backend=edm", "sample_steps=30"])
+    assert edm30.sample_steps == 30
     assert resolve_stage_config("generate", "cifar10", []).sampler == "ddim"  # sd untouched
     with pytest.raises(ConfigError, match="sampler='ddim'"):
         resolve_stage_config("generate", "cifar10", ["backend=edm", "sampler=ddim"])

@@ -25,7 +25,7 @@ from conftest import save_generator
 from test_annotate import _train_encoder, _write_series
 
 import shards.writer
-import stages.common.loop
+import stages.common.epochs
 from core.io import atomic_write_bytes, writing
 from models.generators import build_unet
 from pipeline.cli import main
@@ -335,7 +335,7 @@ def test_ctrl_c_in_training_keeps_the_checkpoint_and_the_rerun_resumes(
     sets = ["epochs=2", "train_limit=64", "batch_size=32"]
     whole = run_stage("train", "digits", [f"out={tmp_path}", "run=whole", *sets])
     argv = ["train", "--set", f"out={tmp_path}", "run=cut", *sets]
-    validate, calls = stages.common.loop.validate, []
+    validate, calls = stages.common.epochs.validate, []
 
     def ctrl_c_in_epoch_two(*args, **kwargs):
         calls.append(1)
@@ -343,7 +343,7 @@ def test_ctrl_c_in_training_keeps_the_checkpoint_and_the_rerun_resumes(
             raise KeyboardInterrupt
         return validate(*args, **kwargs)
 
-    monkeypatch.setattr(stages.common.loop, "validate", ctrl_c_in_epoch_two)
+    monkeypatch.setattr(stages.common.epochs, "validate", ctrl_c_in_epoch_two)
     assert fails(capsys, argv, code=130) == f"semix train: {INTERRUPTED}"
     cut = tmp_path / "digits" / "train" / "cut"
     assert manifests(cut) == [] and (cut / "checkpoints" / "checkpoint_1" / MARKER).is_file()
@@ -389,7 +389,7 @@ def test_damaged_checkpoints_are_named_and_training_resumes_from_an_intact_one(
     shutil.copytree(digits_root / "real", tmp_path / "digits" / "real")
     sets = ["epochs=3", "train_limit=64", "batch_size=32", "checkpoint_limit=3"]
     whole = run_stage("train", "digits", [f"out={tmp_path}", "run=whole", *sets])
-    validate = stages.common.loop.validate
+    validate = stages.common.epochs.validate
 
     def cut(run: str) -> Path:
         """Train `run` and interrupt it in its third epoch: checkpoints 1 and 2 on disk."""
@@ -401,9 +401,9 @@ def test_damaged_checkpoints_are_named_and_training_resumes_from_an_intact_one(
                 raise KeyboardInterrupt
             return validate(*args, **kwargs)
 
-        monkeypatch.setattr(stages.common.loop, "validate", ctrl_c_in_epoch_three)
+        monkeypatch.setattr(stages.common.epochs, "validate", ctrl_c_in_epoch_three)
         assert main(["train", "--set", f"out={tmp_path}", f"run={run}", *sets]) == 130
-        monkeypatch.setattr(stages.common.loop, "validate", validate)
+        monkeypatch.setattr(stages.common.epochs, "validate", validate)
         capsys.readouterr()
         folder = tmp_path / "digits" / "train" / run / "checkpoints"
         assert sorted(p.name for p in folder.iterdir()) == ["checkpoint_1", "checkpoint_2"]

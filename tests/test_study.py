@@ -305,7 +305,10 @@ def test_kway_set_gets_the_image_budget_of_csm(tmp_path, images, classes, tuples
     root = tmp_path / "digits"
     _mixed_manifest(root / "mixed", images, classes)
     sets = dict(s.split("=") for s in prepare_kway(root, 3))
-    assert sets["generate.mixing.mix_classes"] == "3" and int(sets["generate.mixing.lattice"]) == KWAY_LATTICE
+    assert (
+        sets["generate.mixing.mix_classes"] == "3"
+        and int(sets["generate.mixing.lattice"]) == KWAY_LATTICE
+    )
     t, s = int(sets["generate.mixing.tuples"]), int(sets["generate.mixing.series_per_tuple"])
     assert (t, s) == (tuples, per_tuple)
     assert t <= comb(classes, 3) and t * s * 15 == images

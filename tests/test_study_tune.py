@@ -24,7 +24,6 @@ from pipeline.study.tuning import (
     choose,
     choose_point,
     grid_points,
-    set_values,
     step_out,
     tune_run,
     tuning_group,
@@ -32,6 +31,7 @@ from pipeline.study.tuning import (
 from pipeline.study.tuning_plan import tuning_report, tuning_tasks
 from stages.configs import finetune as finetune_config
 from stages.configs import train as train_config
+from stages.configs.legacy import LEGACY
 
 
 def test_every_method_gets_a_grid_of_the_same_size_over_its_own_fields():
@@ -162,7 +162,8 @@ def test_plan_gives_every_method_the_same_grid_at_the_same_tuning_seeds(tmp_path
             for seed in SEEDS:
                 stage, sets = tasks[tune_run(group, point, seed)].steps[0]
                 assert f"seed={seed}" in sets and not tasks[tune_run(group, point, seed)].done
-                assert set(set_values(point)) <= set(sets)  # under their tree paths
+                paths = LEGACY[stage]  # a grid parameter is set under its path in the tree
+                assert {f"{paths.get(k, k)}={v:g}" for k, v in point.items()} <= set(sets)
                 assert stage == ("finetune" if group == "ce+maccal" else "train")
         for name in exts[group]:  # an extension waits for its whole grid, every seed
             assert set(runs[group]) <= tasks[name].after and tasks[name].prepare is not None

@@ -219,7 +219,7 @@ def test_fit_generator_logs_loss_lr_and_fidelity_and_writes_the_same_folder(digi
     cfg = resolve_stage_config("fit-generator", "digits", [f"out={tmp_path}", *QUICK_FIT])
     assert [s for s, _ in logged["loss"]] == [1, 2, 3, 4]
     assert logged["lr"] == [
-        (s, pytest.approx(cfg.lr * lr_factor(cfg, s - 1), rel=1e-6)) for s in (1, 2, 3, 4)
+        (s, pytest.approx(cfg.optim.lr * lr_factor(cfg, s - 1), rel=1e-6)) for s in (1, 2, 3, 4)
     ]
     # every fidelity point: the share of endpoints the linear probe takes for their class, per w
     curve = json.loads((tracked / "fidelity.json").read_text())["curve"]

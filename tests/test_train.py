@@ -33,7 +33,7 @@ from shards.reader import load_split
 from shards.runs import load_model
 from shards.writer import ShardFolder
 from stages import train as train_stage
-from stages.common.loop import Data, Recipe, make_batch, plan_steps
+from stages.common.epochs import Data, Recipe, make_batch, plan_steps
 from stages.configs.train import LOSS_FIELDS
 
 K = 4  # members per series in the test mixed/ folder

@@ -233,6 +233,6 @@ def check_generator(preset: str, chain_sets: Sequence[str], root: Path) -> None:
         folder,
         cfg.recorded(),
         fix="the study reuses a done chain as it is: add --set fit-generator.<field>=<the value "
-        "it has; unset = the default before the field existed, prediction_type=epsilon> to "
+        "it has; unset = the default before the field existed, noise.prediction_type=epsilon> to "
         "report on it, or set out= to a new root to build the chain anew",
     )

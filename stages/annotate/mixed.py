@@ -44,7 +44,7 @@ def label(cfg: Config, meta: list[dict], images: np.ndarray, encoder, prototypes
     pairs = torch.tensor([m["classes"] for m in meta], dtype=torch.int64)
     features = encoder.encode(torch.as_tensor(images)) if encoder is not None else None
     lam, t_a = annotate(
-        cfg.method, features, alpha, pairs[:, 0], pairs[:, 1], prototypes, cfg.sharpening
+        cfg.annotator, features, alpha, pairs[:, 0], pairs[:, 1], prototypes, cfg.sharpening
     )
     return [
         {**m, "lambda_hat": lam_i, "soft": [t, 1.0 - t]}
@@ -56,7 +56,7 @@ def label_kway(cfg: Config, meta: list[dict], images: np.ndarray, encoder, proto
     weights = torch.tensor([m["weights"] for m in meta], dtype=torch.float64)
     classes = torch.tensor([m["classes"] for m in meta], dtype=torch.int64)
     features = encoder.encode(torch.as_tensor(images)) if encoder is not None else None
-    lam, t = annotate_simplex(cfg.method, features, weights, classes, prototypes, cfg.sharpening)
+    lam, t = annotate_simplex(cfg.annotator, features, weights, classes, prototypes, cfg.sharpening)
     return [
         {**m, "lambda_hat": lam_i, "soft": t_i}
         for m, lam_i, t_i in zip(meta, lam.tolist(), t.tolist())

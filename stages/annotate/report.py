@@ -67,9 +67,9 @@ def generator_fidelity(cfg: Config, series: Path, class_names, device) -> dict[s
     """Does the generator draw each class as that class? A real-only classifier (`fidelity_run`)
     on the pure-class images of every series (α = 1: class a, α = 0: class b), next to the same
     classifier on real/test (models.annotation_stats.fidelity_stats)."""
-    if not cfg.fidelity_run:
+    if not cfg.judge:
         return None
-    judge = cnn_judge(cfg.root, cfg.fidelity_run, device, cfg.batch_size, key="fidelity_run")
+    judge = cnn_judge(cfg.root, cfg.judge, device, cfg.batch_size, key="fidelity_run")
     images, expected = endpoints(series)
     if not len(images):
         return None
@@ -109,7 +109,7 @@ def report(
     and for k = 3 ternary.png, λ̂ in the simplex triangle)."""
     lam, mix = torch.from_numpy(cols.lambda_hat), torch.from_numpy(cols.mix)
     series = torch.from_numpy(cols.series)
-    stats = {"method": cfg.method, "sharpening": cfg.sharpening}
+    stats = {"method": cfg.annotator, "sharpening": cfg.sharpening}
     if cols.kway:  # models.simplex.simplex_stats over the lattice the weights lie on
         k = mix.shape[1]
         points = lattice_points(k, round(1 / mix[mix > 0].min().item()))
@@ -127,7 +127,7 @@ def report(
     # at most PLOT_POINTS points (seeded choice): the picture is the same, the plot stays fast
     keep = torch.randperm(cols.n_images, generator=make_generator(cfg.seed, "annotation-plot"))
     keep = keep[:PLOT_POINTS].sort().values
-    title = f"{cfg.method}{lead}{rho:.3f}" if rho is not None else cfg.method
+    title = f"{cfg.annotator}{lead}{rho:.3f}" if rho is not None else cfg.annotator
     scatter(
         mix[keep].flatten(), lam[keep].flatten(), mixed / "annotation.png",
         xlabel=axes[0], ylabel=axes[1], title=title, diagonal=True, jitter=0.01, seed=cfg.seed,
@@ -166,6 +166,6 @@ def log_summary(cfg: Config, stats: dict, fidelity: dict | None, mixed: Path) ->
         log.info(
             "annotate: generator fidelity %.1f %% of %d endpoint images classified as their class "
             "by %s (its real test accuracy: %.1f %%); worst class %s %.1f %%",
-            fidelity["accuracy"], fidelity["n_images"], cfg.fidelity_run,
+            fidelity["accuracy"], fidelity["n_images"], cfg.judge,
             fidelity["real_test_accuracy"], worst[0], worst[1]["accuracy"],
         )  # fmt: skip

@@ -52,7 +52,7 @@ def check_inputs(cfg: Config) -> tuple[Path, Manifest, Path | None]:
         raise ShardError(f"{series} holds a '{series_m.kind}' folder, not generated series")
     if series_m.num_samples == 0:
         raise ShardError(f"{series} holds no series (0 samples); rerun generate")
-    if cfg.prototypes != "real" or not ANNOTATORS[cfg.method].needs_features:
+    if cfg.prototypes != "real" or not ANNOTATORS[cfg.annotator].needs_features:
         return series, series_m, None
     real = cfg.root / "real" / "train"
     real_m = read_manifest(real)
@@ -110,7 +110,7 @@ def run(cfg: Config) -> Path:
     procs = Processes(cpu=cfg.device == "cpu" or not torch.cuda.is_available())
     mixed = cfg.root / "mixed"
     class_names = series_m.class_names
-    needs_features = ANNOTATORS[cfg.method].needs_features
+    needs_features = ANNOTATORS[cfg.annotator].needs_features
     device = torch.device(cfg.device) if cfg.device else procs.device
     encoder = build_encoder(cfg, device) if needs_features else None
     if already_complete(cfg, mixed, series, real, encoder):
@@ -124,7 +124,7 @@ def run(cfg: Config) -> Path:
         series,
         series_m.num_samples,
         n_shards,
-        cfg.method,
+        cfg.annotator,
         cfg.encoder,
         procs.world,
         mixed,
@@ -175,7 +175,7 @@ def run(cfg: Config) -> Path:
 
     # 5. Manifest last: mixed/ is complete only now.
     annotation = {
-        "method": cfg.method,
+        "method": cfg.annotator,
         "encoder": encoder.identity if encoder is not None else None,
         "prototypes": cfg.prototypes if needs_features else None,
         "sharpening": cfg.sharpening,

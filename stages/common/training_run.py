@@ -19,7 +19,7 @@ from other inputs is refused, a bad `resume=` fails before any work, the tracker
 the outputs, the data path's workers are closed whatever happens) are written once. What a
 stage trains (model, objective, optimizer, lr schedule, kept epoch) and what its model.json
 and metrics.json say stay in the stage: each stage's `run` reads as its own steps. The stage
-writes the run itself (`stages.common.loop.write_run`): the last step of its `run`.
+writes the run itself (`stages.common.epochs.write_run`): the last step of its `run`.
 """
 
 from __future__ import annotations
@@ -42,17 +42,8 @@ from shards.datapath import DataPathChoice
 from shards.runs import run_complete, write_host
 from shards.writer import OTHER_ROOT, write_config
 from stages.common import data as datapath
-from stages.common.loop import (
-    Data,
-    LoopState,
-    Recipe,
-    Result,
-    check_resume,
-    drain,
-    fit_epochs,
-    make_accelerator,
-    run_precision,
-)
+from stages.common.epochs import Data, LoopState, Recipe, Result, fit_epochs
+from stages.common.loop import check_resume, drain, make_accelerator, run_precision
 from stages.configs.sections import Augment, Checkpoint
 
 # metrics.json's section of a run: (the loop's state, finished?) -> what the stage records
@@ -169,7 +160,7 @@ class TrainingRun:
         section: Section,
         describe: Callable[[dict[str, Any]], str] = lambda stats: "",
     ) -> Result:
-        """stages.common.loop.fit, with metrics.json and host.json rewritten after every epoch (main)
+        """stages.common.epochs.fit, with metrics.json and host.json rewritten after every epoch (main)
         and the trackers open around it; the data's pixel source and validation reader are
         closed, and the trackers finished, before anything else is written."""
         try:
@@ -187,7 +178,7 @@ class TrainingRun:
         section: Section,
         describe: Callable[[dict[str, Any]], str] = lambda stats: "",
     ) -> Generator[LoopState, None, Result]:
-        """`fit` one epoch at a time (stages.common.loop.fit_epochs), the data left open: the
+        """`fit` one epoch at a time (stages.common.epochs.fit_epochs), the data left open: the
         runs of a stack share it, and whoever opened it closes it."""
 
         def progress(state: LoopState) -> None:

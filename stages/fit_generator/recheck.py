@@ -59,11 +59,13 @@ def recheck(cfg: Any, folder: Path, config: dict[str, Any], names: tuple[str, ..
         "new grid, the weights stay", folder, ", ".join(sorted(recheck_fields(folder, config) or ())),
         step,
     )  # fmt: skip
-    judges = make_judges(cfg.root, cfg.judge_run, device, cfg.train_limit, cfg.report_judges)
-    check = FidelityCheck(
-        judges, cfg.grid, names, cfg.seed, cfg.fidelity_per_class, cfg.clip_choice
+    judges = make_judges(
+        cfg.root, cfg.fidelity.judge, device, cfg.train_limit, cfg.fidelity.report_judges
     )
-    gen = load_generator("unet", model=folder, steps=cfg.sample_steps, device=device)
+    check = FidelityCheck(
+        judges, cfg.grid, names, cfg.seed, cfg.fidelity.per_class, cfg.fidelity.clip_choice
+    )
+    gen = load_generator("unet", model=folder, steps=cfg.preview.sample_steps, device=device)
     curve = [*fidelity["curve"][:-1], check(gen, step)]
     guidance, clip, summary = check.choose(curve)
 
@@ -77,7 +79,14 @@ def recheck(cfg: Any, folder: Path, config: dict[str, Any], names: tuple[str, ..
     )
     check.write(tmp, curve, guidance, clip)
     sample_grid(
-        tmp, names, device, guidance, cfg.sample_steps, cfg.samples_per_class, cfg.seed, clip
+        tmp,
+        names,
+        device,
+        guidance,
+        cfg.preview.sample_steps,
+        cfg.preview.per_class,
+        cfg.seed,
+        clip,
     )
     info = {k: v for k, v in old.info.items() if k != "clip_sample"}
     info.update(

@@ -76,11 +76,11 @@ def run(cfg: Config) -> Path:
     images, labels = split.images, split.labels
     if cfg.train_limit:  # the first N, as train's train_limit: a fair study fits on its 5k
         images, labels = images[: cfg.train_limit], labels[: cfg.train_limit]
-    precision = resolve_precision(cfg.mixed_precision, procs.device.type == "cpu")
+    precision = resolve_precision(cfg.precision, procs.device.type == "cpu")
     log.info(
         "fit-generator: %s UNet, %d classes, %d images, %d steps x %d, %s, %d threads, "
         "label dropout %g -> %s",
-        cfg.unet, len(names), len(images), cfg.steps, cfg.batch_size,
+        cfg.unet, len(names), len(images), cfg.train_steps, cfg.batch_size,
         "fp32" if precision == "no" else precision, torch.get_num_threads(), cfg.label_dropout,
         folder,
     )  # fmt: skip
@@ -89,10 +89,10 @@ def run(cfg: Config) -> Path:
     check = None
     if procs.is_main:
         judges = make_judges(
-            cfg.root, cfg.judge_run, procs.device, cfg.train_limit, cfg.report_judges
+            cfg.root, cfg.fidelity.judge, procs.device, cfg.train_limit, cfg.fidelity.report_judges
         )
         check = FidelityCheck(
-            judges, cfg.grid, names, cfg.seed, cfg.fidelity_per_class, cfg.clip_choice
+            judges, cfg.grid, names, cfg.seed, cfg.fidelity.per_class, cfg.fidelity.clip_choice
         )
     unet, curve = train(cfg, folder, images, labels, names, check)
     state = PartialState()
@@ -105,7 +105,7 @@ def run(cfg: Config) -> Path:
         save_unet(folder, unet, noise_scheduler(cfg))
     check.write(folder, curve, guidance, clip)
     sample_grid(
-        folder, names, state.device, guidance, cfg.sample_steps, cfg.samples_per_class, cfg.seed,
+        folder, names, state.device, guidance, cfg.preview.sample_steps, cfg.preview.per_class, cfg.seed,
         clip,
     )  # fmt: skip
 
@@ -116,9 +116,9 @@ def run(cfg: Config) -> Path:
         "image_size": size,
         "num_classes": len(names),
         "class_names": list(names),
-        "train_steps": cfg.steps,
+        "train_steps": cfg.train_steps,
         "train_images": len(images),
-        "epochs": round(cfg.steps * cfg.batch_size * state.num_processes / len(images), 2),
+        "epochs": round(cfg.train_steps * cfg.batch_size * state.num_processes / len(images), 2),
         "mixed_precision": precision,
         "null_class": cfg.label_dropout > 0,
         "guidance": guidance,

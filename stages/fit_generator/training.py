@@ -69,20 +69,20 @@ def batch_indices(n: int, seed: int, step: int, batch: int, rank: int, world: in
 def noise_scheduler(cfg: Config) -> DDPMScheduler:
     """The noise schedule (saved for the sampler): DDIM starts at t = T−1 ("trailing")."""
     return DDPMScheduler(
-        num_train_timesteps=cfg.num_train_timesteps,
-        beta_schedule=cfg.beta_schedule,
-        prediction_type=cfg.prediction_type,
+        num_train_timesteps=cfg.noise.num_train_timesteps,
+        beta_schedule=cfg.noise.beta_schedule,
+        prediction_type=cfg.noise.prediction_type,
         timestep_spacing="trailing",
-        rescale_betas_zero_snr=cfg.zero_terminal_snr,
+        rescale_betas_zero_snr=cfg.noise.zero_terminal_snr,
     )
 
 
 def lr_factor(cfg: Config, step: int) -> float:
     """Linear warm-up, then constant or a cosine decay to 10 % at the last step."""
-    warm = min(1.0, (step + 1) / max(cfg.warmup_steps, 1))
-    if cfg.lr_schedule == "constant" or step < cfg.warmup_steps:
+    warm = min(1.0, (step + 1) / max(cfg.optim.warmup_steps, 1))
+    if cfg.optim.lr_schedule == "constant" or step < cfg.optim.warmup_steps:
         return warm
-    done = (step - cfg.warmup_steps) / max(cfg.steps - cfg.warmup_steps, 1)
+    done = (step - cfg.optim.warmup_steps) / max(cfg.train_steps - cfg.optim.warmup_steps, 1)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
 
 
@@ -112,7 +112,7 @@ def ema_generator(cfg: Config, model: torch.nn.Module, ema: EMAModel) -> UNetGen
     unet = copy.deepcopy(model).to("cpu").float()
     ema.copy_to(unet.parameters())
     return UNetGenerator.from_model(
-        unet.eval(), noise_scheduler(cfg).config, steps=cfg.sample_steps
+        unet.eval(), noise_scheduler(cfg).config, steps=cfg.preview.sample_steps
     )
 
 
@@ -143,7 +143,7 @@ class DDPMSteps:
     ) -> None:
         self.cfg, self.accelerator, self.model, self.ema = cfg, accelerator, model, ema
         self.optimizer, self.lr_schedule, self.check = optimizer, lr_schedule, check
-        self.count = math.ceil(cfg.steps / cfg.checkpoint_every)
+        self.count = math.ceil(cfg.train_steps / cfg.checkpoint.every)
         self.step = 0  # optimizer steps done
         self.fidelity: list[dict[str, Any]] = []  # [{"step": s, "guidance": {w: {judge: stats}}}]
         device = accelerator.device
@@ -172,12 +172,12 @@ class DDPMSteps:
         self.step = int(saved["step"])
         self.fidelity = list(saved.get("fidelity", []))
         log.info("fit-generator: resumed from %s at step %d", path, self.step)
-        return math.ceil(self.step / self.cfg.checkpoint_every)
+        return math.ceil(self.step / self.cfg.checkpoint.every)
 
     def bar(self, done: int) -> Any:
         bar = progress(
-            range(self.cfg.steps),
-            total=self.cfg.steps,
+            range(self.cfg.train_steps),
+            total=self.cfg.train_steps,
             desc="fit-generator",
             unit="step",
             enabled=self.accelerator.is_main_process,
@@ -186,8 +186,8 @@ class DDPMSteps:
         return bar
 
     def train(self, unit: int, bar: Any) -> None:
-        every = self.cfg.checkpoint_every
-        for step in range(unit * every, min((unit + 1) * every, self.cfg.steps)):
+        every = self.cfg.checkpoint.every
+        for step in range(unit * every, min((unit + 1) * every, self.cfg.train_steps)):
             loss, lr = self.train_step(step)
             self.step = step + 1
             bar.update(1)
@@ -218,11 +218,11 @@ class DDPMSteps:
             len(self.images), cfg.seed, step, cfg.batch_size, rank, accelerator.num_processes
         ).to(device)
         x0 = self.images[idx].float() / 127.5 - 1
-        if cfg.hflip:
+        if cfg.augment.flip:
             flip = (torch.rand(len(idx), generator=g) < 0.5).to(device)
             x0 = torch.where(flip[:, None, None, None], x0.flip(-1), x0)
         eps = torch.randn(x0.shape, generator=g).to(device)
-        t = torch.randint(0, cfg.num_train_timesteps, (len(idx),), generator=g).to(device)
+        t = torch.randint(0, cfg.noise.num_train_timesteps, (len(idx),), generator=g).to(device)
         y = self.labels[idx]
         if cfg.label_dropout > 0:  # drawn last: the other draws are the same without dropout
             drop = (torch.rand(len(idx), generator=g) < cfg.label_dropout).to(device)
@@ -236,13 +236,17 @@ class DDPMSteps:
                 torch.manual_seed(derive_seed(cfg.seed, "fit-dropout", step, rank))
             with accelerator.autocast():
                 pred = model(x_t, t, class_labels=y).sample
-            target = denoising_target(x0, eps, a_bar, cfg.prediction_type)
+            target = denoising_target(x0, eps, a_bar, cfg.noise.prediction_type)
             loss = denoising_loss(
-                pred.float(), target, self.snr[t], cfg.min_snr_gamma, cfg.prediction_type
+                pred.float(),
+                target,
+                self.snr[t],
+                cfg.optim.min_snr_gamma,
+                cfg.noise.prediction_type,
             )
             accelerator.backward(loss)
-        if cfg.grad_clip > 0:
-            accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        if cfg.optim.clip_norm > 0:
+            accelerator.clip_grad_norm_(model.parameters(), cfg.optim.clip_norm)
         lr = self.optimizer.param_groups[0]["lr"]  # this step's (for the trackers)
         self.optimizer.step()
         self.lr_schedule.step()
@@ -254,10 +258,10 @@ class DDPMSteps:
         """The mean loss since the last line, every `log_every` steps and at the last."""
         cfg = self.cfg
         self.loss_sum, self.loss_n = self.loss_sum + loss.detach(), self.loss_n + 1
-        if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+        if self.step % cfg.log_every == 0 or self.step == cfg.train_steps:
             mean = self.loss_sum.item() / self.loss_n
             bar.set_postfix(loss=f"{mean:.4f}")
-            log.info("fit-generator: step %d/%d loss %.4f", self.step, cfg.steps, mean)
+            log.info("fit-generator: step %d/%d loss %.4f", self.step, cfg.train_steps, mean)
             self.accelerator.log({"loss": mean, "lr": lr}, step=self.step)  # main process
             self.loss_sum, self.loss_n = torch.zeros((), device=self.accelerator.device), 0
 
@@ -265,8 +269,8 @@ class DDPMSteps:
         """A point of the fidelity curve with the EMA weights, every `fidelity_every` steps and
         at the last (main process)."""
         cfg = self.cfg
-        due = cfg.fidelity_every and self.step % cfg.fidelity_every == 0
-        if self.check is not None and (due or self.step == cfg.steps):
+        due = cfg.fidelity.every and self.step % cfg.fidelity.every == 0
+        if self.check is not None and (due or self.step == cfg.train_steps):
             unet = self.accelerator.unwrap_model(self.model)
             self.fidelity.append(self.check(ema_generator(cfg, unet, self.ema), self.step))
             self.accelerator.log(fidelity_scalars(self.fidelity[-1]), step=self.step)
@@ -284,21 +288,21 @@ def train(
     and the fidelity curve (the main process, which alone gets `check`)."""
     cpu = cfg.device == "cpu" or not torch.cuda.is_available()  # else torchrun ranks unseen
     tracking = Tracking.of(cfg.tracker, folder, cfg.root)  # tracker=: outside the folder's files
-    accelerator = fit_accelerator(cpu, resolve_precision(cfg.mixed_precision, cpu), tracking)
+    accelerator = fit_accelerator(cpu, resolve_precision(cfg.precision, cpu), tracking)
     with torch.random.fork_rng(devices=[]):  # the random init, seeded, global RNG left alone
         torch.manual_seed(derive_seed(cfg.seed, "fit-init"))
         unet = unet_from_preset(cfg.unet, len(names), null_class=cfg.label_dropout > 0)
-    opt = torch.optim.AdamW(unet.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(unet.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
     lr_sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(cfg, s))
     model, opt, lr_sched = accelerator.prepare(unet, opt, lr_sched)
-    ema = EMAModel(unet.parameters(), decay=cfg.ema_decay)
+    ema = EMAModel(unet.parameters(), decay=cfg.optim.ema_decay)
     steps = DDPMSteps(
         cfg, accelerator, model, opt, lr_sched, ema, images, labels, len(names), check
     )
     model.train()
     tracking.start(accelerator, cfg.to_dict())
     try:
-        drain(train_units(steps, accelerator, folder, cfg.checkpoints_total_limit, cfg.resume))
+        drain(train_units(steps, accelerator, folder, cfg.checkpoint.limit, cfg.checkpoint.resume))
     finally:
         tracking.finish(accelerator)  # before anything of the folder's own is written
     accelerator.wait_for_everyone()

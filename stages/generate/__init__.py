@@ -1,7 +1,7 @@
 """generate: real/ (+ generator/ or a pretrained model) -> runs/<classes>/series/ (docs/methods.md §1).
 
     python -m pipeline generate --preset digits
-    python -m pipeline generate --preset cifar100 --set model=/models/sd-v1-5 limit=64
+    python -m pipeline generate --preset cifar100 --set model=/models/sd-v1-5 mixing.limit=64
     accelerate launch --multi_gpu -m pipeline generate --preset cifar10
 
 CSM series: one initial noise per series, rendered at every mixing ratio α_k of a class pair

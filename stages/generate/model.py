@@ -143,7 +143,7 @@ def edm_model(cfg: Config) -> Path:
 def resolve_dtype(cfg: Config, device: torch.device) -> str:
     """The generators' dtype word for `dtype=` (core/precision.py: auto = bf16 on a bf16 GPU,
     fp32 on a CPU); generate casts by itself, so no launcher has a say."""
-    return TORCH_NAMES[resolve_precision("dtype", cfg.dtype, device, launcher=False)]
+    return TORCH_NAMES[resolve_precision("dtype", cfg.precision, device, launcher=False)]
 
 
 # ---------------------------------------------------------------- the generator
@@ -218,7 +218,7 @@ def generator_kwargs(cfg: Config, inputs: Inputs, device: torch.device) -> dict[
         model=cfg.model,
         revision=cfg.revision or None,
         sampler=cfg.sampler,
-        steps=cfg.steps,
+        steps=cfg.sample_steps,
         device=device,
         batch_size=cfg.batch_size,
         torch_compile=cfg.torch_compile,

@@ -65,13 +65,16 @@ class Plan:
 
 
 def make_plan(cfg: Config, num_classes: int) -> Plan:
-    k, what = cfg.mix_classes, "pairs" if cfg.mix_classes == 2 else f"{cfg.mix_classes}-tuples"
+    k, what = (
+        cfg.mixing.mix_classes,
+        "pairs" if cfg.mixing.mix_classes == 2 else f"{cfg.mixing.mix_classes}-tuples",
+    )
     every = class_tuples(num_classes, k)  # k = 2: every a < b in order
     if not every:
         raise GenerationError(f"{num_classes} class(es): series need at least {k} classes")
     if cfg.subset > len(every):
         raise GenerationError(
-            f"{'pairs' if cfg.pairs else 'tuples'}={cfg.subset}: only {len(every)} {what} among "
+            f"{'pairs' if cfg.mixing.pairs else 'tuples'}={cfg.subset}: only {len(every)} {what} among "
             f"{num_classes} classes (0 = all)"
         )
     pairs = every
@@ -79,12 +82,12 @@ def make_plan(cfg: Config, num_classes: int) -> Plan:
         pick = torch.randperm(len(every), generator=make_generator(cfg.seed, "pairs"))
         pairs = ClassTuples(num_classes, k, ranks=sorted(pick[: cfg.subset].tolist()))
     n = cfg.budget_per_tuple * len(pairs)
-    if cfg.limit:
-        n = min(n, cfg.limit)
+    if cfg.mixing.limit:
+        n = min(n, cfg.mixing.limit)
     m = cfg.lattice_m
     # k = 2: α_j = j/(K−1), the 2-way grid; k >= 3: every point of the simplex lattice
     alphas = tuple(i / m for i in range(m + 1)) if k == 2 else lattice_weights(k, m)
-    per_shard = cfg.series_per_shard or max(
-        1, min(math.ceil(n / cfg.min_shards), MAX_SHARD_IMAGES // len(alphas))
+    per_shard = cfg.shards.series_per_shard or max(
+        1, min(math.ceil(n / cfg.shards.min_shards), MAX_SHARD_IMAGES // len(alphas))
     )
     return Plan(pairs, alphas, n, per_shard, cfg.seed)

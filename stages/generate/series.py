@@ -153,7 +153,7 @@ def series_info(cfg: Config, plan: Plan, ident: dict[str, Any], image_size: int)
         return {
             "generator": ident,
             "alphas": list(plan.alphas),
-            "series_per_pair": cfg.series_per_pair,
+            "series_per_pair": cfg.mixing.series_per_pair,
             "num_series": plan.num_series,
             "num_pairs": len(plan.pairs),
             "image_size": image_size,

@@ -28,10 +28,10 @@ from stages.generate.series import series_info, shard_samples, write_preview
 
 def endpoint_check(cfg: Config, device: torch.device) -> EndpointCheck | None:
     """The endpoint check of this run, its judge loaded (None when off)."""
-    if cfg.endpoint_check == "off":
+    if cfg.endpoint.check == "off":
         return None
-    judge = cnn_judge(cfg.root, cfg.endpoint_judge, device, key="endpoint_judge")
-    return EndpointCheck(cfg.endpoint_check, judge, cfg.endpoint_tries)
+    judge = cnn_judge(cfg.root, cfg.endpoint.judge, device, key="endpoint_judge")
+    return EndpointCheck(cfg.endpoint.check, judge, cfg.endpoint.tries)
 
 
 def run(cfg: Config) -> Path:
@@ -56,7 +56,7 @@ def run(cfg: Config) -> Path:
         "%s:%s, %s %d steps, guidance %g, %s, %d process(es) -> %s",
         len(plan.pairs), "pairs" if plan.k == 2 else f"{plan.k}-tuples", plan.num_series, k,
         "alphas" if plan.k == 2 else f"lattice points (m = {cfg.lattice_m})", plan.num_series * k, plan.num_shards,
-        plan.series_per_shard, cfg.backend, ident["model_id"], cfg.sampler, cfg.steps,
+        plan.series_per_shard, cfg.backend, ident["model_id"], cfg.sampler, cfg.sample_steps,
         ident["guidance"], dtype, procs.world, out,
     )  # fmt: skip
     if (out / "config.json").is_file():
@@ -96,9 +96,9 @@ def run(cfg: Config) -> Path:
     # 4. Preview, then the manifest last (rank 0, after every rank finished)
     write_preview(folder, plan, cfg.preview_series)
     info = series_info(cfg, plan, ident, inputs.image_size)
-    if cfg.endpoint_check != "off":
+    if cfg.endpoint.check != "off":
         shards = [folder.path(i).name for i in range(plan.num_shards)]
-        info["endpoint_check"] = total_counts(out, shards, cfg.endpoint_check, cfg.endpoint_judge)
+        info["endpoint_check"] = total_counts(out, shards, cfg.endpoint.check, cfg.endpoint.judge)
     manifest: Manifest = folder.finish(
         plan.num_shards,
         kind="series",

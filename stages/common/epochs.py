@@ -1,0 +1,442 @@
+"""The classifier's epochs on the one training loop (stages/common/loop.py): train and finetune
+call them.
+
+    accelerator = make_accelerator(cfg.precision)
+    result = fit(run_dir, recipe, TrainingModule(model, objective), optimizer, data, accelerator)
+    write_run(run_dir, result.weights, meta, metrics, plots, upstream)
+
+A unit is an epoch (`Epochs`): train, validate on real/val, keep the best weights. What a
+classifier trains is the stages' business (a fresh classifier and a loss; a trained run and
+FeDLaS; a frozen backbone and MaC-Cal's head: models/objectives.py); this module does the rest,
+the same way for all: the rank guard (the main process writes), progress (tqdm with rates).
+
+Process independence: each epoch is planned first (`plan_steps`: the *global* batches and
+their CSM members), a `PixelSource` serves each planned step's pixels (device tensors, or
+shards decoded ahead by DataLoader workers: stages/common/data.py), every step augments and
+applies the objective's `prepare` (mixup) to the global batch as a whole, and each process then
+keeps rows rank::world; its loss is weighted by its share of the batch, so DDP's gradient average is
+the global batch mean. Every draw comes from a generator derived from (recipe.key, epoch,
+purpose), so a resumed run replays the uninterrupted one bit for bit on CPU. What still depends
+on the number of processes: BatchNorm normalises with each process's batch statistics
+(SyncBatchNorm runs on GPUs only) and sums are taken in another order (docs/train.md).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
+from torch import Tensor
+
+from core.io import atomic_write_json
+from core.logs import log, progress
+from core.precision import FROM_ACCELERATE
+from core.runtime import code_version, make_generator
+from core.tracking import scalars
+from models.calibration import ece, nll, topk_accuracy
+from models.objectives import TrainingModule
+from models.training import (
+    SeriesIndex,
+    collect_logits,
+    csm_targets,
+    epoch_batches,
+    is_channels_last,
+    normalize,
+    random_crop_flip,
+    sample_csm_members,
+)
+from shards.checkpoints import CheckpointError
+from shards.datasets import RealSplit
+from shards.prefetch import PixelSource, StepPlan
+from shards.runs import finish_run, write_weights
+from shards.store import SeriesImages
+from stages.common.loop import PRECISION_KEY, drain, train_units
+
+BEST = "best.safetensors"  # in a checkpoint: the best weights so far (keep="best")
+OBJECTIVE = "objective.safetensors"  # in a checkpoint: the objective's tensor state
+PAIRED = ("x_syn", "t_syn")  # batch entries with two rows per real image (CSM)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How to train, in the loop's terms; each stage fills it from its config."""
+
+    key: tuple[Any, ...]  # every draw derives from (*key, "epoch", e, purpose)
+    epochs: int
+    batch_size: int  # global, split over processes
+    lr: Callable[[int], float]  # lr of epoch e
+    clip_norm: float = 0.0  # over objective.clip_parameters(model); 0 = off
+    crop_pad: int = 0
+    flip: bool = False
+    keep: str = "best"  # best: highest val acc (first wins ties); last: the last epoch's
+    eval_batch_size: int = 512
+    checkpoint_limit: int = 2
+    resume: str = "auto"  # shards.checkpoints.RESUME_HELP
+
+
+@dataclass
+class Mixed:
+    """The series table on the device, with the targets CSM trains on (docs/methods.md §3)."""
+
+    images: Tensor | SeriesImages  # uint8 [S, K, H, W, 3] (stream path: decoded when indexed)
+    classes: Tensor  # [S, 2] (k-way: [S, k])
+    soft: Tensor  # t_a [S, K] (k-way: t over the tuple [S, K, k])
+    index: SeriesIndex
+    interior: Tensor | None = None  # k-way: positions mixing >= 2 classes
+
+
+@dataclass
+class Data:
+    """What a step and validation read; mean/std: the run's normalisation.
+
+    Labels and series fields are on the device; pixels come from `pixels` (stages/common/data.py:
+    device tensors, or shards decoded ahead by DataLoader workers). Without one, `fit` indexes
+    train.images (and mixed.images) as device tensors."""
+
+    train: RealSplit
+    val: RealSplit
+    mean: list[float] | Tensor  # `fit` makes them tensors on the device (no copy per step)
+    std: list[float] | Tensor
+    image_size: int
+    mixed: Mixed | None = None
+    pixels: PixelSource | None = None
+    channels_last: bool = False  # the model's layout: `fit` sets it, the batches follow it
+
+
+@dataclass
+class LoopState:
+    """What a checkpoint adds to accelerate's state: where we are and what we have seen.
+    `next_epoch` counts the epochs done; `best_epoch` and each history entry's `epoch` number
+    epochs from 1, as the logs, curves and checkpoint names do."""
+
+    next_epoch: int = 0
+    best_epoch: int = -1
+    best_val_acc: float = -1.0
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Result:
+    state: LoopState
+    weights: dict[str, Tensor]  # the kept weights (the main process's are the ones written)
+
+
+# ---------------------------------------------------------------- one step's inputs
+
+
+def plan_steps(data: Data, batches: list[Tensor], extra: torch.Generator) -> list[StepPlan]:
+    """What each step of an epoch reads: its global batch of real/train samples and, for CSM,
+    each real image's two series members (docs/methods.md §3: a random complete series containing
+    its label, that series' best member for the label + a random interior one). Planned for
+    the whole epoch first, so the streaming path can decode ahead; `extra` draws the members
+    of step 1, 2, ... in turn, then serves the objectives' `prepare` (no objective uses both)."""
+    mixed = data.mixed
+    if mixed is None:
+        return [StepPlan(idx) for idx in batches]
+    plans = []
+    for idx in batches:
+        y = data.train.labels[idx]
+        series, pos = sample_csm_members(
+            y, mixed.index, mixed.soft, extra, check=False, interior=mixed.interior
+        )
+        plans.append(StepPlan(idx, series, pos))
+    return plans
+
+
+def make_batch(
+    recipe: Recipe,
+    data: Data,
+    plan: StepPlan,
+    pixels: Any,
+    augment: torch.Generator,
+    extra: torch.Generator,
+    objective: Any,
+    rank: int,
+    world: int,
+) -> dict[str, Any]:
+    """This process's rows of the planned global batch, augmented and prepared as a whole first
+    (see the module docstring). `pixels` (shards.prefetch.Pixels): the plan's uint8 images,
+    real [B, ...] and for CSM syn [2B, ...]."""
+    idx, mixed = plan.idx, data.mixed
+    mean, std = data.mean, data.std
+
+    def norm(images: Tensor) -> Tensor:
+        return normalize(images, mean, std, data.image_size, channels_last=data.channels_last)
+
+    y = data.train.labels[idx]
+    images = random_crop_flip(pixels.real, augment, recipe.crop_pad, recipe.flip)
+    batch: dict[str, Any] = {"idx": idx, "x": norm(images), "y": y}
+    if mixed is not None and plan.series is not None:
+        series, pos = plan.series, plan.pos
+        syn = random_crop_flip(pixels.syn, augment, recipe.crop_pad, recipe.flip)
+        batch["x_syn"] = norm(syn)
+        batch["t_syn"] = csm_targets(
+            mixed.classes[series].flatten(0, 1),
+            mixed.soft[series, pos].flatten(0, 1),
+            mixed.index.num_classes,
+        )
+    batch = objective.prepare(batch, extra)
+    if world == 1:
+        return batch
+    mine = torch.arange(rank, len(y), world, device=idx.device)
+    pairs = torch.stack([2 * mine, 2 * mine + 1], dim=1).flatten()
+    per_sample = {k: v for k, v in batch.items() if isinstance(v, Tensor) and v.ndim > 0}
+    return batch | {k: v[pairs] if k in PAIRED else v[mine] for k, v in per_sample.items()}
+
+
+# ---------------------------------------------------------------- one epoch
+
+
+def train_epoch(
+    recipe: Recipe,
+    epoch: int,
+    accelerator: Accelerator,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: Data,
+    bar: Any,
+) -> dict[str, Any]:
+    """One epoch; no host-device sync inside the loop (totals stay on the device)."""
+    dev, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
+    key = (*recipe.key, "epoch", epoch)
+    order = make_generator(*key, "order")
+    augment = make_generator(*key, "augment", device=dev)
+    extra = make_generator(*key, "objective", device=dev)
+    inner = accelerator.unwrap_model(module)
+    net, objective = inner.model, inner.objective
+    lr = recipe.lr(epoch)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    module.train()
+    objective.start_epoch(epoch, net, lambda purpose: make_generator(*key, purpose))
+    clip = list(objective.clip_parameters(net)) if recipe.clip_norm > 0 else []
+    sums = torch.zeros(2, dtype=torch.float64, device=dev)  # loss sum, correct
+    count = 0
+    batches = epoch_batches(len(data.train), recipe.batch_size, order, 2 * world)
+    plans = plan_steps(data, [b.to(dev) for b in batches], extra)
+    assert data.pixels is not None  # fit provides one
+    for plan, pixels in zip(plans, data.pixels.batches(plans), strict=True):
+        idx = plan.idx
+        batch = make_batch(recipe, data, plan, pixels, augment, extra, objective, rank, world)
+        optimizer.zero_grad(set_to_none=True)
+        loss, logits = module(**batch)
+        n = batch["y"].numel()
+        # DDP averages the processes' gradients: weight each by its share of the global batch
+        accelerator.backward(loss if world == 1 else loss * (n * world / len(idx)))
+        if clip:
+            accelerator.clip_grad_norm_(clip, recipe.clip_norm)
+        optimizer.step()
+        logits = logits.detach()
+        objective.observe(batch, logits)
+        correct = (logits.argmax(dim=1) == batch["y"]).sum()
+        sums += torch.stack([loss.detach().double() * n, correct.double()])
+        count += n
+        bar.update(len(idx))
+    totals = torch.cat([sums, sums.new_tensor([count])])
+    loss_sum, correct, count = accelerator.reduce(totals, reduction="sum").tolist()
+    stats = {"lr": lr, "loss": loss_sum / count, "train_acc": 100.0 * correct / count}
+    return stats | objective.end_epoch(epoch, net, lambda t: accelerator.reduce(t, "sum"))
+
+
+def validate(model: torch.nn.Module, data: Data, batch_size: int) -> dict[str, float]:
+    """fp32 eval-mode metrics on real/val (accuracy and ECE in %)."""
+    logits = collect_logits(
+        model,
+        data.val.images,
+        data.mean,
+        data.std,
+        batch_size=batch_size,
+        image_size=data.image_size,
+    )
+    labels = data.val.labels.cpu()
+    return {
+        "val_acc": 100.0 * topk_accuracy(logits, labels),
+        "val_ece": 100.0 * ece(logits, labels),
+        "val_nll": nll(logits, labels),
+    }
+
+
+class Epochs:
+    """The classifier's units: one epoch each (train, validate on real/val, keep the best
+    weights), checkpoint_<n> after epoch n. `on_epoch` (main process) sees the state after each
+    checkpoint, `describe` adds to the epoch's log line."""
+
+    files = (BEST, OBJECTIVE)
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        data: Data,
+        accelerator: Accelerator,
+        name: str,
+        on_epoch: Callable[[LoopState], None],
+        describe: Callable[[dict[str, Any]], str],
+    ) -> None:
+        self.recipe, self.module, self.optimizer, self.data = recipe, module, optimizer, data
+        self.accelerator, self.name, self.on_epoch, self.describe = (
+            accelerator, name, on_epoch, describe
+        )  # fmt: skip
+        inner = accelerator.unwrap_model(module)
+        self.net, self.objective = inner.model, inner.objective
+        self.count = recipe.epochs
+        self.computes = FROM_ACCELERATE[accelerator.mixed_precision]
+        self.state, self.best = LoopState(), None
+        self.stats: dict[str, Any] = {}  # the last epoch's
+
+    def restore(self, path: Path, saved: dict[str, Any], tensors: dict[str, Any]) -> int:
+        """The loop's state, the objective's and the best weights of checkpoint `path`, which
+        must have been computed in this process's precision."""
+        if "loop" not in saved:
+            raise CheckpointError(
+                f"{path} was written by an older semix; start over (resume=) or remove it"
+            )
+        computed = saved.get(PRECISION_KEY, self.computes)
+        if computed != self.computes:
+            raise CheckpointError(
+                f"{path} was computed in {computed}, this process computes in {self.computes}; "
+                f"resume it in {computed} (accelerate launch --mixed_precision), or start over "
+                f"(resume=)"
+            )
+        self.state = LoopState(**saved["loop"])
+        self.objective.load_extra_state(saved["objective"] | tensors.get(OBJECTIVE, {}))
+        self.best = tensors.get(BEST)
+        log.info("%s: resumed from %s (epoch %d done)", self.name, path, self.state.next_epoch)
+        return self.state.next_epoch
+
+    def bar(self, done: int) -> Any:
+        """Progress in images."""
+        remaining = (self.count - done) * len(self.data.train)
+        main = self.accelerator.is_main_process
+        return progress(range(remaining), total=remaining, desc=self.name, unit="img", enabled=main)
+
+    def train(self, epoch: int, bar: Any) -> None:
+        """Train and validate (main process) one epoch; keep its weights if they are the best."""
+        recipe, state, data = self.recipe, self.state, self.data
+        t0 = time.perf_counter()
+        stats = train_epoch(recipe, epoch, self.accelerator, self.module, self.optimizer, data, bar)
+        seconds = time.perf_counter() - t0
+        main = self.accelerator.is_main_process
+        scores = [validate(self.net, data, recipe.eval_batch_size) if main else None]
+        stats |= broadcast_object_list(scores, from_process=0)[0]
+        stats |= {
+            "epoch": epoch + 1,  # epochs count from 1 wherever a person reads them
+            "seconds": round(seconds, 3),
+            "images_per_s": round(len(data.train) / seconds, 1),
+        }
+        if recipe.keep == "best" and stats["val_acc"] > state.best_val_acc:
+            state.best_val_acc, state.best_epoch = stats["val_acc"], epoch + 1
+            self.best = {k: v.detach().cpu().clone() for k, v in self.net.state_dict().items()}
+        state.history.append(stats)
+        state.next_epoch = epoch + 1
+        self.stats = stats
+
+    def checkpoint(self, epoch: int) -> tuple[int, dict[str, Any], dict[str, dict[str, Tensor]]]:
+        """checkpoint_<n> after epoch n: the loop's state, the objective's, the best weights."""
+        extra = self.objective.extra_state()
+        files = {OBJECTIVE: {k: v for k, v in extra.items() if isinstance(v, Tensor)}}
+        files = {k: v for k, v in ({BEST: self.best} | files).items() if v}
+        json_state = {k: v for k, v in extra.items() if not isinstance(v, Tensor)}
+        state = {"loop": asdict(self.state), "objective": json_state, PRECISION_KEY: self.computes}
+        return epoch + 1, state, files
+
+    def report(self, epoch: int) -> None:
+        """`on_epoch`, the trackers, the epoch's log line."""
+        stats, recipe = self.stats, self.recipe
+        if self.accelerator.is_main_process:
+            self.on_epoch(self.state)
+        # the trackers (main process; none without tracker=): the epoch's numbers, at the
+        # epoch metrics.json records
+        numbers = scalars({k: v for k, v in stats.items() if k != "epoch"})
+        self.accelerator.log(numbers, step=stats["epoch"])
+        described = self.describe(stats)
+        log.info(
+            "epoch %d/%d: loss %.4f, train acc %.1f %%, val acc %.2f %%, val ECE %.2f %%, "
+            "lr %.3g, %.0f img/s%s",
+            epoch + 1,
+            recipe.epochs,
+            *(stats[k] for k in ("loss", "train_acc", "val_acc", "val_ece", "lr")),
+            stats["images_per_s"],
+            ", " + described if described else "",
+        )
+
+    def result(self) -> Result:
+        """The state and the kept weights: the best epoch's, or the last's (keep="last")."""
+        best = self.best
+        if self.recipe.keep == "last" or best is None:
+            best = {k: v.detach().cpu().clone() for k, v in self.net.state_dict().items()}
+        return Result(self.state, best)
+
+
+def fit(
+    run_dir: Path,
+    recipe: Recipe,
+    module: TrainingModule,
+    optimizer: torch.optim.Optimizer,
+    data: Data,
+    accelerator: Accelerator,
+    name: str,
+    on_epoch: Callable[[LoopState], None] = lambda state: None,
+    describe: Callable[[dict[str, Any]], str] = lambda stats: "",
+) -> Result:
+    """Train `module` for recipe.epochs, resuming from run_dir/checkpoints; a checkpoint after
+    every epoch (`Epochs` says what `on_epoch` and `describe` do)."""
+    epochs = fit_epochs(
+        run_dir, recipe, module, optimizer, data, accelerator, name, on_epoch, describe
+    )
+    return drain(epochs)
+
+
+def fit_epochs(
+    run_dir: Path,
+    recipe: Recipe,
+    module: TrainingModule,
+    optimizer: torch.optim.Optimizer,
+    data: Data,
+    accelerator: Accelerator,
+    name: str,
+    on_epoch: Callable[[LoopState], None] = lambda state: None,
+    describe: Callable[[dict[str, Any]], str] = lambda stats: "",
+) -> Generator[LoopState, None, Result]:
+    """`fit` one epoch at a time: yields the state after each epoch's checkpoint, returns the
+    Result. What lets a stack of runs (stages/train.py, `run_stack`) take their epochs in turn
+    in one process, each exactly as it would alone."""
+    dev = accelerator.device
+    pixels = data.pixels or PixelSource(data.train.images, data.mixed and data.mixed.images)
+    data = replace(
+        data,
+        mean=torch.as_tensor(data.mean, dtype=torch.float32, device=dev),
+        std=torch.as_tensor(data.std, dtype=torch.float32, device=dev),
+        pixels=pixels,
+        channels_last=dev.type == "cuda" or is_channels_last(module),
+    )
+    module, optimizer = accelerator.prepare(module, optimizer)
+    epochs = Epochs(recipe, module, optimizer, data, accelerator, name, on_epoch, describe)
+    for _ in train_units(epochs, accelerator, run_dir, recipe.checkpoint_limit, recipe.resume):
+        yield epochs.state
+    return epochs.result()
+
+
+def write_run(
+    run_dir: Path,
+    weights: dict[str, Tensor],
+    meta: dict[str, Any],
+    metrics: dict[str, Any],
+    plots: list[Callable[[Path], Any]],
+    upstream: dict[str, str],
+) -> None:
+    """The run's outputs (main process): weights + model.json, metrics.json, the plots, and the
+    manifest last, so a run folder with a manifest has every file."""
+    write_weights(run_dir, weights, meta)
+    atomic_write_json(run_dir / "metrics.json", metrics)
+    for plot in plots:
+        plot(run_dir)
+    info = {k: meta[k] for k in ("run", "loss") if k in meta}
+    finish_run(run_dir, meta["class_names"], upstream, code_version(), info)
