@@ -54,6 +54,7 @@ class Inputs:
     image_size: int
     generator: Path | None  # unet backend: the fit-generator folder
     generator_info: dict[str, Any]
+    guidance: float = 1.0  # w, resolved once from guidance= (auto: the generator's recorded w)
 
 
 def check_inputs(cfg: Config) -> Inputs:
@@ -66,7 +67,7 @@ def check_inputs(cfg: Config) -> Inputs:
     if cfg.backend == "edm":
         check_edm_model(cfg)
     if cfg.backend != "unet":
-        return Inputs(real, real_m.class_names, size, None, {})
+        return Inputs(real, real_m.class_names, size, None, {}, guidance(cfg, {}))
     folder, hint = generator_folder(cfg)
     if not is_complete(folder):
         raise GenerationError(f"no trained generator in {folder} (no manifest.json): {hint}")
@@ -84,7 +85,14 @@ def check_inputs(cfg: Config) -> Inputs:
             f"{folder} makes {gen_m.info['image_size']}px images, {real} holds {size}px; "
             "set image_size= or retrain"
         )
-    return Inputs(real, real_m.class_names, size, folder, gen_m.info)
+    w = guidance(cfg, gen_m.info)
+    if w != 1.0 and not gen_m.info.get("null_class", False):
+        raise GenerationError(
+            f"guidance={w:g}: the generator in {folder} has no null condition (fitted "
+            "with label_dropout=0); use guidance=1, or refit it with fit-generator "
+            "label_dropout=0.1"
+        )
+    return Inputs(real, real_m.class_names, size, folder, gen_m.info, w)
 
 
 def check_edm_model(cfg: Config) -> None:
@@ -149,28 +157,20 @@ def resolve_dtype(cfg: Config, device: torch.device) -> str:
 # ---------------------------------------------------------------- the generator
 
 
-def guidance(cfg: Config, inputs: Inputs) -> float:
+def guidance(cfg: Config, generator_info: dict[str, Any]) -> float:
     """guidance=auto: the unet generator's recorded w (fit-generator's best by fidelity; 1 for a
     generator without a null condition), 1 elsewhere; a number is used as given."""
     if cfg.guidance != "auto":
         return float(cfg.guidance)
-    return float(inputs.generator_info.get("guidance", 1.0)) if cfg.backend == "unet" else 1.0
+    return float(generator_info.get("guidance", 1.0)) if cfg.backend == "unet" else 1.0
 
 
 def _unet_kwargs(cfg: Config, inputs: Inputs) -> dict[str, Any]:
     # the weights' sha256 (fit-generator's manifest, checked in check_inputs) is their revision
-    null_class = bool(inputs.generator_info.get("null_class", False))
-    w = guidance(cfg, inputs)
-    if w != 1.0 and not null_class:
-        raise GenerationError(
-            f"guidance={w:g}: the generator in {inputs.generator} has no null condition (fitted "
-            "with label_dropout=0); use guidance=1, or refit it with fit-generator "
-            "label_dropout=0.1"
-        )
     return {
         "model": inputs.generator,
         "revision": inputs.generator_info.get("weights_sha256"),
-        "guidance": w,
+        "guidance": inputs.guidance,
         # x̂₀ clipping as fit-generator chose it with w (None: the saved scheduler config's)
         "clip_sample": inputs.generator_info.get("clip_sample"),
     }
@@ -204,7 +204,7 @@ def data_kwargs(cfg: Config, inputs: Inputs) -> dict[str, Any]:
         "class_names": inputs.class_names,
         "num_classes": len(inputs.class_names),
         "image_size": inputs.image_size,
-        "guidance": guidance(cfg, inputs),
+        "guidance": inputs.guidance,
     }
 
 
