@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 import gzip
-import json
 import os
 import shutil
 import subprocess
@@ -35,6 +34,7 @@ from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench import REPO
+from core.io import read_json
 from models.classifiers import build_classifier
 from models.training import (
     CPU_PASS,
@@ -388,7 +388,7 @@ def sitting(before: Path, tmp: Path) -> tuple[list[dict], list[str]]:
         "each command a fresh process with OMP_NUM_THREADS=1 (the preset's cpu_threads=1): "
         "wall time with its start, data decode, validation every epoch, checkpoints, outputs.",
         f"One run per process: the fastest of {REPEATS} in turn; all, before: "
-        f"{', '.join(f'{t:.1f}' for t in befores)} s; now: {', '.join(f'{t:.1f}' for t in nows)} s.",
+        f"{_listed(befores)} s; now: {_listed(nows)} s.",
         "Precision: before computed fp32 (its auto on every CPU); now computed "
         f"{_computed(root / 'train' / 'now-0')} (host.json: what auto is on this CPU).",
         f"Evaluate: real/test + real/val, the shift stage's corruptions x 5 severities of "
@@ -401,7 +401,11 @@ def sitting(before: Path, tmp: Path) -> tuple[list[dict], list[str]]:
 
 
 def _computed(run_dir: Path) -> str:
-    return json.loads((run_dir / "host.json").read_text()).get("precision", "fp32")
+    return read_json(run_dir / "host.json").get("precision", "fp32")
+
+
+def _listed(seconds: list[float]) -> str:
+    return ", ".join(f"{t:.1f}" for t in seconds)
 
 
 def _row(what: str, runs: int, seconds: float, ratio: float) -> dict:

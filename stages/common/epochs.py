@@ -56,7 +56,7 @@ from shards.datasets import RealSplit
 from shards.prefetch import PixelSource, StepPlan
 from shards.runs import finish_run, write_weights
 from shards.store import SeriesImages
-from stages.common.loop import PRECISION_KEY, drain, train_units
+from stages.common.loop import PRECISION_KEY, train_units
 
 BEST = "best.safetensors"  # in a checkpoint: the best weights so far (keep="best")
 OBJECTIVE = "objective.safetensors"  # in a checkpoint: the objective's tensor state
@@ -96,17 +96,17 @@ class Data:
     """What a step and validation read; mean/std: the run's normalisation.
 
     Labels and series fields are on the device; pixels come from `pixels` (stages/common/data.py:
-    device tensors, or shards decoded ahead by DataLoader workers). Without one, `fit` indexes
-    train.images (and mixed.images) as device tensors."""
+    device tensors, or shards decoded ahead by DataLoader workers). Without one, `fit_epochs`
+    indexes train.images (and mixed.images) as device tensors."""
 
     train: RealSplit
     val: RealSplit
-    mean: list[float] | Tensor  # `fit` makes them tensors on the device (no copy per step)
+    mean: list[float] | Tensor  # `fit_epochs` makes them tensors on the device (no copy per step)
     std: list[float] | Tensor
     image_size: int
     mixed: Mixed | None = None
     pixels: PixelSource | None = None
-    channels_last: bool = False  # the model's layout: `fit` sets it, the batches follow it
+    channels_last: bool = False  # the model's layout: `fit_epochs` sets it, the batches follow it
 
 
 @dataclass
@@ -375,25 +375,6 @@ class Epochs:
         return Result(self.state, best)
 
 
-def fit(
-    run_dir: Path,
-    recipe: Recipe,
-    module: TrainingModule,
-    optimizer: torch.optim.Optimizer,
-    data: Data,
-    accelerator: Accelerator,
-    name: str,
-    on_epoch: Callable[[LoopState], None] = lambda state: None,
-    describe: Callable[[dict[str, Any]], str] = lambda stats: "",
-) -> Result:
-    """Train `module` for recipe.epochs, resuming from run_dir/checkpoints; a checkpoint after
-    every epoch (`Epochs` says what `on_epoch` and `describe` do)."""
-    epochs = fit_epochs(
-        run_dir, recipe, module, optimizer, data, accelerator, name, on_epoch, describe
-    )
-    return drain(epochs)
-
-
 def fit_epochs(
     run_dir: Path,
     recipe: Recipe,
@@ -405,9 +386,11 @@ def fit_epochs(
     on_epoch: Callable[[LoopState], None] = lambda state: None,
     describe: Callable[[dict[str, Any]], str] = lambda stats: "",
 ) -> Generator[LoopState, None, Result]:
-    """`fit` one epoch at a time: yields the state after each epoch's checkpoint, returns the
-    Result. What lets a stack of runs (stages/train.py, `run_stack`) take their epochs in turn
-    in one process, each exactly as it would alone."""
+    """Train `module` for recipe.epochs, resuming from run_dir/checkpoints, one epoch at a
+    time: yields the state after each epoch's checkpoint (`Epochs` says what `on_epoch` and
+    `describe` do), returns the Result (`drain` runs it to its end). What lets a stack of
+    runs (stages/train.py, `run_stack`) take their epochs in turn in one process, each
+    exactly as it would alone."""
     dev = accelerator.device
     pixels = data.pixels or PixelSource(data.train.images, data.mixed and data.mixed.images)
     data = replace(

@@ -12,7 +12,6 @@ the device computes it natively) and the precision a resumed run keeps (`run_pre
 
 from __future__ import annotations
 
-import json
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any, Protocol
@@ -21,6 +20,7 @@ import torch
 from accelerate import Accelerator
 from torch import Tensor
 
+from core.io import read_json
 from core.precision import ACCELERATE, canonical, resolve_precision
 from core.runtime import make_accelerator as new_accelerator
 from core.runtime import share_from_main
@@ -50,7 +50,7 @@ def run_precision(run_dir: Path, precision: str, resume: str) -> str:
     chosen = Checkpointer(run_dir / "checkpoints", keep=1).choose(resume, verify=False)
     if chosen is None:
         return precision
-    saved = json.loads((chosen / MARKER).read_text())
+    saved = read_json(chosen / MARKER)
     # a checkpoint without the record: fp32 on a CPU
     cpu = not torch.cuda.is_available()
     return saved.get(PRECISION_KEY, "fp32" if cpu else precision)

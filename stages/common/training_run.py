@@ -160,9 +160,10 @@ class TrainingRun:
         section: Section,
         describe: Callable[[dict[str, Any]], str] = lambda stats: "",
     ) -> Result:
-        """stages.common.epochs.fit, with metrics.json and host.json rewritten after every epoch (main)
-        and the trackers open around it; the data's pixel source and validation reader are
-        closed, and the trackers finished, before anything else is written."""
+        """stages.common.epochs.fit_epochs to its end, with metrics.json and host.json rewritten
+        after every epoch (main) and the trackers open around it; the data's pixel source and
+        validation reader are closed, and the trackers finished, before anything else is
+        written."""
         try:
             return drain(self.fit_epochs(recipe, module, optimizer, data, path, section, describe))
         finally:
