@@ -282,10 +282,6 @@ def roofline() -> tuple[list[dict], list[dict], list[str]]:
         "it takes on other CPUs. Validation and evaluation logits stay fp32; a pass of "
         f"{CPU_PASS} images keeps the 28x28x32 activations in the core's cache (2x a pass of "
         f"{EVAL_BATCH}).",
-        "A stack's runs take their epochs in turn in one process that keeps the memory it "
-        "frees (core/allocator.py): with glibc's default thresholds a stacked run's activation "
-        "buffers went back to the OS and faulted in again every step, 1.17 s an epoch against "
-        "0.68 s for the same run alone.",
         "Largest remaining loss: of a stacked run's ~20 s, the steps take ~14 s at 23 % of the "
         "bf16 peak (max-pool, BatchNorm and ReLU over the 28x28x32 activations, forward and "
         "backward, are memory-bound; the convolutions are a third of the step) and validation "

@@ -32,7 +32,6 @@ from typing import Any, Protocol
 import torch
 from accelerate import Accelerator
 
-from core.allocator import keep_freed_memory
 from core.io import atomic_write_json
 from core.logs import log
 from core.plots import lines
@@ -92,8 +91,6 @@ class TrainingRun:
         tracking = Tracking.of(cfg.tracker, folder, cfg.root)
         precision = run_precision(folder, cfg.precision, cfg.checkpoint.resume)
         accelerator = make_accelerator(precision, **tracking.accelerator_kwargs())
-        if accelerator.device.type == "cpu":
-            keep_freed_memory()  # the step's activations keep their pages (core/allocator.py)
         return cls(cfg, stage, name, fix, folder, tracking, accelerator)
 
     @property
