@@ -37,11 +37,21 @@ def test_every_task_of_the_default_study_waits_for_the_data(tmp_path):
             assert "prepare" in _ancestors(tasks, name), name
     tuning = [n for n in tasks if n.startswith("tune-")]
     assert len(tuning) > 20 and all(tasks[n].after for n in tuning)
+    makes = {  # mixed folder -> the chain task that makes it
+        (tmp_path / s.removeprefix("name=") / "mixed").as_posix(): n
+        for n, t in tasks.items() for stage, sets in t.steps if stage == "chain"
+        for s in sets if s.startswith("name=")
+    }  # fmt: skip
     for name, task in tasks.items():  # a run on a mixed set waits for the chain that makes it
         for stage, sets in task.steps:
-            mixed = [s for s in sets if s.startswith("mixed=")]
+            mixed = [s.removeprefix("mixed=") for s in sets if s.startswith("mixed=")]
             if stage == "train" and (mixed or "loss=csm" in sets):
-                assert "chain" in _ancestors(tasks, name), name
+                chain = makes[mixed[0]] if mixed else "chain"
+                assert chain in _ancestors(tasks, name), name
+    # the generator's cells are tried before set 0 is drawn, every csm-family set after it
+    cell_runs = [n for n in tasks if n.startswith("tune-cell-")]
+    assert len(cell_runs) == 3 * 3 and set(cell_runs) <= tasks["chain"].after
+    assert all("chain" in _ancestors(tasks, n) for n in tasks if n.startswith("chain-m"))
     csm = [n for n in tasks if n.startswith("csm-s") and METHODS["csm"].needs_mixed]
     assert csm and all("chain" in _ancestors(tasks, n) for n in csm)
 
@@ -146,3 +156,25 @@ def test_a_task_whose_preparation_fails_fails_alone(tmp_path):
         execute([task], "digits", 1, tmp_path / "logs")
     assert "metrics.json: no such file" in (tmp_path / "logs" / FAILURES).read_text()
     assert "preparing its command failed" in (tmp_path / "logs" / "tune-ls-ext-a.log").read_text()
+
+
+def test_each_sitting_keeps_its_record_and_the_earlier_ones(tmp_path):
+    """host.json is rewritten as each task ends (a sitting cut short says what it did); a later
+    invocation keeps every earlier one that ran tasks, and one that ran none adds nothing."""
+    from pipeline.study.execute import Sitting
+
+    path = tmp_path / "host.json"
+    first = Sitting(path)
+    first.write({"prepare": 11.0})  # then the sitting is killed
+    cut = json.loads(path.read_text())
+    assert cut["task_seconds_this_invocation"] == {"prepare": 11.0} and not cut["finished"]
+    second = Sitting(path)
+    second.write({"chain": 500.0}, finished=True)
+    host = json.loads(path.read_text())
+    assert host["finished"] and host["task_seconds_this_invocation"] == {"chain": 500.0}
+    assert [e["task_seconds_this_invocation"] for e in host["earlier_invocations"]] == [
+        {"prepare": 11.0}
+    ]
+    Sitting(path).write({}, finished=True)  # a rerun with nothing to do
+    Sitting(path).write({}, finished=True)
+    assert len(json.loads(path.read_text())["earlier_invocations"]) == 2

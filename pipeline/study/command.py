@@ -4,7 +4,6 @@ command's --fields and --print-config (pipeline/study/__init__.py says what a st
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from core.logs import log
 from core.runtime import derive_seed
 from pipeline.chain import chain_fields
 from pipeline.study import robustness
+from pipeline.study.cells import choose_cell
 from pipeline.study.config import (
     METHODS,
     METRICS,
@@ -25,14 +25,15 @@ from pipeline.study.config import (
     check_budget,
     comparison_pairs,
 )
-from pipeline.study.execute import execute
+from pipeline.study.execute import Sitting, execute
 from pipeline.study.figures import figures
 from pipeline.study.intervals import mixed_sets_of
 from pipeline.study.mixed_sets import mixed_images, set_variant
-from pipeline.study.plan import setup
+from pipeline.study.plan import setup, study_cells
 from pipeline.study.records import collect, seed_predictions
 from pipeline.study.report import write_report
 from pipeline.study.stats import MARGINS, compare, summarize
+from pipeline.study.tuning import tune_seeds
 from pipeline.study.tuning_plan import tuning_report
 from shards.budget import labelled_split_images
 
@@ -54,8 +55,9 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
         "study %s: %d methods x %d seeds, %d of %d tasks to run, %d at a time -> %s",
         *(root.name, len(cfg.methods), len(cfg.seeds), len(todo), len(tasks), cfg.jobs, out),
     )
-    t0 = time.perf_counter()
-    seconds = execute(tasks, preset, cfg.jobs, out / "logs")
+    out.mkdir(parents=True, exist_ok=True)
+    sitting = Sitting(out / "host.json")
+    seconds = execute(tasks, preset, cfg.jobs, out / "logs", sitting.write)
     # 3. Records, statistics, report and figures.
     records = collect(cfg, root)
     budget = check_budget(records)
@@ -86,6 +88,8 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
             "ood": robustness.ood_paired(root, records, cfg.methods, cfg.bootstrap, robustness.rng),
         }
     tuning = tuning_report(cfg, root, sets) if cfg.tune else {}
+    chain_sets = [s for s in sets if not s.startswith("study.")]
+    cells = study_cells(cfg, preset, chain_sets) and choose_cell(root, tune_seeds(cfg))
     variants = sorted(
         set_variant(METHODS[m].variant, cfg.mixed_set(m, seed))
         for m in cfg.methods
@@ -94,7 +98,6 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
     )
     variants = [v for v in dict.fromkeys(variants) if v]
     images = mixed_images(root, variants) if variants else None
-    out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(
         out / "study.json",
         {
@@ -107,23 +110,18 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
             "paired": paired,
             "margins": MARGINS,
             "tuning": tuning,
+            "generator": cells or None,
             "mixed_images": images,
             "shift_paired": robust["shift"],
             "ood_paired": robust["ood"],
         },
     )
     # what this machine took, apart: study.json is the same bytes wherever the study ran
-    atomic_write_json(
-        out / "host.json",
-        {
-            "task_seconds_this_invocation": seconds,
-            "wall_seconds_this_invocation": round(time.perf_counter() - t0, 1),
-        },
-    )
+    sitting.write(seconds, finished=True)
     figures(cfg, root, out, {m: list(p.values()) for m, p in by_seed["before_ts"].items()}, summary)
     report = write_report(
         cfg, root, out, records, summary, paired, tuning, images,
-        robust if cfg.robustness else None,
+        robust if cfg.robustness else None, cells or None,
     )  # fmt: skip
     if cfg.robustness:
         robustness.figure(records, out / "shift.png", f"{root.name}: under corruption, after TS")

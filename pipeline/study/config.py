@@ -102,6 +102,11 @@ class StudyConfig:
     # them, and a winner whose advantage over the reference point is within one standard error
     # of their paired differences gives way to the reference (pipeline/study/tuning.py choose_point)
     tune_seeds: int = 3
+    # the generator's sampler cell (guidance w, x̂₀ clipping) tuned like csm's other
+    # hyper-parameters: csm at its reference point on each cell the fit judged faithful, the
+    # lowest val NLL by the same rule (pipeline/study/cells.py); off, or without `tune`: the
+    # fit's most faithful cell
+    cells: bool = True
     # every run also evaluated under shift (the corrupted test split) and on far-OOD sets, the
     # comparisons paired as in the main table (pipeline/study/robustness.py); off: the clean test only
     robustness: bool = True

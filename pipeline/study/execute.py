@@ -7,9 +7,11 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
+from core.io import atomic_write_json, read_json
 from core.logs import log, progress
 from pipeline.study.config import StudyError, Task
 
@@ -74,10 +76,71 @@ def failure_line(failed: dict[str, str], first: str, total: int, logs: Path) -> 
     return head + cause + tail
 
 
-def execute(tasks: list[Task], preset: str, jobs: int, logs: Path) -> dict[str, float]:
+class Sitting:
+    """study/host.json: what this machine took for the tasks of this invocation (the seconds
+    are this machine's: never in study.json), rewritten as each task ends so that a sitting cut
+    short still says what it did, and every earlier invocation that ran tasks kept beside it (a
+    study run over several sittings keeps each one's record)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.t0 = path, time.perf_counter()
+        self.started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        try:
+            old = read_json(path)
+        except (OSError, ValueError):
+            old = {}
+        self.earlier = old.get("earlier_invocations", [])
+        if old.get("task_seconds_this_invocation"):
+            self.earlier.append({k: v for k, v in old.items() if k != "earlier_invocations"})
+
+    def write(self, seconds: dict[str, float], finished: bool = False) -> None:
+        atomic_write_json(
+            self.path,
+            {
+                "started": self.started,
+                "code": code_version(),
+                "cpu_count": os.cpu_count(),
+                "task_seconds_this_invocation": seconds,
+                "wall_seconds_this_invocation": round(time.perf_counter() - self.t0, 1),
+                "finished": finished,
+                "earlier_invocations": self.earlier,
+            },
+        )
+
+
+def code_version() -> str | None:
+    """The commit of the code that ran (with "+changes" when its files differ from it); None
+    outside a git checkout."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=10,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+
+
+def execute(
+    tasks: list[Task],
+    preset: str,
+    jobs: int,
+    logs: Path,
+    on_done: Callable[[dict[str, float]], None] | None = None,
+) -> dict[str, float]:
     """Run pending tasks `jobs` at a time in dependency order. A failed task fails the tasks
     that need it; the others go on. Raises at the end in one short line (failure_line); every
-    failure, its cause and its log in logs/failures.log."""
+    failure, its cause and its log in logs/failures.log. `on_done(seconds)` after each task
+    that ran to the end."""
     logs.mkdir(parents=True, exist_ok=True)
     done = {t.name for t in tasks if t.done}
     pending = [t for t in tasks if not t.done]
@@ -111,6 +174,8 @@ def execute(tasks: list[Task], preset: str, jobs: int, logs: Path) -> dict[str, 
                     seconds[t.name] = round(f.result(), 1)
                     done.add(t.name)
                     log.info("study: %s done in %.0f s", t.name, seconds[t.name])
+                    if on_done is not None:
+                        on_done(seconds)
                 except StudyError as e:
                     failed[t.name] = getattr(e, "cause", str(e))
                     seen[t.name] = str(logs / f"{t.name}.log")

@@ -12,9 +12,17 @@ from core.config import parse_sets
 from pipeline.chain import check_chain, scoped_errors, split_sets
 from pipeline.registry import resolve_stage_config
 from pipeline.study import robustness
+from pipeline.study.cells import (
+    Cell,
+    candidates,
+    cell_tasks,
+    chosen_cell,
+    generator_task,
+    prepare_set0,
+)
 from pipeline.study.config import METHODS, StudyConfig, Task, run_name
 from pipeline.study.mixed_sets import chain_task, prepare_set, set_variant, variant_root
-from pipeline.study.tuning import chosen_groups, chosen_sets, plan_groups
+from pipeline.study.tuning import chosen_groups, chosen_sets, plan_groups, tune_seeds
 from pipeline.study.tuning_plan import tuning_tasks
 from shards import evals
 from shards.manifest import ShardError, is_complete, read_manifest
@@ -58,22 +66,34 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
     needs_chain = any(METHODS[m].needs_mixed for m in cfg.methods)
     chain_sets = [s for s in sets if not s.startswith("study.")]
     tasks: list[Task] = [data_task(preset, chain_sets, root)]
+    train_sets, ft_sets = split_sets(sets, "train"), split_sets(sets, "finetune")
+    cells = study_cells(cfg, preset, chain_sets)
     if needs_chain:
         done = is_complete(root / "mixed")
-        tasks.append(Task("chain", [("chain", chain_sets)], {DATA}, done))
+        if cells:  # the generator first, its kept cells tried; set 0 at the chosen cell
+            tasks.append(generator_task(preset, chain_sets, root, DATA))
+            tried = cell_tasks(root, cells, chain_sets, train_sets, tune_seeds(cfg))
+            tasks += tried
+            after = {t.name for t in tried if not t.name.startswith("chain")}
+            prepare0 = functools.partial(prepare_set0, root, tune_seeds(cfg))
+            tasks.append(Task("chain", [("chain", chain_sets)], after, done, prepare0))
+        else:
+            tasks.append(Task("chain", [("chain", chain_sets)], {DATA}, done))
 
     gen_seed = generate_seed(preset, chain_sets) if needs_chain and cfg.mixed_sets > 1 else 0
 
     def set_chain(variant: str, index: int) -> Task:
-        """The chain of a family's mixed set `index` into its own root (set 0 of csm: "chain")."""
+        """The chain of a family's mixed set `index` into its own root (set 0 of csm: "chain"),
+        at the chosen cell when the study chooses it."""
         name = set_variant(variant, index)
         v_root = variant_root(root, name)
         v_sets = [*(s for s in chain_sets if not s.startswith("name=")), f"name={v_root.name}"]
         done = is_complete(v_root / "mixed")
         prepare = functools.partial(prepare_set, root, variant, index, gen_seed)
+        if cells:
+            prepare = functools.partial(_at_chosen_cell, prepare, root, tune_seeds(cfg))
         return Task(chain_task(name), [("chain", v_sets)], {"chain"}, done, prepare)
 
-    train_sets, ft_sets = split_sets(sets, "train"), split_sets(sets, "finetune")
     tuned = tuning_tasks(cfg, root, sets) if cfg.tune else {}
     # evaluate pinned to 1 CPU thread unless the command line says otherwise: `jobs` runs fill
     # the cores, and torch's default (every core in each) oversubscribes them (4-8x slower
@@ -139,6 +159,20 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
         if not t.after:
             t.after.add(DATA)
     return tasks
+
+
+def study_cells(cfg: StudyConfig, preset: str, chain_sets: Sequence[str]) -> list[Cell]:
+    """The generator cells the study tries (pipeline/study/cells.py): its chain's fit-generator
+    grid when the study tunes and chooses the cell; [] when it takes the fit's cell."""
+    if not (cfg.tune and cfg.cells and any(METHODS[m].needs_mixed for m in cfg.methods)):
+        return []
+    return candidates(preset, chain_sets)
+
+
+def _at_chosen_cell(
+    prepare: Callable[[], list[str]], root: Path, seeds: Sequence[int]
+) -> list[str]:
+    return [*prepare(), *chosen_cell(root, seeds).sets()]
 
 
 def stack_name(method: str, mixed: str) -> str:

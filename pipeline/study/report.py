@@ -182,6 +182,42 @@ def _tuning(tuning: dict) -> list[str]:
     return [*lines, *table(headings, rows), ""]
 
 
+def _generator(result: dict) -> list[str]:
+    """The generator's sampler cells: every one the fit judged, the kept ones' csm val scores,
+    the choice."""
+    scores = {(r["guidance"], r["clip"]): r for r in result["grid"]}
+    rows = []
+    for c in result["cells"]:
+        r = scores.get((c["guidance"], c["clip"]))
+        chosen = {"guidance": c["guidance"], "clip": c["clip"]} == result["chosen"]
+        fit = {"guidance": c["guidance"], "clip": c["clip"]} == result["reference"]
+        note = ", ".join([*(["**chosen**"] if chosen else []), *(["the fit's"] if fit else [])])
+        vals = (
+            [f"{r['val_acc']:.2f}", f"{r['val_ece']:.2f}", f"{r['val_nll']:.4f}"]
+            if r
+            else ["–"] * 3
+        )
+        rows.append(
+            [f"{c['guidance']:g}", c["clip"] or "saved", f"{c['fidelity']:.1f}", *vals, note]
+        )
+    rule = result["rule"]
+    se = rule["standard_error"]
+    return [
+        "## The generator's sampler cell, chosen on the val split",
+        "",
+        f"Each cell's endpoint fidelity is the share of pure-class images the fit's judge "
+        f"(`{result['judge']}`) takes for their class; the cells at or above "
+        f"{result['fidelity_floor']:g} % (at most {result['max_cells']}) each drew a full mixed "
+        f"set, and csm at its grid's reference point trained on it at the tuning seeds "
+        f"{', '.join(map(str, result['seeds']))}. Lowest mean val NLL wins if its advantage over "
+        f"the fit's cell exceeds its standard error (here {rule['advantage']:+.4f} vs "
+        f"{'–' if se is None else f'{se:.4f}'}).",
+        "",
+        *table(("w", "x̂₀ clipping", "fidelity %", "val top-1", "val ECE", "val NLL", ""), rows),
+        "",
+    ]
+
+
 def _differences(
     summary: dict,
     paired: dict,
@@ -231,6 +267,7 @@ def write_report(
     tuning: dict | None = None,
     images: dict | None = None,
     shift: dict | None = None,
+    generator: dict | None = None,
 ) -> Path:
     """study/report.md: the tables a reader needs to judge every method against ce.
 
@@ -239,7 +276,8 @@ def write_report(
     and its choice} (pipeline/study/tuning.py). `images`: {mixed folder: generated images} when
     the study has methods on other mixed sets than csm's. `shift`: the paired comparisons
     under shift and on the OOD sets ({"shift": ..., "ood": ...}, pipeline/study/robustness.py); with
-    it, the records carry `shift` and `ood`."""
+    it, the records carry `shift` and `ood`. `generator`: the sampler cell chosen on val
+    (pipeline/study/cells.py choose_cell)."""
     others = cfg.seeds[: cfg.other_seeds]
     lines = [
         f"# Study: {root.name}",
@@ -275,6 +313,8 @@ def write_report(
     lines += _paired(paired)
     if tuning:
         lines += _tuning(tuning)
+    if generator:
+        lines += _generator(generator)
     if images:
         others = [m for m in summary if _paired_result(paired, "before_ts", "ece", m, "csm")]
         lines += _differences(

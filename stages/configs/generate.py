@@ -142,6 +142,9 @@ class Config(StageConfig):
     # classifier-free guidance w (1 = none); auto = the unet generator's recorded best w
     # (fit-generator chooses it by fidelity), 1 for the other backends without a preset value
     guidance: float | Literal["auto"] = "auto"
+    # DDIM's x̂₀ clipping (unet): auto = as fit-generator chose it with w, on | off override it
+    # (the study tunes the (w, clipping) cell on val: pipeline/study/cells.py)
+    clip_sample: str = recorded_off_default("auto")
     image_size: int = 0  # stored resolution; 0 = that of real/train
     mixing: Mixing = section(Mixing)
     shards: Shards = section(Shards)
@@ -170,6 +173,12 @@ class Config(StageConfig):
                     f"guidance={self.guidance!r} is not valid: a number w >= 0 or auto"
                 )
             check_range("guidance", self.guidance, 0.0)
+        check_choice("clip_sample", self.clip_sample, ["auto", "on", "off"])
+        if self.clip_sample != "auto" and self.backend != "unet":
+            raise ConfigError(
+                f"clip_sample={self.clip_sample}: only the unet backend's DDIM sampler has x̂₀ "
+                "clipping to set; leave it at auto"
+            )
         if not entry.guidance and self.guidance not in ("auto", 1.0):
             raise ConfigError(
                 f"guidance={self.guidance}: the {self.backend} backend has no classifier-free "

@@ -165,14 +165,21 @@ def guidance(cfg: Config, generator_info: dict[str, Any]) -> float:
     return float(generator_info.get("guidance", 1.0)) if cfg.backend == "unet" else 1.0
 
 
+def clip_sample(cfg: Config, generator_info: dict[str, Any]) -> bool | None:
+    """DDIM's x̂₀ clipping: clip_sample=on / off as given; auto = as fit-generator chose it with
+    w (None: the saved scheduler config's)."""
+    if cfg.clip_sample != "auto":
+        return cfg.clip_sample == "on"
+    return generator_info.get("clip_sample")
+
+
 def _unet_kwargs(cfg: Config, inputs: Inputs) -> dict[str, Any]:
     # the weights' sha256 (fit-generator's manifest, checked in check_inputs) is their revision
     return {
         "model": inputs.generator,
         "revision": inputs.generator_info.get("weights_sha256"),
         "guidance": inputs.guidance,
-        # x̂₀ clipping as fit-generator chose it with w (None: the saved scheduler config's)
-        "clip_sample": inputs.generator_info.get("clip_sample"),
+        "clip_sample": clip_sample(cfg, inputs.generator_info),
     }
 
 
