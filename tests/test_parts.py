@@ -4,8 +4,10 @@ train config's fields and checks derive from them, and the CLI takes both spelli
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -209,3 +211,9 @@ def test_an_encoders_parameters_are_its_own():
         resolve_stage_config("annotate", "digits", ["encoder.model=ViT-B-16"])
     every = {f.name for f in dataclasses.fields(resolve_stage_config("annotate", "digits"))}
     assert {"encoder_model", "encoder_pretrained", "encoder_cache", "encoder_run"} <= every
+
+
+def test_docs_compat_lists_every_loss_parameters_flat_name_and_path():
+    text = (Path(__file__).parents[1] / "docs" / "compat.md").read_text(encoding="utf-8")
+    rows = dict(re.findall(r"^\| `(\w+)` \| `(loss\.[\w.]+)`[^|]* \|$", text, re.M))
+    assert rows == train_config.LOSS.legacy
