@@ -269,9 +269,11 @@ class Section:
     def unnest(
         self, sets: Sequence[str], known: Mapping[str, Any], spell: Callable[[str], str]
     ) -> list[str]:
-        """--set values with this section's dotted keys spelt as fields: `loss.name` -> `loss`,
-        `loss.gamma` -> the picked loss's field of γ (`known`: the preset's values), and
-        `loss.focal.gamma` -> `focal_gamma`. Other values pass as they are."""
+        """--set values with this section's dotted keys spelt as fields: `method.name` ->
+        `method`, `method.alpha` -> the picked method's field of α (`known`: the preset's
+        values), and `method.fedlas-ls.alpha` -> `fedlas_ls_alpha`; a tree section's as paths
+        (`loss.gamma` -> `loss.focal.gamma` when focal is picked). Other values pass as they
+        are."""
         items = [(item.partition("=")[0].strip().replace("-", "_"), item) for item in sets]
         picked = str(known.get(self.name, known.get(f"{self.name}.{PICK}", self.default)))
         for key, item in items:

@@ -91,8 +91,8 @@ def short(cls: type, path: str) -> str:
 def shown(cls: type, path: str) -> str:
     """How --fields and the errors name a leaf: its path; a picking section's `name` leaf by
     the section's name (`loss`)."""
-    head = path.partition(".")[0]
-    return head if short(cls, path) == head else path
+    head, _, rest = path.partition(".")
+    return head if rest == PICK and picks(cls, head) else path
 
 
 def nested(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
