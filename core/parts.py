@@ -202,6 +202,8 @@ class Section:
         subsections = []
         for part in self.parts:
             key = part.replace("-", "_")
+            if key == PICK:
+                raise TypeError(f"a {self.name} named {part!r} would hide {self.name}.{PICK}")
             own = [d for d in self.derived.values() if d.parts[0] == part]
             if not own:  # ce: no parameters, no subsection
                 continue

@@ -217,3 +217,56 @@ def test_docs_compat_lists_every_loss_parameters_flat_name_and_path():
     text = (Path(__file__).parents[1] / "docs" / "compat.md").read_text(encoding="utf-8")
     rows = dict(re.findall(r"^\| `(\w+)` \| `(loss\.[\w.]+)`[^|]* \|$", text, re.M))
     assert rows == train_config.LOSS.legacy
+
+
+@dataclass(frozen=True)
+class _Shared(Params):
+    scale: float = param(1.0, low=0.0, doc="how much")
+
+
+_TOYS = Section(
+    "loss",
+    {
+        "toy": LossEntry(_Toy, None, "toy"),
+        "toy-too": LossEntry(_Shared, None, "toy"),  # its scale is toy's field, toy_scale
+        "none": LossEntry(Params, None, "none"),
+    },
+)
+_ToyLoss = _TOYS.tree("toy")  # module level: the config's annotation names it
+
+
+def test_a_tree_section_holds_each_parameter_once_and_records_it_by_its_flat_name():
+    """Section.tree on a made-up config: a subsection per part with parameters, a parameter two
+    parts share one leaf (at the first), its checks naming the path, `loss=` its `name` leaf,
+    config.json's flat names, and a part that would hide `name` refused."""
+
+    @dataclass(frozen=True)
+    class Config(StageConfig):
+        LEGACY = _TOYS.legacy
+        SECTIONS = (_TOYS,)
+        loss: _ToyLoss = dataclasses.field(default_factory=_ToyLoss)
+
+    assert [f.name for f in dataclasses.fields(_ToyLoss)] == ["name", "toy"]  # none: no section
+    assert _TOYS.legacy == {"toy_scale": "loss.toy.scale", "toy_mode": "loss.toy.mode"}
+
+    class Presets:
+        def lookup(self, preset):
+            return preset, {}
+
+    cfg = resolve(Config, Presets(), "p", ["loss=toy-too", "loss.scale=3"])
+    assert (cfg.loss.name, cfg.loss.toy.scale, cfg.loss.params()) == (
+        "toy-too",
+        3.0,
+        {"scale": 3.0},
+    )
+    assert cfg.recorded() == {
+        **StageConfig(preset="p").recorded(),
+        "loss": "toy-too",
+        "toy_scale": 3.0,
+    }
+    with pytest.raises(ConfigError, match=r"^loss\.toy\.scale=-1\.0 is out of range"):
+        resolve(Config, Presets(), "p", ["loss.toy-too.scale=-1"])
+    with pytest.raises(ConfigError, match=r"^loss='nope' is not valid"):
+        resolve(Config, Presets(), "p", ["loss=nope"])
+    with pytest.raises(TypeError, match="would hide loss.name"):
+        Section("loss", {"name": LossEntry(_Shared, None, "x")}).tree("name")
