@@ -191,13 +191,14 @@ class Section:
 
         return insert
 
-    def tree(self, default: str, doc: str = "") -> type:
+    def tree(self, default: str, module: str, doc: str = "") -> type:
         """The section class a config holds this section in (train's `loss`): `name` picks the
         part (its docs `doc`; set as `loss=focal`, recorded as `loss`: core.tree.PICK), then a
         subsection per part, the part's name with `_` for `-`, holding the parameters it
         declares first (`loss.focal.gamma`): a parameter that several parts share (mmce's λ) is
         one leaf, at its first part. Building one runs every part's checks. `legacy` gets
-        {flat field: path} (config.json's names)."""
+        {flat field: path} (config.json's names). `module` assigns the class to its name, the
+        section's titled (`Loss`), so a config pickles (its subsections: `Loss.Csm`)."""
         self.default, section = default, self
         subsections = []
         for part in self.parts:
@@ -225,7 +226,10 @@ class Section:
         cls = dataclasses.make_dataclass(
             self.name.title(), [name, *subsections], frozen=True, namespace=namespace
         )
-        cls.__doc__ = self.heading or self.name
+        cls.__doc__, cls.__module__ = self.heading or self.name, module
+        for _, sub, _ in subsections:
+            sub.__module__, sub.__qualname__ = module, f"{cls.__name__}.{sub.__name__}"
+            setattr(cls, sub.__name__, sub)
         return cls
 
     def _leaf(self, d: Derived) -> dataclasses.Field:

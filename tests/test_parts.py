@@ -4,6 +4,7 @@ train config's fields and checks derive from them, and the CLI takes both spelli
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import re
 import warnings
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ def test_a_flat_loss_name_sets_its_leaf_and_says_its_path_once():
         warnings.simplefilter("always")
         cfg = resolve_stage_config("train", "digits", ["loss=csm", "csm_weight=2", "csm_weight=3"])
     assert cfg.loss.csm.weight == 3.0 and cfg.recorded()["csm_weight"] == 3.0
+    assert pickle.loads(pickle.dumps(cfg)) == cfg  # the derived section classes have a home
     assert [str(w.message) for w in said if w.category is RenamedField] == [
         "csm_weight is now loss.csm.weight"
     ]  # and never `loss is now loss.name`: the section's name picks the loss
@@ -232,7 +234,7 @@ _TOYS = Section(
         "none": LossEntry(Params, None, "none"),
     },
 )
-_ToyLoss = _TOYS.tree("toy")  # module level: the config's annotation names it
+Loss = _TOYS.tree("toy", __name__)  # module level: the config's annotation names it
 
 
 def test_a_tree_section_holds_each_parameter_once_and_records_it_by_its_flat_name():
@@ -244,9 +246,9 @@ def test_a_tree_section_holds_each_parameter_once_and_records_it_by_its_flat_nam
     class Config(StageConfig):
         LEGACY = _TOYS.legacy
         SECTIONS = (_TOYS,)
-        loss: _ToyLoss = dataclasses.field(default_factory=_ToyLoss)
+        loss: Loss = dataclasses.field(default_factory=Loss)
 
-    assert [f.name for f in dataclasses.fields(_ToyLoss)] == ["name", "toy"]  # none: no section
+    assert [f.name for f in dataclasses.fields(Loss)] == ["name", "toy"]  # none: no section
     assert _TOYS.legacy == {"toy_scale": "loss.toy.scale", "toy_mode": "loss.toy.mode"}
 
     class Presets:
@@ -269,4 +271,4 @@ def test_a_tree_section_holds_each_parameter_once_and_records_it_by_its_flat_nam
     with pytest.raises(ConfigError, match=r"^loss='nope' is not valid"):
         resolve(Config, Presets(), "p", ["loss=nope"])
     with pytest.raises(TypeError, match="would hide loss.name"):
-        Section("loss", {"name": LossEntry(_Shared, None, "x")}).tree("name")
+        Section("loss", {"name": LossEntry(_Shared, None, "x")}).tree("name", __name__)

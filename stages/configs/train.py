@@ -33,7 +33,7 @@ LOSS = Section(
     "loss", OBJECTIVES, heading="the objective and its parameters (docs/methods.md §3-6)"
 )
 # the config's `loss` section; its parameters' flat names join the stage's LEGACY
-Loss = LOSS.tree("ce", doc="the objective; its parameters: loss.<param>=value")
+Loss = LOSS.tree("ce", __name__, doc="the objective; its parameters: loss.<param>=value")
 # the classifier loop's precisions (core/precision.py): no fp16, whose gradients need a scaler
 PRECISIONS = ("auto", "fp32", "bf16")
 
