@@ -115,7 +115,7 @@ def test_a_preset_from_your_own_module_extends_one_and_resolves_through_the_cli(
     assert "digits-quick" in semix(plugins, "toy_preset", "--help").stdout
     both = semix(plugins, "toy_loss,toy_preset", "train", "--preset", "digits-quick",
                  "--set", "loss.name=scaled-ce", "--print-config")  # fmt: skip
-    assert json.loads(both.stdout)["loss"] == "scaled-ce"
+    assert json.loads(both.stdout)["loss"]["name"] == "scaled-ce"
     assert semix_sources() == before
 
 
