@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
-from core.tree import Tree, get, is_section, items, leaves, spelt
+from core.tree import Tree, get, is_section, items, leaves, short, shown, spelt
 
 # The preset names, as stages/presets registers them when it is imported: core sits below the
 # presets and names none. For the layers below the stages, which cannot import them
@@ -102,14 +102,12 @@ class StageConfig(metaclass=Tree):
         """Every leaf under the name config.json records it by (what the trackers are given,
         so a tracked run's hyperparameters read as its config.json); config.json holds
         `recorded()`, which leaves some out."""
-        flat = {path: name for name, path in type(self).LEGACY.items()}
-        return {flat.get(path, path): _jsonable(value) for path, value in items(self)}
+        return {short(type(self), path): _jsonable(value) for path, value in items(self)}
 
     def recorded(self) -> dict[str, Any]:
         """What the stage writes as its config.json: the leaves as their metadata says, each
         under its legacy flat name (`LEGACY`), so every config.json keeps its bytes."""
         rows = {leaf.path: leaf for leaf in leaves(type(self))}
-        flat = {path: name for name, path in type(self).LEGACY.items()}
 
         def kept(path: str) -> bool:
             f = rows[path].field
@@ -119,7 +117,7 @@ class StageConfig(metaclass=Tree):
             off = rule == OFF_DEFAULT and get(self, path) == _default(f)
             return rule != SKIP and not off
 
-        return {flat.get(p, p): _jsonable(get(self, p)) for p in rows if kept(p)}
+        return {short(type(self), p): _jsonable(get(self, p)) for p in rows if kept(p)}
 
 
 def every_field(config: Any) -> dict[str, Any]:
@@ -243,7 +241,7 @@ def parse_sets(
         path = spelt(config_cls, key)
         if path not in valid:
             raise ConfigError(_unknown_field(config_cls, key, valid, spell))
-        if path != key:
+        if key in getattr(config_cls, "LEGACY", {}):
             renamed(key, spell(key), spell(path))
         values[path] = _coerce(spell(path), text, hints[path])
     return values
@@ -271,8 +269,11 @@ def _unknown_field(
     """A misspelt key gets the field it was likely meant for (its path, when it is near a flat
     name), not a list of every field (train has 52); with no close one, the list is the help
     there is."""
-    names = [*valid, *getattr(config_cls, "LEGACY", {})]
-    guess = did_you_mean(key, names, lambda k: spell(spelt(config_cls, k)))
+    names = [
+        *dict.fromkeys(shown(config_cls, p) for p in valid),
+        *getattr(config_cls, "LEGACY", {}),
+    ]
+    guess = did_you_mean(key, names, lambda k: spell(shown(config_cls, spelt(config_cls, k))))
     if guess:
         return f"unknown field {spell(key)!r}; {guess}(--fields lists all {len(valid)})"
     return f"unknown field {spell(key)!r}; valid fields: {', '.join(map(spell, valid))}"
@@ -474,11 +475,11 @@ def describe_fields(
         if "." in leaf.path and head not in heads:  # a section's first leaf: its heading
             heads.add(head)
             heading = " ".join(x for x in (_section_doc(leaf.owner, head), heading) if x)
-        name, default = leaf.path, _default(leaf.field)
+        name, default, named = leaf.path, _default(leaf.field), shown(config_cls, leaf.path)
         own = [set_value(chosen[name])] if name in chosen and chosen[name] != default else []
         own += [f"{set_value(v[name])} when {c}" for c, v in when.items() if name in v]
-        doc = _with_choices(doc, choices.get(name, ()))
-        rows.append((spell(name), set_value(default), "; ".join(own), doc, heading or None))
+        doc = _with_choices(doc, choices.get(named, ()))
+        rows.append((spell(named), set_value(default), "; ".join(own), doc, heading or None))
     header = ("field", "default", label, "description", None)
     # columns: name, default, the preset's value (only when some field has one), description
     columns = (0, 1, 2) if any(r[2] for r in rows) else (0, 1)

@@ -7,14 +7,17 @@ one line whoever builds it: the stage config, a test, a user's own code.
 
 A stage config holds a section per kind of part (`Section`): train has `loss`, whose parts are
 the losses' registry (models/objectives.OBJECTIVES), generate has `backend`, the generator
-backends' (models/generators/registry.GENERATORS). The section derives the config's fields from
-the parts' parameters, so adding a loss or a backend adds its fields, checks, `--fields` rows and
-`--set` spellings with no table to edit. The fields are flat, `<prefix>_<param>` (`focal_gamma`), because
-that is what config.json has recorded since the first run: a run's identity keeps its bytes.
-On the command line a section also takes `loss.name=focal loss.gamma=2` (the parameter of the
-loss the config picks: its last --set, else the preset's, else the default) and
-`loss.focal.gamma=2` (a named loss's, whichever is picked); core.config.parse_sets asks the
-config class's `SECTIONS` to spell those as fields.
+backends' (models/generators/registry.GENERATORS). The section derives the config's leaves from
+the parts' parameters, so adding a loss or a backend adds its leaves, checks, `--fields` rows
+and `--set` spellings with no table to edit. Train's `loss` is a section of the config tree
+(`Section.tree`): `cfg.loss.name`, then one subsection per loss, `cfg.loss.focal.gamma`. The
+other stages' parts still give flat fields (`Section.fields`). Either way config.json records a
+parameter under its flat name, `<prefix>_<param>` (`focal_gamma`), as it has since the first
+run: a run's identity keeps its bytes.
+On the command line a section also takes `loss.gamma=2` (the parameter of the loss the config
+picks: its last --set, else the preset's, else the default) and `loss.focal.gamma=2` (a named
+loss's, whichever is picked); core.config.parse_sets asks the config class's `SECTIONS` to
+spell those.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from core.config import IDENTITY, OFF_DEFAULT, ConfigError, check_choice, check_range, did_you_mean
+from core.tree import PICK, get
 
 
 def param(
@@ -133,6 +137,7 @@ class Section:
         self.default: Any = None  # the config's default part (`fields` reads it)
         self.parts: dict[str, Part] = dict(parts)
         self.derived: dict[str, Derived] = {}
+        self.legacy: dict[str, str] = {}  # a tree section's {flat field: path} (`tree`)
         for part, entry in self.parts.items():
             for f in dataclasses.fields(entry.params):
                 name_ = f.metadata.get("field") or f"{entry.prefix}_{f.name}"
@@ -175,11 +180,9 @@ class Section:
                 if key == after:
                     annotations.update({d.name: d.hint for d in self.derived.values()})
             for i, d in enumerate(self.derived.values()):
-                meta = dict(d.field.metadata, part=self.name, parts=d.parts)
-                section = self.heading if i == 0 and self.heading else meta["section"]
-                meta["comment"] = (meta["doc"], section)  # what --fields shows (core.config)
-                if not any(self.parts[p].every_run for p in d.parts):
-                    meta.setdefault(IDENTITY, OFF_DEFAULT)
+                meta = self._meta(d)
+                if i == 0 and self.heading:  # the section's heading above its first field
+                    meta["comment"] = (meta["doc"], self.heading)
                 setattr(cls, d.name, dataclasses.field(default=d.field.default, metadata=meta))
             cls.__annotations__ = annotations
             self.default = cls.__dict__.get(self.name)
@@ -187,6 +190,74 @@ class Section:
             return cls
 
         return insert
+
+    def tree(self, default: str, module: str, doc: str = "") -> type:
+        """The section class a config holds this section in (train's `loss`): `name` picks the
+        part (its docs `doc`; set as `loss=focal`, recorded as `loss`: core.tree.PICK), then a
+        subsection per part, the part's name with `_` for `-`, holding the parameters it
+        declares first (`loss.focal.gamma`): a parameter that several parts share (mmce's λ) is
+        one leaf, at its first part. Building one runs every part's checks. `legacy` gets
+        {flat field: path} (config.json's names). `module` assigns the class to its name, the
+        section's titled (`Loss`), so a config pickles (its subsections: `Loss.Csm`)."""
+        self.default, section = default, self
+        subsections = []
+        for part in self.parts:
+            key = part.replace("-", "_")
+            if key == PICK:
+                raise TypeError(f"a {self.name} named {part!r} would hide {self.name}.{PICK}")
+            own = [d for d in self.derived.values() if d.parts[0] == part]
+            if not own:  # ce: no parameters, no subsection
+                continue
+            self.legacy |= {d.name: f"{self.name}.{key}.{d.param}" for d in own}
+            leaves = [(d.param, d.hint, self._leaf(d)) for d in own]
+            sub = dataclasses.make_dataclass(key.title().replace("_", ""), leaves, frozen=True)
+            sub.__doc__ = f"{self.name}={part}'s parameters"
+            subsections.append((key, sub, dataclasses.field(default_factory=sub)))
+
+        def __post_init__(picked: Any) -> None:
+            section.check_tree(picked)
+
+        def params(picked: Any, data: bool = False) -> dict[str, Any]:
+            """The picked part's parameters {param: value} (`data=False`: what its builder takes)."""
+            return {p: get(picked, path) for p, path in section.paths_of(picked.name, data).items()}
+
+        name = (PICK, str, dataclasses.field(default=default, metadata={"comment": (doc, "")}))
+        namespace = {"__post_init__": __post_init__, "params": params, "PARTS": self.parts}
+        cls = dataclasses.make_dataclass(
+            self.name.title(), [name, *subsections], frozen=True, namespace=namespace
+        )
+        cls.__doc__, cls.__module__ = self.heading or self.name, module
+        for _, sub, _ in subsections:
+            sub.__module__, sub.__qualname__ = module, f"{cls.__name__}.{sub.__name__}"
+            setattr(cls, sub.__name__, sub)
+        return cls
+
+    def _leaf(self, d: Derived) -> dataclasses.Field:
+        return dataclasses.field(default=d.field.default, metadata=self._meta(d))
+
+    def _meta(self, d: Derived) -> dict[str, Any]:
+        """A derived leaf's metadata: its part's, what --fields shows, its rule in config.json."""
+        meta = dict(d.field.metadata, part=self.name, parts=d.parts)
+        meta["comment"] = (meta["doc"], meta["section"])  # what --fields shows (core.config)
+        if not any(self.parts[p].every_run for p in d.parts):
+            meta.setdefault(IDENTITY, OFF_DEFAULT)
+        return meta
+
+    def paths_of(self, part: str, data: bool = True) -> dict[str, str]:
+        """{param: path in the tree section} of a part (`data=False`: what its builder takes)."""
+        prefix = f"{self.name}."
+        return {
+            p: self.legacy[f].removeprefix(prefix) for p, f in self.fields_of(part, data).items()
+        }
+
+    def check_tree(self, section: Any) -> None:
+        """The tree section's checks: its `name` one of the parts, every part's parameters as
+        their dataclasses declare, each named by its path."""
+        check_choice(self.name, section.name, self.names)
+        for part, entry in self.parts.items():
+            paths = self.paths_of(part)
+            values = {p: get(section, path) for p, path in paths.items()}
+            check_params(entry.params, values, lambda p, paths=paths: f"{self.name}.{paths[p]}")
 
     def check(self, config: Any) -> None:
         """Every part's parameters, each named as its config field (the config checks its own
@@ -204,11 +275,13 @@ class Section:
     def unnest(
         self, sets: Sequence[str], known: Mapping[str, Any], spell: Callable[[str], str]
     ) -> list[str]:
-        """--set values with this section's dotted keys spelt as fields: `loss.name` -> `loss`,
-        `loss.gamma` -> the picked loss's field of γ (`known`: the preset's values), and
-        `loss.focal.gamma` -> `focal_gamma`. Other values pass as they are."""
+        """--set values with this section's dotted keys spelt as fields: `method.name` ->
+        `method`, `method.alpha` -> the picked method's field of α (`known`: the preset's
+        values), and `method.fedlas-ls.alpha` -> `fedlas_ls_alpha`; a tree section's as paths
+        (`loss.gamma` -> `loss.focal.gamma` when focal is picked). Other values pass as they
+        are."""
         items = [(item.partition("=")[0].strip().replace("-", "_"), item) for item in sets]
-        picked = str(known.get(self.name, self.default))
+        picked = str(known.get(self.name, known.get(f"{self.name}.{PICK}", self.default)))
         for key, item in items:
             if key in (self.name, f"{self.name}.name"):
                 picked = item.partition("=")[2]
@@ -216,13 +289,14 @@ class Section:
         for key, item in items:
             head, dot, rest = key.partition(".")
             if head == self.name and dot and "=" in item:
-                item = f"{self._field(rest, picked, spell)}={item.partition('=')[2]}"
+                field = self._field(rest, picked, spell)
+                item = f"{self.legacy.get(field, field)}={item.partition('=')[2]}"
             spelt.append(item)
         return spelt
 
     def _field(self, rest: str, picked: str, spell: Callable[[str], str]) -> str:
-        if rest == "name":
-            return self.name
+        if rest == PICK:
+            return f"{self.name}.{PICK}" if self.legacy else self.name
         part, dot, p = rest.rpartition(".")
         by_key = {name.replace("-", "_"): name for name in self.parts}
         part = by_key.get(part, part) if dot else picked

@@ -5,6 +5,10 @@ table in stages/configs/legacy.py) maps the flat names older runs recorded and o
 lines spelt onto the paths. Building a config takes paths and flat names alike (the metaclass
 `Tree` spells them as sections), so `Config(lr=0.05)`, `Config(**{"optim.lr": 0.05})` and
 `dataclasses.replace(cfg, lr=0.05)` give the same config.
+
+A section that picks one of several parts (train's `loss`: core.parts.Section.tree) has a leaf
+`name` saying which, and the section's own name stands for that leaf: `loss=csm` sets
+`loss.name`, and config.json records it as `loss`.
 """
 
 from __future__ import annotations
@@ -59,9 +63,36 @@ def get(obj: Any, path: str) -> Any:
     return obj
 
 
+PICK = "name"  # the leaf of a section that picks a part (`loss.name`)
+
+
+def picks(cls: type, name: str) -> bool:
+    """Whether the field `name` of `cls` is a section that picks a part (it has `PARTS`)."""
+    hint = _hints(cls).get(name)
+    return is_section(hint) and getattr(hint, "PARTS", None) is not None
+
+
 def spelt(cls: type, key: str) -> str:
-    """The path a key names: a path as it is, a legacy flat name as its path."""
-    return getattr(cls, "LEGACY", {}).get(key, key)
+    """The path a key names: a path as it is, a legacy flat name as its path, a picking
+    section's name as its `name` leaf."""
+    path = getattr(cls, "LEGACY", {}).get(key, key)
+    return f"{key}.{PICK}" if path == key and picks(cls, key) else path
+
+
+def short(cls: type, path: str) -> str:
+    """The name a path is shown and recorded by: its legacy flat name, a picking section's `name`
+    leaf as the section's name, else the path."""
+    head, _, rest = path.partition(".")
+    if rest == PICK and picks(cls, head):
+        return head
+    return {p: name for name, p in getattr(cls, "LEGACY", {}).items()}.get(path, path)
+
+
+def shown(cls: type, path: str) -> str:
+    """How --fields and the errors name a leaf: its path; a picking section's `name` leaf by
+    the section's name (`loss`)."""
+    head, _, rest = path.partition(".")
+    return head if rest == PICK and picks(cls, head) else path
 
 
 def nested(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
@@ -71,7 +102,8 @@ def nested(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
     inner: dict[str, dict[str, Any]] = {}
     names = {f.name: f for f in dataclasses.fields(cls)}
     for key, value in values.items():
-        head, dot, rest = spelt(cls, key).partition(".")
+        path = key if is_section(type(value)) else spelt(cls, key)  # a section's value as given
+        head, dot, rest = path.partition(".")
         if dot and head in names and is_section(_hints(cls)[head]):
             inner.setdefault(head, {})[rest] = value
         else:

@@ -323,12 +323,14 @@ class LossEntry:
     from it: core/parts.py), and `build(params, num_classes, generator, num_samples)`, its
     objective (`generator`: initial draws such as FeDLaS' gate; `num_samples`: the training set's
     size, for per-sample statistics). `prefix`: its fields' `<prefix>_<param>`; `every_run`:
-    see core.parts.Part."""
+    see core.parts.Part; `objective`: the class `build` returns, whose class-level `needs_mixed`
+    and `mixes_rows` say how the stage loads the data before any objective is built."""
 
     params: type[Params]
     build: Build
     prefix: str
     every_run: bool = False
+    objective: type[Objective] = Objective
 
 
 def criterion(loss: type[nn.Module]) -> Build:
@@ -350,24 +352,38 @@ def _fedlas(variant: str) -> Build:
 # defaults, so no run recorded before changes its identity. Parameters: docs/train.md.
 OBJECTIVES: dict[str, LossEntry] = {
     **{
-        name: LossEntry(cls.Params, criterion(cls), getattr(cls, "prefix", name), True)
+        name: LossEntry(
+            cls.Params, criterion(cls), getattr(cls, "prefix", name), True, CriterionObjective
+        )
         for name, cls in LOSSES.items()
     },
-    "mixup": LossEntry(MixupObjective.Params, lambda p, *_: MixupObjective(p), "mixup", True),
-    "csm": LossEntry(CSMObjective.Params, lambda p, *_: CSMObjective(p), "csm", True),
-    "fedlas-ls": LossEntry(FeDLaSLS, _fedlas("ls"), "fedlas_ls", True),
-    "fedlas-mbls": LossEntry(FeDLaSMbLS, _fedlas("mbls"), "fedlas_mbls", True),
+    "mixup": LossEntry(
+        MixupObjective.Params, lambda p, *_: MixupObjective(p), "mixup", True, MixupObjective
+    ),
+    "csm": LossEntry(CSMObjective.Params, lambda p, *_: CSMObjective(p), "csm", True, CSMObjective),
+    "fedlas-ls": LossEntry(FeDLaSLS, _fedlas("ls"), "fedlas_ls", True, FeDLaSObjective),
+    "fedlas-mbls": LossEntry(FeDLaSMbLS, _fedlas("mbls"), "fedlas_mbls", True, FeDLaSObjective),
 }
 
 
-def register_loss(name: str, params: type[Params], build: Build, prefix: str = "") -> None:
+def register_loss(
+    name: str,
+    params: type[Params],
+    build: Build,
+    prefix: str = "",
+    objective: type[Objective] = Objective,
+) -> None:
     """Add a train loss from your own module (docs/contributing.md): `loss=<name>` then trains
-    with it, its parameters are train fields `<prefix>_<param>` (prefix: the name, `-` as `_`)
-    and `loss.<param>=` sets them. Register when your module is imported, which SEMIX_PLUGINS
-    does before any config is built (pipeline/plugins.py)."""
+    with it, `loss.<param>=` sets its parameters (leaves `loss.<name>.<param>`, `-` as `_`;
+    config.json records them as `<prefix>_<param>`, prefix: the name, `-` as `_`), and
+    `objective` is the class `build` returns (its `needs_mixed`: it reads mixed/'s images, the
+    batch's `x_syn` and `t_syn`; its `mixes_rows`: see Objective).
+    Register when your module is imported, which SEMIX_PLUGINS does before any config is built
+    (pipeline/plugins.py)."""
     if name in OBJECTIVES:
         raise ValueError(f"loss {name!r} is registered already")
-    OBJECTIVES[name] = LossEntry(params, build, prefix or name.replace("-", "_"))
+    prefix = prefix or name.replace("-", "_")
+    OBJECTIVES[name] = LossEntry(params, build, prefix, objective=objective)
 
 
 def build_objective(

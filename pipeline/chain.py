@@ -19,7 +19,7 @@ from typing import Any
 
 from core.config import ConfigError, StageConfig, describe_fields, every_field, parse_sets
 from core.logs import log
-from core.tree import leaves, spelt
+from core.tree import leaves, shown, spelt
 from pipeline.registry import STAGES, check_out, config_module, resolve_stage_config, run_stage
 from shards.manifest import is_complete
 from stages.presets import chain_steps
@@ -28,14 +28,16 @@ SHARED_FIELDS = ("out", "name", "seed", "classes_file", "verify_sha256")
 
 
 def field_names(stage: str) -> list[str]:
-    """Every leaf path of `stage`'s config tree and every flat name it still takes."""
+    """Every leaf path of `stage`'s config tree (`loss` for loss.name: core.tree.shown) and every
+    flat name it still takes."""
     config = config_module(stage).Config
-    return [*(leaf.path for leaf in leaves(config)), *config.LEGACY]
+    return [*(shown(config, leaf.path) for leaf in leaves(config)), *config.LEGACY]
 
 
 def _path(stage: str, name: str) -> str:
-    """The leaf path a field name of `stage` spells (a flat name: its path)."""
-    return spelt(config_module(stage).Config, name)
+    """The leaf path a field name of `stage` spells (a flat name: its path), as --set takes it."""
+    config = config_module(stage).Config
+    return shown(config, spelt(config, name))
 
 
 def scoped(stage: str) -> Callable[[str], str]:

@@ -35,7 +35,7 @@ from core.logs import log
 from core.runtime import code_version, derive_seed, make_generator
 from models.annotation import soft_targets
 from models.classifiers import build_classifier
-from models.objectives import TrainingModule, build_objective
+from models.objectives import OBJECTIVES, TrainingModule, build_objective
 from models.simplex import softmax_targets
 from models.training import SeriesIndex, interior_positions, multistep_lr
 from shards.budget import train_run_images
@@ -75,11 +75,11 @@ def load_mixed(cfg: Config, train: RealSplit, path: DataPathChoice, device: torc
     # else the stored soft; the "ratio" ablation trains on the generation weights themselves
     # (t_a = α; k-way: t = w), no re-annotation
     kway = table.mix_classes > 2
-    if cfg.csm_targets == "ratio":
+    if cfg.loss.csm.targets == "ratio":
         soft = table.alpha
-    elif cfg.csm_sharpening:
+    elif cfg.loss.csm.sharpening:
         sharpen = softmax_targets if kway else soft_targets
-        soft = sharpen(table.lambda_hat, cfg.csm_sharpening)
+        soft = sharpen(table.lambda_hat, cfg.loss.csm.sharpening)
     else:
         soft = table.soft
     log.info(
@@ -157,8 +157,8 @@ def run_stack(cfgs: Sequence[Config]) -> list[Path]:
     runs = [TrainingRun.open(c, "train", c.run, OTHER_RUN) for c in cfgs]
     cfg = cfgs[0]
     classes = read_manifest(cfg.root / "real" / "train").class_names
-    probe = build_objective(cfg.loss, len(classes), torch.Generator(), **cfg.loss_params())
-    needs_mixed = probe.needs_mixed
+    objective = OBJECTIVES[cfg.loss.name].objective  # how it reads the data, before one is built
+    needs_mixed = objective.needs_mixed
     made_from = upstream(cfg, needs_mixed)
     pending = [(c, r) for c, r in zip(cfgs, runs, strict=True) if not r.complete(made_from)]
     if not pending:
@@ -181,7 +181,7 @@ def run_stack(cfgs: Sequence[Config]) -> list[Path]:
     mean, std = datapath.statistics(train, cfg.in_channels, cfg)  # normalisation: real/train
     val = datapath.sequential(val, cfg.eval_batch_size, cfg)
     series = mixed.images if mixed else None
-    pixels = datapath.pixel_source(train, series, probe.mixes_rows, accelerator, cfg)
+    pixels = datapath.pixel_source(train, series, objective.mixes_rows, accelerator, cfg)
     data = Data(train, val, mean, std, train.image_size, mixed, pixels)
 
     # 3.-4. Each run's model and optimizer, then their epochs in turn.
@@ -229,11 +229,11 @@ def _member(
         torch.manual_seed(derive_seed(cfg.seed, "train", "init"))
         model = build_classifier(cfg.model, classes, cfg.in_channels, pretrained=cfg.pretrained)
     objective = build_objective(
-        cfg.loss,
+        cfg.loss.name,
         classes,
         generator=make_generator(cfg.seed, "train", "objective-init"),
         num_samples=len(data.train),
-        **cfg.loss_params(),
+        **cfg.loss.params(),
     )
     # channels_last: oneDNN's fast layout for convolutions on CPU as on GPU (bench/RESULTS.md)
     module = TrainingModule(model, objective).to(run.device, memory_format=torch.channels_last)
@@ -246,7 +246,7 @@ def _member(
     accelerator = run.accelerator
     log.info(
         "train %s: %s, loss %s, %d train / %d val images, %d process(es) on %s%s",
-        *(cfg.run, cfg.model, cfg.loss, len(data.train), len(data.val)),
+        *(cfg.run, cfg.model, cfg.loss.name, len(data.train), len(data.val)),
         *(accelerator.num_processes, run.device),
         ", bf16" if accelerator.mixed_precision == "bf16" else "",
     )
@@ -293,13 +293,13 @@ def _write(
         "image_size": data.image_size,
         "normalize": {"mean": data.mean, "std": data.std},
         "run": cfg.run,
-        "loss": cfg.loss,
+        "loss": cfg.loss.name,
         "best_epoch": state.best_epoch,
         "best_val_acc": state.best_val_acc,
         "code_version": code_version(),
     }
     metrics = run.final_metrics(result, path, m.section)  # host.json too
-    plots = [run.curves(state.history, f"{cfg.run} ({cfg.loss})")]
+    plots = [run.curves(state.history, f"{cfg.run} ({cfg.loss.name})")]
     write_run(run.folder, result.weights, meta, metrics, plots, made_from)
     log.info(
         "train %s: best epoch %d of %d, val acc %.2f %% -> %s",
@@ -313,9 +313,9 @@ def _section(cfg: Config, state: LoopState, finished: bool, budget: int | None) 
     labelled real/train images behind it (shards/budget.py)."""
     return {
         "run": cfg.run,
-        "loss": cfg.loss,
+        "loss": cfg.loss.name,
         "model": cfg.model,
-        "loss_params": cfg.loss_params(),
+        "loss_params": cfg.loss.params(),
         "epochs": cfg.epochs,
         "best_epoch": state.best_epoch,
         "best_val_acc": state.best_val_acc,

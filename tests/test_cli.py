@@ -25,6 +25,7 @@ import pipeline.demo
 import pipeline.study
 import pipeline.study.command
 from core.config import field_docs
+from core.tree import leaves
 from pipeline.chain import scope_fields
 from pipeline.cli import main
 from pipeline.registry import resolve_stage_config
@@ -67,9 +68,12 @@ def test_fields_show_default_preset_value_and_the_source_description(capsys):
     names = {f.name for f in dataclasses.fields(Config)}
     comments = _trailing_comments(REPO / "stages" / "configs" / "train.py", names)
     comments |= _trailing_comments(REPO / "core" / "config.py", names - set(comments))
-    # the losses' parameters say theirs where they are declared (`param(doc=...)`, core/parts.py)
-    fields = dataclasses.fields(Config)
-    comments |= {f.name: f.metadata["doc"] for f in fields if f.metadata.get("doc")}
+    # the losses' parameters say theirs where they are declared (`param(doc=...)`, core/parts.py),
+    # each row named by its leaf's path (loss.csm.weight)
+    loss = [leaf for leaf in leaves(Config) if leaf.path.startswith("loss.")]
+    comments |= {
+        leaf.path: leaf.field.metadata["doc"] for leaf in loss if leaf.field.metadata.get("doc")
+    }
     assert len(comments) > 20  # the regex found the comments it should
     for name, comment in comments.items():
         assert comment in _row(out, name), name
@@ -131,7 +135,8 @@ def test_chain_print_config_resolves_every_step(tmp_path, capsys):
     assert main(["chain", "--print-config", *loss, "train.loss=csm"]) == 0
     by_stage = {s["stage"]: s["config"] for s in json.loads(capsys.readouterr().out)["chain"]}
     assert by_stage["generate"]["mixing"]["limit"] == 4
-    assert by_stage["train"]["csm_weight"] == 2.0
+    assert by_stage["train"]["loss"]["name"] == "csm"
+    assert by_stage["train"]["loss"]["csm"]["weight"] == 2.0  # the tree, as code reads it
 
 
 def test_demo_and_study_commands_reach_their_code(monkeypatch):

@@ -15,7 +15,7 @@ import sys
 import pytest
 from conftest import REPO, subprocess_env
 
-from core.tree import leaves
+from core.tree import leaves, shown
 from pipeline.cli import COMMANDS, STAGES, main
 from pipeline.registry import config_module
 from stages.presets import NAMES as PRESET_NAMES
@@ -42,7 +42,7 @@ def section(text: str, title: str) -> list[str]:
 
 
 def test_train_help_shows_purpose_fields_choices_presets_and_examples(capsys):
-    from stages.configs.train import LOSS_FIELDS, Config
+    from stages.configs.train import LOSS, Config
 
     assert main(["train", "--help"]) == 0
     out = capsys.readouterr().out
@@ -56,7 +56,7 @@ def test_train_help_shows_purpose_fields_choices_presets_and_examples(capsys):
     own = section(out, "train's fields")
     shared = section(out, "fields every stage shares")
     rows = [line.split()[0] for line in own + shared if not line.startswith("  --")]
-    names = sorted(leaf.path for leaf in leaves(Config) if leaf.path != "preset")
+    names = sorted(shown(Config, leaf.path) for leaf in leaves(Config) if leaf.path != "preset")
     assert sorted(r for r in rows if r != "field") == names
     assert {"out", "seed", "verify_sha256"} <= {line.split()[0] for line in shared}
     assert (
@@ -64,7 +64,7 @@ def test_train_help_shows_purpose_fields_choices_presets_and_examples(capsys):
     )  # the source's section comments head the groups
     # the losses are choices the config checks: the loss row lists every one
     (loss_row,) = [line for line in own if line.split()[0] == "loss"]
-    assert all(loss in loss_row for loss in LOSS_FIELDS)
+    assert all(loss in loss_row for loss in LOSS.names)
 
 
 def test_help_names_the_samplers_of_the_backend_the_preset_uses(capsys):

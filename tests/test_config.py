@@ -104,13 +104,13 @@ def test_generators_from_the_same_key_draw_the_same_numbers():
 
 def test_train_mmce_normalization_reaches_the_objective_and_config_json_only_off_default():
     cfg = resolve_stage_config("train", "digits", ["loss=mmce_weighted"])
-    assert cfg.loss_params() == {"lam": 2.0, "normalization": "paper"}
+    assert cfg.loss.params() == {"lam": 2.0, "normalization": "paper"}
     assert "mmce_normalization" not in cfg.recorded()  # a default run's config.json keeps its bytes
     sets = ["loss=mmce_weighted", "mmce_normalization=focal_calibration"]
     cfg = resolve_stage_config("train", "digits", sets)
-    assert cfg.loss_params() == {"lam": 2.0, "normalization": "focal_calibration"}
+    assert cfg.loss.params() == {"lam": 2.0, "normalization": "focal_calibration"}
     assert cfg.recorded()["mmce_normalization"] == "focal_calibration"
-    objective = build_objective(cfg.loss, 3, **cfg.loss_params())
+    objective = build_objective(cfg.loss.name, 3, **cfg.loss.params())
     assert objective.criterion.normalization == "focal_calibration"
     with pytest.raises(ConfigError, match="choose one of: paper, focal_calibration"):
         resolve_stage_config("train", "digits", ["mmce_normalization=sum"])

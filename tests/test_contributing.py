@@ -96,7 +96,7 @@ def test_a_loss_from_your_own_module_trains_through_the_cli(plugins, digits_root
     assert "scaled_ce" not in (ce / "config.json").read_text()
     # 4. --fields and --help show it like any loss.
     fields = semix(plugins, "toy_loss", "train", "--fields").stdout
-    assert any(line.split()[:2] == ["scaled_ce_scale", "1.0"] for line in fields.splitlines())
+    assert any(line.split()[:2] == ["loss.scaled_ce.scale", "1.0"] for line in fields.splitlines())
     assert "scaled-ce" in next(line for line in fields.splitlines() if line.split()[:1] == ["loss"])
     assert semix_sources() == before
 
@@ -115,7 +115,7 @@ def test_a_preset_from_your_own_module_extends_one_and_resolves_through_the_cli(
     assert "digits-quick" in semix(plugins, "toy_preset", "--help").stdout
     both = semix(plugins, "toy_loss,toy_preset", "train", "--preset", "digits-quick",
                  "--set", "loss.name=scaled-ce", "--print-config")  # fmt: skip
-    assert json.loads(both.stdout)["loss"] == "scaled-ce"
+    assert json.loads(both.stdout)["loss"]["name"] == "scaled-ce"
     assert semix_sources() == before
 
 

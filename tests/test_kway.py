@@ -391,7 +391,7 @@ def test_csm_trains_on_k3_series(digits_root, tmp_path):
     lattice = torch.tensor(lattice_weights(3, 2), dtype=torch.float64)
     assert torch.allclose(table.alpha.double(), lattice.expand(10, 6, 3))
     weights = {}
-    for name, sets in {"soft": [], "ratio": ["csm_targets=ratio"], "ce": ["csm_mixed_loss=ce", "csm_sharpening=2.3"]}.items():  # fmt: skip
+    for name, sets in {"soft": [], "ratio": ["loss.csm.targets=ratio"], "ce": ["loss.csm.mixed_loss=ce", "loss.csm.sharpening=2.3"]}.items():  # fmt: skip
         run = run_stage("train", "digits", [f"out={tmp_path}", f"run=k3-{name}", "loss=csm", "epochs=1",
                                             "train_limit=128", "batch_size=64", *sets])  # fmt: skip
         history = json.loads((run / "metrics.json").read_text())["train"]["history"]

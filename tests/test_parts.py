@@ -4,13 +4,27 @@ train config's fields and checks derive from them, and the CLI takes both spelli
 from __future__ import annotations
 
 import dataclasses
+import pickle
+import re
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import pytest
 
-from core.config import IDENTITY, OFF_DEFAULT, ConfigError, StageConfig, field_docs, resolve
+from core.config import (
+    IDENTITY,
+    OFF_DEFAULT,
+    SAID,
+    ConfigError,
+    RenamedField,
+    StageConfig,
+    field_docs,
+    resolve,
+)
 from core.parts import Params, Section, param
+from core.tree import get, leaves
 from models.losses import LOSSES, FocalLoss, build_loss
 from models.objectives import OBJECTIVES, LossEntry, build_objective
 from pipeline.chain import split_sets
@@ -19,24 +33,44 @@ from stages.configs import finetune as finetune_config
 from stages.configs import train as train_config
 
 
-def test_every_loss_parameter_is_a_train_field_with_its_default():
-    """The fields are the losses' parameters, nothing more: each loss's `Params` default is the
-    field's default, and no train field is left that no loss or the stage declares."""
-    config = {f.name: f for f in dataclasses.fields(train_config.Config)}
+def test_every_loss_parameter_is_a_leaf_of_the_loss_section_with_its_default():
+    """The loss section's leaves are the losses' parameters, nothing more: each loss's `Params`
+    default is its leaf's, a parameter shared by two losses is one leaf (at its first loss), and
+    each leaf is recorded under the flat name config.json has always had."""
+    cfg, legacy = train_config.Config(run="x"), train_config.Config.LEGACY
     for name, entry in OBJECTIVES.items():
-        own = train_config.LOSS.fields_of(name)
+        paths = train_config.LOSS.paths_of(name)
         for p in dataclasses.fields(entry.params):
-            assert config[own[p.name]].default == p.default, (name, p.name)
-    derived = {f for f in config if config[f].metadata.get("part") == "loss"}
-    assert derived == set(train_config.LOSS.derived)
-    # config.json's names since the first runs: the irregular ones are declared by the params
-    assert train_config.LOSS_FIELDS["mbls"] == {"m": "mbls_margin", "lam": "mbls_lam"}
-    assert train_config.LOSS_FIELDS["fedlas-mbls"]["theta"] == "fedlas_theta"
-    assert train_config.LOSS_FIELDS["csm"] == {
-        "weight": "csm_weight",
-        "mixed_loss": "csm_mixed_loss",
+            assert get(cfg.loss, paths[p.name]) == p.default, (name, p.name)
+    loss_leaves = {
+        leaf.path for leaf in leaves(train_config.Config) if leaf.path.startswith("loss.")
     }
-    assert train_config.LOSS.fields_of("csm")["sharpening"] == "csm_sharpening"  # data=True
+    assert loss_leaves == {"loss.name", *train_config.LOSS.legacy.values()}
+    assert train_config.LOSS.paths_of("mmce_weighted")["lam"] == "mmce.lam"  # mmce's λ, one leaf
+    # config.json's names since the first runs: the irregular ones are declared by the params
+    assert {k: legacy[k] for k in ("mbls_margin", "mbls_lam", "fedlas_theta")} == {
+        "mbls_margin": "loss.mbls.m",
+        "mbls_lam": "loss.mbls.lam",
+        "fedlas_theta": "loss.fedlas_ls.theta",
+    }
+    assert train_config.LOSS.paths_of("csm", data=False) == {
+        "weight": "csm.weight",
+        "mixed_loss": "csm.mixed_loss",
+    }
+    assert train_config.LOSS.paths_of("csm")["sharpening"] == "csm.sharpening"  # data=True
+    assert "ce" not in {f.name for f in dataclasses.fields(cfg.loss)}  # no parameters, no section
+
+
+def test_a_flat_loss_name_sets_its_leaf_and_says_its_path_once():
+    SAID.clear()  # said once per process: maybe already, by another test
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        cfg = resolve_stage_config("train", "digits", ["loss=csm", "csm_weight=2", "csm_weight=3"])
+    assert cfg.loss.csm.weight == 3.0 and cfg.recorded()["csm_weight"] == 3.0
+    assert pickle.loads(pickle.dumps(cfg)) == cfg  # the derived section classes have a home
+    assert [str(w.message) for w in said if w.category is RenamedField] == [
+        "csm_weight is now loss.csm.weight"
+    ]  # and never `loss is now loss.name`: the section's name picks the loss
 
 
 @pytest.mark.parametrize(
@@ -50,7 +84,11 @@ def test_every_loss_parameter_is_a_train_field_with_its_default():
 )
 def test_nested_and_flat_spellings_give_one_config(sets):
     cfg = resolve_stage_config("train", "digits", sets)
-    assert (cfg.loss, cfg.focal_gamma, cfg.loss_params()) == ("focal", 2.0, {"gamma": 2.0})
+    assert (cfg.loss.name, cfg.loss.focal.gamma, cfg.loss.params()) == (
+        "focal",
+        2.0,
+        {"gamma": 2.0},
+    )
     assert (
         cfg.recorded()
         == resolve_stage_config("train", "digits", ["loss=focal", "focal_gamma=2"]).recorded()
@@ -60,9 +98,9 @@ def test_nested_and_flat_spellings_give_one_config(sets):
 def test_nested_keys_follow_the_loss_the_preset_or_set_picks():
     # fedlas-ls' alpha and fedlas-mbls' alpha are two fields; the dotted key finds the right one
     cfg = resolve_stage_config("train", "tiny-imagenet", ["loss=fedlas-mbls", "loss.alpha=0.2"])
-    assert (cfg.fedlas_mbls_alpha, cfg.fedlas_ls_alpha) == (0.2, 0.05)
+    assert (cfg.loss.fedlas_mbls.alpha, cfg.loss.fedlas_ls.alpha) == (0.2, 0.05)
     cfg = resolve_stage_config("train", "digits", ["loss.fedlas-ls.alpha=0.3"])  # loss stays ce
-    assert (cfg.loss, cfg.fedlas_ls_alpha) == ("ce", 0.3)
+    assert (cfg.loss.name, cfg.loss.fedlas_ls.alpha) == ("ce", 0.3)
     cfg = resolve_stage_config(
         "finetune", "cifar100", ["run=x", "method=fedlas-mbls", "method.beta=2"]
     )
@@ -75,9 +113,9 @@ def test_nested_keys_follow_the_loss_the_preset_or_set_picks():
         (["loss.gamma=2"], "loss.gamma: loss 'ce' has no parameter 'gamma'; its parameters: none"),
         (["loss=focal", "loss.gama=2"], "did you mean 'gamma'?"),
         (["loss.fokal.gamma=2"], "no loss 'fokal'; did you mean 'focal'?"),
-        (["loss=focal", "loss.gamma=-1"], "focal_gamma=-1.0 is out of range [0.0, inf]"),
-        (["ls_alpha=1.5"], "ls_alpha=1.5 is out of range [0.0, 1.0]"),  # any loss's, at once
-        (["csm_targets=both"], "csm_targets='both' is not valid"),
+        (["loss=focal", "loss.gamma=-1"], "loss.focal.gamma=-1.0 is out of range [0.0, inf]"),
+        (["ls_alpha=1.5"], "loss.ls.alpha=1.5 is out of range [0.0, 1.0]"),  # any loss's, at once
+        (["csm_targets=both"], "loss.csm.targets='both' is not valid"),
         (["loss=nope"], "loss='nope' is not valid"),
     ],
 )
@@ -175,3 +213,62 @@ def test_an_encoders_parameters_are_its_own():
         resolve_stage_config("annotate", "digits", ["encoder.model=ViT-B-16"])
     every = {f.name for f in dataclasses.fields(resolve_stage_config("annotate", "digits"))}
     assert {"encoder_model", "encoder_pretrained", "encoder_cache", "encoder_run"} <= every
+
+
+def test_docs_compat_lists_every_loss_parameters_flat_name_and_path():
+    text = (Path(__file__).parents[1] / "docs" / "compat.md").read_text(encoding="utf-8")
+    rows = dict(re.findall(r"^\| `(\w+)` \| `(loss\.[\w.]+)`[^|]* \|$", text, re.M))
+    assert rows == train_config.LOSS.legacy
+
+
+@dataclass(frozen=True)
+class _Shared(Params):
+    scale: float = param(1.0, low=0.0, doc="how much")
+
+
+_TOYS = Section(
+    "loss",
+    {
+        "toy": LossEntry(_Toy, None, "toy"),
+        "toy-too": LossEntry(_Shared, None, "toy"),  # its scale is toy's field, toy_scale
+        "none": LossEntry(Params, None, "none"),
+    },
+)
+Loss = _TOYS.tree("toy", __name__)  # module level: the config's annotation names it
+
+
+def test_a_tree_section_holds_each_parameter_once_and_records_it_by_its_flat_name():
+    """Section.tree on a made-up config: a subsection per part with parameters, a parameter two
+    parts share one leaf (at the first), its checks naming the path, `loss=` its `name` leaf,
+    config.json's flat names, and a part that would hide `name` refused."""
+
+    @dataclass(frozen=True)
+    class Config(StageConfig):
+        LEGACY = _TOYS.legacy
+        SECTIONS = (_TOYS,)
+        loss: Loss = dataclasses.field(default_factory=Loss)
+
+    assert [f.name for f in dataclasses.fields(Loss)] == ["name", "toy"]  # none: no section
+    assert _TOYS.legacy == {"toy_scale": "loss.toy.scale", "toy_mode": "loss.toy.mode"}
+
+    class Presets:
+        def lookup(self, preset):
+            return preset, {}
+
+    cfg = resolve(Config, Presets(), "p", ["loss=toy-too", "loss.scale=3"])
+    assert (cfg.loss.name, cfg.loss.toy.scale, cfg.loss.params()) == (
+        "toy-too",
+        3.0,
+        {"scale": 3.0},
+    )
+    assert cfg.recorded() == {
+        **StageConfig(preset="p").recorded(),
+        "loss": "toy-too",
+        "toy_scale": 3.0,
+    }
+    with pytest.raises(ConfigError, match=r"^loss\.toy\.scale=-1\.0 is out of range"):
+        resolve(Config, Presets(), "p", ["loss.toy-too.scale=-1"])
+    with pytest.raises(ConfigError, match=r"^loss='nope' is not valid"):
+        resolve(Config, Presets(), "p", ["loss=nope"])
+    with pytest.raises(TypeError, match="would hide loss.name"):
+        Section("loss", {"name": LossEntry(_Shared, None, "x")}).tree("name", __name__)

@@ -68,8 +68,8 @@ def test_a_preset_extends_another_recipe_not_data():
     assert hundred.stages["fit-generator"] == ten.stages["fit-generator"]
     assert hundred.stages["annotate"]["sharpening"] == 2.3 != ten.stages["annotate"]["sharpening"]
     assert hundred.stages["train"]["model"] == "resnet50"
-    assert resolve_stage_config("train", "cifar100").fedlas_ls_alpha == 0.1
-    assert resolve_stage_config("train", "cifar10").fedlas_ls_alpha == 0.05
+    assert resolve_stage_config("train", "cifar100").loss.fedlas_ls.alpha == 0.1
+    assert resolve_stage_config("train", "cifar10").loss.fedlas_ls.alpha == 0.05
     assert hundred.reads is not ten.reads and hundred.edm_checkpoint != ten.edm_checkpoint
     assert resolve_stage_config("prepare", "cifar100").hf_dataset == "uoft-cs/cifar100"
 

@@ -31,7 +31,6 @@ from pipeline.study.tuning import (
 from pipeline.study.tuning_plan import tuning_report, tuning_tasks
 from stages.configs import finetune as finetune_config
 from stages.configs import train as train_config
-from stages.configs.legacy import LEGACY
 
 
 def test_every_method_gets_a_grid_of_the_same_size_over_its_own_fields():
@@ -42,9 +41,9 @@ def test_every_method_gets_a_grid_of_the_same_size_over_its_own_fields():
         assert all(len(set(values)) == len(values) > 1 for values in grid.values())
         if group == "ce":  # ce has no loss parameter: its weight decay
             assert set(grid) == {"weight_decay"}
-        elif m.stage == "train":  # the loss's own parameters (train Config, LOSS_FIELDS)
+        elif m.stage == "train":  # the loss's own parameters (train's loss section)
             loss = next(s.split("=")[1] for s in m.sets if s.startswith("loss="))
-            own = {*train_config.LOSS_FIELDS[loss].values(), "csm_sharpening"}
+            own = set(train_config.LOSS.fields_of(loss).values())
             assert set(grid) <= own, group
         else:  # MaC-Cal's bottleneck width and its q schedule's start
             assert set(grid) <= {"maccal_r", *finetune_config.METHOD.fields_of("maccal").values()}
@@ -162,7 +161,8 @@ def test_plan_gives_every_method_the_same_grid_at_the_same_tuning_seeds(tmp_path
             for seed in SEEDS:
                 stage, sets = tasks[tune_run(group, point, seed)].steps[0]
                 assert f"seed={seed}" in sets and not tasks[tune_run(group, point, seed)].done
-                paths = LEGACY[stage]  # a grid parameter is set under its path in the tree
+                config = {"train": train_config, "finetune": finetune_config}[stage].Config
+                paths = config.LEGACY  # a grid parameter is set under its path in the tree
                 assert {f"{paths.get(k, k)}={v:g}" for k, v in point.items()} <= set(sets)
                 assert stage == ("finetune" if group == "ce+maccal" else "train")
         for name in exts[group]:  # an extension waits for its whole grid, every seed
@@ -240,12 +240,12 @@ def test_a_choice_on_the_edge_runs_one_step_beyond_and_is_made_again(tmp_path):
     for alpha, nll in zip((0.02, 0.05, 0.1, 0.2), (0.50, 0.40, 0.35, 0.30)):  # best at the max
         _point(root, "ls", {"ls_alpha": alpha}, nll)
     for seed in SEEDS:  # every seed's extension runs the same stepped point
-        assert tasks[tune_run("ls", "ls_alpha", seed)].prepare() == ["ls_alpha=0.4"]
+        assert tasks[tune_run("ls", "ls_alpha", seed)].prepare() == ["loss.ls.alpha=0.4"]
     # the extension is not done yet: plan says so, and a study run waits for it
     _, again = _tasks(root, ("ce", "ls"))
     assert not again["tune-ls-ext-a"].done and "tune-ls-ext-a-t102" in again["ls-s0"].after
     _point(root, "ls", "ls_alpha", 0.20)  # better still: the choice moves to it
-    assert tasks["ls-s0"].prepare() == ["ls_alpha=0.4"]
+    assert tasks["ls-s0"].prepare() == ["loss.ls.alpha=0.4"]
     result = tuning_report(cfg, root, [])["ls"]
     assert result["chosen"] == {"ls_alpha": 0.4} and result["extended"] == {"ls_alpha": 0.4}
     assert result["chosen_run"] == "tune-ls-ext-a" and len(result["grid"]) == POINTS + 1
@@ -258,7 +258,7 @@ def test_a_choice_on_the_edge_runs_one_step_beyond_and_is_made_again(tmp_path):
     for seed in SEEDS:
         shutil.rmtree(root / "train" / tune_run("ls", "ls_alpha", seed))
     _point(root, "ls", "ls_alpha", 0.31)  # worse: the grid's edge stays chosen
-    assert tasks["ls-s0"].prepare() == ["ls_alpha=0.2"]
+    assert tasks["ls-s0"].prepare() == ["loss.ls.alpha=0.2"]
 
 
 def test_a_winner_inside_the_seeds_noise_gives_way_to_the_reference(tmp_path):
@@ -271,7 +271,7 @@ def test_a_winner_inside_the_seeds_noise_gives_way_to_the_reference(tmp_path):
     _point(root, "ls", {"ls_alpha": 0.1}, 0.45)
     _point(root, "ls", {"ls_alpha": 0.2}, 0.40, (-0.04, 0.03, -0.004))
     assert tasks["tune-ls-ext-a"].prepare() is None
-    assert tasks["ls-s0"].prepare() == ["ls_alpha=0.05"]
+    assert tasks["ls-s0"].prepare() == ["loss.ls.alpha=0.05"]
     result = tuning_report(cfg, root, [])["ls"]
     assert result["rule"]["winner"] == "tune-ls-a0p2" and result["rule"]["kept_reference"]
     assert result["rule"]["advantage"] < result["rule"]["standard_error"]
@@ -292,7 +292,7 @@ def test_an_interior_choice_skips_the_extension(tmp_path):
     assert not (root / "train" / "tune-ls-ext-a").exists()
     _, again = _tasks(root, ("ce", "ls"))  # a rerun's plan knows it is done
     assert all(again[tune_run("ls", "ls_alpha", seed)].done for seed in SEEDS)
-    assert tasks["ls-s0"].prepare() == ["ls_alpha=0.1"]
+    assert tasks["ls-s0"].prepare() == ["loss.ls.alpha=0.1"]
     result = tuning_report(cfg, root, [])["ls"]
     assert result["extended"] == {} and result["chosen_run"] == "tune-ls-a0p1"
 
@@ -303,9 +303,12 @@ def test_two_parameters_on_edges_extend_each_at_the_others_choice(tmp_path):
     nll = {(0.05, 2.0): 0.5, (0.05, 4.0): 0.5, (0.1, 2.0): 0.3, (0.1, 4.0): 0.4}
     for p in grid_points("fedlas-ls"):
         _point(root, "fedlas-ls", p, nll[tuple(p.values())])
-    assert tasks["tune-fedlas-ls-ext-a"].prepare() == ["fedlas_ls_alpha=0.2", "fedlas_ls_beta=2"]
+    assert tasks["tune-fedlas-ls-ext-a"].prepare() == [
+        "loss.fedlas_ls.alpha=0.2",
+        "loss.fedlas_ls.beta=2",
+    ]
     assert tasks["tune-fedlas-ls-ext-b-t101"].prepare() == [
-        "fedlas_ls_alpha=0.1", "fedlas_ls_beta=1"
+        "loss.fedlas_ls.alpha=0.1", "loss.fedlas_ls.beta=1"
     ]  # fmt: skip
 
 
@@ -356,18 +359,18 @@ def test_csm_family_and_csm_maccal_take_csm_grids_choice(tmp_path):
     # csm's grid chooses (1, 2.3): w on its grid's max, s on its min, each steps out
     for p, nll in zip(grid_points("csm"), (0.50, 0.31, 0.30, 0.45)):
         _point(root, "csm", p, nll)
-    assert tasks["tune-csm-ext-w"].prepare() == ["csm_weight=2", "csm_sharpening=2.3"]
-    assert tasks["tune-csm-ext-s"].prepare() == ["csm_weight=1", "csm_sharpening=1.32"]
+    assert tasks["tune-csm-ext-w"].prepare() == ["loss.csm.weight=2", "loss.csm.sharpening=2.3"]
+    assert tasks["tune-csm-ext-s"].prepare() == ["loss.csm.weight=1", "loss.csm.sharpening=1.32"]
     _point(root, "csm", "csm_weight", 0.40)
     _point(root, "csm", "csm_sharpening", 0.35)
-    assert tasks["csm-s0"].prepare() == ["csm_weight=1", "csm_sharpening=2.3"]
-    train_cmd = tasks["csm-s0"].commands("digits", ["csm_weight=1"])[0]  # the train step's
-    assert train_cmd[-1] == "csm_weight=1" and "evaluate" not in train_cmd
+    assert tasks["csm-s0"].prepare() == ["loss.csm.weight=1", "loss.csm.sharpening=2.3"]
+    train_cmd = tasks["csm-s0"].commands("digits", ["loss.csm.weight=1"])[0]  # the train step's
+    assert train_cmd[-1] == "loss.csm.weight=1" and "evaluate" not in train_cmd
     for p, nll in zip(grid_points("csm3"), (0.4, 0.3, 0.2, 0.25)):
         _point(root, "csm3", p, nll)
-    assert tasks["tune-csm3-s4"].prepare() == ["csm_weight=1"]  # csm's w, its own s
+    assert tasks["tune-csm3-s4"].prepare() == ["loss.csm.weight=1"]  # csm's w, its own s
     assert tasks["tune-csm3-ext-s"].prepare() is None  # 5.4 is interior
-    assert tasks["csm3-s0"].prepare() == ["csm_weight=1", "csm_sharpening=5.4"]
+    assert tasks["csm3-s0"].prepare() == ["loss.csm.weight=1", "loss.csm.sharpening=5.4"]
     # csm+maccal fine-tunes csm's chosen grid runs, its own grid
     for seed in SEEDS:
         run = root / "train" / tune_run("csm", {"csm_weight": 1.0, "csm_sharpening": 2.3}, seed)

@@ -34,7 +34,7 @@ from shards.runs import load_model
 from shards.writer import ShardFolder
 from stages import train as train_stage
 from stages.common.epochs import Data, Recipe, make_batch, plan_steps
-from stages.configs.train import LOSS_FIELDS
+from stages.configs.train import LOSS
 
 K = 4  # members per series in the test mixed/ folder
 TINY = ["epochs=1", "train_limit=192", "batch_size=64"]
@@ -115,7 +115,7 @@ def test_series_table_keeps_complete_series_only(root):
     assert bool((table.soft > 0).all() and (table.soft < 1).all())
 
 
-@pytest.mark.parametrize("loss", list(LOSS_FIELDS))
+@pytest.mark.parametrize("loss", LOSS.names)
 def test_every_loss_trains_a_complete_run(root, loss):
     """One epoch per loss: a run folder whose manifest pins the weights, every file and the
     inputs, and whose recorded val metrics are those of the saved weights, recomputed."""
@@ -249,7 +249,7 @@ def test_a_step_draws_the_same_samples_on_any_number_of_processes(root, loss, pa
     cpu, choice = torch.device("cpu"), DataPathChoice(path, 0, 0)
     real, val = train_stage.load_data(cfg, choice, cpu)
     mixed = train_stage.load_mixed(cfg, real, choice, cpu) if loss == "csm" else None
-    objective = build_objective(loss, 10, **cfg.loss_params())
+    objective = build_objective(loss, 10, **cfg.loss.params())
     recipe = Recipe(key=(0,), epochs=1, batch_size=9, lr=lambda e: 0.1, crop_pad=2, flip=True)
     idx = torch.tensor([3, 141, 59, 26, 535, 89, 79, 323, 84])
 

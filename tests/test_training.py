@@ -22,7 +22,7 @@ from models.training import (
     random_crop_flip,
     sample_csm_members,
 )
-from stages.configs.train import LOSS_FIELDS
+from stages.configs.train import LOSS
 
 
 def gen(seed: int = 0) -> torch.Generator:
@@ -155,7 +155,7 @@ def test_csm_targets_put_t_a_on_a_and_the_rest_on_b():
 
 
 def test_objective_registry_matches_the_config_losses():
-    assert set(OBJECTIVES) == set(LOSS_FIELDS)
+    assert set(OBJECTIVES) == set(LOSS.names)
     assert set(LOSSES) <= set(OBJECTIVES)
 
 
@@ -167,6 +167,7 @@ def test_every_objective_computes_its_loss_and_reaches_every_weight(name):
     torch.manual_seed(0)
     model = build_classifier("digits-cnn", 4, 1).eval()  # eval: the reference forward equals
     objective = build_objective(name, 4, generator=gen(), **_params(name))
+    assert type(objective) is OBJECTIVES[name].objective  # the class train reads before building
     module = TrainingModule(model, objective)
     batch = {"x": torch.randn(6, 1, 16, 16), "y": torch.tensor([0, 1, 2, 3, 0, 1])}
     if objective.needs_mixed:

@@ -41,8 +41,8 @@ METHODS: dict[str, Method] = {
     "ce": Method("train", ("loss=ce",)),
     "csm": Method("train", ("loss=csm",), needs_mixed=True),
     # the CSM paper's ablations: ratio labels t_a = α (no re-annotation); CE on the mixed images
-    "csm-ratio": Method("train", ("loss=csm", "csm_targets=ratio"), needs_mixed=True),
-    "csm-ce": Method("train", ("loss=csm", "csm_mixed_loss=ce"), needs_mixed=True),
+    "csm-ratio": Method("train", ("loss=csm", "loss.csm.targets=ratio"), needs_mixed=True),
+    "csm-ce": Method("train", ("loss=csm", "loss.csm.mixed_loss=ce"), needs_mixed=True),
     # beyond the paper: series mixing 3 classes (simplex lattice m = 4), as many images as csm
     "csm3": Method("train", ("loss=csm",), needs_mixed=True, mix_classes=3),
     # beyond the paper: series whose pure images the encoder rejects are redrawn (docs/generate.md)

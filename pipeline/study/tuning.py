@@ -52,7 +52,8 @@ import numpy as np
 
 from core.io import read_json
 from pipeline.study.config import METHODS, StudyConfig, Task
-from stages.configs.legacy import LEGACY
+from stages.configs import finetune as finetune_config
+from stages.configs import train as train_config
 
 TUNE_SEED = 100  # the first tuning seed: no study seed, a tuning run is never a study run
 POINTS = 4  # every group's grid size: the same tuning budget for every method
@@ -326,9 +327,9 @@ def chosen_sets(
     return set_values(values)
 
 
-# a grid parameter's path in the config tree; the grids, run names and study.json keep the flat
-# names config.json records (stages/configs/legacy.py)
-PATHS = {**LEGACY["train"], **LEGACY["finetune"]}
+# a grid parameter's path in the config tree (`csm_weight`: loss.csm.weight); the grids, run names
+# and study.json keep the flat names config.json records (the configs' LEGACY)
+PATHS = {**train_config.Config.LEGACY, **finetune_config.Config.LEGACY}
 
 
 def set_values(values: dict[str, float]) -> list[str]:

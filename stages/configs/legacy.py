@@ -85,6 +85,8 @@ LEGACY: dict[str, dict[str, str]] = {
 }
 
 
-def legacy_names(stage: str) -> dict[str, str]:
-    """A stage's {flat name: path} (its Config's LEGACY)."""
-    return LEGACY.get(stage, {})
+def legacy_names(stage: str, parts: dict[str, str] | None = None) -> dict[str, str]:
+    """A stage's {flat name: path} (its Config's LEGACY): the table's, and `parts`, those its
+    section of parts derives from the parts' parameters (train's loss: `csm_weight` ->
+    `loss.csm.weight`, core.parts.Section.tree), so a loss's names are stated once, at the loss."""
+    return {**LEGACY.get(stage, {}), **(parts or {})}

@@ -1,10 +1,11 @@
 """Config of the `train` stage: real/ (+ mixed/) -> runs/<classes>/train/<run>/.
 
-One `loss` field picks the objective (models/objectives.OBJECTIVES). Each loss's parameters are
-its own frozen dataclass; the `LOSS` section (core/parts.py) derives a field per parameter from
-them, `<loss>_<param>` as config.json has always recorded it, so `--set loss=focal focal_gamma=2`
-and `--set loss.name=focal loss.gamma=2` do the same thing, and a loss registered from outside
-(pipeline/plugins.py) gets its fields with no edit here.
+The `loss` section picks the objective (models/objectives.OBJECTIVES) and holds every loss's
+parameters, derived from each loss's own frozen dataclass by the `LOSS` section (core/parts.py):
+`cfg.loss.name`, `cfg.loss.focal.gamma`. So `--set loss=focal loss.gamma=2`,
+`loss.focal.gamma=2` and the flat `focal_gamma=2` (config.json's name, saying its path once) do
+the same thing, and a loss registered from outside (pipeline/plugins.py) gets its leaves with no
+edit here.
 The defaults are the CSM reference recipe (docs/methods.md §3: ResNet-50, SGD 0.1, momentum 0.9, wd 5e-4,
 batch 128, 200 epochs, lr ÷10 at 80 and 120, clip 2, crop(pad 4) + flip); each preset's own
 recipe is in stages/presets/.
@@ -28,10 +29,11 @@ from stages.configs.sections import Augment, Checkpoint
 from stages.presets import stage_presets
 
 # the losses (the registry as any plugin left it) and their parameters
-LOSS = Section("loss", OBJECTIVES, heading="loss parameters (docs/methods.md §5-6)")
-# loss -> {objective parameter: config field}, derived (csm's sharpening and targets are the
-# stage's: how it loads mixed/)
-LOSS_FIELDS: dict[str, dict[str, str]] = {n: LOSS.fields_of(n, data=False) for n in LOSS.names}
+LOSS = Section(
+    "loss", OBJECTIVES, heading="the objective and its parameters (docs/methods.md §3-6)"
+)
+# the config's `loss` section; its parameters' flat names join the stage's LEGACY
+Loss = LOSS.tree("ce", __name__, doc="the objective; its parameters: loss.<param>=value")
 # the classifier loop's precisions (core/precision.py): no fp16, whose gradients need a scaler
 PRECISIONS = ("auto", "fp32", "bf16")
 
@@ -55,12 +57,12 @@ class Optim:
 
 
 @dataclass(frozen=True)
-@LOSS.fields(after="loss")  # every loss's parameters, one field each, after `loss`
 class Config(StageConfig):
-    LEGACY = legacy_names("train")
+    LEGACY = legacy_names("train", LOSS.legacy)
+    SECTIONS = (LOSS,)  # `loss.gamma=2`: the picked loss's (core.config.parse_sets)
 
     run: str = ""  # run folder: runs/<classes>/train/<run>/; "" = the loss (loss=focal: focal)
-    loss: str = "ce"  # the objective; its parameters: its fields below, or loss.<param>=value
+    loss: Loss = section(Loss)
     model: str = "resnet50"  # models.classifiers name or timm:<name>
     pretrained: bool = False  # timm models only
     in_channels: int = 3  # 1 = grey (channel mean of the RGB image)
@@ -86,7 +88,6 @@ class Config(StageConfig):
     tracker: str = "none"
 
     def __post_init__(self):
-        check_choice("loss", self.loss, LOSS.names)
         if not self.model.startswith(TIMM_PREFIX):
             check_choice("model", self.model, (*CLASSIFIERS, f"{TIMM_PREFIX}<name>"))
         elif not _timm_has(self.model.removeprefix(TIMM_PREFIX)):
@@ -94,7 +95,6 @@ class Config(StageConfig):
         if not self.run or "/" in self.run or self.run.startswith("."):
             raise ConfigError(f"run={self.run!r} must be a plain folder name")
         check_choice("in_channels", self.in_channels, (1, 3))
-        LOSS.check(self)  # every loss's parameters, as their dataclasses declare
         check_precision("precision", self.precision, PRECISIONS)
         for name in ("epochs", "batch_size", "eval_batch_size"):
             check_range(name, getattr(self, name), 1)
@@ -110,11 +110,8 @@ class Config(StageConfig):
         config.resolve calls this before building the frozen config)."""
         if values.get("run"):
             return values
-        return {**values, "run": values.get("loss", cls.__dataclass_fields__["loss"].default)}
-
-    def loss_params(self) -> dict[str, Any]:
-        """The objective's keyword arguments for `loss`, read from its fields."""
-        return LOSS.params(self)
+        loss = values.get("loss.name", values.get("loss", LOSS.default))
+        return {**values, "run": getattr(loss, "name", loss)}
 
 
 def _timm_has(name: str) -> bool:
