@@ -123,12 +123,13 @@ def imagenet_work(sets: Mapping[str, Sequence[str]] | None = None) -> dict[str, 
     cfg = {s: resolve_stage_config(s, "imagenet", list(sets.get(s, ()))) for s in
            ("prepare", "generate", "annotate", "train")}  # fmt: skip
     gen, prep, ann, train = cfg["generate"], cfg["prepare"], cfg["annotate"], cfg["train"]
-    plan = make_plan(gen, len(gen.dit_class_ids))
+    classes = len(gen.backend.dit.class_ids)  # one ImageNet id per class
+    plan = make_plan(gen, classes)
     images = plan.num_series * len(plan.alphas)
     val = round(IMAGENET_TRAIN * prep.val_fraction)  # about: prepare rounds class by class
     real_train = IMAGENET_TRAIN - val
     return {
-        "configs": cfg, "plan": plan, "classes": len(gen.dit_class_ids), "pairs": len(plan.pairs),
+        "configs": cfg, "plan": plan, "classes": classes, "pairs": len(plan.pairs),
         "series": plan.num_series, "members": len(plan.alphas), "images": images,
         "shards": plan.num_shards, "steps": gen.sample_steps, "guidance": gen.guidance,
         "batch": gen.batch_size, "size": prep.image_size, "real_train": real_train,
@@ -195,8 +196,9 @@ def shard_bytes(work: dict[str, Any], pngs: Sequence[bytes], tmp: Path) -> dict[
 
     plan, gen = work["plan"], work["configs"]["generate"]
     specs = [plan.spec(s) for s in plan.shard_series(0)]
-    ident = {"backend": gen.backend, "model_id": gen.model, "revision": gen.revision or None,
-             "sampler": gen.sampler, "steps": gen.sample_steps, "guidance": gen.guidance}  # fmt: skip
+    ident = {"backend": gen.backend.name, "model_id": gen.model,
+             "revision": gen.revision or None, "sampler": gen.sampler, "steps": gen.sample_steps,
+             "guidance": gen.guidance}  # fmt: skip
     names = [f"n{c:08d}" for c in range(work["classes"])]  # wnid-long class names
     blank = torch.zeros(len(specs), work["members"], 1, 1, 3, dtype=torch.uint8)
     series = shard_samples(plan, specs, blank, names, ident)

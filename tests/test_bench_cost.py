@@ -76,7 +76,7 @@ def test_dit_flops_add_up_to_what_the_dit_backend_runs(tiny_dit, guidance):
 def test_the_work_comes_from_the_presets_and_follows_their_overrides():
     gen = resolve_stage_config("generate", "imagenet")
     w = imagenet_work()
-    assert w["pairs"] == math.comb(len(gen.dit_class_ids), 2)
+    assert w["pairs"] == math.comb(len(gen.backend.dit.class_ids), 2)
     assert w["images"] == w["pairs"] * gen.mixing.series_per_pair * gen.mixing.alphas
     assert w["encoded"] == w["images"] + w["real_train"]  # prototypes from real/train
     assert w["real_train"] + w["real_val"] == 1_281_167

@@ -137,22 +137,28 @@ def test_a_backend_from_your_own_module_generates_through_the_cli(plugin, digits
     assert semix_sources() == before
 
 
-def test_its_parameters_are_generate_fields(plugin):
-    """The flat name and the nested one set the same field; --fields lists them with their
-    choices; a bad value is refused in one line, naming the field."""
+def test_its_parameters_are_leaves_of_the_backend_section(plugin):
+    """The flat name (config.json's) and the nested ones set the same leaf,
+    `backend.two_colour.grain`; --fields lists the leaves with their choices; a bad value is
+    refused in one line, naming the leaf by its path."""
     flat = generate(plugin, "--set", "backend=two-colour", "two_colour_grain=0.1",
                     "--print-config")  # fmt: skip
     nested = generate(plugin, "--set", "backend.name=two-colour", "backend.grain=0.1",
                       "--print-config")  # fmt: skip
+    named = generate(plugin, "--set", "backend=two-colour", "backend.two-colour.grain=0.1",
+                     "--print-config")  # fmt: skip
     assert flat.returncode == 0, flat.stderr
-    assert json.loads(flat.stdout) == json.loads(nested.stdout)
-    assert json.loads(flat.stdout)["two_colour_grain"] == 0.1
+    assert json.loads(flat.stdout) == json.loads(nested.stdout) == json.loads(named.stdout)
+    backend = json.loads(flat.stdout)["backend"]
+    assert (backend["name"], backend["two_colour"]["grain"]) == ("two-colour", 0.1)
+    assert "two_colour_grain is now backend.two_colour.grain" in flat.stderr  # said once
+    assert "is now" not in nested.stderr
     fields = generate(plugin, "--fields").stdout.splitlines()
-    (palette,) = [line for line in fields if line.split()[:1] == ["two_colour_palette"]]
+    (palette,) = [line for line in fields if line.split()[:1] == ["backend.two_colour.palette"]]
     assert palette.split()[1] == "warm" and "cool" in palette
-    (backend,) = [line for line in fields if line.split()[:1] == ["backend"]]
-    assert "two-colour" in backend
+    (backend_row,) = [line for line in fields if line.split()[:1] == ["backend"]]
+    assert "two-colour" in backend_row
     bad = generate(plugin, "--set", "backend=two-colour", "backend.palette=green",
                    "--print-config")  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
-    assert "two_colour_palette='green'" in bad.stderr
+    assert "backend.two_colour.palette='green'" in bad.stderr

@@ -418,7 +418,7 @@ def test_cifar100_edm_stage_end_to_end(cifar100_runs, capsys):
     assert all(
         torch.equal(torch.from_numpy(samples[k]["image"].copy()), again[k]) for k in range(8)
     )
-    assert cfg.backend == "edm"
+    assert cfg.backend.name == "edm"
 
 
 def test_shared_noise_and_batch_size_invariance(cifar100_runs):

@@ -346,7 +346,7 @@ def test_pretrained_backends_end_to_end(src, tmp_path, backend):
     model = tmp_path / f"tiny-{backend}"
     {"sd": _save_sd, "dit": _save_dit}[backend](model)
     runs = _runs(src, tmp_path / "runs", generator=False)
-    extra = {"sd": ["guidance=3"], "dit": ["guidance=2", "dit_class_ids=" + ",".join(map(str, range(10, 20)))]}  # fmt: skip
+    extra = {"sd": ["guidance=3"], "dit": ["guidance=2", "backend.dit.class_ids=" + ",".join(map(str, range(10, 20)))]}  # fmt: skip
     sets = [f"out={runs}", f"backend={backend}", f"model={model}", "pairs=2", "series_per_pair=1"]
     sets += ["alphas=3", "steps=2"]
     out = run_stage("generate", "digits", [*sets, *extra[backend]])

@@ -83,7 +83,7 @@ def candidates(preset: str, chain_sets: Sequence[str]) -> list[Cell]:
             preset,
             [*steps["fit-generator"], *split_sets(chain_sets, "fit-generator")],
         )
-    if gen.backend != "unet":
+    if gen.backend.name != "unet":
         return []
     clips = ("off", "on") if fit.fidelity.clip_choice else (None,)
     return [Cell(float(w), c) for c in clips for w in fit.fidelity.guidance_grid]

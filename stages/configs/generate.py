@@ -1,17 +1,17 @@
 """Config of the `generate` stage: real/ (+ generator/ or a pretrained model) -> series/ (docs/methods.md §1).
 
-One `backend` field picks the generator (models/generators/registry.GENERATORS). Each backend's
-own parameters are its nested `Params`; the `BACKEND` section (core/parts.py) derives a field per
-parameter from them, under the names config.json has always recorded (`prompt_template`,
-`dit_class_ids`), so `--set backend=sd native_size=512` and `--set backend.name=sd
-backend.native_size=512` do the same thing, and a backend registered from outside
-(pipeline/plugins.py) gets its fields with no edit here.
+The `backend` section picks the generator (models/generators/registry.GENERATORS) and holds
+every backend's own parameters, derived from each backend's nested `Params` by the `BACKEND`
+section (core/parts.py): `cfg.backend.name`, `cfg.backend.sd.native_size`. So `--set backend=sd
+backend.native_size=512`, `backend.sd.native_size=512` and the flat `native_size=512`
+(config.json's name, saying its path once) do the same thing, and a backend registered from
+outside (pipeline/plugins.py) gets its leaves with no edit here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from core.config import (
     ConfigError,
@@ -32,7 +32,11 @@ ENDPOINT_CHECKS = ("off", "redraw", "drop")
 # the default of Mixing.alphas, for the alphas/lattice consistency check
 DEFAULT_ALPHAS = 8
 # the backends (the registry as any plugin left it) and their parameters
-BACKEND = Section("backend", GENERATORS)
+BACKEND = Section("backend", GENERATORS, heading="the generator and its parameters")
+# the config's `backend` section; its parameters' flat names join the stage's LEGACY
+Backend = BACKEND.tree(
+    "unet", __name__, doc="the generator (models/generators); its parameters: backend.<param>=value"
+)
 
 
 @dataclass(frozen=True)
@@ -124,14 +128,12 @@ class Endpoint:
 
 
 @dataclass(frozen=True)
-@BACKEND.fields(after="backend")  # every backend's parameters, one field each, after `backend`
 class Config(StageConfig):
-    LEGACY = legacy_names("generate")
+    LEGACY = legacy_names("generate", BACKEND.legacy)
+    SECTIONS = (BACKEND,)  # `backend.native_size=512`: the picked backend's (core.config)
 
     cpu_threads: int = 1  # pinned: CPU bytes must not depend on the launcher (StageConfig)
-    # the generator (models/generators); its own parameters: its fields below, or
-    # backend.<param>=value
-    backend: str = "unet"
+    backend: Backend = section(Backend)
     # unet: "" = runs/<classes>/generator; sd/dit: hub id or local folder; edm: a folder written
     # by convert-edm ("" = runs/<classes>/edm) or an EDM .pkl (read without executing it)
     model: str = ""
@@ -158,10 +160,9 @@ class Config(StageConfig):
     endpoint: Endpoint = section(Endpoint)
 
     def __post_init__(self):
-        check_choice("backend", self.backend, sorted(GENERATORS))
-        entry = GENERATORS[self.backend]
+        backend = self.backend.name  # a registered one, and every backend's parameters checked
+        entry = GENERATORS[backend]
         check_choice("sampler", self.sampler, sorted(entry.samplers))
-        BACKEND.check(self)  # every backend's parameters, as their Params declare
         check_precision("precision", self.precision)
         for name in ("sample_steps", "batch_size"):
             check_range(name, getattr(self, name), 1)
@@ -174,22 +175,18 @@ class Config(StageConfig):
                 )
             check_range("guidance", self.guidance, 0.0)
         check_choice("clip_sample", self.clip_sample, ["auto", "on", "off"])
-        if self.clip_sample != "auto" and self.backend != "unet":
+        if self.clip_sample != "auto" and backend != "unet":
             raise ConfigError(
                 f"clip_sample={self.clip_sample}: only the unet backend's DDIM sampler has x̂₀ "
                 "clipping to set; leave it at auto"
             )
         if not entry.guidance and self.guidance not in ("auto", 1.0):
             raise ConfigError(
-                f"guidance={self.guidance}: the {self.backend} backend has no classifier-free "
+                f"guidance={self.guidance}: the {backend} backend has no classifier-free "
                 "guidance; set guidance=1"
             )
         if entry.needs_model and not self.model:
-            raise ConfigError(f"backend={self.backend} needs model=<hub id or local folder>")
-
-    def backend_params(self) -> dict[str, Any]:
-        """The backend's own keyword arguments, read from its fields."""
-        return BACKEND.params(self)
+            raise ConfigError(f"backend={backend} needs model=<hub id or local folder>")
 
     @property
     def lattice_m(self) -> int:

@@ -64,9 +64,9 @@ def check_inputs(cfg: Config) -> Inputs:
     size = cfg.image_size or int(real_m.info.get("image_size", 0))
     if size < 1:
         raise ShardError(f"{real}: the manifest names no image_size; set image_size=N")
-    if cfg.backend == "edm":
+    if cfg.backend.name == "edm":
         check_edm_model(cfg)
-    if cfg.backend != "unet":
+    if cfg.backend.name != "unet":
         return Inputs(real, real_m.class_names, size, None, {}, guidance(cfg, {}))
     folder, hint = generator_folder(cfg)
     if not is_complete(folder):
@@ -162,7 +162,7 @@ def guidance(cfg: Config, generator_info: dict[str, Any]) -> float:
     generator without a null condition), 1 elsewhere; a number is used as given."""
     if cfg.guidance != "auto":
         return float(cfg.guidance)
-    return float(generator_info.get("guidance", 1.0)) if cfg.backend == "unet" else 1.0
+    return float(generator_info.get("guidance", 1.0)) if cfg.backend.name == "unet" else 1.0
 
 
 def clip_sample(cfg: Config, generator_info: dict[str, Any]) -> bool | None:
@@ -184,9 +184,10 @@ def _unet_kwargs(cfg: Config, inputs: Inputs) -> dict[str, Any]:
 
 
 def _dit_kwargs(cfg: Config, inputs: Inputs) -> dict[str, Any]:
-    if len(cfg.dit_class_ids) != len(inputs.class_names):
+    ids = cfg.backend.dit.class_ids
+    if len(ids) != len(inputs.class_names):
         raise GenerationError(
-            f"dit_class_ids lists {len(cfg.dit_class_ids)} ImageNet ids for "
+            f"backend.dit.class_ids lists {len(ids)} ImageNet ids for "
             f"{len(inputs.class_names)} classes: give one per class, in class order"
         )
     return {}
@@ -218,9 +219,9 @@ def data_kwargs(cfg: Config, inputs: Inputs) -> dict[str, Any]:
 def generator_kwargs(cfg: Config, inputs: Inputs, device: torch.device) -> dict[str, Any]:
     """The backend's constructor arguments (all but dtype), the same way for every backend:
     those all share (models.generators.base.Shared), its own parameters (its `Params`, read from
-    their fields), the data it names in its signature (`data_kwargs`), and a built-in's own
-    (`BACKEND_KWARGS`)."""
-    named = inspect.signature(generator_class(cfg.backend)).parameters
+    its leaves in the config's `backend` section: `cfg.backend.params()`), the data it names in
+    its signature (`data_kwargs`), and a built-in's own (`BACKEND_KWARGS`)."""
+    named = inspect.signature(generator_class(cfg.backend.name)).parameters
     shared = dict(
         model=cfg.model,
         revision=cfg.revision or None,
@@ -231,8 +232,9 @@ def generator_kwargs(cfg: Config, inputs: Inputs, device: torch.device) -> dict[
         torch_compile=cfg.torch_compile,
     )
     data = {k: v for k, v in data_kwargs(cfg, inputs).items() if k in named}
-    own = BACKEND_KWARGS[cfg.backend](cfg, inputs) if cfg.backend in BACKEND_KWARGS else {}
-    return shared | data | cfg.backend_params() | own
+    backend = cfg.backend.name
+    own = BACKEND_KWARGS[backend](cfg, inputs) if backend in BACKEND_KWARGS else {}
+    return shared | data | cfg.backend.params() | own
 
 
 class Generators:

@@ -42,7 +42,7 @@ def run(cfg: Config) -> Path:
     procs = Processes(cpu=cfg.device == "cpu" or not torch.cuda.is_available())
     device = torch.device(cfg.device) if cfg.device else procs.device
     dtype = resolve_dtype(cfg, device)
-    gens = Generators(cfg.backend, generator_kwargs(cfg, inputs, device), dtype)
+    gens = Generators(cfg.backend.name, generator_kwargs(cfg, inputs, device), dtype)
     # what made the images: the generator's own identity (no weights read), plus the license
     # the user declares for them
     ident = gens.metadata() | {"license": cfg.license}
@@ -56,7 +56,7 @@ def run(cfg: Config) -> Path:
         "%s:%s, %s %d steps, guidance %g, %s, %d process(es) -> %s",
         len(plan.pairs), "pairs" if plan.k == 2 else f"{plan.k}-tuples", plan.num_series, k,
         "alphas" if plan.k == 2 else f"lattice points (m = {cfg.lattice_m})", plan.num_series * k, plan.num_shards,
-        plan.series_per_shard, cfg.backend, ident["model_id"], cfg.sampler, cfg.sample_steps,
+        plan.series_per_shard, cfg.backend.name, ident["model_id"], cfg.sampler, cfg.sample_steps,
         ident["guidance"], dtype, procs.world, out,
     )  # fmt: skip
     if (out / "config.json").is_file():

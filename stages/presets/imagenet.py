@@ -31,12 +31,11 @@ PRESET = Preset(
         "generate": dict(
             backend="dit",
             model=DIT_XL_256,
-            dit_class_ids=tuple(range(1000)),
             sample_steps=50,
             guidance=1.0,
             batch_size=64,
         )
-        | {"mixing.series_per_pair": 1},
+        | {"backend.dit.class_ids": tuple(range(1000)), "mixing.series_per_pair": 1},
         "annotate": dict(CLIP, sharpening=4.0),  # GUESS: the papers give none; Tiny-ImageNet's
     },
     reads=_read,
