@@ -30,6 +30,7 @@ from models.objectives import OBJECTIVES, LossEntry, build_objective
 from pipeline.chain import split_sets
 from pipeline.registry import resolve_stage_config
 from stages.configs import finetune as finetune_config
+from stages.configs import generate as generate_config
 from stages.configs import train as train_config
 
 
@@ -215,10 +216,11 @@ def test_an_encoders_parameters_are_its_own():
     assert {"encoder_model", "encoder_pretrained", "encoder_cache", "encoder_run"} <= every
 
 
-def test_docs_compat_lists_every_loss_parameters_flat_name_and_path():
+@pytest.mark.parametrize("section", [train_config.LOSS, generate_config.BACKEND])
+def test_docs_compat_lists_every_part_parameters_flat_name_and_path(section):
     text = (Path(__file__).parents[1] / "docs" / "compat.md").read_text(encoding="utf-8")
-    rows = dict(re.findall(r"^\| `(\w+)` \| `(loss\.[\w.]+)`[^|]* \|$", text, re.M))
-    assert rows == train_config.LOSS.legacy
+    rows = dict(re.findall(rf"^\| `(\w+)` \| `({section.name}\.[\w.]+)`[^|]* \|$", text, re.M))
+    assert rows == section.legacy
 
 
 @dataclass(frozen=True)
