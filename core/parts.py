@@ -9,9 +9,9 @@ A stage config holds a section per kind of part (`Section`): train has `loss`, w
 the losses' registry (models/objectives.OBJECTIVES), generate has `backend`, the generator
 backends' (models/generators/registry.GENERATORS). The section derives the config's leaves from
 the parts' parameters, so adding a loss or a backend adds its leaves, checks, `--fields` rows
-and `--set` spellings with no table to edit. Train's `loss` is a section of the config tree
-(`Section.tree`): `cfg.loss.name`, then one subsection per loss, `cfg.loss.focal.gamma`. The
-other stages' parts still give flat fields (`Section.fields`). Either way config.json records a
+and `--set` spellings with no table to edit. Train's `loss` and generate's `backend` are
+sections of the config tree (`Section.tree`): `cfg.loss.name`, then one subsection per loss,
+`cfg.loss.focal.gamma`. The other stages' parts still give flat fields (`Section.fields`). Either way config.json records a
 parameter under its flat name, `<prefix>_<param>` (`focal_gamma`), as it has since the first
 run: a run's identity keeps its bytes.
 On the command line a section also takes `loss.gamma=2` (the parameter of the loss the config

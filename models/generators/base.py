@@ -186,7 +186,8 @@ class Generator(ABC):
     weights until ``load()`` or its first ``generate_series``: ``metadata()`` (the generator's
     identity) needs only the constructor's arguments, so a stage can record what made its images
     without loading a model it may not need (a resumed run with nothing left to do). Its own
-    parameters are its nested ``Params``: generate fields, passed to the constructor by name.
+    parameters are its nested ``Params``: leaves of the generate config's ``backend`` section
+    (``backend.<name>.<param>``), passed to the constructor by name.
     """
 
     backend: str  # its name in the registry (models.generators.GENERATORS)

@@ -34,7 +34,8 @@ class DiTGenerator(Generator):
 
     @dataclass(frozen=True)
     class Params(Params):
-        """The generate field dit owns: `dit_class_ids`, the name config.json records."""
+        """dit's leaf of the generate config, `backend.dit.class_ids`; config.json records it as
+        `dit_class_ids`."""
 
         class_ids: tuple[int, ...] = param(
             (), doc="dit: ImageNet id of each of our classes, in order"

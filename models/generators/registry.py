@@ -6,7 +6,7 @@ unet's and edm's do when they are imported, so they are registered as "module:Cl
 ``generator_class`` imports only the backend asked for: a config check, a plan or a one-line error
 (an uncached model id offline) never waits for them. sd's and dit's import diffusers only when
 they read weights: they are registered as classes, and the generate config reads their nested
-``Params`` (the fields they own) from them.
+``Params`` (the leaves they own, `backend.sd.*` and `backend.dit.*`) from them.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ class Backend:
     """One backend: a part of the generate config's `backend` section (core.parts.Part)."""
 
     target: str | type[Generator]  # the class, or "module:Class", imported on first use
-    params: type[Params]  # its own parameters: generate fields `<prefix>_<param>`
+    params: type[Params]  # its own parameters: leaves `backend.<name>.<param>` of generate
     prefix: str
-    every_run: bool = False  # core.parts.Part: the built-ins' fields are in every config.json
+    every_run: bool = False  # core.parts.Part: the built-ins' parameters are in every config.json
     samplers: tuple[str, ...] = tuple(SAMPLERS)  # the config checks sampler= against these
     needs_model: bool = True  # model="" names nothing for it (unet, edm: a run-root folder)
     guidance: bool = True  # it takes classifier-free guidance (edm: refuses w != 1)
@@ -55,9 +55,10 @@ def register_backend(
     every_run: bool = False,
 ) -> None:
     """Add a generator backend from your own module: `backend=<name>` then generates with it,
-    its `Params`' parameters are generate fields `<prefix>_<param>` (prefix: the name, `-` as
-    `_`) and `backend.<param>=` sets them. `target` is the `Generator` subclass (its `backend`
-    is `name`), or "module:Class" for one whose module is slow to import: then `params` and
+    `backend.<param>=` sets its `Params`' parameters (leaves `backend.<name>.<param>`, `-` as
+    `_`; config.json records them as `<prefix>_<param>`, prefix: the name, `-` as `_`).
+    `target` is the `Generator` subclass (its `backend` is `name`), or "module:Class" for one
+    whose module is slow to import: then `params` and
     `samplers` (its class's `Params` and `samplers`; default none and base.SAMPLERS) are given
     here, since the config needs them before the class is imported. Register when your module is
     imported, which SEMIX_PLUGINS does before any config is built (pipeline/plugins.py)."""

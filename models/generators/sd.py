@@ -31,7 +31,8 @@ class SDGenerator(Generator):
 
     @dataclass(frozen=True)
     class Params(Params):
-        """The generate fields sd owns, under the names config.json records."""
+        """sd's leaves of the generate config (`backend.sd.<param>`), recorded in config.json
+        under the names given here."""
 
         prompt_template: str = param(
             "a photo of a {name}",
