@@ -212,8 +212,8 @@ def run() -> dict:
         save_file(clip.state_dict(), str(ckpt))
         del clip
         encoder = OpenCLIPEncoder("ViT-S-32", str(ckpt), device="cpu")
-        sets = ["workers=0", "encoder=openclip", "encoder_model=ViT-S-32"]
-        sets += [f"encoder_pretrained={ckpt}", "prototypes=text"]
+        sets = ["workers=0", "encoder=openclip", "encoder.openclip.model=ViT-S-32"]
+        sets += [f"encoder.openclip.pretrained={ckpt}", "prototypes=text"]
         clip_rows, scale = _measure("OpenCLIP ViT-S-32", encoder, out, real, sets)
         rows += clip_rows
         notes.append(f"OpenCLIP ViT-S-32 scaling: t(10·S) / t(S) = {scale:.2f} (goal <= 11).")

@@ -323,7 +323,8 @@ def run() -> dict:
     with torch.device("meta"):
         vae = AutoencoderKL(**SD_VAE).eval()
     f = dit_flops(dit_xl2(), vae, steps=steps, guidance=w["guidance"], batch=w["batch"])
-    f["clip"], f["clip_size"] = encoder_flops(cfg["annotate"].encoder_model)
+    clip = cfg["annotate"].encoder.params()["model"]  # the preset's CLIP encoder
+    f["clip"], f["clip_size"] = encoder_flops(clip)
     f["fwd"], f["both"] = classifier_flops(cfg["train"].model, w["size"], w["classes"])
     png = png_rates(photo_crops(size=w["size"]))
     tmp = Path(tempfile.mkdtemp(prefix="semix-bench-cost-"))
@@ -361,7 +362,7 @@ def run() -> dict:
             f"{f['denoiser'] / 1e12:.2f} T; VAE decode {f['decode'] / 1e9:.0f} G; an image "
             f"{(f['denoiser'] + f['decode']) / 1e12:.2f} T, a series "
             f"{w['members'] * (f['denoiser'] + f['decode']) / 1e12:.1f} T. "
-            f"{cfg['annotate'].encoder_model} at {f['clip_size']} px {f['clip'] / 1e9:.2f} G; "
+            f"{clip} at {f['clip_size']} px {f['clip'] / 1e9:.2f} G; "
             f"resnet50 at {w['size']} px {f['fwd'] / 1e9:.2f} G forward, {f['both'] / 1e9:.2f} G "
             "forward + backward. Not counted: elementwise ops, norms, the DDIM update.",
             f"H100-hours = FLOPs / ({PEAK / 1e12:.0f} TFLOP/s dense bf16 x MFU); the MFU ranges "

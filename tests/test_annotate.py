@@ -322,8 +322,8 @@ def test_text_prototypes_with_tiny_openclip(runs, tiny_openclip_file):
     mixed = _annotate(
         runs,
         "encoder=openclip",
-        f"encoder_model={TINY_CLIP}",
-        f"encoder_pretrained={tiny_openclip_file}",
+        f"encoder.openclip.model={TINY_CLIP}",
+        f"encoder.openclip.pretrained={tiny_openclip_file}",
         "prototypes=text",
         "text_templates=" + ",".join(templates),
     )
@@ -418,15 +418,15 @@ def _fails(capsys, runs: Path, *sets: str, code: int = 1) -> str:
 
 def test_bad_input_is_refused_with_one_line(runs, capsys, monkeypatch, tmp_path):
     root = runs / "digits"
-    assert "encoder_run=nope" in _fails(capsys, runs, "encoder_run=nope")
+    assert "encoder.classifier.run=nope" in _fails(capsys, runs, "encoder.classifier.run=nope")
     assert "needs an encoder with a text tower" in _fails(capsys, runs, "prototypes=text", code=2)
     assert "annotator='mixup'" in _fails(capsys, runs, "annotator=mixup", code=2)
     # OpenCLIP tag that is not cached, offline
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    err = _fails(capsys, runs, "encoder=openclip", f"encoder_cache={tmp_path / 'cache'}")
-    assert "ViT-B-32/openai" in err and "encoder_pretrained=" in err
+    err = _fails(capsys, runs, "encoder=openclip", f"encoder.openclip.cache={tmp_path / 'cache'}")
+    assert "ViT-B-32/openai" in err and "encoder.pretrained=" in err
     # missing checkpoint file of the encoder run
     (root / "train" / "encoder" / "model.safetensors").unlink()
     assert "no trained weights" in _fails(capsys, runs)

@@ -261,7 +261,7 @@ def test_uncached_hf_clip_id_offline_fails_fast_in_one_line():
         HFCLIPEncoder("semix-test/no-such-clip", device="cpu")
     assert time.monotonic() - t0 < 30
     assert "\n" not in str(e.value) and "offline" in str(e.value)
-    assert "encoder_model=<a local folder" in str(e.value)
+    assert "encoder.model=<a local folder" in str(e.value)
 
 
 @pytest.fixture

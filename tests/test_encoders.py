@@ -244,13 +244,13 @@ def test_openclip_preprocessing_matches_pil_transform_on_upsampling(tiny_opencli
 def test_openclip_missing_weights_give_one_line_error(tmp_path, monkeypatch, tiny_openclip):
     import huggingface_hub.constants
 
-    with pytest.raises(ValueError, match="encoder_pretrained=/path/to/checkpoint") as err:
+    with pytest.raises(ValueError, match=r"encoder\.pretrained=/path/to/checkpoint") as err:
         OpenCLIPEncoder(TINY_CLIP, str(tmp_path / "missing.safetensors"), device="cpu")
     assert "\n" not in str(err.value)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ValueError, match="ViT-B-32/openai") as err:
         OpenCLIPEncoder("ViT-B-32", "openai", device="cpu", cache_dir=str(tmp_path))
-    assert "\n" not in str(err.value) and "encoder_pretrained=" in str(err.value)
+    assert "\n" not in str(err.value) and "encoder.pretrained=" in str(err.value)
     with pytest.raises(ValueError, match="unknown OpenCLIP model"):
         OpenCLIPEncoder("ViT-Nope", "openai", device="cpu")
 

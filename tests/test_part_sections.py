@@ -1,7 +1,8 @@
 """The parts a stage picks as sections of its config tree (core.parts.Section.tree), beyond
-train's loss (tests/test_parts.py): generate's `backend`. The picked part is `<section>.name`
-(set as `backend=sd`), each part's parameters are leaves `<section>.<part>.<param>`, config.json
-records them under their flat names, and --set takes every spelling."""
+train's loss (tests/test_parts.py): generate's `backend` and annotate's `encoder`. The picked
+part is `<section>.name` (set as `backend=sd`), each part's parameters are leaves
+`<section>.<part>.<param>`, config.json records them under their flat names, and --set takes
+every spelling."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from core.tree import get, leaves
 from models.generators import GENERATORS
 from pipeline.cli import main
 from pipeline.registry import resolve_stage_config
+from stages.configs import annotate as annotate_config
 from stages.configs import generate as generate_config
 
 BUILT_IN_BACKENDS = ("unet", "sd", "dit", "edm")
@@ -119,3 +121,54 @@ def test_fields_and_print_config_show_the_backend_section(capsys):
     assert main(["generate", "--preset", "cifar10", "--print-config"]) == 0
     printed = capsys.readouterr().out
     assert '"backend": {' in printed and '"native_size": 0' in printed
+
+
+def test_every_encoder_parameter_is_a_leaf_recorded_by_its_flat_name():
+    """The CLIP kinds share their model, one leaf at the first (encoder.openclip.model)."""
+    cfg = resolve_stage_config("annotate", "cifar10")
+    assert annotate_config.ENCODER.legacy == {
+        "encoder_model": "encoder.openclip.model",
+        "encoder_pretrained": "encoder.openclip.pretrained",
+        "encoder_cache": "encoder.openclip.cache",
+        "encoder_run": "encoder.classifier.run",
+    }
+    assert annotate_config.ENCODER.paths_of("hf-clip") == {"model": "openclip.model"}
+    assert [f.name for f in dataclasses.fields(cfg.encoder)] == ["name", "openclip", "classifier"]
+    assert (cfg.encoder.name, cfg.encoder.params()) == (
+        "openclip",
+        {"model": "ViT-B-32", "pretrained": "openai", "cache": ""},
+    )
+    recorded = cfg.recorded()
+    assert recorded["encoder"] == "openclip" and recorded["encoder_run"] == "encoder"
+    assert not any(key.startswith("encoder.") for key in recorded)
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ["encoder=classifier", "encoder_run=enc2"],
+        ["encoder.name=classifier", "encoder.run=enc2"],
+        ["encoder=classifier", "encoder.classifier.run=enc2"],
+    ],
+)
+def test_nested_and_flat_encoder_spellings_give_one_config(sets):
+    cfg = resolve_stage_config("annotate", "cifar10", sets)
+    assert (cfg.encoder.name, cfg.encoder.params()) == ("classifier", {"run": "enc2"})
+    flat = resolve_stage_config("annotate", "cifar10", ["encoder=classifier", "encoder_run=enc2"])
+    assert cfg.recorded() == flat.recorded() and flat.recorded()["encoder_run"] == "enc2"
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
+
+
+@pytest.mark.parametrize(
+    ("sets", "needle"),
+    [
+        (["encoder=nope"], "encoder='nope' is not valid"),
+        (["encoder.model=x"], "encoder 'classifier' has no parameter 'model'"),  # digits'
+        (["encoder.clip.model=x"], "no encoder 'clip'"),
+        (["prototypes=text"], "encoder=classifier has none"),
+    ],
+)
+def test_bad_encoder_values_are_refused_in_one_line(sets, needle):
+    with pytest.raises(ConfigError) as e:
+        resolve_stage_config("annotate", "digits", sets)
+    assert needle in str(e.value) and "\n" not in str(e.value)

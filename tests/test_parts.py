@@ -29,6 +29,7 @@ from models.losses import LOSSES, FocalLoss, build_loss
 from models.objectives import OBJECTIVES, LossEntry, build_objective
 from pipeline.chain import split_sets
 from pipeline.registry import resolve_stage_config
+from stages.configs import annotate as annotate_config
 from stages.configs import finetune as finetune_config
 from stages.configs import generate as generate_config
 from stages.configs import train as train_config
@@ -206,17 +207,22 @@ def test_a_section_derives_fields_docs_identity_and_refuses_clashes():
 
 
 def test_an_encoders_parameters_are_its_own():
-    # the CLIP kinds share one field (encoder_model); the classifier kind has only its run
+    # the CLIP kinds share one leaf (encoder.openclip.model); the classifier kind has only its run
     cfg = resolve_stage_config("annotate", "digits", ["encoder=hf-clip", "encoder.model=/m"])
-    assert (cfg.encoder, cfg.encoder_model) == ("hf-clip", "/m")
-    assert resolve_stage_config("annotate", "digits", ["encoder.run=enc2"]).encoder_run == "enc2"
+    assert (cfg.encoder.name, cfg.encoder.openclip.model) == ("hf-clip", "/m")
+    assert cfg.encoder.params() == {"model": "/m"} and cfg.recorded()["encoder_model"] == "/m"
+    cfg = resolve_stage_config("annotate", "digits", ["encoder.run=enc2"])
+    assert cfg.encoder.classifier.run == "enc2"
     with pytest.raises(ConfigError, match="encoder 'classifier' has no parameter 'model'"):
         resolve_stage_config("annotate", "digits", ["encoder.model=ViT-B-16"])
-    every = {f.name for f in dataclasses.fields(resolve_stage_config("annotate", "digits"))}
-    assert {"encoder_model", "encoder_pretrained", "encoder_cache", "encoder_run"} <= every
+    paths = {leaf.path for leaf in leaves(type(cfg))}
+    assert {"encoder.openclip.model", "encoder.openclip.pretrained"} <= paths
+    assert {"encoder.openclip.cache", "encoder.classifier.run"} <= paths
 
 
-@pytest.mark.parametrize("section", [train_config.LOSS, generate_config.BACKEND])
+@pytest.mark.parametrize(
+    "section", [train_config.LOSS, generate_config.BACKEND, annotate_config.ENCODER]
+)
 def test_docs_compat_lists_every_part_parameters_flat_name_and_path(section):
     text = (Path(__file__).parents[1] / "docs" / "compat.md").read_text(encoding="utf-8")
     rows = dict(re.findall(rf"^\| `(\w+)` \| `({section.name}\.[\w.]+)`[^|]* \|$", text, re.M))

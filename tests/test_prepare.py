@@ -346,7 +346,7 @@ def test_imagenet_preset_resolves_for_every_stage():
     assert (prepare.source, prepare.image_size, prepare.resize) == ("imagenet", 256, "center-crop")
     assert (generate.backend.name, generate.model) == ("dit", "facebook/DiT-XL-2-256")
     assert generate.backend.dit.class_ids == tuple(range(1000)) and generate.guidance == 1.0
-    assert configs["annotate"].encoder == "openclip"
+    assert configs["annotate"].encoder.name == "openclip"
     assert configs["train"].model == "timm:resnet50"
     # the dataset resolution is the user's: prepare's image_size, which generate follows (0)
     assert resolve_stage_config("prepare", "imagenet", ["image_size=64"]).image_size == 64

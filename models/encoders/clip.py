@@ -47,14 +47,14 @@ def _resolve_openclip_weights(
             why = "the Hub is offline" if offline else f"cannot be downloaded ({type(e).__name__})"
             raise ValueError(
                 f"OpenCLIP weights {model_name}/{pretrained} are not cached and {why}; "
-                f"encoder_pretrained=/path/to/checkpoint takes a local file"
+                f"encoder.pretrained=/path/to/checkpoint takes a local file"
             ) from e
     path = Path(pretrained).expanduser()
     if not path.is_file():
         tags = open_clip.list_pretrained_tags_by_model(model_name)
         raise ValueError(
             f"OpenCLIP pretrained '{pretrained}' is neither a tag of {model_name} ({tags}) nor an "
-            f"existing file; encoder_pretrained=/path/to/checkpoint takes a local file"
+            f"existing file; encoder.pretrained=/path/to/checkpoint takes a local file"
         )
     if path.suffix not in CHECKPOINT_SUFFIXES:
         raise ValueError(f"checkpoint {path.name}: suffix must be one of {CHECKPOINT_SUFFIXES}")
@@ -74,11 +74,12 @@ def check_safetensors(path: Path) -> None:
     except (SafetensorError, OSError) as e:
         raise ValueError(
             f"{path} is not a valid safetensors file ({str(e).strip()[:80]}); "
-            "point encoder_pretrained= to a real checkpoint (a .pt/.bin pickle keeps its suffix)"
+            "point encoder.pretrained= to a real checkpoint (a .pt/.bin pickle keeps its suffix)"
         ) from e
 
 
-# one annotate field, encoder_model, names the model of both CLIP kinds
+# one annotate leaf, encoder.openclip.model (config.json: encoder_model), names the model of both
+# CLIP kinds
 MODEL_DOC = "OpenCLIP model name, or a HF CLIP id / save_pretrained folder"
 
 
@@ -98,8 +99,9 @@ class OpenCLIPEncoder(ImageEncoder):
 
     @dataclass(frozen=True)
     class Params(Params):
-        """Its parameters as annotate's fields (recorded under these names since the first
-        mixed/): `encoder_model`, `encoder_pretrained`, `encoder_cache`."""
+        """Its parameters as leaves of annotate's encoder section, `encoder.openclip.<param>`,
+        recorded in config.json under the names given here since the first mixed/:
+        `encoder_model`, `encoder_pretrained`, `encoder_cache`."""
 
         model: str = param("ViT-B-32", field="encoder_model", doc=MODEL_DOC)
         pretrained: str = param(
@@ -123,7 +125,7 @@ class OpenCLIPEncoder(ImageEncoder):
         if ":" in model_name:  # 'hf-hub:' / 'local-dir:' would bypass the tag-or-file contract
             raise ValueError(
                 f"OpenCLIP model '{model_name}': use a built-in name (e.g. ViT-B-32) and "
-                f"encoder_pretrained=/path/to/checkpoint for local weights"
+                f"encoder.pretrained=/path/to/checkpoint for local weights"
             )
         model_cfg = open_clip.get_model_config(model_name)
         if model_cfg is None:
@@ -202,7 +204,7 @@ class HFCLIPEncoder(ImageEncoder):
 
     @dataclass(frozen=True)
     class Params(Params):
-        """Its parameter as annotate's field: `encoder_model`, shared with openclip's model."""
+        """Its parameter: openclip's model leaf, `encoder.openclip.model` (`encoder_model`)."""
 
         model: str = param("ViT-B-32", field="encoder_model", doc=MODEL_DOC)
 
@@ -219,7 +221,7 @@ class HFCLIPEncoder(ImageEncoder):
             why = "not in the local cache and the Hub is offline" if local else type(e).__name__
             raise ValueError(
                 f"Hugging Face CLIP model '{source}' cannot be loaded ({why}); set "
-                "encoder_model=<a local folder written by save_pretrained>"
+                "encoder.model=<a local folder written by save_pretrained>"
             ) from e
         vision_size = model.config.vision_config.image_size
         try:

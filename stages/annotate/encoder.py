@@ -40,18 +40,20 @@ PROTOTYPES_META = "prototypes.json"
 
 
 def _classifier_args(cfg: Config) -> dict[str, Any]:
-    """The `module` kind over runs/<classes>/train/<encoder_run>/: its pooled pre-classifier
-    features at its own input size and normalisation, named by run, architecture and weights.
+    """The `module` kind over runs/<classes>/train/<encoder.classifier.run>/: its pooled
+    pre-classifier features at its own input size and normalisation, named by run, architecture
+    and weights.
     The architecture by its name only: the weights' sha256 pins its widths (each one a tensor's
     shape), and so an encoder's identity, mixed/ with it, stays what it was before model.json
     held the whole arch config."""
-    folder = cfg.root / "train" / cfg.encoder_run
+    run = cfg.encoder.classifier.run
+    folder = cfg.root / "train" / run
     try:
         model, meta = load_model(folder, classifier_from_config)
     except ShardError as e:
-        raise ShardError(f"encoder_run={cfg.encoder_run}: {e}") from e
+        raise ShardError(f"encoder.classifier.run={run}: {e}") from e
     identity = {
-        "run": cfg.encoder_run,
+        "run": run,
         "arch": {k: v for k, v in meta["arch"].items() if k in NAME_KEYS},
         "weights_sha256": sha256_file(folder / WEIGHTS),
     }
@@ -66,12 +68,13 @@ def _classifier_args(cfg: Config) -> dict[str, Any]:
 
 
 def _openclip_args(cfg: Config) -> dict[str, Any]:
-    cache = cfg.encoder_cache or None
-    return dict(model_name=cfg.encoder_model, pretrained=cfg.encoder_pretrained, cache_dir=cache)
+    own = cfg.encoder.openclip
+    return dict(model_name=own.model, pretrained=own.pretrained, cache_dir=own.cache or None)
 
 
 def _hf_clip_args(cfg: Config) -> dict[str, Any]:
-    return dict(model_id_or_folder=cfg.encoder_model)
+    # its model: the leaf both CLIP kinds share (encoder.openclip.model)
+    return dict(model_id_or_folder=cfg.encoder.params()["model"])
 
 
 # encoder= -> the constructor arguments of its kind, from the config
@@ -83,11 +86,11 @@ ENCODER_ARGS: dict[str, Callable[[Config], dict[str, Any]]] = {
 
 
 def build_encoder(cfg: Config, device: torch.device) -> ImageEncoder:
-    kind = ENCODER_KINDS[cfg.encoder]
+    kind = ENCODER_KINDS[cfg.encoder.name]
     # the encoder casts by itself (autocast), so no launcher has a say (core/precision.py)
     precision = resolve_precision("precision", cfg.precision, device, launcher=False)
     common = dict(device=device, batch_size=cfg.batch_size, precision=precision)
-    return build_encoder_kind(kind, **ENCODER_ARGS[cfg.encoder](cfg), **common)
+    return build_encoder_kind(kind, **ENCODER_ARGS[cfg.encoder.name](cfg), **common)
 
 
 # ---------------------------------------------------------------- the prototypes

@@ -125,7 +125,7 @@ def run(cfg: Config) -> Path:
         series_m.num_samples,
         n_shards,
         cfg.annotator,
-        cfg.encoder,
+        cfg.encoder.name,
         procs.world,
         mixed,
     )

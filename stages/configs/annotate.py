@@ -1,4 +1,12 @@
-"""Config of the `annotate` stage: series/ + real/train -> runs/<classes>/mixed/ (docs/methods.md §2)."""
+"""Config of the `annotate` stage: series/ + real/train -> runs/<classes>/mixed/ (docs/methods.md §2).
+
+The `encoder` section picks the image encoder (`ENCODER_KINDS`, of models.encoders.ENCODERS)
+and holds every encoder's parameters, derived from each one's `Params` by the `ENCODER` section
+(core/parts.py): `cfg.encoder.name`, `cfg.encoder.openclip.model` (hf-clip's model too: the CLIP
+kinds share it), `cfg.encoder.classifier.run`. So `--set encoder=classifier encoder.run=enc`,
+`encoder.classifier.run=enc` and the flat `encoder_run=enc` (config.json's name, saying its
+path once) do the same thing.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +15,7 @@ from dataclasses import dataclass
 from core.config import ConfigError, StageConfig, check_choice, check_range, recorded_off_default
 from core.parts import Params, Section, param
 from core.precision import check_precision
+from core.tree import section
 from models.annotation import ANNOTATORS
 from models.encoders import ENCODERS, HFCLIPEncoder, OpenCLIPEncoder
 from stages.configs.legacy import legacy_names
@@ -14,7 +23,7 @@ from stages.presets import stage_presets
 
 # encoder= -> its kind in the one encoder registry, models.encoders.ENCODERS. `classifier` is the
 # `module` kind over the pooled features of a semix classifier trained in
-# runs/<classes>/train/<encoder_run>/ (the stage reads that run).
+# runs/<classes>/train/<encoder.classifier.run>/ (the stage reads that run).
 ENCODER_KINDS = {"classifier": "module", "openclip": "openclip", "hf-clip": "hf-clip"}
 # the ones with a text tower (prototypes=text)
 TEXT_ENCODERS = tuple(name for name, kind in ENCODER_KINDS.items() if ENCODERS[kind].has_text)
@@ -31,7 +40,8 @@ class ClassifierParams(Params):
 @dataclass(frozen=True)
 class EncoderPart:
     """An encoder as a part of the `encoder` section (core.parts.Part): its parameters are
-    annotate fields recorded in every mixed/ since the first (their names: `field=`)."""
+    leaves `encoder.<encoder>.<param>`, recorded in every mixed/ since the first under the flat
+    names their `field=` gives (`encoder_model`)."""
 
     params: type[Params]
     prefix: str = "encoder"
@@ -46,17 +56,21 @@ ENCODER = Section(
         "hf-clip": EncoderPart(HFCLIPEncoder.Params),
         "classifier": EncoderPart(ClassifierParams),
     },
-    heading="the encoder's parameters",
+    heading="the image encoder and its parameters",
+)
+# the config's `encoder` section; its parameters' flat names join the stage's LEGACY
+Encoder = ENCODER.tree(
+    "openclip", __name__, doc="the image encoder; its parameters: encoder.<param>=value"
 )
 
 
 @dataclass(frozen=True)
-@ENCODER.fields(after="encoder")  # every encoder's parameters, one field each
 class Config(StageConfig):
-    LEGACY = legacy_names("annotate")
+    LEGACY = legacy_names("annotate", ENCODER.legacy)
+    SECTIONS = (ENCODER,)  # `encoder.model=ViT-B-16`: the picked encoder's (core.config)
 
     cpu_threads: int = 1  # pinned: CPU bytes must not depend on the launcher (StageConfig)
-    encoder: str = "openclip"  # its parameters: the encoder_* fields, or encoder.<param>=
+    encoder: Encoder = section(Encoder)
     # projection | similarity | ratio (docs/methods.md §2 and its ablations)
     annotator: str = "projection"
     sharpening: float = (
@@ -79,7 +93,6 @@ class Config(StageConfig):
     judge: str = ""
 
     def __post_init__(self):
-        check_choice("encoder", self.encoder, tuple(ENCODER_KINDS))
         check_choice("annotator", self.annotator, tuple(ANNOTATORS))
         check_choice("prototypes", self.prototypes, PROTOTYPE_SOURCES)
         check_precision("precision", self.precision)
@@ -88,10 +101,10 @@ class Config(StageConfig):
         check_range("train_limit", self.train_limit, 0)
         if not self.sharpening > 0:
             raise ConfigError(f"sharpening={self.sharpening!r} must be > 0")
-        if self.prototypes == "text" and self.encoder not in TEXT_ENCODERS:
+        if self.prototypes == "text" and self.encoder.name not in TEXT_ENCODERS:
             raise ConfigError(
                 f"prototypes=text needs an encoder with a text tower ({', '.join(TEXT_ENCODERS)}); "
-                f"encoder={self.encoder} has none"
+                f"encoder={self.encoder.name} has none"
             )
         if self.prototypes == "text" and (
             not self.text_templates or any("{}" not in t for t in self.text_templates)
