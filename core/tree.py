@@ -6,8 +6,8 @@ lines spelt onto the paths. Building a config takes paths and flat names alike (
 `Tree` spells them as sections), so `Config(lr=0.05)`, `Config(**{"optim.lr": 0.05})` and
 `dataclasses.replace(cfg, lr=0.05)` give the same config.
 
-A section that picks one of several parts (train's `loss`: core.parts.Section.tree) has a leaf
-`name` saying which, and the section's own name stands for that leaf: `loss=csm` sets
+A section that picks one of several parts (train's `loss`, generate's `backend`, annotate's
+`encoder`: core.parts.Section.tree) has a leaf `name` saying which, and the section's own name stands for that leaf: `loss=csm` sets
 `loss.name`, and config.json records it as `loss`.
 """
 
