@@ -7,8 +7,8 @@ lines spelt onto the paths. Building a config takes paths and flat names alike (
 `dataclasses.replace(cfg, lr=0.05)` give the same config.
 
 A section that picks one of several parts (train's `loss`, generate's `backend`, annotate's
-`encoder`: core.parts.Section.tree) has a leaf `name` saying which, and the section's own name stands for that leaf: `loss=csm` sets
-`loss.name`, and config.json records it as `loss`.
+`encoder`: core.parts.Section.tree) has a leaf `name` saying which, and the section's own name
+stands for that leaf: `loss=csm` sets `loss.name`, and config.json records it as `loss`.
 """
 
 from __future__ import annotations
