@@ -28,10 +28,17 @@ SHARED_FIELDS = ("out", "name", "seed", "classes_file", "verify_sha256")
 
 
 def field_names(stage: str) -> list[str]:
-    """Every leaf path of `stage`'s config tree (`loss` for loss.name: core.tree.shown) and every
-    flat name it still takes."""
+    """Every leaf path of `stage`'s config tree (`loss` for loss.name: core.tree.shown), every
+    shorthand of a section of parts (`encoder.model`: the picked encoder's, core/parts.py) and
+    every flat name it still takes."""
     config = config_module(stage).Config
-    return [*(shown(config, leaf.path) for leaf in leaves(config)), *config.LEGACY]
+    shorthands = {
+        f"{section.name}.{param}": None
+        for section in getattr(config, "SECTIONS", ())
+        for part in section.names
+        for param in section.fields_of(part)
+    }
+    return [*(shown(config, leaf.path) for leaf in leaves(config)), *shorthands, *config.LEGACY]
 
 
 def _path(stage: str, name: str) -> str:

@@ -15,6 +15,7 @@ import pytest
 from core.config import SAID, ConfigError, RenamedField
 from core.tree import get, leaves
 from models.generators import GENERATORS
+from pipeline.chain import field_names, scope_fields
 from pipeline.cli import main
 from pipeline.registry import resolve_stage_config
 from stages.configs import annotate as annotate_config
@@ -172,3 +173,17 @@ def test_bad_encoder_values_are_refused_in_one_line(sets, needle):
     with pytest.raises(ConfigError) as e:
         resolve_stage_config("annotate", "digits", sets)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_chain_scopes_a_sections_paths_and_shorthands_in_a_stages_errors():
+    """An encoder's hint names the picked encoder's parameter by its shorthand
+    (`encoder.pretrained=`); inside a chain it is scoped like a leaf's path."""
+    fields = field_names("annotate")
+    assert {"encoder", "encoder.openclip.model", "encoder.model", "encoder_model"} <= set(fields)
+    assert {"backend", "backend.dit.class_ids", "backend.class_ids"} <= set(field_names("generate"))
+    message = "OpenCLIP weights are not cached; encoder.pretrained=/path/to/checkpoint takes a file"
+    assert scope_fields(message, "annotate", fields) == message.replace(
+        "encoder.pretrained=", "annotate.encoder.pretrained="
+    )
+    message = "encoder.classifier.run=nope: no trained weights"
+    assert scope_fields(message, "annotate", fields) == f"annotate.{message}"
