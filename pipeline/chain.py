@@ -17,7 +17,8 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from core.config import ConfigError, StageConfig, describe_fields, every_field, parse_sets
+from core.config import ConfigError, StageConfig, every_field, parse_sets
+from core.fielddocs import describe_fields
 from core.logs import log
 from core.tree import leaves, shown, spelt
 from pipeline.registry import STAGES, check_out, config_module, resolve_stage_config, run_stage

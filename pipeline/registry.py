@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.config import ConfigError, describe_fields, resolve
+from core.config import ConfigError, resolve
+from core.fielddocs import describe_fields
 from core.runtime import (
     check_launcher,
     code_version,

@@ -3,7 +3,7 @@ its fields (defaults, the preset's values, descriptions, choices), the presets a
 
 Everything is read from the code, never from a second copy that could drift: the purpose and
 the examples from the module docstring (read from the source: help imports no stage, so it
-is as quick as --fields), the fields from the config class (`core.config.describe_fields`).
+is as quick as --fields), the fields from the config class (`core.fielddocs.describe_fields`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import importlib.util
 import re
 from pathlib import Path
 
-from core.config import StageConfig, describe_fields
+from core.config import StageConfig
+from core.fielddocs import describe_fields
 from pipeline.chain import SHARED_FIELDS
 from pipeline.registry import COMMANDS, STAGES, config_module
 from stages import presets

@@ -24,7 +24,7 @@ import pipeline.cli
 import pipeline.demo
 import pipeline.study
 import pipeline.study.command
-from core.config import field_docs
+from core.fielddocs import field_docs
 from core.tree import leaves
 from pipeline.chain import scope_fields
 from pipeline.cli import main

@@ -20,9 +20,9 @@ from core.config import (
     ConfigError,
     RenamedField,
     StageConfig,
-    field_docs,
     resolve,
 )
+from core.fielddocs import field_docs
 from core.parts import Params, Section, param
 from core.tree import get, leaves
 from models.losses import LOSSES, FocalLoss, build_loss

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from core.config import describe_fields
+from core.fielddocs import describe_fields
 from core.io import atomic_write_json
 from core.logs import log
 from core.runtime import derive_seed
