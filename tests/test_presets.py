@@ -167,7 +167,7 @@ def test_the_study_on_a_tiny_imagefolder_with_the_fashion_recipe(tmp_path, capsy
         "v_prediction",
         5000,
     )
-    assert by_stage["annotate"]["encoder"] == "classifier"
+    assert by_stage["annotate"]["encoder"]["name"] == "classifier"
     assert by_stage["annotate"]["judge"] == "judge"
     # every study run (a stage command of a task) resolves to the fashion recipe's values
     seen = set()
