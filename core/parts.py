@@ -7,12 +7,13 @@ one line whoever builds it: the stage config, a test, a user's own code.
 
 A stage config holds a section per kind of part (`Section`): train has `loss`, whose parts are
 the losses' registry (models/objectives.OBJECTIVES), generate has `backend`, the generator
-backends' (models/generators/registry.GENERATORS). The section derives the config's leaves from
-the parts' parameters, so adding a loss or a backend adds its leaves, checks, `--fields` rows
-and `--set` spellings with no table to edit. Train's `loss` and generate's `backend` are
-sections of the config tree (`Section.tree`): `cfg.loss.name`, then one subsection per loss,
-`cfg.loss.focal.gamma`. The other stages' parts still give flat fields (`Section.fields`). Either way config.json records a
-parameter under its flat name, `<prefix>_<param>` (`focal_gamma`), as it has since the first
+backends' (models/generators/registry.GENERATORS), annotate has `encoder`. The section derives
+the config's leaves from the parts' parameters, so adding a loss or a backend adds its leaves,
+checks, `--fields` rows and `--set` spellings with no table to edit. Train's `loss`,
+generate's `backend` and annotate's `encoder` are sections of the config tree
+(`Section.tree`): `cfg.loss.name`, then one subsection per loss, `cfg.loss.focal.gamma`.
+Finetune's `method` still gives flat fields (`Section.fields`). Either way config.json records
+a parameter under its flat name, `<prefix>_<param>` (`focal_gamma`), as it has since the first
 run: a run's identity keeps its bytes.
 On the command line a section also takes `loss.gamma=2` (the parameter of the loss the config
 picks: its last --set, else the preset's, else the default) and `loss.focal.gamma=2` (a named
@@ -238,7 +239,7 @@ class Section:
     def _meta(self, d: Derived) -> dict[str, Any]:
         """A derived leaf's metadata: its part's, what --fields shows, its rule in config.json."""
         meta = dict(d.field.metadata, part=self.name, parts=d.parts)
-        meta["comment"] = (meta["doc"], meta["section"])  # what --fields shows (core.config)
+        meta["comment"] = (meta["doc"], meta["section"])  # what --fields shows (core.fielddocs)
         if not any(self.parts[p].every_run for p in d.parts):
             meta.setdefault(IDENTITY, OFF_DEFAULT)
         return meta
