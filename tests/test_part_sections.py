@@ -52,7 +52,7 @@ def test_every_backend_parameter_is_a_leaf_with_its_default_and_its_flat_name():
     [
         ["backend=sd", "native_size=512"],
         ["backend.name=sd", "backend.native_size=512"],
-        ["backend.native_size=512", "backend=sd"],  # the backend's last --set counts
+        ["backend=unet", "backend.native_size=512", "backend=sd"],  # the last pick counts
         ["backend=sd", "backend.sd.native_size=512"],
     ],
 )
