@@ -39,7 +39,14 @@ from pipeline.chain import scoped_errors, split_sets
 from pipeline.registry import resolve_stage_config
 from pipeline.study.config import METHODS, Task
 from pipeline.study.mixed_sets import link_complete, share_upstream, variant_root
-from pipeline.study.tuning import REFERENCE, TUNE_SEED, choose_point, set_values, val_score
+from pipeline.study.tuning import (
+    REFERENCE,
+    TUNE_SEED,
+    choose_point,
+    score_row,
+    set_values,
+    val_score,
+)
 from shards.manifest import is_complete
 from stages.presets import chain_steps
 
@@ -209,17 +216,8 @@ def choose_cell(root: Path, seeds: Sequence[int]) -> dict[str, Any]:
     for cell in kept:
         runs = [tune_run(cell, s) for s in seeds]
         scores = [val_score(root / "train" / r) for r in runs]
-        rows.append(
-            {
-                "run": tune_run(cell),
-                "guidance": cell.guidance,
-                "clip": cell.clip,
-                "fidelity": cells[cell],
-                **{k: round(float(np.mean([s[k] for s in scores])), 4) for k in scores[0]},
-                "val_nll_seeds": [s["val_nll"] for s in scores],
-                "runs": runs,
-            }
-        )
+        values = {"guidance": cell.guidance, "clip": cell.clip, "fidelity": cells[cell]}
+        rows.append(score_row(tune_run(cell), values, scores, runs))
     rule = choose_point(rows, {"guidance": reference.guidance, "clip": reference.clip})
     chosen = rule.pop("chosen")
     return {

@@ -226,6 +226,21 @@ def choose_point(rows: Sequence[dict[str, Any]], reference: dict[str, float]) ->
     }
 
 
+def score_row(
+    run: str, values: dict[str, Any], scores: Sequence[dict[str, float]], runs: Sequence[str]
+) -> dict[str, Any]:
+    """A point's row for the rule (choose_point) and study.json: its name (`run`, its run at
+    TUNE_SEED), its `values`, the mean of each score over its seeds (`scores`, one per seed, in
+    seed order), its val NLL per seed and its `runs` (the same order)."""
+    return {
+        "run": run,
+        **values,
+        **{k: round(float(np.mean([s[k] for s in scores])), 4) for k in scores[0]},
+        "val_nll_seeds": [s["val_nll"] for s in scores],
+        "runs": list(runs),
+    }
+
+
 def _rows(
     root: Path, tasks: Sequence[TuneTask], points: dict[str, dict[str, float]]
 ) -> list[dict[str, Any]]:
@@ -238,16 +253,8 @@ def _rows(
     for key, point in points.items():
         runs = sorted(by_key[key], key=lambda t: t.seed)
         scores = [score(root, t) for t in runs]
-        rows.append(
-            {
-                "run": key,
-                **point,
-                **{k: round(float(np.mean([s[k] for s in scores])), 4) for k in scores[0]},
-                "val_nll_seeds": [s["val_nll"] for s in scores],
-                "runs": [t.name for t in runs],
-                "extension": runs[0].role == "ext",
-            }
-        )
+        row = score_row(key, point, scores, [t.name for t in runs])
+        rows.append({**row, "extension": runs[0].role == "ext"})
     return rows
 
 
