@@ -51,6 +51,9 @@ def test_every_task_of_the_default_study_waits_for_the_data(tmp_path):
     # the generator's cells are tried before set 0 is drawn, every csm-family set after it
     cell_runs = [n for n in tasks if n.startswith("tune-cell-")]
     assert len(cell_runs) == 3 * 3 and set(cell_runs) <= tasks["chain"].after
+    cell_order = [n for n in tasks if n.startswith(("chain-cell-", "tune-cell-"))]
+    first = ["chain-cell-w1", "tune-cell-w1", "tune-cell-w1-t101", "tune-cell-w1-t102"]
+    assert cell_order[:5] == [*first, "chain-cell-w1p5"]  # each cell's chain, then its runs
     assert all("chain" in _ancestors(tasks, n) for n in tasks if n.startswith("chain-m"))
     csm = [n for n in tasks if n.startswith("csm-s") and METHODS["csm"].needs_mixed]
     assert csm and all("chain" in _ancestors(tasks, n) for n in csm)

@@ -30,7 +30,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -178,16 +178,28 @@ def generator_task(preset: str, chain_sets: Sequence[str], root: Path, after: st
     return Task(GENERATOR, steps, {after}, done)
 
 
+class CellTasks(NamedTuple):
+    """cell_tasks' tasks: each candidate cell's chain, and the csm runs on the cells' sets (the
+    runs the choice reads, so set 0's chain waits for them)."""
+
+    chains: list[Task]
+    runs: list[Task]
+
+    def in_order(self) -> list[Task]:
+        """The plan's order: each cell's chain, then the runs that wait for it."""
+        return [t for c in self.chains for t in (c, *(r for r in self.runs if c.name in r.after))]
+
+
 def cell_tasks(
     root: Path,
     cells: Sequence[Cell],
     chain_sets: Sequence[str],
     train_sets: Sequence[str],
     seeds: Sequence[int],
-) -> list[Task]:
+) -> CellTasks:
     """Per candidate cell: its chain (chain-cell-<key>) and csm at the grid's reference point
     at every tuning seed on its set; a cell the study does not keep skips them (prepare None)."""
-    tasks = []
+    tasks = CellTasks([], [])
     point = set_values(REFERENCE["csm"])
     for cell in cells:
         c_root = cell_root(root, cell)
@@ -195,14 +207,14 @@ def cell_tasks(
         chain = f"chain-cell-{cell.key}"
         done = _settled(root, cell, c_root / "mixed")
         prepare = functools.partial(_prepare_chain, root, cell)
-        tasks.append(Task(chain, [("chain", v_sets)], {GENERATOR}, done, prepare))
+        tasks.chains.append(Task(chain, [("chain", v_sets)], {GENERATOR}, done, prepare))
         for seed in seeds:
             name = tune_run(cell, seed)
             sets = [*train_sets, *METHODS["csm"].sets, f"mixed={c_root / 'mixed'}", *point,
                     f"run={name}", f"seed={seed}"]  # fmt: skip
             done = _settled(root, cell, root / "train" / name)
             run = functools.partial(_prepare_run, root, cell)
-            tasks.append(Task(name, [("train", sets)], {chain}, done, run))
+            tasks.runs.append(Task(name, [("train", sets)], {chain}, done, run))
     return tasks
 
 

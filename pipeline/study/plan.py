@@ -73,8 +73,8 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
         if cells:  # the generator first, its kept cells tried; set 0 at the chosen cell
             tasks.append(generator_task(preset, chain_sets, root, DATA))
             tried = cell_tasks(root, cells, chain_sets, train_sets, tune_seeds(cfg))
-            tasks += tried
-            after = {t.name for t in tried if not t.name.startswith("chain")}
+            tasks += tried.in_order()
+            after = {t.name for t in tried.runs}
             prepare0 = functools.partial(prepare_set0, root, tune_seeds(cfg))
             tasks.append(Task("chain", [("chain", chain_sets)], after, done, prepare0))
         else:
