@@ -15,6 +15,7 @@ from pipeline.study.cells import Cell, choose_cell, kept_cells
 from pipeline.study.config import StudyConfig
 from pipeline.study.execute import execute
 from pipeline.study.plan import plan
+from shards.manifest import MANIFEST
 
 
 def _fidelity(root, by_clip, guidance, clip):
@@ -67,6 +68,39 @@ def test_a_cell_beats_the_fits_only_by_more_than_its_noise(tmp_path, monkeypatch
     result = choose_cell(tmp_path, (100, 101, 102))
     assert result["chosen"] == {"guidance": 3.0, "clip": "off"} and result["rule"]["kept_reference"]
     assert [c["kept"] for c in result["cells"]] == [True, True]
+
+
+def test_one_plans_reads_of_the_cells_are_kept_only_once_their_files_are_final(
+    tmp_path, monkeypatch
+):
+    """CellReads: the kept cells follow a rewritten fidelity.json; the chosen cell is read
+    anew while a kept cell's run is incomplete, kept once they all are, read anew after
+    fidelity.json is rewritten (a recheck)."""
+    _fidelity(tmp_path, {"off": {"1.5": 95.0, "3": 99.0}}, 3.0, False)
+    reads = cells.CellReads(tmp_path, (100, 101))
+    assert reads.kept() == [Cell(1.5, "off"), Cell(3.0, "off")]
+    _fidelity(tmp_path, {"off": {"1.5": 50.0, "3": 99.0}}, 3.0, False)
+    assert reads.kept() == [Cell(3.0, "off")]
+    _fidelity(tmp_path, {"off": {"1.5": 95.0, "3": 99.0}}, 3.0, False)
+    assert reads.kept() == [Cell(1.5, "off"), Cell(3.0, "off")]
+    nll = {"w1p5-off": [0.30, 0.31], "w3-off": [0.40, 0.42]}
+
+    def val_score(run):
+        key, _, seed = run.name.removeprefix("tune-cell-").partition("-t")
+        return {"val_acc": 90.0, "val_ece": 1.0, "val_nll": nll[key][int(seed or 100) - 100]}
+
+    monkeypatch.setattr(cells, "val_score", val_score)
+    assert reads.chosen() == Cell(1.5, "off")
+    nll["w1p5-off"] = [0.50, 0.51]  # no run complete yet: asked again, read again
+    assert reads.chosen() == Cell(3.0, "off")
+    for run in ("tune-cell-w1p5-off", "tune-cell-w1p5-off-t101", "tune-cell-w3-off",
+                "tune-cell-w3-off-t101"):  # fmt: skip
+        atomic_write_json(tmp_path / "train" / run / MANIFEST, {})
+    assert reads.chosen() == Cell(3.0, "off")
+    nll["w1p5-off"] = [0.30, 0.31]  # every run complete: the answer read above is final
+    assert reads.chosen() == Cell(3.0, "off")
+    _fidelity(tmp_path, {"off": {"1.5": 95.0, "3": 99.5}}, 3.0, False)  # a recheck's new file
+    assert reads.chosen() == Cell(1.5, "off")
 
 
 def test_generate_takes_the_clipping_of_a_cell_on_the_unet_only():

@@ -135,30 +135,66 @@ def tune_run(cell: Cell, seed: int = TUNE_SEED) -> str:
     return f"tune-cell-{cell.key}" + ("" if seed == TUNE_SEED else f"-t{seed}")
 
 
-def _is_kept(root: Path, cell: Cell) -> bool:
-    return cell in kept_cells(root)[0]
+class CellReads:
+    """One study invocation's reads of its cells (one per plan, asked by its cell tasks and its
+    chains), each answer kept only while its files cannot have changed it. The kept cells:
+    while fidelity.json is the file they were read from (its inode, mtime and size; any
+    rewrite changes them, and a complete generator/ alone is not final: a fit-generator
+    recheck replaces it). The chosen cell: the same, and only once every kept cell's tuning
+    run was complete before the scores were read (a complete folder never changes); asked
+    while runs are still going, it is read anew at the next ask. The key is taken before the
+    files are read, so an answer is never kept under a newer file's key than its own."""
+
+    def __init__(self, root: Path, seeds: Sequence[int]) -> None:
+        self.root, self.seeds = root, tuple(seeds)
+        self._kept: tuple[tuple[int, int, int], list[Cell]] | None = None
+        self._chosen: tuple[tuple[int, int, int], Cell] | None = None
+
+    def _fidelity_key(self) -> tuple[int, int, int]:
+        st = (self.root / "generator" / "fidelity.json").stat()
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def kept(self) -> list[Cell]:
+        """kept_cells' cells."""
+        key = self._fidelity_key()
+        if self._kept is None or self._kept[0] != key:
+            self._kept = key, kept_cells(self.root)[0]
+        return self._kept[1]
+
+    def chosen(self) -> Cell:
+        """The cell the rule chooses (choose_cell)."""
+        key = self._fidelity_key()
+        if self._chosen is not None and self._chosen[0] == key:
+            return self._chosen[1]
+        runs = [tune_run(c, s) for c in self.kept() for s in self.seeds]
+        final = all(is_complete(self.root / "train" / r) for r in runs)
+        c = choose_cell(self.root, self.seeds)["chosen"]
+        cell = Cell(c["guidance"], c["clip"])
+        if final:
+            self._chosen = key, cell
+        return cell
 
 
-def _prepare_chain(root: Path, cell: Cell) -> list[str] | None:
+def _prepare_chain(reads: CellReads, cell: Cell) -> list[str] | None:
     """A cell's chain: nothing to do for a cell the study does not keep; else csm's upstream
     shared into the cell's root and the cell's generate settings."""
-    if not _is_kept(root, cell):
+    if cell not in reads.kept():
         return None
-    share_upstream(root, cell_root(root, cell))
+    share_upstream(reads.root, cell_root(reads.root, cell))
     return cell.sets()
 
 
-def _prepare_run(root: Path, cell: Cell) -> list[str] | None:
-    return [] if _is_kept(root, cell) else None
+def _prepare_run(reads: CellReads, cell: Cell) -> list[str] | None:
+    return [] if cell in reads.kept() else None
 
 
-def _settled(root: Path, cell: Cell, folder: Path) -> bool:
+def _settled(reads: CellReads, cell: Cell, folder: Path) -> bool:
     """A cell task is done when its output is complete, or the fit has judged the cells and
     this one is not kept."""
     if is_complete(folder):
         return True
     try:
-        return is_complete(root / "generator") and not _is_kept(root, cell)
+        return is_complete(reads.root / "generator") and cell not in reads.kept()
     except (OSError, KeyError, ValueError, StopIteration):  # fidelity.json unreadable: run
         return False
 
@@ -191,29 +227,26 @@ class CellTasks(NamedTuple):
 
 
 def cell_tasks(
-    root: Path,
-    cells: Sequence[Cell],
-    chain_sets: Sequence[str],
-    train_sets: Sequence[str],
-    seeds: Sequence[int],
+    reads: CellReads, cells: Sequence[Cell], chain_sets: Sequence[str], train_sets: Sequence[str]
 ) -> CellTasks:
     """Per candidate cell: its chain (chain-cell-<key>) and csm at the grid's reference point
-    at every tuning seed on its set; a cell the study does not keep skips them (prepare None)."""
-    tasks = CellTasks([], [])
+    at every tuning seed (`reads.seeds`) on its set; a cell the study does not keep skips them
+    (prepare None)."""
+    root, tasks = reads.root, CellTasks([], [])
     point = set_values(REFERENCE["csm"])
     for cell in cells:
         c_root = cell_root(root, cell)
         v_sets = [*(s for s in chain_sets if not s.startswith("name=")), f"name={c_root.name}"]
         chain = f"chain-cell-{cell.key}"
-        done = _settled(root, cell, c_root / "mixed")
-        prepare = functools.partial(_prepare_chain, root, cell)
+        done = _settled(reads, cell, c_root / "mixed")
+        prepare = functools.partial(_prepare_chain, reads, cell)
         tasks.chains.append(Task(chain, [("chain", v_sets)], {GENERATOR}, done, prepare))
-        for seed in seeds:
+        for seed in reads.seeds:
             name = tune_run(cell, seed)
             sets = [*train_sets, *METHODS["csm"].sets, f"mixed={c_root / 'mixed'}", *point,
                     f"run={name}", f"seed={seed}"]  # fmt: skip
-            done = _settled(root, cell, root / "train" / name)
-            run = functools.partial(_prepare_run, root, cell)
+            done = _settled(reads, cell, root / "train" / name)
+            run = functools.partial(_prepare_run, reads, cell)
             tasks.runs.append(Task(name, [("train", sets)], {chain}, done, run))
     return tasks
 
@@ -252,15 +285,10 @@ def choose_cell(root: Path, seeds: Sequence[int]) -> dict[str, Any]:
     }
 
 
-def chosen_cell(root: Path, seeds: Sequence[int]) -> Cell:
-    c = choose_cell(root, seeds)["chosen"]
-    return Cell(c["guidance"], c["clip"])
-
-
-def prepare_set0(root: Path, seeds: Sequence[int]) -> list[str]:
+def prepare_set0(reads: CellReads) -> list[str]:
     """Before set 0's chain: the chosen cell's series and mixed set taken by link (drawn with
     the same seed and settings, so the chain finds them complete), and its generate settings."""
-    cell = chosen_cell(root, seeds)
+    root, cell = reads.root, reads.chosen()
     for part in ("series", "mixed"):
         if is_complete(cell_root(root, cell) / part):
             link_complete(cell_root(root, cell) / part, root / part)

@@ -14,9 +14,9 @@ from pipeline.registry import resolve_stage_config
 from pipeline.study import robustness
 from pipeline.study.cells import (
     Cell,
+    CellReads,
     candidates,
     cell_tasks,
-    chosen_cell,
     generator_task,
     prepare_set0,
 )
@@ -68,14 +68,15 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
     tasks: list[Task] = [data_task(preset, chain_sets, root)]
     train_sets, ft_sets = split_sets(sets, "train"), split_sets(sets, "finetune")
     cells = study_cells(cfg, preset, chain_sets)
+    reads = CellReads(root, tune_seeds(cfg))  # this invocation's reads of the cells
     if needs_chain:
         done = is_complete(root / "mixed")
         if cells:  # the generator first, its kept cells tried; set 0 at the chosen cell
             tasks.append(generator_task(preset, chain_sets, root, DATA))
-            tried = cell_tasks(root, cells, chain_sets, train_sets, tune_seeds(cfg))
+            tried = cell_tasks(reads, cells, chain_sets, train_sets)
             tasks += tried.in_order()
             after = {t.name for t in tried.runs}
-            prepare0 = functools.partial(prepare_set0, root, tune_seeds(cfg))
+            prepare0 = functools.partial(prepare_set0, reads)
             tasks.append(Task("chain", [("chain", chain_sets)], after, done, prepare0))
         else:
             tasks.append(Task("chain", [("chain", chain_sets)], {DATA}, done))
@@ -91,7 +92,7 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
         done = is_complete(v_root / "mixed")
         prepare = functools.partial(prepare_set, root, variant, index, gen_seed)
         if cells:
-            prepare = functools.partial(_at_chosen_cell, prepare, root, tune_seeds(cfg))
+            prepare = functools.partial(_at_chosen_cell, prepare, reads)
         return Task(chain_task(name), [("chain", v_sets)], {"chain"}, done, prepare)
 
     tuned = tuning_tasks(cfg, root, sets) if cfg.tune else {}
@@ -169,10 +170,8 @@ def study_cells(cfg: StudyConfig, preset: str, chain_sets: Sequence[str]) -> lis
     return candidates(preset, chain_sets)
 
 
-def _at_chosen_cell(
-    prepare: Callable[[], list[str]], root: Path, seeds: Sequence[int]
-) -> list[str]:
-    return [*prepare(), *chosen_cell(root, seeds).sets()]
+def _at_chosen_cell(prepare: Callable[[], list[str]], reads: CellReads) -> list[str]:
+    return [*prepare(), *reads.chosen().sets()]
 
 
 def stack_name(method: str, mixed: str) -> str:
