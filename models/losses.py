@@ -45,9 +45,13 @@ from core.parts import Params, param
 
 
 def _focal(logits: torch.Tensor, labels: torch.Tensor, gamma: torch.Tensor | float) -> torch.Tensor:
-    """mean_i -(1 - p_iy)^γ_i · log p_iy (Lin et al.; γ may be per sample)."""
+    """mean_i -(1 - p_iy)^γ_i · log p_iy (Lin et al.; γ may be per sample). 1 - p_iy is held
+    above the smallest normal float: at p_iy = 1, (1 - p)^γ with γ < 1 has an infinite slope,
+    and its product with log p = 0 would make every gradient NaN; the held value only enters
+    where 1 - p is exactly 0, whose term and gradient are 0 either way."""
     log_p_y = F.log_softmax(logits, dim=1).gather(1, labels[:, None]).squeeze(1)
-    return (-((1.0 - log_p_y.exp()) ** gamma) * log_p_y).mean()
+    doubt = (1.0 - log_p_y.exp()).clamp_min(torch.finfo(log_p_y.dtype).tiny)
+    return (-(doubt**gamma) * log_p_y).mean()
 
 
 class CrossEntropy(nn.Module):

@@ -83,6 +83,24 @@ def test_focal_gamma_zero_is_ce_and_hand_value(batch):
     assert got == pytest.approx(-(0.25**3) * math.log(0.75), rel=1e-6)
 
 
+@pytest.mark.parametrize("gamma", [0.5, 1.0, 3.0])
+def test_focal_gradient_stays_finite_where_a_sample_is_certain(gamma):
+    # the first sample's p_y rounds to exactly 1 in float32: (1 - p)^γ has an infinite slope
+    # there when γ < 1, and its product with log p = 0 must not turn the batch's gradient NaN
+    logits = torch.tensor([[0.0, 200.0], [0.0, math.log(3.0)]], requires_grad=True)
+    y = torch.tensor([1, 1])
+    assert F.softmax(logits, 1)[0, 1].item() == 1.0
+    loss = build_loss("focal", 2, gamma=gamma)(logits, y)
+    loss.backward()
+    assert torch.isfinite(logits.grad).all()
+    # the certain sample adds nothing; the other keeps its value and gradient
+    alone = logits.detach()[1:].clone().requires_grad_(True)
+    (build_loss("focal", 2, gamma=gamma)(alone, y[1:]) / 2).backward()
+    assert loss.item() == pytest.approx(-(0.25**gamma) * math.log(0.75) / 2, rel=1e-6)
+    assert torch.allclose(logits.grad[1], alone.grad[0], atol=1e-7)
+    assert torch.equal(logits.grad[0], torch.zeros(2))
+
+
 def test_flsd53_switches_gamma_at_p_02():
     # two classes with p_y = 0.1 (below 0.2 -> γ=5) and p_y = 0.3, 0.2 (-> γ=3)
     def logits_for(p: float) -> torch.Tensor:

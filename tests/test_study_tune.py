@@ -3,6 +3,7 @@ by val NLL, a choice on the grid's edge extending it once; on fake metrics.json 
 tiny real grid (digits, one epoch per run, subprocesses as in real use)."""
 
 import json
+import math
 import shutil
 from itertools import chain
 
@@ -12,7 +13,7 @@ from scipy.stats import sem
 
 from core.config import ConfigError
 from core.tree import leaves
-from pipeline.study.config import METHODS, StudyConfig
+from pipeline.study.config import METHODS, StudyConfig, StudyError
 from pipeline.study.execute import _execute, execute
 from pipeline.study.plan import plan
 from pipeline.study.tuning import (
@@ -102,6 +103,26 @@ def test_the_tuning_rule_keeps_the_reference_unless_the_winner_beats_its_noise(
     if winner != "ref":  # the SE against scipy's
         assert result["standard_error"] == pytest.approx(sem(gaps), abs=1e-6)
         assert kept == (gaps.mean() <= sem(gaps))
+
+
+@pytest.mark.parametrize(
+    ("points", "chosen"),
+    [
+        # a diverged point first in grid order (NaN compares false both ways) never wins
+        ({"nan": [math.nan, 0.1, 0.1], "ref": [0.40, 0.42, 0.41], "a": [0.38, 0.40, 0.39]}, "a"),
+        ({"a": [0.38, 0.40, 0.39], "ref": [0.40, 0.42, 0.41], "inf": [0.1, math.inf, 0.1]}, "a"),
+        # a diverged reference gives way to the lowest finite point, noise or not
+        ({"ref": [math.nan] * 3, "a": [0.45, 0.40, 0.44], "b": [0.50, 0.50, 0.50]}, "a"),
+    ],
+)
+def test_a_diverged_point_never_wins(points, chosen):
+    result = choose_point(_rows(points), {"x": "ref"})
+    assert result["chosen"]["run"] == chosen == result["winner"]
+
+
+def test_a_grid_whose_every_point_diverged_is_one_line():
+    with pytest.raises(StudyError, match="every point of the grid of ref diverged"):
+        choose_point(_rows({"ref": [math.nan] * 3, "a": [math.inf] * 3}), {"x": "ref"})
 
 
 @pytest.mark.parametrize(
@@ -412,3 +433,28 @@ def test_a_tiny_grid_runs_chooses_on_val_and_is_not_run_again(digits_root, tmp_p
     assert reference["val_nll_seeds"] and result["criterion"].startswith("mean val_nll")
     again = [t for t in plan(cfg, "digits", sets, root) if t.name.startswith("tune-ls")]
     assert all(t.done for t in again)
+
+
+def test_the_report_names_each_methods_seeds_and_the_rule_behind_each_grid():
+    from pipeline.study.report import _seeds_per_method, _tuning
+
+    cfg = StudyConfig(methods=("ce", "csm", "csm3", "ls"), seeds=(0, 1, 2, 3, 4, 5))
+    assert _seeds_per_method(cfg) == (
+        "ce, csm x seeds 0, 1, 2, 3, 4, 5; csm3 x seeds 0, 1, 2, 3, 4; ls x seeds 0, 1, 2"
+    )
+    seeds = {"ref": [0.40, 0.42, 0.41], "a": [0.38, 0.40, 0.39], "nan": [math.nan] * 3}
+    rows = [
+        {"run": name, "x": float(i), "val_acc": 88.0, "val_ece": 2.0,
+         "val_nll": float(np.mean(nlls)), "val_nll_seeds": nlls}
+        for i, (name, nlls) in enumerate(seeds.items())
+    ]  # fmt: skip
+    rule = choose_point(rows, {"x": 0.0})
+    chosen = rule.pop("chosen")
+    result = {"grid": rows, "chosen": {"x": chosen["x"]}, "chosen_run": chosen["run"],
+              "reference": {"x": 0.0}, "rule": rule, "seeds": [100, 101, 102]}  # fmt: skip
+    text = "\n".join(_tuning({"g": result}))
+    assert "each tuning seed (100, 101, 102" in text
+    assert "| g | a | x = 1 | 88.00 | 2.00 | 0.3900 | **chosen** |" in text
+    assert "| g | ref | x = 0 | 88.00 | 2.00 | 0.4100 | ref |" in text
+    assert "| g | nan | x = 2 | 88.00 | 2.00 | nan | diverged |" in text
+    assert "| g | a | +0.0200 | 0.0000 | a |" in text

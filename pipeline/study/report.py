@@ -5,11 +5,12 @@ mixed sets, the robustness table and every run (pipeline/study/figures.py draws 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from core.io import atomic_write_bytes
 from core.tables import table
-from pipeline.study.config import VERDICT_METHODS, StudyConfig
+from pipeline.study.config import StudyConfig
 from pipeline.study.intervals import PRIMARY_ENDPOINTS, Z0_FLAG
 
 # the labels whose interval lies below the margin: the non-inferiority goal is met
@@ -159,27 +160,66 @@ def _paired(paired: dict) -> list[str]:
     return [*lines, *table(PAIRED_HEADINGS, rows), ""]
 
 
+def _seeds_per_method(cfg: StudyConfig) -> str:
+    """ "ce, csm x seeds 0-9; csm3 x 0-4; the others x 0-2": each method's seeds, grouped."""
+    groups: dict[tuple[int, ...], list[str]] = {}
+    for method in cfg.methods:
+        groups.setdefault(cfg.seeds_of(method), []).append(method)
+    parts = [
+        f"{', '.join(ms)} x seeds {', '.join(map(str, seeds))}" for seeds, ms in groups.items()
+    ]
+    return "; ".join(parts)
+
+
 def _tuning(tuning: dict) -> list[str]:
-    """Every method's own hyper-parameters per grid, chosen on val (lowest val NLL; train runs
-    at their best-val-accuracy epoch, fine-tuning runs at their last)."""
+    """Every method's own hyper-parameters per grid, chosen on val by the rule (train runs at
+    their best-val-accuracy epoch, fine-tuning runs at their last)."""
+    seeds = sorted({s for result in tuning.values() for s in result.get("seeds", [])})
     lines = [
         "## Every method's hyper-parameters, chosen on the val split",
         "",
-        "Each method's grid has the same number of points (pipeline/study/tuning.py GRIDS), each a "
-        "run with seed 100 (no study seed); a choice on the edge of its grid adds one point "
-        "outward (ext). The lowest val NLL wins. The test split is not read.",
+        "Each method's grid has the same number of points (pipeline/study/tuning.py GRIDS), every "
+        f"point a run at each tuning seed ({', '.join(map(str, seeds))}; no study seed), its "
+        "scores the means over them; a choice on the edge of its grid adds one point outward "
+        "(ext). The point of the lowest mean val NLL is chosen only when its advantage over the "
+        "grid's reference point (ref), the mean of their paired per-seed differences, exceeds "
+        "that mean's standard error; else the reference stays. A point whose val NLL is not "
+        "finite (diverged) never wins. The test split is not read.",
         "",
     ]
     rows = []
     for group, result in tuning.items():
         for r in result["grid"]:
             values = ", ".join(f"{k} = {r[k]:g}" for k in result["chosen"] if r.get(k) is not None)
-            note = "**chosen**" if r["run"] == result["chosen_run"] else ""
-            note += " (ext)" if r.get("extension") else ""
+            ref = all(r.get(k) == v for k, v in result.get("reference", {}).items())
+            notes = [
+                *(["**chosen**"] if r["run"] == result["chosen_run"] else []),
+                *(["ref"] if ref and result.get("reference") else []),
+                *(["ext"] if r.get("extension") else []),
+                *(["diverged"] if not math.isfinite(r["val_nll"]) else []),
+            ]
+            note = ", ".join(notes)
             scores = (f"{r['val_acc']:.2f}", f"{r['val_ece']:.2f}", f"{r['val_nll']:.4f}")
             rows.append([group, r["run"], values, *scores, note])
     headings = ("grid", "run", "values", "val top-1", "val ECE", "val NLL", "")
-    return [*lines, *table(headings, rows), ""]
+    rules = []
+    for group, result in tuning.items():
+        rule = result.get("rule")
+        if rule:
+            gap, se = rule["advantage"], rule["standard_error"]
+            rules.append([
+                group, rule["winner"], "–" if gap is None else f"{gap:+.4f}",
+                "–" if se is None else f"{se:.4f}",
+                "the reference" if rule["kept_reference"] else result["chosen_run"],
+            ])  # fmt: skip
+    rule_headings = ("grid", "lowest mean val NLL", "advantage over ref", "standard error",
+                     "chosen")  # fmt: skip
+    return [
+        *lines,
+        *table(headings, rows),
+        "",
+        *((*table(rule_headings, rules), "") if rules else ()),
+    ]
 
 
 def _generator(result: dict) -> list[str]:
@@ -278,12 +318,10 @@ def write_report(
     under shift and on the OOD sets ({"shift": ..., "ood": ...}, pipeline/study/robustness.py); with
     it, the records carry `shift` and `ood`. `generator`: the sampler cell chosen on val
     (pipeline/study/cells.py choose_cell)."""
-    others = cfg.seeds[: cfg.other_seeds]
     lines = [
         f"# Study: {root.name}",
         "",
-        f"{len(cfg.methods)} methods; the verdict's methods ({', '.join(VERDICT_METHODS)}) x "
-        f"seeds {', '.join(map(str, cfg.seeds))}, the others x {', '.join(map(str, others))}; "
+        f"{len(cfg.methods)} methods; {_seeds_per_method(cfg)}; "
         f"test split; mean ± std (sample std) over seeds; percentages x100 except NLL and Brier. "
         f"Temperature scaling fitted on the val split (criterion `{cfg.ts_criterion}`). "
         f"Labelled budget: every run was shaped by {records[0]['labelled_train_images']} labelled "

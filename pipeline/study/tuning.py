@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from core.io import read_json
-from pipeline.study.config import METHODS, StudyConfig, Task
+from pipeline.study.config import METHODS, StudyConfig, StudyError, Task
 from stages.configs import finetune as finetune_config
 from stages.configs import train as train_config
 
@@ -206,10 +206,18 @@ def choose_point(rows: Sequence[dict[str, Any]], reference: dict[str, float]) ->
     val NLL at each tuning seed, in the same seed order for every row) of the lowest mean val
     NLL wins (ties: the first) when its advantage over the `reference` row, the mean of their
     paired per-seed differences, exceeds that mean's standard error (sample std / sqrt(seeds));
-    else the reference is chosen. Returns {"chosen": row, "winner": the lowest row's run,
-    "advantage", "standard_error", "kept_reference": bool}."""
+    else the reference is chosen. A point whose val NLL is not finite at some seed (its
+    training diverged) never wins; a diverged reference gives way to the lowest finite row.
+    Returns {"chosen": row, "winner": the lowest row's run, "advantage", "standard_error",
+    "kept_reference": bool}."""
     ref = next(r for r in rows if all(r[k] == v for k, v in reference.items()))
-    best = min(rows, key=lambda r: np.mean(r["val_nll_seeds"]))
+    finite = [r for r in rows if np.isfinite(r["val_nll_seeds"]).all()]
+    if not finite:
+        raise StudyError(f"every point of the grid of {ref['run']} diverged (val NLL not finite)")
+    best = min(finite, key=lambda r: np.mean(r["val_nll_seeds"]))
+    if not np.isfinite(ref["val_nll_seeds"]).all():
+        return {"chosen": best, "winner": best["run"], "advantage": None,
+                "standard_error": None, "kept_reference": False}  # fmt: skip
     if best is ref:
         return {"chosen": ref, "winner": ref["run"], "advantage": 0.0, "standard_error": 0.0,
                 "kept_reference": True}  # fmt: skip
