@@ -161,7 +161,8 @@ def _paired(paired: dict) -> list[str]:
 
 
 def _seeds_per_method(cfg: StudyConfig) -> str:
-    """ "ce, csm x seeds 0-9; csm3 x 0-4; the others x 0-2": each method's seeds, grouped."""
+    """Each method's seeds, methods that share them grouped in the config's order:
+    "ce, csm x seeds 0, 1, 2; csm3 x seeds 0, 1"."""
     groups: dict[tuple[int, ...], list[str]] = {}
     for method in cfg.methods:
         groups.setdefault(cfg.seeds_of(method), []).append(method)
@@ -187,31 +188,27 @@ def _tuning(tuning: dict) -> list[str]:
         "finite (diverged) never wins. The test split is not read.",
         "",
     ]
-    rows = []
+    rows, rules = [], []
     for group, result in tuning.items():
+        reference = result.get("reference")
         for r in result["grid"]:
             values = ", ".join(f"{k} = {r[k]:g}" for k in result["chosen"] if r.get(k) is not None)
-            ref = all(r.get(k) == v for k, v in result.get("reference", {}).items())
-            notes = [
-                *(["**chosen**"] if r["run"] == result["chosen_run"] else []),
-                *(["ref"] if ref and result.get("reference") else []),
-                *(["ext"] if r.get("extension") else []),
-                *(["diverged"] if not math.isfinite(r["val_nll"]) else []),
-            ]
-            note = ", ".join(notes)
+            notes = {
+                "**chosen**": r["run"] == result["chosen_run"],
+                "ref": bool(reference) and all(r.get(k) == v for k, v in reference.items()),
+                "ext": bool(r.get("extension")),
+                "diverged": not math.isfinite(r["val_nll"]),
+            }
             scores = (f"{r['val_acc']:.2f}", f"{r['val_ece']:.2f}", f"{r['val_nll']:.4f}")
-            rows.append([group, r["run"], values, *scores, note])
-    headings = ("grid", "run", "values", "val top-1", "val ECE", "val NLL", "")
-    rules = []
-    for group, result in tuning.items():
-        rule = result.get("rule")
-        if rule:
+            rows.append([group, r["run"], values, *scores, ", ".join(n for n in notes if notes[n])])
+        if rule := result.get("rule"):
             gap, se = rule["advantage"], rule["standard_error"]
             rules.append([
                 group, rule["winner"], "–" if gap is None else f"{gap:+.4f}",
                 "–" if se is None else f"{se:.4f}",
                 "the reference" if rule["kept_reference"] else result["chosen_run"],
             ])  # fmt: skip
+    headings = ("grid", "run", "values", "val top-1", "val ECE", "val NLL", "")
     rule_headings = ("grid", "lowest mean val NLL", "advantage over ref", "standard error",
                      "chosen")  # fmt: skip
     return [
