@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Calibration-aware semantic mixing: data that teaches classifiers when to be "
         "unsure.",
         usage="semix STAGE [--preset NAME] [--set KEY=VALUE ...] [--fields | --print-config | "
-        "--help]",
+        "--estimate | --help]",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         add_help=False,  # --help is ours: `semix <stage> --help` describes that stage
     )
@@ -153,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--print-config",
         action="store_true",
         help="print the resolved config (every field) and exit: runs nothing",
+    )
+    parser.add_argument(
+        "--estimate",
+        action="store_true",
+        help="study only: print the plan's expected wall on this machine and exit: runs nothing",
     )
     parser.add_argument(
         "-h",
@@ -220,6 +225,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         preset = compose(args.preset or DEFAULT_PRESET, args.recipe)  # an unknown recipe: here
         if args.help:
             return show(help_text(args.stage, preset))
+        if args.estimate:  # the study's plan, timed before it starts; runs nothing
+            if args.stage != "study":
+                raise ConfigError(
+                    f"--estimate is the study's (semix study --estimate), not {args.stage}'s"
+                )
+            from pipeline.study import estimate_text
+
+            return show(estimate_text(preset, sets))
         if args.fields or args.print_config:  # on every command: describe, never start work
             return show(describe(args.stage, preset, sets, print_config=not args.fields))
         check_environment()  # before any work: a value semix would misread is one line

@@ -18,6 +18,6 @@ their own checkpoints, so a killed study reruns only what is missing. Every run 
 to study/logs/<run>.log.
 """
 
-from pipeline.study.command import fields_text, main, resolved, run_study
+from pipeline.study.command import estimate_text, fields_text, main, resolved, run_study
 
-__all__ = ["fields_text", "main", "resolved", "run_study"]
+__all__ = ["estimate_text", "fields_text", "main", "resolved", "run_study"]

@@ -25,6 +25,7 @@ from pipeline.study.config import (
     check_budget,
     comparison_pairs,
 )
+from pipeline.study.estimate import estimate, measured_line, remaining_path
 from pipeline.study.execute import Sitting, execute
 from pipeline.study.figures import figures
 from pipeline.study.intervals import mixed_sets_of
@@ -57,7 +58,14 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
     )
     out.mkdir(parents=True, exist_ok=True)
     sitting = Sitting(out / "host.json")
-    seconds = execute(tasks, preset, cfg.jobs, out / "logs", sitting.write)
+    # the plan's expected wall before the first task (pipeline/study/estimate.py), its
+    # critical-path priorities the order ready tasks start in; host.json keeps it beside the
+    # sitting's measured wall
+    plan_estimate = estimate(tasks, preset, cfg.jobs, root)
+    log.info("study: the estimate of this sitting's plan\n%s", plan_estimate.table())
+    sitting.estimate = plan_estimate.record()
+    priority = remaining_path(tasks, plan_estimate.seconds)
+    seconds = execute(tasks, preset, cfg.jobs, out / "logs", sitting.write, priority)
     # 3. Records, statistics, report and figures.
     records = collect(cfg, root)
     budget = check_budget(records)
@@ -117,6 +125,7 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
         },
     )
     # what this machine took, apart: study.json is the same bytes wherever the study ran
+    log.info(measured_line(plan_estimate.wall, sitting.wall()))
     sitting.write(seconds, finished=True)
     figures(cfg, root, out, {m: list(p.values()) for m, p in by_seed["before_ts"].items()}, summary)
     report = write_report(
@@ -142,19 +151,31 @@ def resolved(preset: str, sets: Sequence[str]) -> dict[str, Any]:
     """`semix study --print-config`: the study's config and its plan (every task, whether it is
     done, and the commands it runs); nothing runs, and the data need not be at hand."""
     cfg, root, tasks = setup(preset, sets, data=False)
+    plan_estimate = estimate(tasks, preset, cfg.jobs, root)
     return {
         "study": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.__dict__.items()},
         "root": str(root),
+        "estimate": plan_estimate.record(),
         "tasks": [
             {
                 "name": t.name,
                 "done": t.done,
                 "after": sorted(t.after),
+                "expected_seconds": round(plan_estimate.seconds[t.name], 1),
                 "steps": [{"stage": stage, "sets": list(s)} for stage, s in t.steps],
             }
             for t in tasks
         ],
     }
+
+
+def estimate_text(preset: str, sets: Sequence[str]) -> str:
+    """`semix study --estimate`: the plan's expected wall on this machine as a short table
+    (pipeline/study/estimate.py); nothing runs, and the data need not be at hand."""
+    cfg, root, tasks = setup(preset, sets, data=False)
+    pending = sum(not t.done for t in tasks)
+    head = f"semix study {root.name}: {pending} of {len(tasks)} tasks to run, {cfg.jobs} at a time"
+    return head + "\n" + estimate(tasks, preset, cfg.jobs, root).table()
 
 
 def main(preset: str, sets: Sequence[str]) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from core.io import atomic_write_json, read_json
 from core.logs import log, progress
 from pipeline.study.config import StudyError, Task
+from pipeline.study.estimate import start_order
 
 FAILURES = "failures.log"  # in the study's logs/: every failed task, its cause and its log
 LINE_CHARS = 300  # the sitting's last line, at most (the cause is cut to fit)
@@ -90,8 +91,12 @@ class Sitting:
         except (OSError, ValueError):
             old = {}
         self.earlier = old.get("earlier_invocations", [])
+        self.estimate: dict | None = None  # the plan's estimate before the first task (estimate.py)
         if old.get("task_seconds_this_invocation"):
             self.earlier.append({k: v for k, v in old.items() if k != "earlier_invocations"})
+
+    def wall(self) -> float:
+        return time.perf_counter() - self.t0
 
     def write(self, seconds: dict[str, float], finished: bool = False) -> None:
         atomic_write_json(
@@ -103,6 +108,7 @@ class Sitting:
                 "task_seconds_this_invocation": seconds,
                 "wall_seconds_this_invocation": round(time.perf_counter() - self.t0, 1),
                 "finished": finished,
+                **({"estimate": self.estimate} if self.estimate else {}),
                 "earlier_invocations": self.earlier,
             },
         )
@@ -136,11 +142,15 @@ def execute(
     jobs: int,
     logs: Path,
     on_done: Callable[[dict[str, float]], None] | None = None,
+    priority: dict[str, float] | None = None,
 ) -> dict[str, float]:
-    """Run pending tasks `jobs` at a time in dependency order. A failed task fails the tasks
-    that need it; the others go on. Raises at the end in one short line (failure_line); every
-    failure, its cause and its log in logs/failures.log. `on_done(seconds)` after each task
-    that ran to the end."""
+    """Run pending tasks `jobs` at a time in dependency order. When several are ready, the
+    one with the longest remaining path (`priority`: its expected seconds plus its longest chain
+    of dependants, estimate.remaining_path) starts first, so the generator fit and the chains
+    that wait on it go before grids that can wait; ties, and no priorities, by plan order. A
+    failed task fails the tasks that need it; the others go on. Raises at the end in one short
+    line (failure_line); every failure, its cause and its log in logs/failures.log.
+    `on_done(seconds)` after each task that ran to the end."""
     logs.mkdir(parents=True, exist_ok=True)
     done = {t.name for t in tasks if t.done}
     pending = [t for t in tasks if not t.done]
@@ -153,15 +163,17 @@ def execute(
         progress(range(len(pending)), total=len(pending), desc="study", unit="run") as bar,
     ):
         while pending or running:
-            for t in list(pending):
+            for t in list(pending):  # in plan order: a skipped task skips its dependants
                 if t.after & set(failed):
                     pending.remove(t)
                     failed[t.name] = f"skipped: needs {', '.join(sorted(t.after & set(failed)))}"
                     bar.update(1)
-                elif t.after <= done and len(running) < jobs:
-                    pending.remove(t)
-                    running[pool.submit(_execute, t, preset, logs)] = t
-                    log.info("study: started %s", t.name)
+            for t in start_order([t for t in pending if t.after <= done], priority):
+                if len(running) >= jobs:
+                    break
+                pending.remove(t)
+                running[pool.submit(_execute, t, preset, logs)] = t
+                log.info("study: started %s", t.name)
             if not running:
                 if pending:  # a plan's own bug: its prerequisites are not in it
                     missing = sorted(set().union(*(t.after for t in pending)) - done)

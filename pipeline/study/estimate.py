@@ -1,0 +1,532 @@
+"""How long a study's plan takes on this machine, before its first task: every task's expected
+seconds from measured rates (one model per task kind), then the scheduler of execute.py
+simulated over the plan (`jobs` at a time, the same dependencies, the same order), giving the
+expected wall and the critical path.
+
+The rates are seconds per unit of work as a task of that kind took them *inside a study*, with
+`jobs - 1` other tasks beside it on the same cores: what the scheduler sees. The committed
+default (rates.json) is fitted from the verdict study's own host.json (docs/results/fashion-
+verdict/, 2 jobs on 2 cores; `python -m pipeline.study.estimate fit` remakes it and prints the
+cross-check). A task's units come from its resolved config, so a plan with more seeds, epochs,
+fit steps or images costs more without a new fit; another machine, or another `jobs`, needs
+its own rates file (`--set` nothing: pass the file as SEMIX_STUDY_RATES).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.chain import scoped_errors, split_sets
+from pipeline.registry import resolve_stage_config
+from pipeline.study.cells import MAX_CELLS
+from pipeline.study.config import StudyError, Task
+
+RATES = Path(__file__).with_name("rates.json")  # the committed default (its "source" says whence)
+RATES_ENV = "SEMIX_STUDY_RATES"  # another rates file: this machine's, or another `jobs`
+REPORT = "report"  # the statistics, report and figures after the last task (one per sitting)
+
+# Every kind, its unit and what it covers: the rows of the printed table, in this order.
+KINDS: dict[str, tuple[str, str]] = {
+    "prepare": ("task", "real/ (the chain's first step)"),
+    "generator": ("fit step", "the judges, the encoder, the fit and its cell check"),
+    "chain": ("image-step", "a mixed set: generate (images x sampler steps) and annotate"),
+    "train": ("seed-epoch", "a classifier on real/ only (a grid point or a stack of seeds)"),
+    "train-mixed": ("seed-epoch", "a classifier that also reads a mixed set (the csm family)"),
+    "finetune": ("run", "a fine-tuning (MaC-Cal, FeDLaS) of a trained run"),
+    "evaluate": ("run", "a run's evaluation, with the shift and OOD sets when planned"),
+    "robustness": ("task", "the shift and OOD sets"),
+    REPORT: ("study", "statistics, report and figures after the last task"),
+}
+EXTENSION = "-ext-"  # a tuning grid's extension: runs only when its grid's choice is on an edge
+CELL_TASKS = ("chain-cell-", "tune-cell-")  # a generator cell's set and runs: only kept cells run
+
+
+class EstimateError(StudyError):
+    """A rates file that cannot be used (missing, not JSON, a kind without a rate)."""
+
+
+@dataclass(frozen=True)
+class Work:
+    """One step's expected work: `units` of `kind`, times `share`, the expected fraction of the
+    plan's tasks like it that run at all (cells not kept, extensions not needed)."""
+
+    kind: str
+    units: float
+    share: float = 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. A task's work, from its resolved config
+
+
+def _resolved(stage: str, preset: str, sets: Sequence[str]) -> Any:
+    with scoped_errors(stage):
+        return resolve_stage_config(stage, preset, list(sets))
+
+
+def _chain_images(preset: str, chain_sets: Sequence[str], classes: int) -> float:
+    """Images x sampler steps of the chain's generate step (its plan, stages/generate/plan.py,
+    is a pure function of the config and the number of classes)."""
+    from stages.generate.plan import make_plan
+    from stages.presets import chain_steps
+
+    extra = next((list(e) for stage, e in chain_steps(preset) if stage == "generate"), [])
+    cfg = _resolved("generate", preset, [*extra, *split_sets(chain_sets, "generate")])
+    plan = make_plan(cfg, classes)
+    return plan.num_series * len(plan.alphas) * cfg.sample_steps
+
+
+def _step_work(stage: str, sets: Sequence[str], preset: str, classes: int) -> Work:
+    if stage == "chain":
+        return Work("chain", _chain_images(preset, sets, classes))
+    if stage in ("shift", "ood"):
+        return Work("robustness", 1)
+    if stage in ("prepare", "finetune", "evaluate"):
+        return Work(stage, 1)
+    if stage == "train":
+        cfg = _resolved(stage, preset, sets)
+        mixed = bool(cfg.mixed) or cfg.loss.name.startswith("csm")
+        return Work("train-mixed" if mixed else "train", cfg.epochs * max(1, len(cfg.seeds)))
+    if stage == "fit-generator":
+        return Work("generator", _resolved(stage, preset, sets).train_steps)
+    raise EstimateError(f"no rate model for a study step of stage {stage!r}")
+
+
+def task_work(task: Task, preset: str, classes: int, cell_share: float, ext_share: float) -> Work:
+    """A task's kind, units and share. The generator task's kind is its fit (its judges and
+    encoder ride on the fit's rate); any other task is its first step's kind (a train/finetune
+    + evaluate task: its make step; an evaluate-only task: evaluate)."""
+    works = [_step_work(stage, sets, preset, classes) for stage, sets in task.steps]
+    work = next((w for w in works if w.kind == "generator"), works[0])
+    if len(works) > 1 and work.kind != "generator":  # e.g. finetune + evaluate: one task
+        work = Work(work.kind, work.units + sum(w.units for w in works[1:] if w.kind == work.kind))
+    share = cell_share if task.name.startswith(CELL_TASKS) else 1.0
+    share *= ext_share if EXTENSION in task.name else 1.0
+    return Work(work.kind, work.units, share)
+
+
+def extra_evaluate(task: Task) -> int:
+    """Evaluate steps after a task's make step (train/finetune + evaluate): each costs an
+    evaluate run on top of the make step's rate."""
+    kinds = [stage for stage, _ in task.steps]
+    return kinds.count("evaluate") if kinds[0] != "evaluate" else 0
+
+
+def plan_classes(root: Path, default: int) -> int:
+    """The number of classes: real/'s manifest where it is made, else the rates file's (the
+    reference study's), which the estimate then names as assumed."""
+    from shards.manifest import ShardError, read_manifest
+
+    try:
+        return len(read_manifest(root / "real" / "train").class_names)
+    except (ShardError, OSError, ValueError):
+        return default
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Rates
+
+
+def load_rates(path: Path | None = None) -> dict[str, Any]:
+    """The rates file: `rates` (seconds per unit, per kind), `extension_share`, `classes` and
+    its `source`. SEMIX_STUDY_RATES names another one; a missing or bad file is one line."""
+    path = Path(path or os.environ.get(RATES_ENV) or RATES)
+    try:
+        rates = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise EstimateError(
+            f"cannot read the study's rates file {path} ({e}); point {RATES_ENV} at a rates "
+            f"file (`python -m pipeline.study.estimate fit HOST.json` writes one) or unset it"
+        ) from e
+    missing = sorted(set(KINDS) - set(rates.get("rates", {})))
+    if missing:
+        raise EstimateError(
+            f"the rates file {path} has no rate for {', '.join(missing)}; refit it with "
+            "`python -m pipeline.study.estimate fit HOST.json`"
+        )
+    return rates
+
+
+def expected_seconds(
+    tasks: Sequence[Task], preset: str, rates: Mapping[str, Any], classes: int
+) -> tuple[dict[str, float], dict[str, Work]]:
+    """Every task's expected seconds (0 for a task already done) and its work."""
+    cells = sum(1 for t in tasks if t.name.startswith(CELL_TASKS[0]))
+    cell_share = min(1.0, MAX_CELLS / cells) if cells else 1.0
+    ext_share = float(rates.get("extension_share", 1.0))
+    r = rates["rates"]
+    seconds, works = {}, {}
+    for t in tasks:
+        w = task_work(t, preset, classes, cell_share, ext_share)
+        works[t.name] = w
+        own = w.units * r[w.kind] + extra_evaluate(t) * r["evaluate"]
+        seconds[t.name] = 0.0 if t.done else own * w.share
+    return seconds, works
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. The schedule: critical-path priorities and the simulated wall
+
+
+def remaining_path(tasks: Sequence[Task], seconds: Mapping[str, float]) -> dict[str, float]:
+    """Each task's expected seconds plus its longest chain of dependants: how long the study
+    lasts past this task's start at the least, whatever the jobs. A task outside `seconds`
+    costs 0. Dependants first (reverse topological order), so each task is visited once."""
+    dependants: dict[str, list[str]] = {t.name: [] for t in tasks}
+    for t in tasks:
+        for a in t.after:
+            if a in dependants:
+                dependants[a].append(t.name)
+    path: dict[str, float] = {}
+    for name in reversed(_topological(tasks)):
+        path[name] = seconds.get(name, 0.0) + max((path[d] for d in dependants[name]), default=0.0)
+    return path
+
+
+def _topological(tasks: Sequence[Task]) -> list[str]:
+    """Plan order where it is a valid order (it is, for a plan built by plan.py); otherwise
+    Kahn's order with ties by plan order. A cycle is a plan's bug: one line."""
+    names = {t.name for t in tasks}
+    indegree = {t.name: len(t.after & names) for t in tasks}
+    dependants: dict[str, list[int]] = {t.name: [] for t in tasks}
+    for i, t in enumerate(tasks):
+        for a in t.after & names:
+            dependants[a].append(i)
+    ready = [i for i, t in enumerate(tasks) if indegree[t.name] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(tasks[i].name)
+        for j in dependants[tasks[i].name]:
+            indegree[tasks[j].name] -= 1
+            if indegree[tasks[j].name] == 0:
+                heapq.heappush(ready, j)
+    if len(order) != len(tasks):
+        raise StudyError(
+            f"the study's tasks wait on each other in a cycle: {sorted(names - set(order))}"
+        )
+    return order
+
+
+def start_order(ready: Sequence[Task], priority: Mapping[str, float] | None) -> list[Task]:
+    """The order in which ready tasks start: the longest remaining path first, ties (and no
+    priorities at all) by plan order. execute.py and simulate() both use it, so the estimate
+    schedules as the study will."""
+    if not priority:
+        return list(ready)
+    ranked = sorted(enumerate(ready), key=lambda it: (-priority.get(it[1].name, 0.0), it[0]))
+    return [t for _, t in ranked]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    wall: float  # seconds from the first task's start to the last one's end
+    starts: dict[str, float]  # every pending task's simulated start
+
+
+def simulate(
+    tasks: Sequence[Task],
+    seconds: Mapping[str, float],
+    jobs: int,
+    priority: Mapping[str, float] | None = None,
+) -> Schedule:
+    """execute.py's loop with each task's expected seconds for its run: at each moment the
+    ready tasks start in start_order while fewer than `jobs` run; the earliest end frees its
+    job (ends at the same moment together). A done task is done at 0."""
+    done = {t.name for t in tasks if t.done}
+    pending = [t for t in tasks if not t.done]
+    running: list[tuple[float, int, str]] = []  # (end, plan index, name)
+    index = {t.name: i for i, t in enumerate(tasks)}
+    starts: dict[str, float] = {}
+    now = 0.0
+    while pending or running:
+        ready = [t for t in pending if t.after <= done]
+        for t in start_order(ready, priority)[: max(0, jobs - len(running))]:
+            pending.remove(t)
+            starts[t.name] = now
+            heapq.heappush(running, (now + seconds.get(t.name, 0.0), index[t.name], t.name))
+        if not running:
+            if pending:
+                missing = sorted(set().union(*(t.after for t in pending)) - done)
+                raise StudyError(f"study tasks wait for tasks outside the plan: {missing}")
+            break
+        now = running[0][0]
+        while running and running[0][0] <= now:
+            done.add(heapq.heappop(running)[2])
+    return Schedule(now, starts)
+
+
+def critical_path(tasks: Sequence[Task], path: Mapping[str, float]) -> list[str]:
+    """The chain of dependants with the longest remaining path, from the pending task where it
+    is longest: the wall no number of jobs gets below (ties by plan order)."""
+    pending = [t for t in tasks if not t.done]
+    dependants: dict[str, list[Task]] = {t.name: [] for t in tasks}
+    for t in pending:
+        for a in t.after:
+            if a in dependants:
+                dependants[a].append(t)
+    chain: list[str] = []
+    step = start_order(pending, path)[:1]
+    while step:
+        chain.append(step[0].name)
+        step = start_order(dependants[step[0].name], path)[:1]
+    return chain
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. The estimate of a plan, its table and its record
+
+
+@dataclass(frozen=True)
+class Estimate:
+    jobs: int
+    wall: float  # the tasks' simulated wall plus the report's
+    seconds: dict[str, float]
+    works: dict[str, Work]
+    critical: list[str]
+    source: str
+    classes_assumed: bool
+    report: float = 0.0  # the statistics and report after the last task (in `wall`)
+
+    def by_kind(self) -> dict[str, tuple[int, float]]:
+        """kind -> (pending tasks that cost anything, their task-seconds), in KINDS order."""
+        rows: dict[str, tuple[int, float]] = {}
+        for name, s in self.seconds.items():
+            if s > 0:
+                kind = self.works[name].kind
+                n, total = rows.get(kind, (0, 0.0))
+                rows[kind] = (n + 1, total + s)
+        if self.report:
+            rows[REPORT] = (1, self.report)
+        return {k: rows[k] for k in KINDS if k in rows}
+
+    def table(self) -> str:
+        """The printed estimate: kind, tasks, task-minutes, minutes on the critical path, then
+        the wall and where the rates come from."""
+        on_path: dict[str, float] = {}
+        for name in self.critical:
+            kind = self.works[name].kind
+            on_path[kind] = on_path.get(kind, 0.0) + self.seconds[name]
+        lines = [f"{'kind':<12} {'tasks':>5} {'task-min':>9} {'critical min':>12}"]
+        for kind, (n, s) in self.by_kind().items():
+            lines.append(f"{kind:<12} {n:>5} {s / 60:>9.1f} {on_path.get(kind, 0) / 60:>12.1f}")
+        lines.append(
+            f"expected wall {_hm(self.wall)} at {self.jobs} job(s) "
+            f"(critical path {_hm(sum(self.seconds[n] for n in self.critical))}: "
+            f"{' -> '.join(_short(self.critical))}); rates: {self.source}"
+            + ("; classes assumed as the rates' study" if self.classes_assumed else "")
+        )
+        return "\n".join(lines)
+
+    def record(self) -> dict[str, Any]:
+        """What host.json keeps, so the sitting's measured wall can be checked against it."""
+        return {
+            "wall_seconds": round(self.wall, 1),
+            "jobs": self.jobs,
+            "task_minutes": {k: round(s / 60, 1) for k, (_, s) in self.by_kind().items()},
+            "critical_path": self.critical,
+            "rates": self.source,
+        }
+
+
+def _hm(seconds: float) -> str:
+    minutes = round(seconds / 60)
+    return f"{minutes // 60} h {minutes % 60:02d} min" if minutes >= 60 else f"{minutes} min"
+
+
+def _short(names: Sequence[str], keep: int = 6) -> list[str]:
+    return list(names) if len(names) <= keep else [*names[:3], "...", *names[-2:]]
+
+
+def estimate(
+    tasks: Sequence[Task],
+    preset: str,
+    jobs: int,
+    root: Path,
+    rates: Mapping[str, Any] | None = None,
+    order: str = "critical",
+) -> Estimate:
+    """The plan's expected wall at `jobs`: order "critical" (execute.py's order) or "plan"
+    (the order before critical-path scheduling, to compare with studies that ran so). The
+    report's seconds are added once, when any task is pending."""
+    rates = rates or load_rates()
+    classes = plan_classes(root, int(rates.get("classes", 10)))
+    seconds, works = expected_seconds(tasks, preset, rates, classes)
+    path = remaining_path(tasks, seconds)
+    schedule = simulate(tasks, seconds, jobs, path if order == "critical" else None)
+    pending = any(not t.done for t in tasks)
+    report = rates["rates"][REPORT] if pending else 0.0
+    return Estimate(
+        jobs,
+        schedule.wall + report,
+        seconds,
+        works,
+        critical_path(tasks, path),
+        rates.get("source", "?"),
+        classes_assumed=not (root / "real" / "train").is_dir(),
+        report=report,
+    )
+
+
+def measured_line(est_wall: float, measured: float) -> str:
+    """The sitting's check of its estimate: measured vs estimated wall, in %."""
+    delta = 100.0 * (measured - est_wall) / est_wall if est_wall else math.nan
+    return (
+        f"study: this sitting's wall {_hm(measured)} against the estimate's {_hm(est_wall)} "
+        f"({delta:+.0f} %)"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Fitting rates from a study's host.json (the committed default is this on the verdict's)
+
+
+def sittings(host: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Every sitting of a host.json, first to last."""
+    last = {k: v for k, v in host.items() if k != "earlier_invocations"}
+    return [*host.get("earlier_invocations", []), last]
+
+
+def fit_rates(
+    measured: Mapping[str, float],
+    works: Mapping[str, Work],
+    extra_evals: Mapping[str, int],
+    evaluate_rate: float | None = None,
+) -> dict[str, float]:
+    """Seconds per unit of each kind: the total measured seconds over the total units of the
+    tasks that ran (a task at 0 s ran nothing: a cell not kept, an extension not needed). A
+    train/finetune + evaluate task pays its evaluation at the evaluate-only tasks' rate first."""
+    ran = {n: s for n, s in measured.items() if s > 0 and n in works}
+    evals = [s for n, s in ran.items() if works[n].kind == "evaluate"]
+    ev = evaluate_rate if evaluate_rate is not None else (sum(evals) / len(evals) if evals else 0)
+    total: dict[str, list[float]] = {}
+    for n, s in ran.items():
+        kind = works[n].kind
+        t = total.setdefault(kind, [0.0, 0.0])
+        t[0] += max(0.0, s - extra_evals.get(n, 0) * ev)
+        t[1] += works[n].units
+    rates = {k: t[0] / t[1] for k, t in total.items() if t[1] > 0}
+    if "evaluate" in rates or evals:
+        rates["evaluate"] = ev
+    return rates
+
+
+def _fit_main(argv: Sequence[str]) -> int:
+    """`python -m pipeline.study.estimate fit HOST.json [--preset P] [--set ...] [--out F]`:
+    fit rates from a study's host.json on the plan its config makes (the task names must
+    match), print the cross-check (rates from the first sitting predicting the others'
+    task seconds, and the simulated wall against the measured one), write the rates file."""
+    import argparse
+
+    from pipeline.study.plan import setup
+
+    p = argparse.ArgumentParser(prog="python -m pipeline.study.estimate fit")
+    p.add_argument("host", type=Path)
+    p.add_argument("--preset", default="fashion-mnist")
+    p.add_argument("--set", dest="sets", nargs="*", default=[])
+    p.add_argument("--report-seconds", type=float, default=None)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    host = json.loads(args.host.read_text(encoding="utf-8"))
+    cfg, root, tasks = setup(args.preset, [*args.sets, "out=/nonexistent-study-root"], data=False)
+    print(cross_check(host, tasks, args.preset, cfg.jobs, root, args.report_seconds))
+    rates = rates_from_host(host, tasks, args.preset, args.report_seconds)
+    rates["source"] = f"{args.host} ({cfg.jobs} jobs, {sittings(host)[-1].get('cpu_count')} cores)"
+    text = json.dumps(rates, indent=2) + "\n"
+    if args.out:
+        args.out.write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _units(tasks: Sequence[Task], preset: str, classes: int) -> tuple[dict, dict]:
+    works = {t.name: task_work(t, preset, classes, 1.0, 1.0) for t in tasks}
+    return works, {t.name: extra_evaluate(t) for t in tasks}
+
+
+def rates_from_host(
+    host: Mapping[str, Any],
+    tasks: Sequence[Task],
+    preset: str,
+    report_seconds: float | None,
+    classes: int = 10,
+    use: Callable[[int], bool] = lambda i: True,
+) -> dict[str, Any]:
+    """A rates file's content from the sittings `use` selects (by index): each task's seconds
+    from the last selected sitting that ran it; the extension share from the plan (extension
+    tasks that ran / planned); the report's seconds as given (the last sitting's wall past its
+    last task: the caller reads it from that sitting's log)."""
+    measured: dict[str, float] = {}
+    for i, s in enumerate(sittings(host)):
+        if use(i):
+            measured.update(s.get("task_seconds_this_invocation", {}))
+    works, evals = _units(tasks, preset, classes)
+    rates: dict[str, Any] = {"rates": fit_rates(measured, works, evals)}
+    ext = [n for n in works if EXTENSION in n and n in measured]
+    rates["extension_share"] = (
+        round(sum(measured[n] > 0 for n in ext) / len(ext), 3) if ext else 1.0
+    )
+    rates["rates"][REPORT] = report_seconds or 0.0
+    rates["rates"] = {k: rates["rates"].get(k, 0.0) for k in KINDS}
+    rates["classes"] = classes
+    rates["units"] = {k: u for k, (u, _) in KINDS.items()}
+    return rates
+
+
+def cross_check(
+    host: Mapping[str, Any],
+    tasks: Sequence[Task],
+    preset: str,
+    jobs: int,
+    root: Path,
+    report_seconds: float | None,
+) -> str:
+    """How well the model predicts what it was not fitted on: rates from sitting 1 alone
+    against the other sittings' task seconds, kind by kind; then the whole plan's simulated
+    wall (plan order, as the study ran) from those rates and from every sitting's, against the
+    measured wall summed over the sittings."""
+    works, evals = _units(tasks, preset, 10)
+    first = rates_from_host(host, tasks, preset, report_seconds, use=lambda i: i == 0)
+    every = rates_from_host(host, tasks, preset, report_seconds)
+    later: dict[str, float] = {}
+    for s in sittings(host)[1:]:
+        later.update(s.get("task_seconds_this_invocation", {}))
+    rows, pred_total, meas_total = [], 0.0, 0.0
+    for kind in KINDS:
+        names = [n for n, s in later.items() if s > 0 and n in works and works[n].kind == kind]
+        if not names:
+            continue
+        pred = sum(
+            works[n].units * first["rates"][kind] + evals[n] * first["rates"]["evaluate"]
+            for n in names
+        )
+        meas = sum(later[n] for n in names)
+        pred_total, meas_total = pred_total + pred, meas_total + meas
+        rows.append(f"  {kind:<12} {len(names):>4} tasks  predicted {pred / 60:7.1f} min  "
+                    f"measured {meas / 60:7.1f} min  ({100 * (pred - meas) / meas:+.0f} %)")  # fmt: skip
+    wall = sum(s.get("wall_seconds_this_invocation", 0.0) for s in sittings(host))
+    out = ["sittings 2.. predicted from sitting 1's rates (task seconds):", *rows]
+    out.append(f"  total {pred_total / 60:.1f} min predicted, {meas_total / 60:.1f} measured "
+               f"({100 * (pred_total - meas_total) / meas_total:+.0f} %)")  # fmt: skip
+    for label, rates in (("sitting 1's rates", first), ("every sitting's rates", every)):
+        for order in ("plan", "critical"):
+            e = estimate(tasks, preset, jobs, root, rates, order)
+            out.append(f"whole plan, {label}, {order} order: {_hm(e.wall)} ({e.wall:.0f} s) vs "
+                       f"measured {_hm(wall)} ({wall:.0f} s): {100 * (e.wall - wall) / wall:+.1f} %")  # fmt: skip
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["fit"]:
+        sys.exit("usage: python -m pipeline.study.estimate fit HOST.json [--preset P] [--out F]")
+    sys.exit(_fit_main(sys.argv[2:]))
