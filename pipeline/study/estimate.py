@@ -120,15 +120,15 @@ def extra_evaluate(task: Task) -> int:
     return kinds.count("evaluate") if kinds[0] != "evaluate" else 0
 
 
-def plan_classes(root: Path, default: int) -> int:
+def plan_classes(root: Path, default: int) -> tuple[int, bool]:
     """The number of classes: real/'s manifest where it is made, else the rates file's (the
-    reference study's), which the estimate then names as assumed."""
+    reference study's), which the estimate then names as assumed (the second value)."""
     from shards.manifest import ShardError, read_manifest
 
     try:
-        return len(read_manifest(root / "real" / "train").class_names)
+        return len(read_manifest(root / "real" / "train").class_names), False
     except (ShardError, OSError, ValueError):
-        return default
+        return default, True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -359,7 +359,7 @@ def estimate(
     (the order before critical-path scheduling, to compare with studies that ran so). The
     report's seconds are added once, when any task is pending."""
     rates = rates or load_rates()
-    classes = plan_classes(root, int(rates.get("classes", 10)))
+    classes, assumed = plan_classes(root, int(rates.get("classes", 10)))
     seconds, works = expected_seconds(tasks, preset, rates, classes)
     path = remaining_path(tasks, seconds)
     schedule = simulate(tasks, seconds, jobs, path if order == "critical" else None)
@@ -372,7 +372,7 @@ def estimate(
         works,
         critical_path(tasks, path),
         rates.get("source", "?"),
-        classes_assumed=not (root / "real" / "train").is_dir(),
+        classes_assumed=assumed,
         report=report,
     )
 
