@@ -195,8 +195,21 @@ class ShardFolder:
 NOT_IDENTITY = ("out", "name", "verify_sha256", "tracker", *DATA_FIELDS)
 
 
+# Config fields that name a file or folder of the user's (prepare's data_dir=): recorded and
+# compared resolved, so `data_dir=data/x` and its absolute spelling are one source, never "a
+# different config". A relative value a config.json already holds is read from the working
+# folder, as the run that wrote it read it (the best guess of where that was).
+PATH_FIELDS = ("data_dir",)
+
+
+def _resolved(key: str, value: Any) -> Any:
+    if key in PATH_FIELDS and isinstance(value, str) and value:
+        return str(Path(value).expanduser().resolve())
+    return value
+
+
 def _identity(config: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in config.items() if k not in NOT_IDENTITY}
+    return {k: _resolved(k, v) for k, v in config.items() if k not in NOT_IDENTITY}
 
 
 # what to do about a folder that holds another config (write_config's `fix`)
