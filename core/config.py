@@ -70,6 +70,9 @@ class StageConfig(metaclass=Tree):
     names its config.json records onto their paths (stages/configs/legacy.py)."""
 
     LEGACY: ClassVar[dict[str, str]] = {}
+    # leaves that name a folder under the runs root (a root, a run): plain names, checked by
+    # `resolve` for every stage (check_plain_name); a stage adds its own
+    FOLDER_NAMES: ClassVar[tuple[str, ...]] = ("name",)
 
     preset: str = ""
     out: str = not_recorded("runs")  # parent of every run root
@@ -314,12 +317,33 @@ def resolve(
         config = config_cls(**values)
     except TypeError as e:  # a preset naming a field the dataclass lacks: a bug, say so
         raise ConfigError(f"{config_cls.__name__}: {e}") from e
+    for path in config_cls.FOLDER_NAMES:
+        value = get(config, path)
+        for one in value if isinstance(value, tuple) else (value,):
+            check_plain_name(spell(shown(config_cls, path)), one)
     if not str(config.out).strip():  # `out=` would put every run root in the working folder
         raise ConfigError(
             f"{spell('out')}= is empty: set it to the folder that holds the run roots "
             "(default: runs)"
         )
     return config
+
+
+def check_plain_name(field: str, value: str) -> None:
+    """A folder-name field (`name=`, `run=`, ...) names one folder under the runs root: no
+    path separator, not `.` or `..`, not hidden (readers skip hidden folders), so that an
+    output never lands outside its root. "" (the field's default: the preset, the loss) is
+    left to the stage."""
+    if not value:
+        return
+    if "/" in value or "\\" in value or "\0" in value or value.startswith("."):
+        plain = "".join(c for c in Path(value.replace("\\", "/")).name if c != "\0").lstrip(".")
+        example = f" (e.g. {field}={plain})" if plain else ""
+        elsewhere = "; to write elsewhere, set out= to the folder of the run roots"
+        raise ConfigError(
+            f"{field}={value!r} must be a plain folder name: no '/', not starting with '.'"
+            f"{example}{elsewhere if field.rpartition('.')[2] == 'name' else ''}"
+        )
 
 
 def given_folder(field: str, value: str, hint: str) -> Path:

@@ -38,8 +38,10 @@ def _read_image(path: Path, notes: set[str]) -> np.ndarray:
         raise ShardError(f"cannot read image {path}: {e}") from e
 
 
-def _files_split(files: Sequence[Path], labels: Sequence[int]) -> SplitSource:
-    files, notes = list(files), set()
+def _files_split(
+    files: Sequence[Path], labels: Sequence[int], notes: set[str] | None = None
+) -> SplitSource:
+    files, notes = list(files), set(notes or ())
     return SplitSource(
         labels=np.asarray(labels, dtype=np.int64),
         get=lambda i: _read_image(files[i], notes),
@@ -48,12 +50,17 @@ def _files_split(files: Sequence[Path], labels: Sequence[int]) -> SplitSource:
     )
 
 
-def _class_folder_split(root: Path, class_names: Sequence[str]) -> SplitSource:
-    files, labels = [], []
+def _class_folder_split(root: Path, class_names: Sequence[str], fix: str = "") -> SplitSource:
+    """Every image under root/<class>/ for each class, sorted. Images in sub-folders of a class
+    folder are read as that class (a class's photos grouped by where they came from, as
+    ImageNet-style trees often are): said once, in the split's notes (prepare logs them), so
+    they never join a class unnoticed. `fix`: what to do about a class without a folder."""
+    files, labels, nested = [], [], []
     for k, name in enumerate(class_names):
         folder = root / name
         if not folder.is_dir():
-            raise ShardError(f"{root} has no folder for class {name!r}")
+            fix = fix.replace("<class>", name) or f"add {folder}/ with images of {name!r}"
+            raise ShardError(f"{root} has no folder for class {name!r}: {fix}")
         found = sorted(
             p
             for p in folder.rglob("*")
@@ -63,7 +70,27 @@ def _class_folder_split(root: Path, class_names: Sequence[str]) -> SplitSource:
             raise ShardError(f"{folder} holds no images ({', '.join(IMAGE_SUFFIXES)})")
         files += found
         labels += [k] * len(found)
-    return _files_split(files, labels)
+        nested += [p for p in found if p.parent != folder]
+    notes = set()
+    if nested:
+        notes.add(
+            f"{len(nested)} images in sub-folders of {root}'s class folders (the first: "
+            f"{nested[0]}) are read as the class of the folder above them"
+        )
+    return _files_split(files, labels, notes)
+
+
+def _foreign_classes(root: Path, split: str, names: Sequence[str]) -> None:
+    """root/<split>/ may only hold classes train/ has: a class the classifier never learns
+    cannot be tested, and dropping its images silently would hide that they were never read."""
+    extra = sorted(set(visible_folders(root / split)) - set(names))
+    if extra:
+        listed = ", ".join(extra)
+        raise ShardError(
+            f"{root / split} has class folders that train/ lacks ({listed}): add them to "
+            f"{root / 'train'} or remove them from "
+            f"{root / split}"
+        )
 
 
 def imagefolder_source(path: str, class_names: Sequence[str] = ()) -> Source:
@@ -72,16 +99,29 @@ def imagefolder_source(path: str, class_names: Sequence[str] = ()) -> Source:
     given, else sorted folder names. Hidden folders and files (a name starting with ".") are
     skipped."""
     root = Path(path)
+    if path and root.is_file():
+        raise ShardError(
+            f"data_dir={path} is a file, not a folder: pass the folder that holds the class "
+            "folders (an archive unpacked first)"
+        )
     if not path or not root.is_dir():
         raise ShardError(f"image folder {path!r} not found; pass data_dir=/path/to/folder")
     base = root / "train" if (root / "train").is_dir() else root
     names = tuple(class_names) or tuple(visible_folders(base))
     if not names:
-        raise ShardError(f"{base} has no class folders")
+        raise ShardError(
+            f"{base} has no class folders: put each class's images in a folder of its own "
+            f"({base}/<class>/*.png), or pass data_dir= the folder that holds them"
+        )
     splits = {"train": _class_folder_split(base, names)}
     for split in ("val", "test"):
         if base != root and (root / split).is_dir():
-            splits[split] = _class_folder_split(root / split, names)
+            if not class_names:
+                _foreign_classes(root, split, names)
+            # a class train/ has and this split lacks: add its folder, or drop the class
+            drop = "drop it from the classes file" if class_names else f"remove {base}/<class>"
+            fix = f"add {root / split}/<class>/ with its images, or {drop} (every split needs every class)"
+            splits[split] = _class_folder_split(root / split, names, fix)
     return Source(class_names=names, splits=splits, origin=root, origin_suffixes=IMAGE_SUFFIXES)
 
 

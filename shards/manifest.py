@@ -112,15 +112,30 @@ def remake_command(folder: Path, preset: str = "") -> tuple[str, str] | None:
         return None
     if root.name in ("", ".", ".."):
         return None
-    chosen = root.name
+    chosen, recorded = root.name, _config_of(root / "real")
     if chosen not in PRESET_NAMES:
-        recorded = _config_of(root / "real")
         chosen = recorded.get("classes_file") or recorded.get("preset") or preset or "<preset>"
+        recipe = _recipe(recorded.get("preset", ""))
+        if recorded.get("classes_file") and recipe:  # a classes file's recipe: kept
+            chosen += RECIPE_MARK + recipe
     own = {"source": "<edm.pkl>"} if stage == "convert-edm" else _run_sets(stage, folder)
+    if stage == "prepare":  # where the data were read from: the preset does not say
+        own |= {k: recorded[k] for k in ("data_dir", "hf_dataset") if recorded.get(k)}
     command = stage_command(stage, root, chosen, own)
     if "<" in command:  # a value only the user knows: words, never a command that fails
         return None
     return stage, command
+
+
+# DATA+RECIPE: how a --preset with --recipe is recorded (stages/presets' RECIPE_MARK)
+RECIPE_MARK = "+"
+
+
+def _recipe(preset: str) -> str:
+    """The recipe a recorded preset names (`imagefolder+digits`: digits), "" for none: a hint
+    spells it `--recipe`, as the user did."""
+    _, mark, recipe = preset.rpartition(RECIPE_MARK)
+    return recipe if mark and recipe in PRESET_NAMES else ""
 
 
 def stage_command(stage: str, root: Path, preset: str, sets: dict[str, Any] | None = None) -> str:
@@ -128,10 +143,21 @@ def stage_command(stage: str, root: Path, preset: str, sets: dict[str, Any] | No
     and `name=` when they are not the defaults, then `sets`, quoted for a shell."""
     root = Path(root)
     words = [] if root.parent == Path("runs") else [f"out={root.parent}"]
-    if root.name != (Path(preset).stem if preset.endswith(".txt") else preset):
+    recipe = _recipe(preset)
+    data = preset.removesuffix(RECIPE_MARK + recipe) if recipe else preset
+    named = Path(data).stem if data.endswith(".txt") else data
+    if root.name != named + (RECIPE_MARK + recipe if recipe else ""):
         words.append(f"name={root.name}")
     words += [f"{k}={v}" for k, v in (sets or {}).items()]
-    argv = ["python", "-m", "pipeline", stage, "--preset", preset]
+    argv = [
+        "python",
+        "-m",
+        "pipeline",
+        stage,
+        "--preset",
+        data,
+        *(["--recipe", recipe] * bool(recipe)),
+    ]
     return " ".join(map(_arg, [*argv, *(["--set", *words] if words else [])]))
 
 

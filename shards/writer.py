@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -35,8 +36,10 @@ from core.io import (
     tmp_path_for,
     writing,
 )
+from core.logs import log
 from shards.datapath import DATA_FIELDS
 from shards.manifest import (
+    MANIFEST,
     Manifest,
     ShardError,
     ShardRecord,
@@ -192,8 +195,21 @@ class ShardFolder:
 NOT_IDENTITY = ("out", "name", "verify_sha256", "tracker", *DATA_FIELDS)
 
 
+# Config fields that name a file or folder of the user's (prepare's data_dir=): recorded and
+# compared resolved, so `data_dir=data/x` and its absolute spelling are one source, never "a
+# different config". A relative value a config.json already holds is read from the working
+# folder, as the run that wrote it read it (the best guess of where that was).
+PATH_FIELDS = ("data_dir",)
+
+
+def _resolved(key: str, value: Any) -> Any:
+    if key in PATH_FIELDS and isinstance(value, str) and value:
+        return str(Path(value).expanduser().resolve())
+    return value
+
+
 def _identity(config: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in config.items() if k not in NOT_IDENTITY}
+    return {k: _resolved(k, v) for k, v in config.items() if k not in NOT_IDENTITY}
 
 
 # what to do about a folder that holds another config (write_config's `fix`)
@@ -233,11 +249,46 @@ def write_config(folder: Path, config: Mapping[str, Any], fix: str = OTHER_ROOT)
     folder would end up holding shards of two different runs. An existing config.json is only
     compared (check_config), never rewritten: a complete folder on read-only media stays
     untouched. Where the folder lives (NOT_IDENTITY) is neither compared nor recorded.
+
+    A folder that never completed (no manifest in it or under it: real/'s splits) is nobody's
+    output, so it is no identity to defend: another config replaces it, with a line saying so
+    (a failed run never blocks the rerun that fixes its values). Its completed shards go with
+    it: they hold the other config's samples.
     """
-    if check_config(folder, config, fix):
-        return
+    try:
+        if check_config(folder, config, fix):
+            return
+    except ShardError:
+        if claimed(folder):
+            raise  # a complete output (or a complete part of one) is never rewritten
+        if not replace_incomplete(folder, "it holds another config and never completed"):
+            return  # another process replaced it at the same time and writes the config
     Path(folder).mkdir(parents=True, exist_ok=True)
     atomic_write_json(Path(folder) / "config.json", _identity(config))
+
+
+def claimed(folder: Path) -> bool:
+    """Whether `folder` holds a complete output: a manifest in it or in a folder under it
+    (real/ is complete split by split). The one completion rule: no manifest, no claim."""
+    folder = Path(folder)
+    return is_complete(folder) or any(folder.rglob(MANIFEST))
+
+
+def replace_incomplete(folder: Path, why: str) -> bool:
+    """Remove `folder`, which holds no complete output (`claimed` is False), logging one line
+    with `why`; False when another process removed it first. The folder is moved aside first
+    (one atomic rename: of processes doing this at once only one wins, and a kill leaves the
+    aside copy, removed by the next replacement, never a half-removed folder)."""
+    folder = Path(folder)
+    aside = tmp_path_for(folder)
+    shutil.rmtree(aside, ignore_errors=True)  # what a killed replacement left
+    try:
+        os.replace(folder, aside)
+    except FileNotFoundError:
+        return False
+    shutil.rmtree(aside, ignore_errors=True)
+    log.info("%s: replaced (%s)", folder, why)
+    return True
 
 
 def completed(

@@ -22,7 +22,7 @@ from core.runtime import code_version, make_generator
 from shards.fingerprint import changes, digest, fingerprint, summary
 from shards.manifest import ShardError
 from shards.sources import Source, SplitSource
-from shards.writer import ShardFolder, completed, write_config
+from shards.writer import ShardFolder, claimed, completed, replace_incomplete, write_config
 from stages.configs.prepare import Config
 from stages.presets import reader
 
@@ -131,26 +131,34 @@ def already_complete(cfg: Config, real: Path) -> bool:
     return True
 
 
-def check_source(real: Path) -> None:
+def check_source(real: Path) -> bool:
     """Refuse, in one line, to go on with a root whose source changed since prepare read it
     (SOURCE_RECORD holds its fingerprint). A root without one (prepared before fingerprints)
-    and a source that is not at hand are not compared."""
+    and a source that is not at hand are not compared. A root that never completed a split
+    holds nobody's data: it is replaced (one line says so) and False returned, so the caller
+    starts it again (a file removed after a failed read is the fix, never a refusal)."""
     path = real / SOURCE_RECORD
     if not path.is_file():
-        return
+        return True
     recorded = read_json(path)
     origin = Path(recorded["origin"])
     if not origin.exists():
         log.info("prepare: %s is not at hand; %s not compared with it", origin, real)
-        return
+        return True
     now = fingerprint(origin, recorded.get("files", ()), recorded.get("suffixes", ()))
     said = changes(recorded["fingerprint"], now)
+    if said and not claimed(real):
+        replace_incomplete(
+            real, f"{origin} changed since it was read ({summary(said)}), no split had completed"
+        )
+        return False
     if said:
         raise ShardError(
             f"{origin} changed since {real} was prepared from it ({summary(said)}); its shards "
             "hold the data as they were: prepare the new data into another root (--set "
             f"name=NEW or out=/another/folder), or remove {real} to prepare it again here"
         )
+    return True
 
 
 def record_source(real: Path, source: Source) -> dict[str, str]:
@@ -178,17 +186,57 @@ def check_classes(source: Source, where: str) -> None:
         )
 
 
+# images every class needs in every split: one, so that each split measures every class
+MIN_PER_CLASS = 1
+
+
+def check_splits(
+    splits: dict[str, tuple[SplitSource, np.ndarray]],
+    class_names: tuple[str, ...],
+    cfg: Config,
+    where: str,
+) -> None:
+    """Every class has MIN_PER_CLASS images at least in train, val and test, else one line
+    naming the split, the classes and the fix: a split without a class silently measures
+    fewer classes (and an empty val only fails later, in train, with no fix)."""
+    for name, (src, idx) in splits.items():
+        counts = np.bincount(src.labels[idx], minlength=len(class_names))
+        short = [class_names[k] for k in np.flatnonzero(counts < MIN_PER_CLASS)]
+        if not short:
+            continue
+        listed = ", ".join(short[:5]) + (f" and {len(short) - 5} more" if len(short) > 5 else "")
+        carved = src is splits["train"][0]  # held out of train's images, not a folder of its own
+        if carved and name == "val" and cfg.val_fraction == 0:
+            fix = "set val_fraction above 0 (e.g. val_fraction=0.1)"
+        elif carved:
+            fix = (
+                f"add images to {listed} in {where}: a class carved into train, val and test "
+                f"needs {3 * MIN_PER_CLASS} at least"
+            )
+        else:
+            fix = f"add images of {listed} to {name} in {where}"
+        raise ShardError(
+            f"{name} would hold fewer than {MIN_PER_CLASS} image(s) of class {listed} "
+            f"({', '.join(f'{k} {len(v[1])}' for k, v in splits.items())} in all): {fix}"
+        )
+
+
 def run(cfg: Config) -> Path:
     real = cfg.root / "real"
     if already_complete(cfg, real):
         return real
     # 1. Load the source (may fail with a one-line message naming what is missing).
     source: Source = reader(cfg.source)(cfg)  # each preset says how its data are read
-    check_classes(source, str(source.origin or cfg.source))
-    write_config(real, cfg.recorded())
-    check_source(real)  # a resumed root: its source must be the one its shards came from
-    pinned = record_source(real, source)
+    where = str(source.origin or cfg.source)
+    check_classes(source, where)
     splits = plan_splits(source, cfg)
+    check_splits(splits, source.class_names, cfg, where)  # before anything is written
+    write_config(real, cfg.recorded())
+    # a resumed root: its source must be the one its shards came from (a changed source under
+    # a root that never completed: replaced, started again)
+    if not check_source(real):
+        write_config(real, cfg.recorded())
+    pinned = record_source(real, source)
     log.info(
         "prepare %s: %d classes, %s -> %s",
         cfg.source,

@@ -199,6 +199,7 @@ def test_another_config_under_one_name_names_the_fields_and_values(tmp_path):
     from shards.writer import write_config
 
     write_config(tmp_path, {"a": 1, "b": [1, 2], "c": "x", "out": "runs"})
+    (tmp_path / "manifest.json").write_text("{}")  # complete: an identity to defend
     write_config(tmp_path, {"a": 1, "b": [1, 2], "c": "x", "out": "elsewhere"})  # not identity
     with pytest.raises(ShardError) as e:
         write_config(tmp_path, {"a": 2, "b": [1, 3], "c": "x"}, "do this")

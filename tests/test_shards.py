@@ -141,14 +141,48 @@ def test_datasets_loads_our_shards(tmp_path):
 
 
 def test_config_mismatch_refused(tmp_path):
-    write_config(tmp_path, {"a": 1, "b": 2})
-    first = snapshot(tmp_path)
-    write_config(tmp_path, {"a": 1, "b": 2})  # same config: resume is fine, nothing rewritten
-    assert snapshot(tmp_path) == first
+    folder = tmp_path / "out"
+    write_config(folder, {"a": 1, "b": 2})
+    (folder / "split").mkdir()
+    (folder / "split" / "manifest.json").write_text("{}")  # a completed part: a claim
+    first = snapshot(folder)
+    write_config(folder, {"a": 1, "b": 2})  # same config: resume is fine, nothing rewritten
+    assert snapshot(folder) == first
     with pytest.raises(ShardError, match=r"different config \(differs in: b\)"):
-        write_config(tmp_path, {"a": 1, "b": 3})
-    assert snapshot(tmp_path) == first  # the refused config leaves the folder as it was
-    assert json.loads((tmp_path / "config.json").read_text())["b"] == 2
+        write_config(folder, {"a": 1, "b": 3})
+    assert snapshot(folder) == first  # the refused config leaves the folder as it was
+    assert json.loads((folder / "config.json").read_text())["b"] == 2
+
+
+def test_a_folder_that_never_completed_is_replaced_by_another_config(tmp_path, caplog):
+    """No manifest, no claim: another config replaces the folder, its leftovers with it."""
+    folder = tmp_path / "out"
+    write_config(folder, {"a": 1, "b": 2})
+    (folder / "part-000000.tar").write_bytes(b"old samples")
+    (folder / "train").mkdir()
+    (folder / "train" / ".x.tmp").write_bytes(b"half")
+    with caplog.at_level("INFO", logger="semix"):
+        write_config(folder, {"a": 1, "b": 3})
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json"]
+    assert json.loads((folder / "config.json").read_text()) == {"a": 1, "b": 3}
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{folder}: replaced (it holds another config and never completed)"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing left aside
+
+
+def test_paths_are_compared_resolved(tmp_path, monkeypatch):
+    """data_dir=data/x and its absolute spelling are one source (recorded resolved)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data" / "x").mkdir(parents=True)
+    write_config(tmp_path / "out", {"data_dir": "data/x", "b": 2})
+    recorded = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert recorded["data_dir"] == str((tmp_path / "data" / "x").resolve())
+    (tmp_path / "out" / "manifest.json").write_text("{}")  # complete: a claim to defend
+    write_config(tmp_path / "out", {"data_dir": str(tmp_path / "data" / "x"), "b": 2})
+    write_config(tmp_path / "out", {"data_dir": "./data/../data/x", "b": 2})
+    with pytest.raises(ShardError, match=r"differs in: data_dir"):
+        write_config(tmp_path / "out", {"data_dir": "data", "b": 2})
 
 
 def test_reader_falls_back_to_tarfile_for_other_tar_dialects(tmp_path):

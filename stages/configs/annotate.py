@@ -11,6 +11,7 @@ path once) do the same thing.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from core.config import ConfigError, StageConfig, check_choice, check_range, recorded_off_default
 from core.parts import Params, Section, param
@@ -66,6 +67,8 @@ Encoder = ENCODER.tree(
 
 @dataclass(frozen=True)
 class Config(StageConfig):
+    # the folders under the runs root it names: plain names (core.config.check_plain_name)
+    FOLDER_NAMES: ClassVar[tuple[str, ...]] = ("name", "encoder.classifier.run", "judge")
     LEGACY = legacy_names("annotate", ENCODER.legacy)
     SECTIONS = (ENCODER,)  # `encoder.model=ViT-B-16`: the picked encoder's (core.config)
 

@@ -9,6 +9,7 @@ report, not how.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from core.config import ConfigError, StageConfig, check_choice, check_range
 from core.tree import section
@@ -22,6 +23,8 @@ STAGE_DIRS = ("", "train", "finetune")  # "": look in train/ first, then finetun
 
 @dataclass(frozen=True)
 class Config(StageConfig):
+    # the folders under the runs root it names: plain names (core.config.check_plain_name)
+    FOLDER_NAMES: ClassVar[tuple[str, ...]] = ("name", "run", "runs", "ensemble_name")
     LEGACY = legacy_names("evaluate")
 
     run: str = ""  # one run (RUN=name); with neither run nor runs: every user run, one by one

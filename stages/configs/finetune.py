@@ -12,7 +12,7 @@ core/parts.py: also `method.alpha=0.1`, `method.q0=0.7`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from core.config import ConfigError, StageConfig, check_choice, check_range
 from core.parts import Section
@@ -74,6 +74,8 @@ class FeDLaS:
 @dataclass(frozen=True)
 @METHOD.fields(after="method")  # every method's parameters, one field each
 class Config(StageConfig):
+    # the folders under the runs root it names: plain names (core.config.check_plain_name)
+    FOLDER_NAMES: ClassVar[tuple[str, ...]] = ("name", "run")
     LEGACY = legacy_names("finetune")
 
     run: str = ""  # the trained run: runs/<classes>/train/<run>/ (RUN=)

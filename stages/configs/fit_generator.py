@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from core.config import (
     ConfigError,
@@ -137,6 +138,8 @@ class Preview:
 
 @dataclass(frozen=True)
 class Config(StageConfig):
+    # the folders under the runs root it names: plain names (core.config.check_plain_name)
+    FOLDER_NAMES: ClassVar[tuple[str, ...]] = ("name", "fidelity.judge", "fidelity.report_judges")
     LEGACY = legacy_names("fit-generator")
 
     unet: str = "digits-tiny"  # architecture: a name in models.generators.UNET_PRESETS

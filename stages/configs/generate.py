@@ -11,7 +11,7 @@ outside (pipeline/plugins.py) gets its leaves with no edit here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from core.config import (
     ConfigError,
@@ -129,6 +129,8 @@ class Endpoint:
 
 @dataclass(frozen=True)
 class Config(StageConfig):
+    # the folders under the runs root it names: plain names (core.config.check_plain_name)
+    FOLDER_NAMES: ClassVar[tuple[str, ...]] = ("name", "endpoint.judge")
     LEGACY = legacy_names("generate", BACKEND.legacy)
     SECTIONS = (BACKEND,)  # `backend.native_size=512`: the picked backend's (core.config)
 

@@ -14,7 +14,7 @@ recipe is in stages/presets/.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from core.config import ConfigError, StageConfig, check_choice, check_range, not_recorded
 from core.parts import Section
@@ -58,6 +58,8 @@ class Optim:
 
 @dataclass(frozen=True)
 class Config(StageConfig):
+    # the folders under the runs root it names: plain names (core.config.check_plain_name)
+    FOLDER_NAMES: ClassVar[tuple[str, ...]] = ("name", "run")
     LEGACY = legacy_names("train", LOSS.legacy)
     SECTIONS = (LOSS,)  # `loss.gamma=2`: the picked loss's (core.config.parse_sets)
 
