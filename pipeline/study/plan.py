@@ -88,7 +88,9 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
     fit_names = {f: fit_task_name(f) for f in range(cfg.fits)}
     if needs_chain:
         done = is_complete(root / "mixed")
-        if cells:  # the encoder first, the fits, the cell fit's kept cells tried; sets at the choice
+        if (
+            cells
+        ):  # the encoder first, the fits, the cell fit's kept cells tried; sets at the choice
             tasks.append(generator_task(preset, chain_sets, root, DATA, fit=False))
             tasks.append(fit_task(preset, chain_sets, root, cell_fit, cell_sets, "fit-cells"))
             tasks += [fit_task(preset, chain_sets, root, fit_root(root, f),
@@ -142,7 +144,9 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
     for method in cfg.methods:
         variant = METHODS[method].variant
         if METHODS[method].needs_mixed:  # every (fit, mixed set) its seeds train on
-            units = {(cfg.fit_of(method, s), cfg.mixed_set(method, s)) for s in cfg.seeds_of(method)}
+            units = {
+                (cfg.fit_of(method, s), cfg.mixed_set(method, s)) for s in cfg.seeds_of(method)
+            }
             for fit, index in sorted(units):  # type: ignore[type-var]
                 name = chain_task(set_variant(variant, index, fit))
                 if not any(t.name == name for t in tasks):
