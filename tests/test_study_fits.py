@@ -97,7 +97,7 @@ def test_sampler_cells_are_judged_by_the_fits_chooser(runs, monkeypatch, native)
     sets = [f"out={runs}", "name=a", *QUICK, "fidelity.samplers=unipc:2,dpmsolver++:1:bf16"]
     folder = run_stage("fit-generator", "digits", sets)
     config = json.loads((folder / "config.json").read_text())
-    assert config["samplers"] == ["unipc:2", "dpmsolver++:1:bf16"]
+    assert config["fidelity.samplers"] == ["unipc:2", "dpmsolver++:1:bf16"]
     last = json.loads((folder / "fidelity.json").read_text())["curve"][-1]
     expected = ["unipc:2", "dpmsolver++:1:bf16"] if native else ["unipc:2"]
     assert list(last["samplers"]) == expected

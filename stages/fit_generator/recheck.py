@@ -29,7 +29,7 @@ from shards.writer import NOT_IDENTITY
 from stages.common.fidelity import FidelityCheck, make_judges, sample_grid
 
 # the config fields a finished fit is rechecked for instead of refused (how it is sampled)
-RECHECK_FIELDS = frozenset({"guidance_grid", "clip_choice", "samplers"})
+RECHECK_FIELDS = frozenset({"guidance_grid", "clip_choice", "fidelity.samplers"})
 
 
 def recheck_fields(folder: Path, config: dict[str, Any]) -> set[str] | None:
