@@ -63,7 +63,12 @@ def recheck(cfg: Any, folder: Path, config: dict[str, Any], names: tuple[str, ..
         cfg.root, cfg.fidelity.judge, device, cfg.train_limit, cfg.fidelity.report_judges
     )
     check = FidelityCheck(
-        judges, cfg.grid, names, cfg.seed, cfg.fidelity.per_class, cfg.fidelity.clip_choice,
+        judges,
+        cfg.grid,
+        names,
+        cfg.seed,
+        cfg.fidelity.per_class,
+        cfg.fidelity.clip_choice,
         cfg.fidelity.samplers,
     )
     gen = load_generator("unet", model=folder, steps=cfg.preview.sample_steps, device=device)
