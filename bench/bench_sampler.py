@@ -1,6 +1,7 @@
 """generate's sampler and step count vs endpoint fidelity, for a fitted in-house generator.
 
     python -m bench sampler                                      # runs/fashion-mnist, else runs/digits
+    SEMIX_BENCH_SAMPLER=/work/runs-verdict/fashion-mnist python -m bench sampler  # a study's fit
     SEMIX_BENCH_SAMPLER=runs/fashion-mnist python -m bench sampler   # that run root
 
 fit-generator chooses the guidance w on its fidelity check at one sampler and step count (the
@@ -26,7 +27,12 @@ from models.generators.objective import predicted_x0
 from shards.datasets import load_real
 from stages.common.fidelity import endpoint_fidelity, make_judges
 
-GRID = (("ddim", 10), ("ddim", 25), ("ddim", 50), ("dpmsolver++", 25))  # ddim 100: worse still
+# ddim 100: worse still; the multistep solvers at 10-15 steps are the study's speed cells
+# (pipeline/study/cells.py, fit-generator fidelity.samplers): fidelity and ms / image of each
+GRID = (
+    ("ddim", 10), ("ddim", 25), ("ddim", 50), ("dpmsolver++", 25), ("dpmsolver++", 12),
+    ("dpmsolver++", 10), ("unipc", 15), ("unipc", 12), ("unipc", 10),
+)  # fmt: skip
 NOISE_LEVELS = (10, 100, 300, 500, 700, 900, 999)
 
 

@@ -204,22 +204,47 @@ def test_bad_choices(model_dirs):
             load_generator("unet", model=model_dirs / "unet", sampler=sampler)
 
 
-def test_dpmsolver_is_deterministic(model_dirs):
-    gen = load_generator("unet", model=model_dirs / "unet", sampler="dpmsolver++", steps=STEPS)
+@pytest.mark.parametrize("sampler", ["dpmsolver++", "unipc"])
+def test_multistep_solvers_are_deterministic(model_dirs, sampler):
+    """The same seed gives the same bytes (a second generator, another batch size), and a
+    series' endpoint is the pure-class image of its noise; UniPC is not DDIM in disguise."""
+    gen = load_generator("unet", model=model_dirs / "unet", sampler=sampler, steps=STEPS)
+    again = load_generator("unet", model=model_dirs / "unet", sampler=sampler, steps=STEPS)
     specs = [SeriesSpec(i, 0, 2, (1.0, 0.5, 0.0), seed=i) for i in range(3)]
-    one, seven = gen.generate_series(specs, batch_size=1), gen.generate_series(specs, batch_size=7)
+    one, seven = (
+        gen.generate_series(specs, batch_size=1),
+        again.generate_series(specs, batch_size=7),
+    )
     assert torch.equal(one, seven) and torch.equal(
         one[0, 2], gen.generate_series([SeriesSpec(0, 2, 0, (1.0,), 0)])[0, 0]
     )
+    assert gen.metadata()["sampler"] == sampler
+    ddim = load_generator("unet", model=model_dirs / "unet", sampler="ddim", steps=STEPS)
+    assert not torch.equal(one, ddim.generate_series(specs))
 
 
-def test_dpmsolver_clips_x0_exactly_where_the_training_config_clips():
-    """DPM-Solver has no clip_sample; a config that clips x0 (a pixel UNet's) must still get x0
-    clamped to its range, as DDIM would, else a rough ε model's samples blow up."""
+def test_unipc_pins_its_deterministic_settings():
+    """A saved config naming other UniPC settings does not reach the sampler."""
+    from diffusers import DDPMScheduler
+
+    config = {
+        **DDPMScheduler(clip_sample=False).config,
+        "solver_type": "bh1",
+        "disable_corrector": [0, 1],
+    }
+    sched = make_scheduler("unipc", config)
+    assert sched.config.solver_type == "bh2" and list(sched.config.disable_corrector) == []
+    assert sched.config.predict_x0 and not sched.config.thresholding
+
+
+@pytest.mark.parametrize("sampler", ["dpmsolver++", "unipc"])
+def test_multistep_solvers_clip_x0_exactly_where_the_training_config_clips(sampler):
+    """DPM-Solver and UniPC have no clip_sample; a config that clips x0 (a pixel UNet's) must
+    still get x0 clamped to its range, as DDIM would, else a rough ε model's samples blow up."""
     from diffusers import DDPMScheduler
 
     def sample(config) -> torch.Tensor:
-        sched = make_scheduler("dpmsolver++", config)
+        sched = make_scheduler(sampler, config)
         sched.set_timesteps(5)
         x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
         for t in sched.timesteps:  # an ε that puts x0 far outside [-1, 1]
@@ -229,7 +254,7 @@ def test_dpmsolver_clips_x0_exactly_where_the_training_config_clips():
     assert sample(DDPMScheduler(clip_sample=True).config).abs().max() == 1.0
     assert sample(DDPMScheduler(clip_sample=False).config).abs().max() > 1.0
     with pytest.raises(ValueError, match=r"only to \[-1, 1\].*\[-0.5, 0.5\]: use sampler=ddim"):
-        make_scheduler("dpmsolver++", DDPMScheduler(clip_sample=True, clip_sample_range=0.5).config)
+        make_scheduler(sampler, DDPMScheduler(clip_sample=True, clip_sample_range=0.5).config)
 
 
 def test_non_finite_names_series(model_dirs, monkeypatch):

@@ -60,13 +60,10 @@ def test_a_cell_beats_the_fits_only_by_more_than_its_noise(tmp_path, monkeypatch
 
     monkeypatch.setattr(cells, "val_score", val_score)
     result = choose_cell(tmp_path, (100, 101, 102))
-    assert (
-        result["chosen"] == {"guidance": 1.5, "clip": "off"}
-        and not result["rule"]["kept_reference"]
-    )
+    assert result["chosen"] == Cell(1.5, "off").values() and not result["rule"]["kept_reference"]
     nll["w1p5-off"] = [0.30, 0.36, 0.33]  # the same mean gap, noisier: the fit's cell stays
     result = choose_cell(tmp_path, (100, 101, 102))
-    assert result["chosen"] == {"guidance": 3.0, "clip": "off"} and result["rule"]["kept_reference"]
+    assert result["chosen"] == Cell(3.0, "off").values() and result["rule"]["kept_reference"]
     assert [c["kept"] for c in result["cells"]] == [True, True]
 
 
@@ -129,32 +126,35 @@ def test_the_cell_is_chosen_on_a_tiny_fit_and_set_0_drawn_at_it(digits_root, tmp
         "generate.sample_steps=2", "generate.mixing.series_per_pair=1",
     ]  # fmt: skip
     cfg = StudyConfig(
-        methods=("ce", "csm"), seeds=(0,), mixed_sets=1, robustness=False, tune_seeds=2
+        methods=("ce", "csm"), seeds=(0,), fits=1, mixed_sets=1, robustness=False, tune_seeds=2
     )
     tasks = plan(cfg, "digits", sets, root)
     names = [t.name for t in tasks]
     upto = names.index("chain") + 1
-    assert names[1:3] == ["generator", "chain-cell-w1"]  # digits' grid: w 1, 1.5, 2, no clipping
+    # digits' grid: w 1, 1.5, 2, no clipping; the cells on a fit of their own, before fit 0
+    assert names[1:5] == ["generator", "fit-cells", "fit-f0", "chain-cell-w1"]
     execute(tasks[:upto], "digits", 2, tmp_path / "logs")
-    kept, reference = kept_cells(root)
+    cell_fit = root.parent / "digits-cells"
+    kept, reference = kept_cells(cell_fit, 2)
     assert len(kept) == 2 and reference in kept
     skipped = next(c for c in (Cell(1.0, None), Cell(1.5, None), Cell(2.0, None)) if c not in kept)
     assert not (root.parent / f"digits-cell-{skipped.key}").exists()
-    result = choose_cell(root, (100, 101))
+    fits = [json.loads((r / "generator" / "config.json").read_text()) for r in (root, cell_fit)]
+    assert fits[1]["seed"] == fits[0]["seed"] + 1000 and {**fits[1], "seed": 0} == {
+        **fits[0],
+        "seed": 0,
+    }  # the same recipe, its own seed
+    result = choose_cell(root, (100, 101), cell_fit, 2)
     for row in result["grid"]:
         for run in row["runs"]:
             config = json.loads((root / "train" / run / "config.json").read_text())
             assert config["csm_weight"] == 1.0 and config["csm_sharpening"] == 4.0
             key = Cell(row["guidance"], row["clip"]).key
             assert config["mixed"] == str(root.parent / f"digits-cell-{key}" / "mixed")
-    chosen = Cell(result["chosen"]["guidance"], result["chosen"]["clip"])
-    cell_mixed = root.parent / f"digits-cell-{chosen.key}" / "mixed"
-    assert (root / "mixed" / "manifest.json").read_bytes() == (
-        cell_mixed / "manifest.json"
-    ).read_bytes()
+    chosen = Cell(**result["chosen"])
     series = json.loads((root / "series" / "config.json").read_text())
-    assert series["guidance"] == chosen.guidance
+    assert series["guidance"] == chosen.guidance  # fit 0's set drawn at the chosen cell
     log = (tmp_path / "logs" / "chain.log").read_text()
-    assert "generate.guidance=" in log and "series is complete already" in log  # taken by link
+    assert "generate.guidance=" in log
     again = plan(cfg, "digits", sets, root)
     assert all(t.done for t in again[:upto])

@@ -11,7 +11,7 @@ and in how they sample; everything else lives here:
 - (series, weight vector) pairs are flattened into rows, each row's classes sorted (so a permuted
   tuple gives the same condition, bit for bit), and sampled in chunks of ``batch_size`` rows; every model
   call is padded to a multiple of ``row_multiple`` rows (see ``Generator._sample_rows`` for why);
-- only deterministic samplers (DDIM η=0, DPM-Solver++ multistep) are accepted;
+- only deterministic samplers (DDIM η=0, DPM-Solver++ and UniPC multistep) are accepted;
 - outputs are checked for non-finite values, clipped and quantised to uint8 RGB.
 """
 
@@ -62,29 +62,50 @@ def _ddim(config: Any) -> SchedulerMixin:
     return DDIMScheduler.from_config(config)
 
 
+def _x0_threshold(config: Any, sampler: str) -> dict[str, Any]:
+    """The multistep solvers' stand-in for DDIM's clip_sample: thresholding with a ceiling of 1
+    clamps x0 to exactly [-1, 1] (the scale max(quantile, 1) is capped at sample_max_value = 1,
+    then x0 is clamped to ±scale and divided by it); other ranges it would rescale, not clip. A
+    2,500-step fashion-28 UNet drew its class 11 % of the time unclipped, 33 % clipped."""
+    if not config.get("clip_sample", False):
+        return {}
+    limit = float(config.get("clip_sample_range", 1.0))
+    if limit != 1.0:
+        raise ValueError(
+            f"{sampler} can clip x0 only to [-1, 1], this scheduler config clips to "
+            f"[-{limit:g}, {limit:g}]: use sampler=ddim"
+        )
+    return {"thresholding": True, "sample_max_value": 1.0}
+
+
 def _dpmsolver_pp(config: Any) -> SchedulerMixin:
     from diffusers import DPMSolverMultistepScheduler
 
     # Force the ODE variant: a saved config may name an SDE one, which draws fresh noise each step.
-    clip = {}
-    if config.get("clip_sample", False):
-        # DPM-Solver has no clip_sample. Its thresholding with a ceiling of 1 clamps x0 to exactly
-        # [-1, 1] (the scale max(quantile, 1) is capped at sample_max_value = 1, then x0 is
-        # clamped to ±scale and divided by it); other ranges it would rescale, not clip. A
-        # 2,500-step fashion-28 UNet drew its class 11 % of the time unclipped, 33 % clipped.
-        limit = float(config.get("clip_sample_range", 1.0))
-        if limit != 1.0:
-            raise ValueError(
-                f"dpmsolver++ can clip x0 only to [-1, 1], this scheduler config clips to "
-                f"[-{limit:g}, {limit:g}]: use sampler=ddim"
-            )
-        clip = {"thresholding": True, "sample_max_value": 1.0}
+    # DPM-Solver has no clip_sample: _x0_threshold clips where the config does.
+    clip = _x0_threshold(config, "dpmsolver++")
     return DPMSolverMultistepScheduler.from_config(config, algorithm_type="dpmsolver++", **clip)
+
+
+def _unipc(config: Any) -> SchedulerMixin:
+    from diffusers import UniPCMultistepScheduler
+
+    # UniPC (Zhao et al. 2023) is an ODE solver: no step draws noise. Its settings pinned, not
+    # read from the saved config (which never names them): the data-prediction form (predict_x0)
+    # with the B(h) = e^h − 1 variant (bh2) and a lower-order last step, diffusers' defaults and
+    # the paper's choice for few-step guided sampling; the corrector runs at every step.
+    clip = _x0_threshold(config, "unipc")
+    fixed = dict(predict_x0=True, solver_type="bh2", lower_order_final=True, disable_corrector=[])
+    return UniPCMultistepScheduler.from_config(config, **fixed, **clip)
 
 
 # Deterministic samplers only: ancestral/SDE samplers inject new noise at every step, which breaks
 # the shared-noise property of a series (docs/methods.md §1).
-SAMPLERS: dict[str, Callable[[Any], SchedulerMixin]] = {"ddim": _ddim, "dpmsolver++": _dpmsolver_pp}
+SAMPLERS: dict[str, Callable[[Any], SchedulerMixin]] = {
+    "ddim": _ddim,
+    "dpmsolver++": _dpmsolver_pp,
+    "unipc": _unipc,
+}
 
 
 def make_scheduler(sampler: str, config: Any) -> SchedulerMixin:

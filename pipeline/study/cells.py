@@ -48,6 +48,7 @@ from pipeline.study.tuning import (
     val_score,
 )
 from shards.manifest import is_complete
+from stages.configs.fit_generator import parse_sampler_cell
 from stages.presets import chain_steps
 
 # the endpoint fidelity (%, by the fit's chooser judge) a cell needs: near the 5k encoder's own
@@ -56,23 +57,57 @@ from stages.presets import chain_steps
 FIDELITY_FLOOR = 90.0
 MAX_CELLS = 3  # each a full mixed set: ~9 min of generate on 2 cores for Fashion-MNIST
 GENERATOR = "generator"  # the task that fits the generator (the chain's steps before generate)
+# the chain root variant of the fit the cells are chosen on (<root>-cells), no comparison's
+CELL_FIT = "cells"
 CHAIN = "chain"  # set 0's chain, which generates at the chosen cell
+
+
+# a cell's sampler in folder and run names
+SAMPLER_KEYS = {"ddim": "ddim", "dpmsolver++": "dpmpp", "unipc": "unipc"}
+# the denoiser's rows per second in bf16 over fp32 where the CPU computes bf16 natively
+# (bench/RESULTS.md: 1.5x on the fashion UNet's rows); a cell's cost divides by it
+BF16_SPEEDUP = 1.5
 
 
 @dataclass(frozen=True)
 class Cell:
     guidance: float
     clip: str | None  # "on" | "off"; None: the fit did not choose clipping (its saved setting)
+    # "": the fit's own sampler and steps (generate's sampler and sample_steps); else one of
+    # fit-generator's fidelity.samplers entries, e.g. unipc at 12 steps, bf16 or fp32 weights
+    sampler: str = ""
+    steps: int = 0
+    precision: str = "fp32"
 
     @property
     def key(self) -> str:
-        """w3-off, w1p5-on, w2 (no clipping choice): a folder- and run-name part."""
-        return f"w{self.guidance:g}".replace(".", "p") + (f"-{self.clip}" if self.clip else "")
+        """w3-off, w1p5-on, w2 (no clipping choice), w1p5-on-unipc12, w2-dpmpp10-bf16: a
+        folder- and run-name part naming every setting that differs from the fit's."""
+        key = f"w{self.guidance:g}".replace(".", "p") + (f"-{self.clip}" if self.clip else "")
+        if self.sampler:
+            key += f"-{SAMPLER_KEYS[self.sampler]}{self.steps}"
+        return key + ("-bf16" if self.precision == "bf16" else "")
 
     def sets(self) -> list[str]:
         """generate's --set values of this cell (chain scope)."""
         clip = [f"generate.clip_sample={self.clip}"] if self.clip else []
-        return [f"generate.guidance={self.guidance:g}", *clip]
+        out = [f"generate.guidance={self.guidance:g}", *clip]
+        if self.sampler:
+            out += [f"generate.sampler={self.sampler}", f"generate.sample_steps={self.steps}"]
+        if self.precision == "bf16":
+            out.append("generate.precision=bf16")
+        return out
+
+    def cost(self, reference_steps: int) -> float:
+        """Denoiser passes per image in fp32 units: what drawing its mixed set costs, relative
+        to the other cells (`reference_steps`: the fit's own sampler's steps)."""
+        steps = self.steps or reference_steps
+        return steps / (BF16_SPEEDUP if self.precision == "bf16" else 1.0)
+
+    def values(self) -> dict[str, Any]:
+        """The cell as study.json's rows name it."""
+        return {"guidance": self.guidance, "clip": self.clip, "sampler": self.sampler,
+                "steps": self.steps, "precision": self.precision}  # fmt: skip
 
 
 def candidates(preset: str, chain_sets: Sequence[str]) -> list[Cell]:
@@ -93,7 +128,22 @@ def candidates(preset: str, chain_sets: Sequence[str]) -> list[Cell]:
     if gen.backend.name != "unet":
         return []
     clips = ("off", "on") if fit.fidelity.clip_choice else (None,)
-    return [Cell(float(w), c) for c in clips for w in fit.fidelity.guidance_grid]
+    samplers = [("", 0, "fp32"), *map(parse_sampler_cell, fit.fidelity.samplers)]
+    return [
+        Cell(float(w), c, *sampler)
+        for sampler in samplers
+        for c in clips
+        for w in fit.fidelity.guidance_grid
+    ]
+
+
+def reference_steps(preset: str, chain_sets: Sequence[str]) -> int:
+    """The steps of the fit's own cell: generate's sample_steps in the chain."""
+    steps = dict(chain_steps(preset)).get("generate", ())
+    with scoped_errors("generate"):
+        return resolve_stage_config(
+            "generate", preset, [*steps, *split_sets(chain_sets, "generate")]
+        ).sample_steps
 
 
 def cell_root(root: Path, cell: Cell) -> Path:
@@ -101,15 +151,18 @@ def cell_root(root: Path, cell: Cell) -> Path:
 
 
 def fidelity(root: Path) -> tuple[dict[Cell, float], Cell, str]:
-    """Every cell's endpoint fidelity at the fit's last check by its chooser judge, the fit's
-    chosen cell, and the chooser's name (root/generator/fidelity.json)."""
+    """Every cell's endpoint fidelity at the fit's last check by its chooser judge (the fit's
+    own sampler's, and every fidelity.samplers entry's), the fit's chosen cell, and the
+    chooser's name (root/generator/fidelity.json)."""
     fid = read_json(root / "generator" / "fidelity.json")
     chooser = next(n for n, j in fid["judges"].items() if j["role"] == "chooses w")
     last = fid["curve"][-1]
-    by_clip = last.get("clip") or {None: last["guidance"]}
+    points = {("", 0, "fp32"): last}
+    points |= {parse_sampler_cell(e): p for e, p in last.get("samplers", {}).items()}
     cells = {
-        Cell(float(w), clip): float(by_judge[chooser]["accuracy"])
-        for clip, by_w in by_clip.items()
+        Cell(float(w), clip, *sampler): float(by_judge[chooser]["accuracy"])
+        for sampler, point in points.items()
+        for clip, by_w in (point.get("clip") or {None: point["guidance"]}).items()
         for w, by_judge in by_w.items()
     }
     clip = fid.get("clip_sample")
@@ -117,17 +170,31 @@ def fidelity(root: Path) -> tuple[dict[Cell, float], Cell, str]:
     return cells, chosen, chooser
 
 
-def kept_cells(root: Path) -> tuple[list[Cell], Cell]:
-    """The cells the study tries (in (clipping, w) order) and the fit's cell (the reference):
-    those at or above FIDELITY_FLOOR, the fit's cell always; past MAX_CELLS, the fit's cell
-    and the others evenly spread over the passing ones."""
+def _order(cell: Cell) -> tuple:
+    return (cell.clip or "", cell.guidance, cell.sampler, cell.steps, cell.precision)
+
+
+def kept_cells(root: Path, reference_steps: int = 25) -> tuple[list[Cell], Cell]:
+    """The cells the study tries (in (clipping, w, sampler) order) and the fit's cell (the
+    reference): those at or above FIDELITY_FLOOR, the fit's cell always, at most MAX_CELLS:
+    after the fit's, the cheapest faster cell at the fit's (w, clipping) that passes (the
+    speed lever, tried whenever one passes), then the others evenly spread over the passing
+    ones."""
     cells, reference, _ = fidelity(root)
-    order = sorted(cells, key=lambda c: (c.clip or "", c.guidance))
-    others = [c for c in order if c != reference and cells[c] >= FIDELITY_FLOOR]
-    if len(others) > MAX_CELLS - 1:
-        picks = np.linspace(0, len(others) - 1, MAX_CELLS - 1).round().astype(int)
+    order = sorted(cells, key=_order)
+    passing = [c for c in order if c != reference and cells[c] >= FIDELITY_FLOOR]
+    same = (reference.guidance, reference.clip)
+    faster = [c for c in passing if (c.guidance, c.clip) == same
+              and c.cost(reference_steps) < reference.cost(reference_steps)]  # fmt: skip
+    kept = {reference}
+    if faster and MAX_CELLS > 1:
+        kept.add(min(faster, key=lambda c: (c.cost(reference_steps), _order(c))))
+    others = [c for c in passing if c not in kept]
+    room = MAX_CELLS - len(kept)
+    if len(others) > room:
+        picks = np.linspace(0, len(others) - 1, room).round().astype(int) if room > 0 else []
         others = [others[i] for i in sorted(set(picks))]
-    kept = set(others) | {reference}
+    kept |= set(others)
     return [c for c in order if c in kept], reference
 
 
@@ -145,20 +212,32 @@ class CellReads:
     while runs are still going, it is read anew at the next ask. The key is taken before the
     files are read, so an answer is never kept under a newer file's key than its own."""
 
-    def __init__(self, root: Path, seeds: Sequence[int]) -> None:
+    def __init__(
+        self,
+        root: Path,
+        seeds: Sequence[int],
+        fit_root: Path | None = None,
+        fit_sets: Sequence[str] = (),
+        reference_steps: int = 25,
+    ) -> None:
+        """`root`: the study's (its train/ holds the cells' runs); `fit_root`: the chain root
+        whose generator the cells are drawn from (default `root`), made with the chain-scope
+        `fit_sets` (its fit-generator seed); `reference_steps`: the fit's own cell's steps."""
         self.root, self.seeds = root, tuple(seeds)
+        self.fit_root, self.fit_sets = fit_root or root, list(fit_sets)
+        self.reference_steps = reference_steps
         self._kept: tuple[tuple[int, int, int], list[Cell]] | None = None
         self._chosen: tuple[tuple[int, int, int], Cell] | None = None
 
     def _fidelity_key(self) -> tuple[int, int, int]:
-        st = (self.root / "generator" / "fidelity.json").stat()
+        st = (self.fit_root / "generator" / "fidelity.json").stat()
         return st.st_ino, st.st_mtime_ns, st.st_size
 
     def kept(self) -> list[Cell]:
         """kept_cells' cells."""
         key = self._fidelity_key()
         if self._kept is None or self._kept[0] != key:
-            self._kept = key, kept_cells(self.root)[0]
+            self._kept = key, kept_cells(self.fit_root, self.reference_steps)[0]
         return self._kept[1]
 
     def chosen(self) -> Cell:
@@ -168,8 +247,8 @@ class CellReads:
             return self._chosen[1]
         runs = [tune_run(c, s) for c in self.kept() for s in self.seeds]
         final = all(is_complete(self.root / "train" / r) for r in runs)
-        c = choose_cell(self.root, self.seeds)["chosen"]
-        cell = Cell(c["guidance"], c["clip"])
+        c = choose_cell(self.root, self.seeds, self.fit_root, self.reference_steps)["chosen"]
+        cell = Cell(**c)
         if final:
             self._chosen = key, cell
         return cell
@@ -180,8 +259,8 @@ def _prepare_chain(reads: CellReads, cell: Cell) -> list[str] | None:
     shared into the cell's root and the cell's generate settings."""
     if cell not in reads.kept():
         return None
-    share_upstream(reads.root, cell_root(reads.root, cell))
-    return cell.sets()
+    share_upstream(reads.fit_root, cell_root(reads.root, cell))
+    return [*reads.fit_sets, *cell.sets()]
 
 
 def _prepare_run(reads: CellReads, cell: Cell) -> list[str] | None:
@@ -194,23 +273,27 @@ def _settled(reads: CellReads, cell: Cell, folder: Path) -> bool:
     if is_complete(folder):
         return True
     try:
-        return is_complete(reads.root / "generator") and cell not in reads.kept()
+        return is_complete(reads.fit_root / "generator") and cell not in reads.kept()
     except (OSError, KeyError, ValueError, StopIteration):  # fidelity.json unreadable: run
         return False
 
 
-def generator_task(preset: str, chain_sets: Sequence[str], root: Path, after: str) -> Task:
-    """The chain's steps after prepare and before generate (its encoder, judges, fit) as one
-    task: the cells are read from what the fit recorded."""
+def generator_task(
+    preset: str, chain_sets: Sequence[str], root: Path, after: str, fit: bool = True
+) -> Task:
+    """The chain's steps after prepare and before generate (its encoder, judges, and with
+    `fit` the fit) as one task; without `fit` the study fits its generators in tasks of their
+    own (plan.fit_task), which start as soon as this one is done."""
     steps = []
     for stage, extra in chain_steps(preset):
-        if stage == "generate":
+        if stage == "generate" or (stage == "fit-generator" and not fit):
             break
         if stage != "prepare":
             steps.append((stage, [*extra, *split_sets(chain_sets, stage)]))
     runs = [s.removeprefix("run=") for stage, sets in steps if stage == "train" for s in sets
             if s.startswith("run=")]  # fmt: skip
-    done = is_complete(root / "generator") and all(is_complete(root / "train" / r) for r in runs)
+    done = all(is_complete(root / "train" / r) for r in runs)
+    done = done and (not fit or is_complete(root / "generator"))
     return Task(GENERATOR, steps, {after}, done)
 
 
@@ -227,7 +310,11 @@ class CellTasks(NamedTuple):
 
 
 def cell_tasks(
-    reads: CellReads, cells: Sequence[Cell], chain_sets: Sequence[str], train_sets: Sequence[str]
+    reads: CellReads,
+    cells: Sequence[Cell],
+    chain_sets: Sequence[str],
+    train_sets: Sequence[str],
+    after: str = GENERATOR,
 ) -> CellTasks:
     """Per candidate cell: its chain (chain-cell-<key>) and csm at the grid's reference point
     at every tuning seed (`reads.seeds`) on its set; a cell the study does not keep skips them
@@ -240,7 +327,7 @@ def cell_tasks(
         chain = f"chain-cell-{cell.key}"
         done = _settled(reads, cell, c_root / "mixed")
         prepare = functools.partial(_prepare_chain, reads, cell)
-        tasks.chains.append(Task(chain, [("chain", v_sets)], {GENERATOR}, done, prepare))
+        tasks.chains.append(Task(chain, [("chain", v_sets)], {after}, done, prepare))
         for seed in reads.seeds:
             name = tune_run(cell, seed)
             sets = [*train_sets, *METHODS["csm"].sets, f"mixed={c_root / 'mixed'}", *point,
@@ -251,45 +338,77 @@ def cell_tasks(
     return tasks
 
 
-def choose_cell(root: Path, seeds: Sequence[int]) -> dict[str, Any]:
+def cheapest_within_noise(
+    rows: Sequence[dict[str, Any]], chosen: dict[str, Any], cost: dict[str, float]
+) -> dict[str, Any]:
+    """The rule's cost step: among the rows no worse than the rule's `chosen` row by more than
+    one standard error of their paired per-seed val-NLL differences (the noise the rule ignores
+    in the other direction too), the cheapest (`cost` by run; ties: the lower mean val NLL,
+    then `chosen`). A row whose val NLL is not finite never qualifies."""
+
+    def within(row: dict[str, Any]) -> bool:
+        if row is chosen:
+            return True
+        if not np.isfinite(row["val_nll_seeds"]).all():
+            return False
+        gaps = np.asarray(row["val_nll_seeds"]) - np.asarray(chosen["val_nll_seeds"])
+        se = gaps.std(ddof=1) / np.sqrt(len(gaps)) if len(gaps) > 1 else 0.0
+        return bool(gaps.mean() <= se)
+
+    close = [r for r in rows if within(r)]
+    return min(close, key=lambda r: (cost[r["run"]], r is not chosen, np.mean(r["val_nll_seeds"])))
+
+
+def choose_cell(
+    root: Path, seeds: Sequence[int], fit_root: Path | None = None, reference_steps: int = 25
+) -> dict[str, Any]:
     """The rule over the kept cells (each row: its values, fidelity, mean val scores over the
-    tuning seeds, val NLL per seed, runs), the fit's cell the reference; study.json's
-    "generator" with every candidate's fidelity."""
-    cells, reference, chooser = fidelity(root)
-    kept, _ = kept_cells(root)
-    rows = []
+    tuning seeds, val NLL per seed, runs), the fit's cell the reference, then its cost step
+    (cheapest_within_noise); study.json's "generator" with every candidate's fidelity. The
+    cells are fit_root's generator's (default: root's), the runs root's."""
+    fit_root = fit_root or root
+    cells, reference, chooser = fidelity(fit_root)
+    kept, _ = kept_cells(fit_root, reference_steps)
+    rows, cost = [], {}
     for cell in kept:
         runs = [tune_run(cell, s) for s in seeds]
         scores = [val_score(root / "train" / r) for r in runs]
-        values = {"guidance": cell.guidance, "clip": cell.clip, "fidelity": cells[cell]}
+        values = {**cell.values(), "fidelity": cells[cell]}
         rows.append(score_row(tune_run(cell), values, scores, runs))
-    rule = choose_point(rows, {"guidance": reference.guidance, "clip": reference.clip})
-    chosen = rule.pop("chosen")
+        cost[tune_run(cell)] = cell.cost(reference_steps)
+    rule = choose_point(rows, reference.values())
+    by_rule = rule.pop("chosen")
+    chosen = cheapest_within_noise(rows, by_rule, cost)
+    rule["by_cost"] = chosen is not by_rule  # the rule's choice gave way to a cheaper cell
     return {
         "criterion": "mean val_nll of csm at its grid's reference point over the tuning seeds, "
-        "among the cells at or above the fidelity floor; within one standard error: the fit's cell",
+        "among the cells at or above the fidelity floor; within one standard error: the fit's "
+        "cell; then the cheapest cell within one standard error of that choice",
         "judge": chooser,
         "fidelity_floor": FIDELITY_FLOOR,
         "max_cells": MAX_CELLS,
         "at": REFERENCE["csm"],
         "seeds": list(seeds),
-        "reference": {"guidance": reference.guidance, "clip": reference.clip},
+        "reference_steps": reference_steps,
+        "reference": reference.values(),
         "rule": rule,
-        "chosen": {"guidance": chosen["guidance"], "clip": chosen["clip"]},
+        "chosen": {k: chosen[k] for k in reference.values()},
         "chosen_run": chosen["run"],
         "cells": [
-            {"guidance": c.guidance, "clip": c.clip, "fidelity": f, "kept": c in kept}
-            for c, f in sorted(cells.items(), key=lambda cf: (cf[0].clip or "", cf[0].guidance))
+            {**c.values(), "fidelity": f, "kept": c in kept, "cost": c.cost(reference_steps)}
+            for c, f in sorted(cells.items(), key=lambda cf: _order(cf[0]))
         ],
         "grid": rows,
     }
 
 
 def prepare_set0(reads: CellReads) -> list[str]:
-    """Before set 0's chain: the chosen cell's series and mixed set taken by link (drawn with
-    the same seed and settings, so the chain finds them complete), and its generate settings."""
+    """Before set 0's chain: the chosen cell's generate settings; when the cells were drawn from
+    this root's own generator (a study without a separate cell fit), the chosen cell's series
+    and mixed set taken by link (drawn with the same seed and settings, so the chain finds
+    them complete)."""
     root, cell = reads.root, reads.chosen()
-    for part in ("series", "mixed"):
+    for part in ("series", "mixed") if reads.fit_root == root else ():
         if is_complete(cell_root(root, cell) / part):
             link_complete(cell_root(root, cell) / part, root / part)
     return cell.sets()

@@ -16,7 +16,7 @@ from core.logs import log
 from core.runtime import derive_seed
 from pipeline.chain import chain_fields
 from pipeline.study import robustness
-from pipeline.study.cells import choose_cell
+from pipeline.study.cells import CELL_FIT, choose_cell, reference_steps
 from pipeline.study.config import (
     METHODS,
     METRICS,
@@ -29,7 +29,7 @@ from pipeline.study.estimate import estimate, measured_line, remaining_path
 from pipeline.study.execute import Sitting, execute
 from pipeline.study.figures import figures
 from pipeline.study.intervals import mixed_sets_of
-from pipeline.study.mixed_sets import mixed_images, set_variant
+from pipeline.study.mixed_sets import mixed_images, set_variant, variant_root
 from pipeline.study.plan import setup, study_cells
 from pipeline.study.records import collect, seed_predictions
 from pipeline.study.report import write_report
@@ -97,9 +97,11 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
         }
     tuning = tuning_report(cfg, root, sets) if cfg.tune else {}
     chain_sets = [s for s in sets if not s.startswith("study.")]
-    cells = study_cells(cfg, preset, chain_sets) and choose_cell(root, tune_seeds(cfg))
+    cells = study_cells(cfg, preset, chain_sets) and choose_cell(
+        root, tune_seeds(cfg), variant_root(root, CELL_FIT), reference_steps(preset, chain_sets)
+    )
     variants = sorted(
-        set_variant(METHODS[m].variant, cfg.mixed_set(m, seed))
+        set_variant(METHODS[m].variant, cfg.mixed_set(m, seed), cfg.fit_of(m, seed))
         for m in cfg.methods
         if METHODS[m].needs_mixed
         for seed in cfg.seeds_of(m)

@@ -74,6 +74,14 @@ POSTHOC = "ce+posthoc"
 METRICS = ("top1", "ece", "aece", "classwise_ece", "oece", "uece", "mce", "nll", "brier")
 
 
+# the protocol's counts of generator units (one place: the committed protocol file replaces
+# these defaults): fits, and mixed sets per fit; 3 x 1 draws as many sets as the 1 x 3 before
+FITS = 3
+MIXED_SETS_PER_FIT = 1
+MAX_FITS = 100  # fit f's fit-generator seed is the chain's + f; the cell fit's + CELL_FIT_SEED
+CELL_FIT_SEED = 1000
+
+
 @dataclass(frozen=True)
 class StudyConfig:
     methods: tuple[str, ...] = DEFAULT_METHODS
@@ -83,10 +91,13 @@ class StudyConfig:
     seeds: tuple[int, ...] = tuple(range(10))
     primary_seeds: int = 5
     other_seeds: int = 3
-    # independent mixed sets of each csm-family chain (csm's, csm3's, csm-redraw's), each drawn
-    # with its own generate seed; the run of seed k trains on set k mod mixed_sets (its record's
-    # `mixed_set`), so the generator's variance is in the comparisons
-    mixed_sets: int = 3
+    # independent generator fits (fit f: fit-generator's seed + f, its own chain root; records'
+    # `fit`), each with `mixed_sets` independent mixed sets of each csm-family chain (csm's,
+    # csm3's, csm-redraw's), each drawn with its own generate seed: the run of the i-th seed
+    # trains on fit i mod fits, set (i div fits) mod mixed_sets (`fit_of`, `mixed_set`), so the
+    # variance of fitting a generator, and of drawing from it, is in the comparisons
+    fits: int = FITS
+    mixed_sets: int = MIXED_SETS_PER_FIT
     jobs: int = 2  # runs at a time (subprocesses)
     # a train method's seeds that share a mixed set train as one stack (train seeds=...): one
     # process, the data read once, each run its own folder as when trained alone; off: a
@@ -125,12 +136,15 @@ class StudyConfig:
                 raise ConfigError(f"study method {m} fine-tunes {base}: add {base} to methods")
             if METHODS[m].variant and "csm" not in self.methods:
                 raise ConfigError(f"study method {m} is compared with 2-way csm: add csm")
-        counts = (self.primary_seeds, self.other_seeds, self.mixed_sets, self.jobs)
+        counts = (self.primary_seeds, self.other_seeds, self.fits, self.mixed_sets, self.jobs)
         if not self.seeds or min(counts) < 1 or self.bootstrap < 100 or self.tune_seeds < 2:
             raise ConfigError(
-                "study needs >= 1 seed, primary_seeds >= 1, other_seeds >= 1, mixed_sets >= 1, "
-                "jobs >= 1, bootstrap >= 100 and tune_seeds >= 2 (a standard error needs two)"
+                "study needs >= 1 seed, primary_seeds >= 1, other_seeds >= 1, fits >= 1, "
+                "mixed_sets >= 1, jobs >= 1, bootstrap >= 100 and tune_seeds >= 2 (a standard "
+                "error needs two)"
             )
+        if self.fits > MAX_FITS:
+            raise ConfigError(f"study.fits={self.fits}: at most {MAX_FITS} (fit seeds + f)")
 
     def seeds_of(self, method: str) -> tuple[int, ...]:
         """Every seed for ce and csm, the first `primary_seeds` for the primary endpoints' other
@@ -141,12 +155,19 @@ class StudyConfig:
             return self.seeds[: self.primary_seeds]
         return self.seeds[: self.other_seeds]
 
-    def mixed_set(self, method: str, seed: int) -> int | None:
-        """The mixed set a run trains on (a fine-tuning: its source run's); None without one."""
-        m = METHODS[method]
-        if not m.needs_mixed:
+    def fit_of(self, method: str, seed: int) -> int | None:
+        """The generator fit whose mixed set a run trains on (a fine-tuning: its source run's):
+        round robin over the fits in seed order; None without a mixed set."""
+        if not METHODS[method].needs_mixed:
             return None
-        return self.seeds.index(seed) % self.mixed_sets
+        return self.seeds.index(seed) % self.fits
+
+    def mixed_set(self, method: str, seed: int) -> int | None:
+        """The mixed set of its fit (fit_of) a run trains on: round robin over a fit's sets once
+        every fit has one; None without one."""
+        if not METHODS[method].needs_mixed:
+            return None
+        return self.seeds.index(seed) // self.fits % self.mixed_sets
 
 
 def run_name(method: str, seed: int) -> str:

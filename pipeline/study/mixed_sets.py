@@ -20,6 +20,8 @@ KWAY_LATTICE = 4  # m of the study's k-way sets: 15 images per 3-class series
 # encoder, and the report-only fidelity judges of the chains that have them), so a variant
 # chain trains nothing again
 KWAY_UPSTREAM = ("real", "generator", "train/encoder", "train/judge", "train/judge-noflip")
+# what a generator fit's root shares with csm's before its own fit: everything but the generator
+FIT_UPSTREAM = tuple(rel for rel in KWAY_UPSTREAM if rel != "generator")
 
 
 def variant_root(root: Path, variant: str) -> Path:
@@ -28,12 +30,18 @@ def variant_root(root: Path, variant: str) -> Path:
     return root.with_name(f"{root.name}-{variant}")
 
 
-def set_variant(variant: str, index: int) -> str:
-    """The variant root of a method family's mixed set `index` (StudyConfig.mixed_sets): set 0
-    is the family's own ("" = csm's <root>, "k3", "redraw"), set j > 0 "m<j>", "k3-m<j>", ..."""
-    if index == 0:
-        return variant
-    return f"{variant}-m{index}" if variant else f"m{index}"
+def set_variant(variant: str, index: int, fit: int = 0) -> str:
+    """The variant root of a method family's mixed set `index` of generator fit `fit`
+    (StudyConfig.fits, mixed_sets): fit 0's set 0 is the family's own ("" = csm's <root>,
+    "k3", "redraw"), its set j > 0 "m<j>", "k3-m<j>", ...; fit f > 0 adds "f<f>": csm's set 0
+    of fit f is the fit's own root, <root>-f<f> ("f<f>"), then "f<f>-m<j>", "k3-f<f>", ..."""
+    parts = [variant, f"f{fit}" if fit else "", f"m{index}" if index else ""]
+    return "-".join(p for p in parts if p)
+
+
+def fit_variant(fit: int) -> str:
+    """The chain root of generator fit `fit`: "" (<root>) for fit 0, "f<f>" after it."""
+    return set_variant("", 0, fit)
 
 
 def chain_task(variant: str) -> str:
@@ -41,19 +49,31 @@ def chain_task(variant: str) -> str:
     return f"chain-{variant}" if variant else "chain"
 
 
-def prepare_set(root: Path, variant: str, index: int, generate_seed: int) -> list[str]:
-    """Before the chain of mixed set `index` of a family: share csm's upstream folders (and the
-    family's own settings: prepare_kway, prepare_redraw), and draw its series with their own
-    generate seed (the chain's + index), so each set is an independent draw of one generator."""
-    dst = variant_root(root, set_variant(variant, index))
+def prepare_set(
+    root: Path,
+    variant: str,
+    index: int,
+    generate_seed: int,
+    fit: int = 0,
+    sets_per_fit: int = 1,
+    fit_sets: Sequence[str] = (),
+) -> list[str]:
+    """Before the chain of mixed set `index` of generator fit `fit` of a family: share the
+    fit's upstream folders (its generator, csm's real/ and runs; and the family's own settings:
+    prepare_kway, prepare_redraw), and draw its series with their own generate seed (the
+    chain's + fit x sets_per_fit + index), so each set is an independent draw of its fit's
+    generator; `fit_sets`: the fit's chain-scope settings (its fit-generator seed)."""
+    dst = variant_root(root, set_variant(variant, index, fit))
+    source = variant_root(root, fit_variant(fit)) if fit else root
     if variant == "redraw":
-        sets = prepare_redraw(root, dst)
+        sets = prepare_redraw(root, dst, source)
     elif variant:
-        sets = prepare_kway(root, int(variant[1:]), dst)
+        sets = prepare_kway(root, int(variant[1:]), dst, source)
     else:
-        share_upstream(root, dst)
+        share_upstream(source, dst)
         sets = []
-    return sets + ([f"generate.seed={generate_seed + index}"] if index else [])
+    draw = fit * sets_per_fit + index
+    return [*fit_sets, *sets, *([f"generate.seed={generate_seed + draw}"] if draw else [])]
 
 
 def share_upstream(root: Path, dst: Path) -> None:
@@ -67,11 +87,11 @@ def kway_root(root: Path, k: int) -> Path:
     return variant_root(root, f"k{k}")
 
 
-def prepare_redraw(root: Path, dst: Path | None = None) -> list[str]:
-    """Before the redraw chain (into `dst`, default <root>-redraw): share csm's upstream
-    folders; the same plan as csm's, every series whose pure images the encoder rejects redrawn
-    (docs/generate.md)."""
-    share_upstream(root, dst or variant_root(root, "redraw"))
+def prepare_redraw(root: Path, dst: Path | None = None, source: Path | None = None) -> list[str]:
+    """Before the redraw chain (into `dst`, default <root>-redraw): share the upstream folders
+    of `source` (default csm's root); the same plan as csm's, every series whose pure images the
+    encoder rejects redrawn (docs/generate.md)."""
+    share_upstream(source or root, dst or variant_root(root, "redraw"))
     return ["generate.endpoint.check=redraw"]
 
 
@@ -95,12 +115,14 @@ def link_complete(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
-def prepare_kway(root: Path, k: int, dst: Path | None = None) -> list[str]:
+def prepare_kway(
+    root: Path, k: int, dst: Path | None = None, source: Path | None = None
+) -> list[str]:
     """Before the k-way chain (into `dst`, default <root>-k<k>): share csm's real/, generator/ and encoder run (no second
     prepare or fit), and size the k-way set to csm's number of generated images: lattice m =
     KWAY_LATTICE, `tuples` x `series_per_tuple` series, `tuples` the largest divisor of the
     series count that is at most C(n, k) so every tuple gets the same number of series."""
-    share_upstream(root, dst or kway_root(root, k))
+    share_upstream(source or root, dst or kway_root(root, k))  # source: a fit's root
     mixed = read_manifest(root / "mixed")
     per_series = num_lattice_points(k, KWAY_LATTICE)
     series = max(1, round(mixed.num_samples / per_series))

@@ -13,15 +13,26 @@ from pipeline.chain import check_chain, scoped_errors, split_sets
 from pipeline.registry import resolve_stage_config
 from pipeline.study import robustness
 from pipeline.study.cells import (
+    CELL_FIT,
+    GENERATOR,
     Cell,
     CellReads,
     candidates,
     cell_tasks,
     generator_task,
     prepare_set0,
+    reference_steps,
 )
-from pipeline.study.config import METHODS, StudyConfig, Task, run_name
-from pipeline.study.mixed_sets import chain_task, prepare_set, set_variant, variant_root
+from pipeline.study.config import CELL_FIT_SEED, METHODS, StudyConfig, Task, run_name
+from pipeline.study.mixed_sets import (
+    FIT_UPSTREAM,
+    chain_task,
+    fit_variant,
+    link_complete,
+    prepare_set,
+    set_variant,
+    variant_root,
+)
 from pipeline.study.tuning import chosen_groups, chosen_sets, plan_groups, tune_seeds
 from pipeline.study.tuning_plan import tuning_tasks
 from shards import evals
@@ -68,32 +79,52 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
     tasks: list[Task] = [data_task(preset, chain_sets, root)]
     train_sets, ft_sets = split_sets(sets, "train"), split_sets(sets, "finetune")
     cells = study_cells(cfg, preset, chain_sets)
-    reads = CellReads(root, tune_seeds(cfg))  # this invocation's reads of the cells
+    base_fit_seed = fit_seed(preset, chain_sets) if needs_chain else 0
+    # the cells are chosen once, on a fit of their own that no comparison uses (docs/study.md)
+    cell_fit = variant_root(root, CELL_FIT)
+    cell_sets = [f"fit-generator.seed={base_fit_seed + CELL_FIT_SEED}"]
+    steps = reference_steps(preset, chain_sets) if cells else 25
+    reads = CellReads(root, tune_seeds(cfg), cell_fit, cell_sets, steps)  # this invocation's
+    fit_names = {f: fit_task_name(f) for f in range(cfg.fits)}
     if needs_chain:
         done = is_complete(root / "mixed")
-        if cells:  # the generator first, its kept cells tried; set 0 at the chosen cell
-            tasks.append(generator_task(preset, chain_sets, root, DATA))
-            tried = cell_tasks(reads, cells, chain_sets, train_sets)
+        if (
+            cells
+        ):  # the encoder first, the fits, the cell fit's kept cells tried; sets at the choice
+            tasks.append(generator_task(preset, chain_sets, root, DATA, fit=False))
+            tasks.append(fit_task(preset, chain_sets, root, cell_fit, cell_sets, "fit-cells"))
+            tasks += [fit_task(preset, chain_sets, root, fit_root(root, f),
+                               fit_sets(base_fit_seed, f), fit_names[f]) for f in fit_names]  # fmt: skip
+            tried = cell_tasks(reads, cells, chain_sets, train_sets, after="fit-cells")
             tasks += tried.in_order()
-            after = {t.name for t in tried.runs}
+            after = {t.name for t in tried.runs} | {fit_names[0]}
             prepare0 = functools.partial(prepare_set0, reads)
             tasks.append(Task("chain", [("chain", chain_sets)], after, done, prepare0))
-        else:
+        else:  # the chain fits fit 0; the other fits wait for its encoder
             tasks.append(Task("chain", [("chain", chain_sets)], {DATA}, done))
+            fit_names[0] = "chain"
+            tasks += [fit_task(preset, chain_sets, root, fit_root(root, f),
+                               fit_sets(base_fit_seed, f), fit_names[f], after="chain")
+                      for f in range(1, cfg.fits)]  # fmt: skip
 
-    gen_seed = generate_seed(preset, chain_sets) if needs_chain and cfg.mixed_sets > 1 else 0
+    draws = cfg.fits * cfg.mixed_sets
+    gen_seed = generate_seed(preset, chain_sets) if needs_chain and draws > 1 else 0
 
-    def set_chain(variant: str, index: int) -> Task:
-        """The chain of a family's mixed set `index` into its own root (set 0 of csm: "chain"),
-        at the chosen cell when the study chooses it."""
-        name = set_variant(variant, index)
+    def set_chain(variant: str, index: int, fit: int) -> Task:
+        """The chain of a family's mixed set `index` of generator fit `fit` into its own root
+        (set 0 of fit 0 of csm: "chain"), at the chosen cell when the study chooses it."""
+        name = set_variant(variant, index, fit)
         v_root = variant_root(root, name)
         v_sets = [*(s for s in chain_sets if not s.startswith("name=")), f"name={v_root.name}"]
         done = is_complete(v_root / "mixed")
-        prepare = functools.partial(prepare_set, root, variant, index, gen_seed)
+        prepare = functools.partial(
+            prepare_set, root, variant, index, gen_seed, fit, cfg.mixed_sets,
+            fit_sets(base_fit_seed, fit),
+        )  # fmt: skip
         if cells:
             prepare = functools.partial(_at_chosen_cell, prepare, reads)
-        return Task(chain_task(name), [("chain", v_sets)], {"chain"}, done, prepare)
+        after = {"chain", fit_names[fit]}
+        return Task(chain_task(name), [("chain", v_sets)], after, done, prepare)
 
     tuned = tuning_tasks(cfg, root, sets) if cfg.tune else {}
     # evaluate pinned to 1 CPU thread unless the command line says otherwise: `jobs` runs fill
@@ -112,11 +143,14 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
     # order once what they need is done, so the methods given first are done first.
     for method in cfg.methods:
         variant = METHODS[method].variant
-        if METHODS[method].needs_mixed:  # every mixed set its seeds train on
-            for index in sorted({cfg.mixed_set(method, seed) for seed in cfg.seeds_of(method)}):
-                name = chain_task(set_variant(variant, index))
+        if METHODS[method].needs_mixed:  # every (fit, mixed set) its seeds train on
+            units = {
+                (cfg.fit_of(method, s), cfg.mixed_set(method, s)) for s in cfg.seeds_of(method)
+            }
+            for fit, index in sorted(units):  # type: ignore[type-var]
+                name = chain_task(set_variant(variant, index, fit))
                 if not any(t.name == name for t in tasks):
-                    tasks.append(set_chain(variant, index))
+                    tasks.append(set_chain(variant, index, fit))
         planned = {t.name for t in tasks}
         for g in plan_groups(method) if cfg.tune else ():
             tasks += [t for t in tuned[g] if t.name not in planned]
@@ -128,14 +162,13 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
         stacks = {}
         if cfg.stack and m.stage == "train":  # one stack per mixed set: they differ by seed only
             for seed in cfg.seeds_of(method):
-                stacks.setdefault(cfg.mixed_set(method, seed) or 0, []).append(seed)
-            for index, seeds in stacks.items():
-                mixed = set_variant(m.variant, index)
+                stacks.setdefault(mixed_of(cfg, method, seed), []).append(seed)
+            for mixed, seeds in stacks.items():
                 after = ({chain_task(mixed)} if m.needs_mixed else set()) | tuning
                 tasks.append(stack_task(root, method, mixed, seeds, train_sets, after, prepare))
         for seed in cfg.seeds_of(method):
             name = run_name(method, seed)
-            mixed = set_variant(m.variant, cfg.mixed_set(method, seed) or 0)
+            mixed = mixed_of(cfg, method, seed)
             stage_dir = "train" if m.stage == "train" else "finetune"
             evaluate = ("evaluate", [*eval_sets, f"run={name}", f"stage_dir={stage_dir}"])
             after = ({chain_task(mixed)} if m.needs_mixed else set()) | robust | tuning
@@ -168,6 +201,66 @@ def study_cells(cfg: StudyConfig, preset: str, chain_sets: Sequence[str]) -> lis
     if not (cfg.tune and cfg.cells and any(METHODS[m].needs_mixed for m in cfg.methods)):
         return []
     return candidates(preset, chain_sets)
+
+
+def mixed_of(cfg: StudyConfig, method: str, seed: int) -> str:
+    """The variant root of the mixed set a run trains on ("": csm's <root>, also for a method
+    that reads none)."""
+    fit, index = cfg.fit_of(method, seed) or 0, cfg.mixed_set(method, seed) or 0
+    return set_variant(METHODS[method].variant, index, fit)
+
+
+def fit_root(root: Path, fit: int) -> Path:
+    """Generator fit `fit`'s chain root: <root> for fit 0, <root>-f<f> after it."""
+    return variant_root(root, fit_variant(fit)) if fit else root
+
+
+def fit_sets(base_seed: int, fit: int) -> list[str]:
+    """The chain-scope settings of fit `fit`: its fit-generator seed (the chain's + fit; fit 0
+    the chain's own, so its config is the chain's)."""
+    return [f"fit-generator.seed={base_seed + fit}"] if fit else []
+
+
+def fit_task_name(fit: int) -> str:
+    return f"fit-f{fit}"
+
+
+def fit_seed(preset: str, chain_sets: Sequence[str]) -> int:
+    """The seed of the chain's fit-generator step (fit 0's; fit f's is it + f)."""
+    extra = dict(chain_steps(preset)).get("fit-generator")
+    if extra is None:
+        return 0
+    with scoped_errors("fit-generator"):
+        return resolve_stage_config(
+            "fit-generator", preset, [*extra, *split_sets(chain_sets, "fit-generator")]
+        ).seed
+
+
+def fit_task(
+    preset: str,
+    chain_sets: Sequence[str],
+    root: Path,
+    dst: Path,
+    sets: Sequence[str],
+    name: str,
+    after: str = GENERATOR,
+) -> Task:
+    """fit-generator into chain root `dst` with the chain-scope `sets` (its seed), once the
+    encoder and judges it reads exist: they, and real/, are shared from <root> by link, the
+    fit's own generator/ is its own."""
+    extra = dict(chain_steps(preset)).get("fit-generator", ())
+    own = split_sets([*chain_sets, *sets], "fit-generator")
+    at = [] if dst == root else [f"name={dst.name}"]
+    step = ("fit-generator", [*extra, *own, *at])
+    done = is_complete(dst / "generator")
+
+    def prepare() -> list[str]:
+        if dst != root:
+            for rel in FIT_UPSTREAM:
+                link_complete(root / rel, dst / rel)
+        return []
+
+    return Task(name, [step], {after}, done, prepare)
 
 
 def _at_chosen_cell(prepare: Callable[[], list[str]], reads: CellReads) -> list[str]:

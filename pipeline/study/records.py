@@ -30,7 +30,9 @@ def collect(cfg: StudyConfig, root: Path) -> list[dict[str, Any]]:
                 {
                     "method": method,
                     "seed": seed,
-                    # the csm family's mixed set (StudyConfig.mixed_set); None: it reads none
+                    # the csm family's generator fit and its mixed set (StudyConfig.fit_of,
+                    # mixed_set); None: it reads none
+                    "fit": cfg.fit_of(method, seed),
                     "mixed_set": cfg.mixed_set(method, seed),
                     "run": f"{stage_dir}/{folder.name}",
                     "labelled_images": labelled_split_images(root, train),

@@ -41,6 +41,7 @@ from shards.budget import labelled_images
 from shards.datasets import load_real
 from shards.manifest import ShardError
 from shards.runs import load_model
+from stages.configs.fit_generator import parse_sampler_cell
 
 
 @dataclass(frozen=True)
@@ -191,19 +192,17 @@ class FidelityCheck:
         seed: int,
         per_class: int,
         clip_choice: bool = False,
+        samplers: Sequence[str] = (),
     ) -> None:
         self.judges, self.guidance = list(judges), tuple(guidance)
         self.class_names, self.seed, self.per_class = tuple(class_names), seed, per_class
         self.clip_choice = clip_choice
+        self.samplers = tuple(samplers)  # fidelity.samplers' entries, "<sampler>:<steps>[:bf16]"
 
-    def __call__(self, gen: Generator, step: int) -> dict[str, Any]:
-        """One point of the curve at fit step ``step``, logged as it comes: {"step", "guidance":
-        {w: {judge: stats}}} with the sampler's saved x̂₀ clipping; with ``clip_choice`` also
-        "clip": {"on" | "off": {w: ...}} (both settings, the saved one's the same as "guidance")
-        and "clip_saved"."""
-        start = time.perf_counter()
-        saved = "on" if gen.scheduler.config.get("clip_sample", False) else "off"
-        point: dict[str, Any] = {"step": step}
+    def _cells(self, gen: Generator, saved: str) -> dict[str, Any]:
+        """{"guidance": {w: {judge: stats}}} at the sampler's saved clipping; with clip_choice
+        also "clip": {"on" | "off": {w: ...}} (both settings) and "clip_saved"."""
+        out: dict[str, Any] = {}
         for clip in ("on", "off") if self.clip_choice else (None,):
             if clip is not None:
                 gen.set_clip_sample(clip == "on")  # type: ignore[attr-defined]
@@ -212,12 +211,48 @@ class FidelityCheck:
                 per_class=self.per_class,
             )  # fmt: skip
             if clip is None or clip == saved:
-                point["guidance"] = cells
+                out["guidance"] = cells
             if clip is not None:
-                point.setdefault("clip", {})[clip] = cells
+                out.setdefault("clip", {})[clip] = cells
         if self.clip_choice:
             gen.set_clip_sample(None)  # type: ignore[attr-defined]
-            point["clip_saved"] = saved
+            out["clip_saved"] = saved
+        return out
+
+    def sampler_cells(self, gen: Generator, saved: str) -> dict[str, Any]:
+        """Every fidelity.samplers entry judged as the fit's own cells are (the same noise, w
+        and clipping), on the same weights: {entry: {"guidance": ..., "clip": ...}}. A bf16
+        entry is judged only where the device computes bf16 natively (core.precision), on a
+        bf16 copy of the weights, as generate's precision=bf16 samples; elsewhere it is left
+        out (logged), so the study never keeps it there."""
+        import copy
+
+        from core.precision import native_bf16
+
+        out = {}
+        for entry in self.samplers:
+            sampler, steps, precision = parse_sampler_cell(entry)
+            if precision == "bf16" and not native_bf16(gen.device):
+                log.info("fit-generator: %s left out: %s has no native bf16", entry, gen.device)
+                continue
+            unet = gen.unet if precision == "fp32" else copy.deepcopy(gen.unet).bfloat16()  # type: ignore[attr-defined]
+            variant = type(gen).from_model(  # type: ignore[attr-defined]
+                unet, gen.scheduler_config, sampler=sampler, steps=steps, device=gen.device,  # type: ignore[attr-defined]
+                dtype="bfloat16" if precision == "bf16" else "float32", guidance=gen.guidance,
+            )  # fmt: skip
+            out[entry] = self._cells(variant, saved)
+        return out
+
+    def __call__(self, gen: Generator, step: int) -> dict[str, Any]:
+        """One point of the curve at fit step ``step``, logged as it comes: {"step", "guidance":
+        {w: {judge: stats}}} with the sampler's saved x̂₀ clipping; with ``clip_choice`` also
+        "clip": {"on" | "off": {w: ...}} (both settings, the saved one's the same as "guidance")
+        and "clip_saved"; with ``samplers``, "samplers": {entry: the same for that sampler}."""
+        start = time.perf_counter()
+        saved = "on" if gen.scheduler.config.get("clip_sample", False) else "off"
+        point: dict[str, Any] = {"step": step, **self._cells(gen, saved)}
+        if self.samplers:  # the faster cells; the choice below reads the fit's own only
+            point["samplers"] = self.sampler_cells(gen, saved)
         text = " | ".join(
             f"{'' if c is None else f'clip {c}, '}w={w}: "
             + ", ".join(f"{j} {st['accuracy']:.1f} %" for j, st in by_judge.items())

@@ -79,6 +79,21 @@ class Augment:
     flip: bool = False  # random horizontal flips (never for digits: a flipped 3 is no digit)
 
 
+def parse_sampler_cell(entry: str) -> tuple[str, int, str]:
+    """fidelity.samplers' "<sampler>:<steps>[:bf16]" -> (sampler, steps, precision "fp32" |
+    "bf16"); a malformed entry is refused in one line with the form."""
+    from models.generators.base import SAMPLERS
+
+    parts = entry.split(":")
+    ok = len(parts) in (2, 3) and parts[0] in SAMPLERS and parts[1].isdigit() and int(parts[1]) > 0
+    if not ok or (len(parts) == 3 and parts[2] != "bf16"):
+        raise ConfigError(
+            f"fidelity.samplers entry {entry!r} is not <sampler>:<steps>[:bf16] with a sampler "
+            f"of {', '.join(SAMPLERS)}, e.g. unipc:12 or dpmsolver++:12:bf16"
+        )
+    return parts[0], int(parts[1]), parts[2] if len(parts) == 3 else "fp32"
+
+
 @dataclass(frozen=True)
 class Fidelity:
     """endpoint fidelity while fitting: it chooses the generator's guidance"""
@@ -96,10 +111,17 @@ class Fidelity:
     # also check every w with DDIM's x̂₀ clipping flipped (the scheduler's clip_sample on / off)
     # and choose the pair (w, clipping) by the same judge; generate samples with the choice
     clip_choice: bool = recorded_off_default(False)
+    # faster sampler cells judged beside the fit's own (DDIM at preview.sample_steps), each at
+    # every w (and clipping) of the grid: "<sampler>:<steps>" or "<sampler>:<steps>:bf16" (bf16
+    # weights, checked only where the device computes bf16 natively); the study chooses among
+    # them like w and clipping (pipeline/study/cells.py); they never change the recorded w
+    samplers: tuple[str, ...] = recorded_off_default(())
     every: int = 0  # check every N steps too (0 = only at the end)
     per_class: int = 20  # endpoint images per class and w
 
     def __post_init__(self) -> None:
+        for entry in self.samplers:
+            parse_sampler_cell(entry)
         check_range("fidelity.every", self.every, 0)
         check_range("fidelity.per_class", self.per_class, 1)
         if not self.guidance_grid or min(self.guidance_grid) < 0:

@@ -29,7 +29,7 @@ from shards.writer import NOT_IDENTITY
 from stages.common.fidelity import FidelityCheck, make_judges, sample_grid
 
 # the config fields a finished fit is rechecked for instead of refused (how it is sampled)
-RECHECK_FIELDS = frozenset({"guidance_grid", "clip_choice"})
+RECHECK_FIELDS = frozenset({"guidance_grid", "clip_choice", "fidelity.samplers"})
 
 
 def recheck_fields(folder: Path, config: dict[str, Any]) -> set[str] | None:
@@ -63,7 +63,13 @@ def recheck(cfg: Any, folder: Path, config: dict[str, Any], names: tuple[str, ..
         cfg.root, cfg.fidelity.judge, device, cfg.train_limit, cfg.fidelity.report_judges
     )
     check = FidelityCheck(
-        judges, cfg.grid, names, cfg.seed, cfg.fidelity.per_class, cfg.fidelity.clip_choice
+        judges,
+        cfg.grid,
+        names,
+        cfg.seed,
+        cfg.fidelity.per_class,
+        cfg.fidelity.clip_choice,
+        cfg.fidelity.samplers,
     )
     gen = load_generator("unet", model=folder, steps=cfg.preview.sample_steps, device=device)
     curve = [*fidelity["curve"][:-1], check(gen, step)]

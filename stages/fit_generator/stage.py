@@ -92,7 +92,13 @@ def run(cfg: Config) -> Path:
             cfg.root, cfg.fidelity.judge, procs.device, cfg.train_limit, cfg.fidelity.report_judges
         )
         check = FidelityCheck(
-            judges, cfg.grid, names, cfg.seed, cfg.fidelity.per_class, cfg.fidelity.clip_choice
+            judges,
+            cfg.grid,
+            names,
+            cfg.seed,
+            cfg.fidelity.per_class,
+            cfg.fidelity.clip_choice,
+            cfg.fidelity.samplers,
         )
     unet, curve = train(cfg, folder, images, labels, names, check)
     state = PartialState()
