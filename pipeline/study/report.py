@@ -535,7 +535,9 @@ def report_from_json(study_json: Path, out: Path) -> Path:
     })  # fmt: skip
     shift = study.get("shift_paired")
     robust = {"shift": shift, "ood": study.get("ood_paired")} if shift is not None else None
+    # study.json's keys are sorted: the methods back in the config's order
+    summary = {m: study["summary"][m] for m in cfg.methods if m in study["summary"]}
     return write_report(
-        cfg, Path(study["dataset"]), out, study["records"], study["summary"], study["paired"],
+        cfg, Path(study["dataset"]), out, study["records"], summary, study["paired"],
         study.get("tuning"), study.get("mixed_images"), robust, study.get("generator"),
     )  # fmt: skip
