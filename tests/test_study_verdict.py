@@ -313,3 +313,11 @@ def test_fit_generators_figure_is_fidelity_against_w_and_says_most_faithful(tmp_
     assert len(drawn["cells"]) == 12 and ("on", 2.0, 74.5) in drawn["cells"]
     assert drawn["chosen"] == ("off", 3.5)
     assert "most faithful: w=3.5, clip off" in drawn["title"] and "chosen" not in drawn["title"]
+
+
+def test_a_reference_mean_of_zero_in_a_resample_gives_no_percentile_ratio():
+    ref = np.array([0.0, 0.0, 0.0, 2.0])  # a resample drawing seeds 0-2 only has mean 0
+    r = intervals(DIFF, _no_image_noise(DIFF), units_of([0, 1, 2, 3], "a", "b"), np.zeros(10),
+                  0.3, _rng(11), (ref, _no_image_noise(ref)), 0.3)  # fmt: skip
+    assert r["relative_ci95_percentile"] is None and r["relative_goal"]["met"] is False
+    assert r["relative_ci95_t"] is not None

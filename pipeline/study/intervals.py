@@ -346,7 +346,7 @@ def relative(
       z_k = (d_k − R b_k) / B̄ (their mean is 0; their spread over the units and their shared
       image variance are R's), the same degrees of freedom as the difference's;
     - percentile: θ* / B̄* on the difference's own resamples (`weights`: the same draws of units,
-      sets and seeds, the same test images)."""
+      sets and seeds, the same test images); None where some B̄* is 0."""
     base = float(ref_per_seed.mean())
     if base == 0:
         return {"relative": None, "ci95_t": None, "ci95_percentile": None}
@@ -354,11 +354,14 @@ def relative(
     z = (per_seed - r * ref_per_seed) / base
     z_resampled = (resampled - r * ref_resampled) / base
     t = t_interval(z, z_resampled, units)
-    ratios = _weighted(weights, resampled) / _weighted(weights, ref_resampled)
+    # a resample whose reference mean is 0 (a debiased ECE clipped at 0 on few images) has no
+    # ratio: no percentile interval then, rather than one between infinite quantiles
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratios = _weighted(weights, resampled) / _weighted(weights, ref_resampled)
     return {
         "relative": r,
         "ci95_t": None if t["ci"] is None else [r + t["ci"][0], r + t["ci"][1]],
-        "ci95_percentile": percentile(ratios),
+        "ci95_percentile": percentile(ratios) if np.isfinite(ratios).all() else None,
     }
 
 
