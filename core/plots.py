@@ -297,3 +297,44 @@ def panels(
     axes[0][0].legend(fontsize=7)
     fig.suptitle(title)
     return _save(fig, path)
+
+
+def draw_guidance_cells(
+    ax,
+    cells: Sequence[tuple[str | None, float, float]],
+    *,
+    floor: float | None = None,
+    kept: Sequence[tuple[str | None, float]] = (),
+    chosen: tuple[str | None, float] | None = None,
+    chosen_label: str = "chosen",
+) -> None:
+    """Endpoint fidelity against the guidance weight w on `ax`: `cells` (clipping, w,
+    fidelity %), one line per clipping setting ("on", "off"; None: the sampler's saved one),
+    the fidelity `floor` a dashed line, the `kept` cells ringed, the `chosen` cell a star
+    (legend `chosen_label`). Separate from its file so that a test reads the drawn data."""
+    for clip in dict.fromkeys(c for c, _, _ in cells):
+        points = sorted((w, f) for c, w, f in cells if c == clip)
+        name = "x̂₀ clipping " + clip if clip else "saved x̂₀ clipping"
+        ax.plot([w for w, _ in points], [f for _, f in points], marker="o", ms=4, label=name)
+    fidelity = {(c, w): f for c, w, f in cells}
+    if floor is not None:
+        ax.axhline(floor, color="grey", ls="--", lw=1, label=f"floor {floor:g} %")
+    if kept:
+        ax.scatter([w for _, w in kept], [fidelity[k] for k in kept], s=140, facecolors="none",
+                   edgecolors="black", label="kept", zorder=3)  # fmt: skip
+    if chosen is not None:
+        ax.scatter([chosen[1]], [fidelity[chosen]], s=220, marker="*", color="tab:red",
+                   label=chosen_label, zorder=4)  # fmt: skip
+    ax.set(xlabel="guidance weight w", ylabel="endpoint fidelity (%)")
+    ax.legend(fontsize=7)
+
+
+def guidance_cells(
+    cells: Sequence[tuple[str | None, float, float]], path: Path, *, title: str, **marks
+) -> Path:
+    """draw_guidance_cells into `path` (`marks`: its floor, kept, chosen, chosen_label)."""
+    plt = _figure()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    draw_guidance_cells(ax, cells, **marks)
+    ax.set_title(title)
+    return _save(fig, path)

@@ -304,13 +304,20 @@ def test_comparisons_say_which_are_the_primary_endpoints():
     labels = g.integers(0, 3, 200)
     runs = {
         m: {s: Predictions.from_logits(g.normal(size=(200, 3)) * k, labels) for s in range(3)}
-        for m, k in (("ce", 3.0), ("csm", 1.0), ("csm3", 1.0), ("ls", 2.0))
+        for m, k in (("ce", 3.0), ("csm", 1.0), ("csm3", 1.0), ("ls", 2.0), ("ce+posthoc", 1.5))
     }
     pairs = [("csm", "ce"), ("ls", "ce"), ("csm3", "csm")]
     mixed = {"csm": {0: "m0", 1: "m1", 2: "m2"}}
+    metrics = ["ece", "debiased_ece", "nll"]
     table = {
         when: compare(
-            runs, pairs, 100, lambda *k: _rng(), ["ece", "nll"], mixed_sets=mixed, when=when
+            runs,
+            pairs + [("csm", "ce+posthoc")] * (when == "after_ts"),
+            100,
+            lambda *k: _rng(),
+            metrics,
+            mixed_sets=mixed,
+            when=when,
         )
         for when in ("before_ts", "after_ts")
     }

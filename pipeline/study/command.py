@@ -27,7 +27,7 @@ from pipeline.study.config import (
 )
 from pipeline.study.estimate import estimate, measured_line, remaining_path
 from pipeline.study.execute import Sitting, execute
-from pipeline.study.figures import figures
+from pipeline.study.figures import fidelity_figure, figures
 from pipeline.study.intervals import mixed_sets_of
 from pipeline.study.mixed_sets import mixed_images, set_variant, variant_root
 from pipeline.study.plan import setup, study_cells
@@ -73,7 +73,7 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
     by_seed = seed_predictions(root, records)
     # paired by seed and test image (mixed sets the top-level units where records carry them),
     # the intervals of pipeline/study/intervals.py, verdicts against the margins fixed in
-    # pipeline/study/stats.py (MARGINS) before any run
+    # pipeline/study/endpoints.py (MARGINS) before any run
     pairs = comparison_pairs(cfg.methods)
     if POSTHOC in by_seed["after_ts"]:  # after TS only
         pairs += [(m, POSTHOC) for m in ("ce", "csm") if m in cfg.methods]
@@ -130,6 +130,8 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
     log.info(measured_line(plan_estimate.wall, sitting.wall()))
     sitting.write(seconds, finished=True)
     figures(cfg, root, out, {m: list(p.values()) for m, p in by_seed["before_ts"].items()}, summary)
+    if cells:
+        fidelity_figure(cells, out / "fidelity.png")
     report = write_report(
         cfg, root, out, records, summary, paired, tuning, images,
         robust if cfg.robustness else None, cells or None,

@@ -1,5 +1,6 @@
-"""The study's figures: reliability.png (ce and the csm family, seeds pooled) and ece.png (ECE
-per method, mean ± std over seeds)."""
+"""The study's figures: reliability.png (ce and the csm family, seeds pooled), ece.png (ECE per
+method, mean ± std over seeds) and, where the study chose the generator's sampler cell,
+fidelity.png (every cell's fidelity against w, the floor, the kept cells, the study's choice)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from core.plots import error_bars, reliability_diagram
+from core.plots import error_bars, guidance_cells, reliability_diagram
 from pipeline.study.config import StudyConfig
 from pipeline.study.stats import Predictions, softmax
 
@@ -40,3 +41,31 @@ def figures(cfg: StudyConfig, root: Path, out: Path, preds: dict, summary: dict)
         ylabel="test ECE (%)",
         title=f"{root.name}: ECE per method, mean ± std over seeds",
     )
+
+
+def cell_marks(generator: dict) -> dict:
+    """What fidelity.png draws from study.json's `generator` (pipeline/study/cells.py): every
+    cell (clipping, w, fidelity), the floor, the kept cells and the study's choice, and a title
+    naming that choice (not the fit's most faithful cell, which the study may overrule)."""
+
+    def key(c: dict) -> tuple[str | None, float]:
+        return (c["clip"], float(c["guidance"]))
+
+    chosen = key(generator["chosen"])
+    clip = f", x̂₀ clipping {chosen[0]}" if chosen[0] else ""
+    fit = key(generator["reference"])
+    return {
+        "cells": [(*key(c), float(c["fidelity"])) for c in generator["cells"]],
+        "floor": generator["fidelity_floor"],
+        "kept": [key(c) for c in generator["cells"] if c.get("kept")],
+        "chosen": chosen,
+        "chosen_label": "the study's choice (val NLL)",
+        "title": f"generator cells: the study chose w = {chosen[1]:g}{clip} on val "
+        f"(the fit's most faithful: w = {fit[1]:g}{f', clipping {fit[0]}' if fit[0] else ''})",
+    }
+
+
+def fidelity_figure(generator: dict, path: Path) -> Path:
+    """fidelity.png of the study's generator cells (cell_marks)."""
+    marks = cell_marks(generator)
+    return guidance_cells(marks.pop("cells"), path, **marks)

@@ -10,8 +10,9 @@ from pathlib import Path
 
 from core.io import atomic_write_bytes
 from core.tables import table
-from pipeline.study.config import StudyConfig
-from pipeline.study.intervals import PRIMARY_ENDPOINTS, Z0_FLAG
+from pipeline.study.config import POSTHOC, StudyConfig
+from pipeline.study.endpoints import RELATIVE_GOAL
+from pipeline.study.intervals import Z0_FLAG
 
 # the labels whose interval lies below the margin: the non-inferiority goal is met
 NOT_WORSE = ("better", "not worse", "worse, within the margin")
@@ -38,15 +39,78 @@ def _paired_result(paired: dict | None, when: str, metric: str, method: str, ref
     return (paired or {}).get(when, {}).get(metric, {}).get(reference, {}).get(method)
 
 
+def _cis(r: dict, digits: int = 2) -> str:
+    """The intervals a verdict reads, each named once: "t interval [..], percentile [..]", or
+    the percentile one alone where there is no t interval (one top unit: the header says so)."""
+    if r.get("ci95_t") is None:
+        return f"percentile interval {_ci(r, digits, 'ci95_percentile')}"
+    return f"t interval {_ci(r, digits, 'ci95_t')}, percentile {_ci(r, digits, 'ci95_percentile')}"
+
+
+def _rel_cis(r: dict) -> str:
+    """The relative effect's intervals in %, as _cis names them."""
+
+    def pct(ci: list | None) -> str:
+        return "–" if ci is None else f"[{100 * ci[0]:+.0f} %, {100 * ci[1]:+.0f} %]"
+
+    if r.get("relative_ci95_t") is None:
+        return f"percentile {pct(r.get('relative_ci95_percentile'))}"
+    return f"t {pct(r['relative_ci95_t'])}, percentile {pct(r.get('relative_ci95_percentile'))}"
+
+
+def _flips(r: dict, key: str = "verdict") -> list[str]:
+    """The leave-one-out rows of `r` whose `key` ("verdict" or "goal_met") differs from the
+    full comparison's, as "without <unit>: <what it shows>"."""
+    full = r["verdict"] if key == "verdict" else r["relative_goal"]["met"]
+
+    def said(row: dict) -> str:
+        if key == "verdict":
+            return row["verdict"]
+        return "goal met" if row.get("goal_met") else "goal not met"
+
+    return [f"without {row['dropped']}: {said(row)}" for row in r.get("leave_one_out", [])
+            if row.get(key) != full]  # fmt: skip
+
+
+def _fragile(r: dict, key: str = "verdict") -> str:
+    """ " — **fragile** (without seed 5: inconclusive; ...)" where leaving one unit out flips
+    what `r` shows; "" where none does (or the study did not compute it)."""
+    flips = _flips(r, key)
+    return f" — **fragile** ({'; '.join(flips)})" if flips else ""
+
+
 def _no_worse(label: str, r: dict, digits: int = 2) -> tuple[str, bool]:
     """A "not worse" goal: the verdict of the paired comparison `r` (what its t and percentile
-    intervals both show), the upper ends below the margin fixed in
-    pipeline.study.stats.MARGINS."""
+    intervals both show), the upper ends below the protocol's margin
+    (pipeline/study/endpoints.py)."""
     return (
-        f"{label} {r['interval']} interval {_ci(r, digits)}, percentile "
-        f"{_ci(r, digits, 'ci95_percentile')} (goal: not worse, the upper ends below the margin "
-        f"{r['margin']:g}): {r['verdict']}",
+        f"{label} {_cis(r, digits)} (goal: not worse, the upper ends below the margin "
+        f"{r['margin']:g}): {r['verdict']}{_fragile(r)}",
         r["verdict"] in NOT_WORSE,
+    )
+
+
+def _relative_goal(b: dict, summary: dict) -> tuple[str, bool]:
+    """The relative goal (csm's ECE >= 30 % below ce's): met only where the whole relative
+    interval, t and percentile, lies below −30 % (pipeline.study.intervals.goal_met). A study.json
+    written before the relative intervals: the point estimate and the verdict "better"."""
+    ce, csm = summary["ce"], summary["csm"]
+    head = (
+        f"ECE {_pm(csm['before_ts.ece'])} vs ce {_pm(ce['before_ts.ece'])}: "
+        f"{abs(100 * b['relative']):.0f} % {'lower' if b['relative'] < 0 else 'higher'}"
+    )
+    goal = b.get("relative_goal")
+    if goal is None:
+        return (
+            f"{head}, ΔECE {_cis(b)} (goal: >= {100 * RELATIVE_GOAL.below:g} % lower, both "
+            "intervals below 0)",
+            -b["relative"] >= RELATIVE_GOAL.below and b["verdict"] == "better",
+        )
+    below = 100 * goal["below"]
+    return (
+        f"{head}, relative {_rel_cis(b)}; ΔECE {_cis(b)} (goal: >= {below:g} % lower, the "
+        f"whole relative interval below −{below:g} %){_fragile(b, 'goal_met')}",
+        goal["met"],
     )
 
 
@@ -56,25 +120,35 @@ def _goal(summary: dict, paired: dict) -> list[str]:
     b = _paired_result(paired, "before_ts", "ece", "csm", "ce")
     d_acc = csm["before_ts.top1"]["mean"] - ce["before_ts.top1"]["mean"]
     checks = [
-        (
-            f"ECE {_pm(csm['before_ts.ece'])} vs ce {_pm(ce['before_ts.ece'])}: "
-            f"{abs(100 * b['relative']):.0f} % {'lower' if b['relative'] < 0 else 'higher'}, "
-            f"ΔECE {b['interval']} interval {_ci(b)}, percentile {_ci(b, 2, 'ci95_percentile')} "
-            "(goal: >= 30 % lower, both intervals below 0)",
-            -b["relative"] >= 0.3 and b["verdict"] == "better",
-        ),
+        _relative_goal(b, summary),
         (f"top-1 {d_acc:+.2f} points (goal >= -0.5)", d_acc >= -0.5),
         _no_worse(
             f"after TS, ECE {_pm(csm['after_ts.ece'])} vs ce + TS {_pm(ce['after_ts.ece'])}, ΔECE",
             _paired_result(paired, "after_ts", "ece", "csm", "ce"),
         ),
+    ]
+    d = _paired_result(paired, "after_ts", "debiased_ece", "csm", "ce")
+    if d and d["primary"]:
+        checks.append(_no_worse(
+            f"after TS, debiased ECE {d['method_mean']:.2f} vs ce + TS {d['reference_mean']:.2f} "
+            "(means over the paired seeds), Δ", d,
+        ))  # fmt: skip
+    checks.append(
         _no_worse(
             f"after TS, NLL {_pm(csm['after_ts.nll'], 4)} vs ce + TS "
             f"{_pm(ce['after_ts.nll'], 4)}, ΔNLL",
             _paired_result(paired, "after_ts", "nll", "csm", "ce"),
             4,
-        ),
-    ]
+        )
+    )
+    for metric, digits in (("ece", 2), ("nll", 4)):
+        p = _paired_result(paired, "after_ts", metric, "csm", POSTHOC)
+        if p and p["primary"]:
+            name = "ECE" if metric == "ece" else "NLL"
+            checks.append(_no_worse(
+                f"after TS, {name} {p['method_mean']:.{digits}f} vs ce + the best post-hoc "
+                f"calibrator on val {p['reference_mean']:.{digits}f}, Δ{name}", p, digits,
+            ))  # fmt: skip
     k = _paired_result(paired, "before_ts", "ece", "csm3", "csm")
     if k:
         checks.append(_no_worse(f"csm3 - csm ΔECE {k['difference']:+.2f},", k))
@@ -87,7 +161,8 @@ def _goal(summary: dict, paired: dict) -> list[str]:
 WHEN = {"before_ts": "before TS", "after_ts": "after TS"}
 PAIRED_HEADINGS = (
     "", "endpoint", "metric", "method − reference", "difference", "units", "95 % t",
-    "95 % percentile", "95 % BCa", "margin", "verdict",
+    "95 % percentile", "95 % BCa", "margin", "verdict", "relative (95 % t; percentile)",
+    "leave one unit out",
 )  # fmt: skip
 DIFFERENCE_HEADINGS = (
     "method", "top-1", "ΔECE before TS", "relative", "ΔECE after TS", "ΔNLL after TS"
@@ -95,8 +170,31 @@ DIFFERENCE_HEADINGS = (
 
 
 def _units(r: dict) -> str:
-    n = len(r["units"]["groups"])
-    return f"{n} mixed sets" if r["units"]["level"] == "mixed_set" else f"{n} seeds"
+    n, level = len(r["units"]["groups"]), r["units"]["level"]
+    if level == "fit":
+        sets = sum(len(s) for s in r["units"]["sets"])
+        return f"{n} fits ({sets} mixed sets)"
+    return f"{n} mixed sets" if level == "mixed_set" else f"{n} seeds"
+
+
+def _relative(r: dict) -> str:
+    """The relative effect and its intervals in %, "–" where the study has none."""
+    if r.get("relative") is None:
+        return "–"
+    if "relative_ci95_percentile" not in r:
+        return f"{100 * r['relative']:+.0f} %"
+    return f"{100 * r['relative']:+.0f} % ({_rel_cis(r)})"
+
+
+def _leave_one_out(r: dict) -> str:
+    """ "stable (3 left out in turn)", or "**fragile**" and the units whose removal flips it."""
+    rows = r.get("leave_one_out")
+    if not rows:
+        return "–"
+    flips = _flips(r)
+    if flips:
+        return f"**fragile**: {'; '.join(flips)}"
+    return f"stable ({len(rows)} left out in turn)"
 
 
 def _verdict(r: dict) -> str:
@@ -108,43 +206,66 @@ def _verdict(r: dict) -> str:
     return f"**{r['verdict']}** ({said})"
 
 
-def _paired(paired: dict) -> list[str]:
-    """The paired comparisons, the primary endpoints first, with every interval and the
-    verdict; `paired`: {when: pipeline.study.stats.compare(...)} = {when: {metric: {reference:
-    {method: result}}}}."""
-    results = [
+def _results(paired: dict | None) -> list[tuple[str, dict]]:
+    """Every (when, comparison) of `paired`, in the order computed."""
+    return [
         (when, r)
-        for when, by_metric in paired.items()
+        for when, by_metric in (paired or {}).items()
         for by_reference in by_metric.values()
         for by_method in by_reference.values()
         for r in by_method.values()
     ]
+
+
+def _single_unit(paired: dict | None) -> list[str]:
+    """The comparisons with one top unit (one fit and one mixed set, e.g. study.mixed_sets=1):
+    "csm − ce", each pair once."""
+    pairs = [f"{r['method']} − {r['reference']}" for _, r in _results(paired)
+             if len(r["units"]["groups"]) == 1]  # fmt: skip
+    return list(dict.fromkeys(pairs))
+
+
+def _paired(paired: dict) -> list[str]:
+    """The paired comparisons, the primary endpoints first, with every interval and the
+    verdict; `paired`: {when: pipeline.study.stats.compare(...)} = {when: {metric: {reference:
+    {method: result}}}}."""
+    results = _results(paired)
     if not results:
         return []
     results.sort(key=lambda item: not item[1]["primary"])  # stable: otherwise as computed
     r0 = results[0][1]
-    endpoints = "; ".join(f"{m} − {ref} {k} {WHEN[w]}" for w, k, m, ref in PRIMARY_ENDPOINTS)
+    endpoints = "; ".join(
+        f"{r['method']} − {r['reference']} {r['metric']} {WHEN[when]}"
+        for when, r in results
+        if r["primary"]
+    )
     lines = [
         "## Paired comparisons: intervals and verdicts (x100 except NLL)",
         "",
         "Method − reference, paired by seed (seed k of both shares its initialisation) and by "
-        "test image. The top-level units are the seeds, or the mixed sets where a method trains "
-        "on one (the csm family: the seeds of one mixed set form one unit). 95 % intervals: "
+        "test image. The top-level units are the generator's fits where the runs come from "
+        "more than one (the mixed sets within a fit, the seeds within a set), else the mixed "
+        "sets where a method trains on one (the csm family: the seeds of one mixed set form one "
+        "unit), else the seeds. 95 % intervals: "
         "**t** (primary): the mean over seeds ± √(t² · the units' variance + z² · the "
-        "test-image variance every unit shares), t with units − 1 degrees of freedom; "
+        "test-image variance every unit shares), t with top units − 1 degrees of freedom; "
         f"**percentile** and **BCa**: {r0['resamples']} hierarchical bootstrap resamples, each "
-        "drawing the units with replacement, each drawn unit's seeds with replacement, and the "
+        "drawing the top units with replacement, each drawn fit's sets and each drawn set's "
+        "seeds with replacement, and the "
         "test images once for every run (BCa's acceleration from jackknives over the units and "
         f"{r0['bca']['blocks']} test-image blocks; ⚑: |z0| > {Z0_FLAG:g}, its interval then "
         "reads far-off quantiles of the resamples). Labels of an interval [lo, hi] (lower is "
         "better): better if hi < 0; worse if lo > 0 (worse, within the margin if hi < margin "
         "too); not worse if hi < margin; else inconclusive. The verdict names only what both "
         "the t and the percentile interval show (their labels follow it where they differ). "
-        f"Primary endpoints, named in the code before the run: {endpoints}; every other row is "
+        f"Primary endpoints, named before the run: {endpoints}; every other row is "
         "exploratory. Debiased ECE: the square root of Kumar et al.'s (2019) debiased l2 "
         "calibration error on the same 15 bins. Margins, fixed before the runs: "
         + ", ".join(sorted({f"{r['metric']} {r['margin']:g}" for _, r in results}))
-        + ".",
+        + ". Relative: (method − reference) / the reference's mean, its t interval by the delta "
+        "method on the same units, its percentile interval the ratio on the same resamples. "
+        "Leave one unit out: the intervals and verdict again without each top unit in turn "
+        "(each seed where there is one top unit); a verdict that flips is **fragile**.",
         "",
     ]
     rows = []
@@ -155,7 +276,7 @@ def _paired(paired: dict) -> list[str]:
             WHEN[when], "**primary**" if r["primary"] else "exploratory", r["metric"],
             f"{r['method']} − {r['reference']}", f"{r['difference']:+.{d}f}", _units(r),
             _ci(r, d, "ci95_t"), _ci(r, d, "ci95_percentile"), f"{_ci(r, d, 'ci95_bca')}{flag}",
-            f"{r['margin']:g}", _verdict(r),
+            f"{r['margin']:g}", _verdict(r), _relative(r), _leave_one_out(r),
         ])  # fmt: skip
     return [*lines, *table(PAIRED_HEADINGS, rows), ""]
 
@@ -265,6 +386,7 @@ def _differences(
 ) -> list[str]:
     """Each method's ECE (before and after TS) and NLL (after TS) minus the reference's, with the
     paired primary (t) interval; a negative difference: better calibrated than the reference."""
+    single = set(_single_unit(paired))
     rows = []
     for method in methods if methods is not None else [m for m in summary if m != reference]:
         cells = []
@@ -274,7 +396,8 @@ def _differences(
             r = _paired_result(paired, when, metric, method, reference)
             if r is None:
                 break
-            cells.append(f"{r['difference']:+.{digits}f} {_ci(r, digits)}")
+            mark = " (percentile)" if r["ci95_t"] is None else ""
+            cells.append(f"{r['difference']:+.{digits}f} {_ci(r, digits)}{mark}")
             if (when, metric) == ("before_ts", "ece"):
                 rel = r["relative"]
                 cells.append("–" if rel is None else f"{100 * rel:+.0f} %")
@@ -287,7 +410,8 @@ def _differences(
         "",
         *([note, ""] if note else []),
         "Method − reference, paired by seed and test image; the primary (t) interval of the "
-        "table below, which gives every interval and the verdicts.",
+        "table below, which gives every interval and the verdicts"
+        + (" (the percentile one where there is no t interval, marked)." if single else "."),
         "",
         *table(DIFFERENCE_HEADINGS, rows),
         "",
@@ -326,6 +450,14 @@ def write_report(
         "encoder, prototypes, a fine-tuning's source run: shards/budget.py).",
         "",
     ]
+    if single := _single_unit(paired):
+        lines += [
+            f"One top unit in {', '.join(single)} (one generator fit and one mixed set behind "
+            "every seed, or one seed): no t interval and no verdict there; their rows give the percentile "
+            "interval of the seeds and test images alone, which cannot show the generator's "
+            "variance.",
+            "",
+        ]
     for when, title in (
         ("before_ts", "Before temperature scaling"),
         ("after_ts", "After temperature scaling"),
@@ -381,7 +513,31 @@ def write_report(
     lines += table(("run", "seed", "top-1", "ECE", "NLL", "T", "ECE after TS"), runs)
     figs = "[reliability.png](reliability.png), [ece.png](ece.png)"
     figs += ", [shift.png](shift.png)" if shift is not None else ""
+    figs += ", [fidelity.png](fidelity.png)" if generator else ""
     lines += ["", f"Figures: {figs}.", ""]
     path = out / "report.md"
     atomic_write_bytes(path, "\n".join(lines).encode())
     return path
+
+
+def report_from_json(study_json: Path, out: Path) -> Path:
+    """report.md again from a study's study.json alone (no run folder read): what a 0-task
+    rerun writes, for a study whose runs are gone (docs/results/*/study.json) or a report whose
+    code changed. `out`: the folder report.md goes into."""
+    import dataclasses
+    import json
+
+    study = json.loads(study_json.read_text())
+    known = {f.name for f in dataclasses.fields(StudyConfig)}
+    cfg = StudyConfig(**{
+        k: tuple(v) if isinstance(v, list) else v
+        for k, v in study["config"].items() if k in known
+    })  # fmt: skip
+    shift = study.get("shift_paired")
+    robust = {"shift": shift, "ood": study.get("ood_paired")} if shift is not None else None
+    # study.json's keys are sorted: the methods back in the config's order
+    summary = {m: study["summary"][m] for m in cfg.methods if m in study["summary"]}
+    return write_report(
+        cfg, Path(study["dataset"]), out, study["records"], summary, study["paired"],
+        study.get("tuning"), study.get("mixed_images"), robust, study.get("generator"),
+    )  # fmt: skip

@@ -1,7 +1,7 @@
 """Statistics of a study (pipeline/study/): ECE, debiased ECE and NLL from stored test
 predictions, method − reference differences paired by seed and by test image with their
-intervals and verdicts (pipeline/study/intervals.py) against margins fixed here, and mean ± std
-over seeds.
+intervals and verdicts (pipeline/study/intervals.py) against the margins, primary endpoints and
+relative goal a protocol names (pipeline/study/endpoints.py), and mean ± std over seeds.
 
 No file I/O: the caller loads predictions.npz and passes arrays.
 """
@@ -14,7 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.study.intervals import intervals, is_primary, units_of
+from pipeline.study.endpoints import DEFAULT, Endpoints
+from pipeline.study.endpoints import MARGINS as MARGINS  # the margins' home: endpoints.py
+from pipeline.study.intervals import intervals, units_of
 
 N_BINS = 15  # equal-width bins ((m-1)/15, m/15], as evaluate uses
 METRICS = ("ece", "debiased_ece", "nll")  # each the name of a Predictions method
@@ -23,10 +25,6 @@ METRICS = ("ece", "debiased_ece", "nll")  # each the name of a Predictions metho
 OOD_METRICS = ("auroc_shortfall",)
 # ECEs and 1 − AUROC in points (x100), NLL in nats
 SCALE = {"ece": 100.0, "debiased_ece": 100.0, "nll": 1.0, "auroc_shortfall": 100.0}
-# Non-inferiority margins of (method − reference), in the units of SCALE. Fixed before any run:
-# changing one after seeing results invalidates every verdict built on it. (auroc_shortfall's,
-# one AUROC point, was fixed on 2026-11-26 before any OOD interval was computed.)
-MARGINS = {"ece": 0.3, "debiased_ece": 0.3, "nll": 0.005, "auroc_shortfall": 1.0}
 # Test-image blocks of the jackknife that gives BCa's acceleration. Its sampling error is about
 # 0.41 / blocks (the skewness of `blocks` values has sd sqrt(6 / blocks), a = skewness /
 # (6 sqrt(blocks))): 20 blocks give ±0.02, several times the acceleration of a mean over 10k
@@ -148,11 +146,21 @@ def _pairs(
     return seeds, pairs
 
 
+def _values(
+    pairs: Sequence[tuple[Predictions, Predictions]], metric: str, idx: np.ndarray | None
+) -> np.ndarray:
+    """(pairs, 2): metric(method, seed k, idx) and metric(reference, seed k, idx) for each k."""
+    return np.array(
+        [[metric_value(a, metric, idx), metric_value(b, metric, idx)] for a, b in pairs]
+    )
+
+
 def _differences(
     pairs: Sequence[tuple[Predictions, Predictions]], metric: str, idx: np.ndarray | None
 ) -> np.ndarray:
     """metric(method, seed k, idx) − metric(reference, seed k, idx) for each pair k."""
-    return np.array([metric_value(a, metric, idx) - metric_value(b, metric, idx) for a, b in pairs])
+    v = _values(pairs, metric, idx)
+    return v[:, 0] - v[:, 1]
 
 
 def _block_thetas(pairs: Sequence[tuple[Predictions, Predictions]], metric: str) -> np.ndarray:
@@ -177,11 +185,14 @@ def paired_difference(
     *,
     mixed_sets: Mapping[str, Mapping[int, Hashable]] | None = None,
     when: str | None = None,
+    endpoints: Endpoints = DEFAULT,
 ) -> dict[str, Any]:
     """The intervals of θ = mean over seeds of metric(method) − metric(reference), paired by
     seed and by test image; `runs`: method -> {seed: Predictions}; `mixed_sets`: {method:
-    {seed: mixed set}} where the runs trained on one (the csm family: their mixed sets are the
-    top-level units); `when` ("before_ts"/"after_ts") names the endpoint, primary or not.
+    {seed: mixed set}} where the runs trained on one (the csm family: their mixed sets, or the
+    generator fits they come from, are the top-level units: intervals.units_of); `when`
+    ("before_ts"/"after_ts") names the endpoint, primary or not; `endpoints`: the protocol's
+    primary endpoints, margins and relative goal.
 
     Each of the `n` test-image resamples draws the images once for every run and gives each
     seed's difference on them; pipeline.study.intervals.intervals turns those into the t
@@ -190,25 +201,37 @@ def paired_difference(
 
     {"metric", "method", "reference", "seeds": [int], "n_test", "resamples",
      "method_mean", "reference_mean", "difference" (θ on every image and seed),
-     "relative" (difference / reference_mean; None when that is 0), "primary": bool,
-     "units": {"level": "seed" | "mixed_set", "groups": [[seed]]},
+     "relative" (difference / reference_mean; None when that is 0), "relative_ci95_t",
+     "relative_ci95_percentile", "relative_ci95" (the relative effect's intervals, on the same
+     resamples), "relative_goal": {"below", "met", "fragile"} (the comparison the protocol's
+     relative goal names), "primary": bool,
+     "units": {"level": "seed" | "mixed_set" | "fit", "groups": [[seed]],
+               "sets": [[[seed]]] (level "fit": each fit's mixed sets)},
      "ci95_t", "t": {"se", "df", "units", "unit_variance", "shared_image_variance"},
      "ci95_percentile", "ci95_bca", "bca": {"z0", "acceleration", "blocks", "z0_flagged"},
      "interval": PRIMARY (or "percentile" with one unit), "ci95": that interval,
      "labels": {interval: label}, "verdict_from": [PRIMARY, SECOND], "verdict",
-     "margin": MARGINS[metric]}
+     "margin": the protocol's margin of `metric`,
+     "leave_one_out": [{"dropped", "difference", "ci95_t", "ci95_percentile", "verdict",
+                        "relative", "goal_met"}], "fragile": a dropped unit flips the verdict}
     """
     check_metric(metric)
     seeds, pairs = _pairs(runs, method, reference)
     n_test = len(pairs[0][1].labels)
-    resampled = np.array(
-        [_differences(pairs, metric, rng.integers(0, n_test, n_test)) for _ in range(n)]
-    )
-    per_seed = _differences(pairs, metric, None)
+    values = np.array([_values(pairs, metric, rng.integers(0, n_test, n_test)) for _ in range(n)])
+    resampled = values[:, :, 0] - values[:, :, 1]
+    full = _values(pairs, metric, None)
+    per_seed = full[:, 0] - full[:, 1]
     units = units_of(seeds, method, reference, mixed_sets)
-    out = intervals(per_seed, resampled, units, _block_thetas(pairs, metric), MARGINS[metric], rng)
+    goal = endpoints.goal_for(when, metric, method, reference)
+    out = intervals(
+        per_seed, resampled, units, _block_thetas(pairs, metric), endpoints.margins[metric], rng,
+        reference=(full[:, 1], values[:, :, 1]), goal=None if goal is None else goal.below,
+    )  # fmt: skip
     out["units"]["groups"] = [[seeds[i] for i in g] for g in units.groups]
-    means = np.array([[metric_value(p, metric) for p in pair] for pair in pairs]).mean(axis=0)
+    if units.sets:
+        out["units"]["sets"] = [[[seeds[i] for i in s] for s in sets] for sets in units.sets]
+    means = full.mean(axis=0)
     estimate = float(per_seed.mean())
     return {
         "metric": metric,
@@ -221,7 +244,7 @@ def paired_difference(
         "reference_mean": float(means[1]),
         "difference": estimate,
         "relative": estimate / float(means[1]) if means[1] != 0 else None,
-        "primary": is_primary(when, metric, method, reference),
+        "primary": endpoints.is_primary(when, metric, method, reference),
         **out,
     }
 
@@ -250,18 +273,20 @@ def compare(
     *,
     mixed_sets: Mapping[str, Mapping[int, Hashable]] | None = None,
     when: str | None = None,
+    endpoints: Endpoints = DEFAULT,
 ) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
     """{metric: {reference: {method: paired_difference(...)}}} for each (method, reference)
     pair of `pairs` and each of `metrics`; `rng(metric, method, reference)` gives each
     comparison its own generator, so adding a pair or a metric changes no other interval.
-    `mixed_sets` and `when` as paired_difference's."""
+    `mixed_sets`, `when` and `endpoints` as paired_difference's."""
     out: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
     for metric in metrics:
         for method, reference in pairs:
             g = rng(metric, method, reference)
             result = paired_difference(
-                runs, method, reference, n, g, metric, mixed_sets=mixed_sets, when=when
-            )
+                runs, method, reference, n, g, metric, mixed_sets=mixed_sets, when=when,
+                endpoints=endpoints,
+            )  # fmt: skip
             out.setdefault(metric, {}).setdefault(reference, {})[method] = result
     return out
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from core.io import atomic_write_json
 from core.logs import log
-from core.plots import curves, image_grid
+from core.plots import guidance_cells, image_grid
 from core.runtime import derive_seed
 from core.tracking import scalars
 from models.annotation_stats import fidelity_stats
@@ -295,9 +295,9 @@ class FidelityCheck:
         clip_sample: bool | None = None,
     ) -> None:
         """fidelity.json (every point, w and judge, per class; the chosen w, and the chosen x̂₀
-        clipping when it was chosen) and fidelity.png (fidelity vs step, one line per w and
-        judge; a w checked at the last point only is a dot), then the chosen cell's per-class
-        numbers in the log."""
+        clipping when it was chosen) and fidelity.png (fidelity against w at the last point by
+        the chooser, one line per clipping setting, the most faithful cell starred), then the
+        chosen cell's per-class numbers in the log."""
         judges = {
             j.name: {
                 "real_test_accuracy": j.real_test_accuracy,
@@ -313,30 +313,23 @@ class FidelityCheck:
         )
         last = curve[-1]
         by_clip = last.get("clip", {None: last["guidance"]})
-
-        def cells_of(point: dict[str, Any], clip: str | None) -> dict[str, Any]:
-            """{w: {judge: stats}} of `point` with clipping `clip` (an earlier point checked
-            only the saved setting, under "guidance"); {} when the point lacks it."""
-            if clip is not None and "clip" in point:
-                return point["clip"][clip]
-            return point["guidance"] if clip in (None, last.get("clip_saved")) else {}
-
-        lines = {}
-        shown = self.judges[:1] if "clip" in last else self.judges  # both settings: the chooser
-        for clip, by_w in by_clip.items():
-            for j in shown:
-                for w in by_w:
-                    points = [p for p in curve if w in cells_of(p, clip)]
-                    label = f"{j.name}, w={w}" + (f", clip {clip}" if clip else "")
-                    lines[label] = (
-                        [p["step"] for p in points],
-                        [cells_of(p, clip)[w][j.name]["accuracy"] for p in points],
-                    )
+        # fidelity against w at the last check, one line per clipping setting, by the chooser
+        # (the judges' numbers per point are in fidelity.json and the log): a curve over steps
+        # is one dot per cell when the fit checks once, at its end
+        chooser = self.judges[0].name
         what = f"w={guidance:g}"
         what += "" if clip_sample is None else f", clip {'on' if clip_sample else 'off'}"
-        curves(
-            lines, folder / "fidelity.png", xlabel="fit step", ylabel="endpoint fidelity (%)",
-            title=f"generator fidelity (chosen: {what})",
+        cells = [
+            (clip, float(w), float(by_judge[chooser]["accuracy"]))
+            for clip, by_w in by_clip.items()
+            for w, by_judge in by_w.items()
+        ]
+        saved = None if clip_sample is None else ("on" if clip_sample else "off")
+        guidance_cells(
+            cells, folder / "fidelity.png", chosen=(saved, float(guidance)),
+            chosen_label="the fit's most faithful", title=f"generator fidelity at step "
+            f"{last['step']} by {chooser} (most faithful: {what}; a study may choose another "
+            "cell on val)",
         )  # fmt: skip
         cell = by_clip[None if clip_sample is None else ("on" if clip_sample else "off")]
         for name, st in cell[f"{guidance:g}"].items():
