@@ -139,9 +139,9 @@ def run() -> dict | None:
         "(Fashion-MNIST's shapes and sizes).",
         "Agreement: every number of metrics.json's evaluation (percentages x100), before "
         "against now; sections with a key above 1e-4 are named. A post-hoc fit that does not "
-        "converge (dirichlet at the L-BFGS cap on a small val; vector scaling on a val fold "
-        "where a class has no error, so its scale grows without bound until a tolerance stops "
-        "it) stops where rounding led it, in either checkout: see docs/evaluate.md.",
+        "reach the gradient tolerance (dirichlet at the L-BFGS cap on a small val or on a flat "
+        "valley; vector scaling on a val fold where a class has no error) stops where rounding "
+        "led it, in either checkout, ~1e-3 apart in probability: see docs/evaluate.md.",
     ]
     return {"title": TITLE, "rows": rows, "notes": notes}
 
