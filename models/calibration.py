@@ -317,13 +317,20 @@ def fit_temperature_nll(
 
     NLL(β) = mean_i[logsumexp(β·s_i) − β·s_iy] is convex in β = 1/T (a log-sum-exp of linear
     functions minus a linear one), so a golden-section search on β finds the global minimum
-    of the range; 80 iterations shrink the bracket below 1e-15 of its width.
+    of the range; 80 iterations shrink the bracket below 1e-15 of its width. Each NLL(β) is
+    β·mean max(s) + mean log Σ_k exp(β·(s_k − max s)) − β·mean s_y with the differences kept
+    class-major (F.cross_entropy's value to rounding, ~3x faster: evaluate calls this once per
+    run and once per post-hoc fold).
     """
     s = val_logits.detach().to("cpu", torch.float64)
     y = val_labels.detach().cpu().long()
+    top = s.max(dim=1).values
+    below = (s - top[:, None]).T.contiguous()  # [C, N], <= 0
+    mean_top, mean_label = float(top.mean()), float(s.gather(1, y[:, None]).mean())
 
     def nll_at(beta: float) -> float:
-        return float(F.cross_entropy(s * beta, y))
+        log_sum = float(torch.log(torch.exp(below * beta).sum(dim=0)).mean())
+        return beta * mean_top + log_sum - beta * mean_label
 
     lo, hi = 1.0 / t_range[1], 1.0 / t_range[0]
     ratio = (math.sqrt(5.0) - 1.0) / 2.0

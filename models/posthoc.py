@@ -41,11 +41,12 @@ The calibrators of the result are refitted on all of val.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch.nn import functional as F
 
+from models import lbfgs
 from models.calibration import N_BINS, NLL_FLOOR, fit_temperature_nll
 
 CV_FOLDS = 5
@@ -64,26 +65,37 @@ def _labels(labels: torch.Tensor) -> torch.Tensor:
     return labels.detach().cpu().long()
 
 
-def _minimise(params: list[torch.Tensor], objective: Callable[[], torch.Tensor]) -> None:
-    """L-BFGS with a strong Wolfe line search, float64, until the gradient is ~0."""
-    opt = torch.optim.LBFGS(
-        params,
-        lr=1.0,
+def _cross_entropy(z: np.ndarray, hit: np.ndarray) -> tuple[float, np.ndarray]:
+    """(mean −log softmax(z)_y, its gradient in z): F.cross_entropy and its backward in closed
+    form, (softmax(z) − onehot(y)) / N. z is class-major [C, N] (a sum over classes is then a
+    sum of C rows, several times faster in numpy than C columns), `hit` the flat positions
+    y_i·N + i of the labels (`_hits`)."""
+    n = z.shape[1]
+    m = z.max(axis=0)
+    e = np.exp(z - m)
+    total = e.sum(axis=0)
+    loss = float(np.mean(m + np.log(total)) - np.mean(z.ravel()[hit]))
+    e /= total
+    e.ravel()[hit] -= 1.0
+    return loss, e / n
+
+
+def _hits(y: np.ndarray) -> np.ndarray:
+    return y * y.size + np.arange(y.size)
+
+
+def _minimise(objective: lbfgs.Objective, theta: np.ndarray) -> np.ndarray:
+    """L-BFGS (strong Wolfe, float64) until the gradient is ~0, at most LBFGS_ITERATIONS
+    iterations and 5/4 as many objective evaluations: torch.optim.LBFGS's iterates, without
+    its per-operation overhead (models/lbfgs.py)."""
+    return lbfgs.minimise(
+        objective,
+        theta,
         max_iter=LBFGS_ITERATIONS,
         tolerance_grad=1e-7,
         tolerance_change=1e-12,
         history_size=20,
-        line_search_fn="strong_wolfe",
     )
-
-    def closure() -> torch.Tensor:
-        opt.zero_grad()
-        loss = objective()
-        loss.backward()
-        return loss
-
-    with torch.enable_grad():  # evaluate may call this under no_grad
-        opt.step(closure)
 
 
 def _renormalise(q: torch.Tensor) -> torch.Tensor:
@@ -114,11 +126,16 @@ class VectorScaling:
         self.b: torch.Tensor | None = None
 
     def fit(self, logits: torch.Tensor, labels: torch.Tensor) -> VectorScaling:
-        x, y = _log_probs(logits), _labels(labels)
-        w = torch.ones(x.shape[1], dtype=torch.float64, requires_grad=True)
-        b = torch.zeros(x.shape[1], dtype=torch.float64, requires_grad=True)
-        _minimise([w, b], lambda: F.cross_entropy(x * w + b, y))
-        self.w, self.b = w.detach(), b.detach()
+        x = np.ascontiguousarray(_log_probs(logits).numpy().T)  # [C, N], see _cross_entropy
+        hit, c = _hits(_labels(labels).numpy()), x.shape[0]
+
+        def objective(theta: np.ndarray) -> tuple[float, np.ndarray]:
+            w, b = theta[:c], theta[c:]
+            loss, dz = _cross_entropy(x * w[:, None] + b[:, None], hit)
+            return loss, np.concatenate([(dz * x).sum(axis=1), dz.sum(axis=1)])
+
+        theta = _minimise(objective, np.concatenate([np.ones(c), np.zeros(c)]))  # w = 1, b = 0
+        self.w, self.b = torch.from_numpy(theta[:c].copy()), torch.from_numpy(theta[c:].copy())
         return self
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
@@ -135,18 +152,23 @@ class DirichletScaling:
         self.bias: torch.Tensor | None = None
 
     def fit(self, logits: torch.Tensor, labels: torch.Tensor) -> DirichletScaling:
-        x, y = _log_probs(logits), _labels(labels)
-        c = x.shape[1]
-        off = 1.0 - torch.eye(c, dtype=torch.float64)
-        weight = torch.eye(c, dtype=torch.float64, requires_grad=True)
-        bias = torch.zeros(c, dtype=torch.float64, requires_grad=True)
+        x = np.ascontiguousarray(_log_probs(logits).numpy().T)  # [C, N], see _cross_entropy
+        hit, c = _hits(_labels(labels).numpy()), x.shape[0]
+        off = 1.0 - np.eye(c)
+        scale = self.lam / max(c * (c - 1), 1)
 
-        def objective() -> torch.Tensor:
-            penalty = self.lam * ((weight * off) ** 2).sum() / max(c * (c - 1), 1)
-            return F.cross_entropy(x @ weight.T + bias, y) + penalty + self.mu * (bias**2).mean()
+        def objective(theta: np.ndarray) -> tuple[float, np.ndarray]:
+            weight, bias = theta[: c * c].reshape(c, c), theta[c * c :]
+            loss, dz = _cross_entropy(weight @ x + bias[:, None], hit)
+            w_off = weight * off
+            loss += scale * float((w_off**2).sum()) + self.mu * float((bias**2).mean())
+            d_weight = dz @ x.T + 2.0 * scale * w_off
+            d_bias = dz.sum(axis=1) + (2.0 * self.mu / c) * bias
+            return loss, np.concatenate([d_weight.ravel(), d_bias])
 
-        _minimise([weight, bias], objective)
-        self.weight, self.bias = weight.detach(), bias.detach()
+        theta = _minimise(objective, np.concatenate([np.eye(c).ravel(), np.zeros(c)]))  # W = I
+        self.weight = torch.from_numpy(theta[: c * c].reshape(c, c).copy())
+        self.bias = torch.from_numpy(theta[c * c :].copy())
         return self
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
@@ -183,34 +205,51 @@ class HistogramBinning:
         return _renormalise(q)
 
 
+def _knot_starts(xs: np.ndarray) -> np.ndarray:
+    """Where the knots start in sorted xs: x starts one when it is TIE or more above the first x
+    of the current knot (sklearn's rule). A gap of TIE or more always starts one; only a run of
+    smaller gaps that spans TIE or more needs the rule walked in order (rare: neighbours a few
+    ulps apart), so the walk is over those runs alone."""
+    start = np.concatenate([[True], np.diff(xs) >= TIE])
+    first = np.flatnonzero(start)
+    last = np.append(first[1:], xs.size) - 1
+    wide = xs[last] - xs[first] >= TIE
+    for a, b in zip(first[wide], last[wide]):
+        knot = xs[a]
+        for i in range(a + 1, b + 1):
+            if xs[i] - knot >= TIE:
+                start[i], knot = True, xs[i]
+    return start
+
+
 def isotonic_fit(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(knots, values): the non-decreasing least-squares fit of y on x at the distinct x (runs
     closer than TIE pooled first, keeping their smallest x, y averaged), by pool adjacent
-    violators."""
-    order = torch.argsort(x, stable=True)
-    xs, ys = x[order].tolist(), y[order].tolist()
-    knots, sums, weights = [xs[0]], [0.0], [0.0]
-    for xi, yi in zip(xs, ys):
-        if xi - knots[-1] >= TIE:
-            knots.append(xi)
-            sums.append(0.0)
-            weights.append(0.0)
-        sums[-1] += yi
-        weights[-1] += 1.0
-    means, sizes, counts = [], [], []  # the blocks: mean, weight, number of knots
-    for s, w in zip(sums, weights):
-        means.append(s / w)
-        sizes.append(w)
-        counts.append(1)
-        while len(means) > 1 and means[-2] > means[-1]:  # a violation: pool the last two
-            m, w2, k = means.pop(), sizes.pop(), counts.pop()
-            total = sizes[-1] + w2
-            means[-1] = (means[-1] * sizes[-1] + m * w2) / total
-            sizes[-1], counts[-1] = total, counts[-1] + k
-    values = torch.repeat_interleave(
-        torch.tensor(means, dtype=torch.float64), torch.tensor(counts, dtype=torch.long)
-    )
-    return torch.tensor(knots, dtype=torch.float64), values
+    violators.
+
+    Pooled in vectorised passes rather than one knot at a time: each pass pools every run of
+    adjacent blocks whose means do not increase (a violating pair is equal in the solution, and
+    so is an equal pair: moving both to their common target lowers the squared error), until
+    the means increase strictly. The fit is unique, so any order of valid pools reaches it;
+    for 0/1 targets sorted by a classifier's p_k the runs are long and the passes few.
+    """
+    # 1. Sort, and pool the inputs closer than TIE into knots.
+    xs_t, order = torch.sort(x.detach().to("cpu", torch.float64), stable=True)
+    xs, ys = xs_t.numpy(), y.detach().to("cpu", torch.float64)[order].numpy()
+    first = np.flatnonzero(_knot_starts(xs))
+    sums, weights = np.add.reduceat(ys, first), np.diff(np.append(first, xs.size)).astype(float)
+    knots = np.ones(first.size, dtype=np.int64)  # knots per block
+    # 2. Pool the non-increasing runs of block means until they increase strictly.
+    while True:
+        means = sums / weights
+        rises = means[1:] > means[:-1]
+        if rises.all():
+            break
+        heads = np.flatnonzero(np.concatenate([[True], rises]))
+        sums, weights = np.add.reduceat(sums, heads), np.add.reduceat(weights, heads)
+        knots = np.add.reduceat(knots, heads)
+    values = np.repeat(means, knots)
+    return torch.from_numpy(xs[first].copy()), torch.from_numpy(values)
 
 
 def isotonic_predict(knots: torch.Tensor, values: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -372,6 +372,37 @@ def test_nll_temperature_equals_direct_minimisation():
     assert not temperature_on_edge(t, "nll")
 
 
+def test_nll_temperature_is_the_cross_entropy_golden_section():
+    """fit_temperature_nll evaluates NLL(β) from class-major differences; the golden section
+    of earlier versions on F.cross_entropy, kept here, lands on the same T to 1e-6 (near its
+    minimum the NLL changes by float64's resolution over Δβ/β ~ 1e-8, so neither pins T
+    closer)."""
+
+    def old_fit(s: torch.Tensor, y: torch.Tensor) -> float:
+        lo, hi = 1.0 / 20.0, 1.0 / 0.05
+        ratio = (math.sqrt(5.0) - 1.0) / 2.0
+        b1, b2 = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+        f1, f2 = (float(F.cross_entropy(s * b, y)) for b in (b1, b2))
+        for _ in range(80):
+            if f1 <= f2:
+                hi, b2, f2 = b2, b1, f1
+                b1 = hi - ratio * (hi - lo)
+                f1 = float(F.cross_entropy(s * b1, y))
+            else:
+                lo, b1, f1 = b1, b2, f2
+                b2 = lo + ratio * (hi - lo)
+                f2 = float(F.cross_entropy(s * b2, y))
+        return 1.0 / ((lo + hi) / 2.0)
+
+    g = torch.Generator().manual_seed(5)
+    for scale, n, c in ((4.0, 1500, 10), (0.5, 300, 3), (30.0, 200, 100)):
+        z = torch.randn(n, c, generator=g, dtype=torch.float64) * scale
+        labels = torch.multinomial(F.softmax(z / 1.7, 1), 1, generator=g).squeeze(1)
+        assert fit_temperature(z, labels, criterion="nll") == pytest.approx(
+            old_fit(z, labels), rel=1e-6
+        )
+
+
 def test_temperature_edges_are_flagged():
     # a perfectly separable val set: NLL keeps falling as T -> 0, so the fit lands on the floor
     z = torch.tensor([[1.0, 0.0], [0.0, 1.0]] * 10, dtype=torch.float64)
