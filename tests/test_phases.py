@@ -88,3 +88,16 @@ def test_a_profiled_stack_counts_its_work_and_trains_the_same_bytes(
     for s in (1, 2):
         a, b = (r / "train" / f"ce-s{s}" / "model.safetensors" for r in roots)
         assert a.read_bytes() == b.read_bytes()
+
+
+def test_an_unwritable_file_is_one_line_at_exit(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv(phases.ENV, str(tmp_path / "no" / "such" / "folder" / "phases.json"))
+    try:
+        with phases.phase("steps"):
+            pass
+        phases._record.write()
+    finally:
+        atexit.unregister(phases._record.write)
+        phases._record = None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"semix: {phases.ENV}=") and "not written" in err[0]

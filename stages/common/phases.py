@@ -18,6 +18,7 @@ import atexit
 import contextlib
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,8 +57,11 @@ class _Record:
             "threads_max": self.threads,
         }
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-        os.replace(tmp, self.path)
+        try:
+            tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+            os.replace(tmp, self.path)
+        except OSError as e:  # the stage's work is done: one line, no traceback at exit
+            print(f"semix: {ENV}={self.path}: not written ({e.strerror or e})", file=sys.stderr)
 
 
 def _cpu() -> dict[str, float]:
