@@ -3,6 +3,7 @@
     python -m bench                 # every bench/bench_*.py
     python -m bench shards train    # only these
     python -m bench plan            # plan, manifest, series index at 10 / 100 / 1,000 classes
+    python -m bench study-task      # bench/bench_study_task.py (a hyphen names the module's _)
 
 Each module defines `run() -> dict` with `title`, `rows` (list of dicts, one table row
 each), optional `tables` ({caption: rows}, after the first), optional `notes` (list of str); or None when it has nothing to measure on this checkout
@@ -56,7 +57,7 @@ def main(argv: list[str]) -> int:
         for block in text.split("\n## ")[1:]:
             sections[block.split("\n", 1)[0].strip()] = "## " + block.rstrip() + "\n"
     for name in names:
-        module = importlib.import_module(f"bench.bench_{name}")
+        module = importlib.import_module(f"bench.bench_{name.replace('-', '_')}")
         print(f"bench {name} ...", flush=True)
         t0 = time.perf_counter()
         result = module.run()

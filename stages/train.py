@@ -44,6 +44,7 @@ from shards.datasets import RealSplit, check_same_classes
 from shards.manifest import ShardError, manifest_digest, read_manifest
 from shards.runs import split_history
 from stages.common import data as datapath
+from stages.common import phases
 from stages.common.epochs import Data, LoopState, Mixed, Result, write_run
 from stages.common.training_run import TrainingRun
 from stages.configs.train import Config
@@ -153,8 +154,10 @@ def run_stack(cfgs: Sequence[Config]) -> list[Path]:
     in turn with the others, each step exactly the step it takes alone (the same bytes as a
     plain `train` of that seed). Complete runs only read; `run(cfg)` is a stack of one."""
     check_stack(cfgs)
+    phases.begin()  # SEMIX_PHASES: the process's start and imports end here
     # 1. Accelerators, the run folders, what they are made from; complete runs only read.
-    runs = [TrainingRun.open(c, "train", c.run, OTHER_RUN) for c in cfgs]
+    with phases.phase("open"):
+        runs = [TrainingRun.open(c, "train", c.run, OTHER_RUN) for c in cfgs]
     cfg = cfgs[0]
     classes = read_manifest(cfg.root / "real" / "train").class_names
     objective = OBJECTIVES[cfg.loss.name].objective  # how it reads the data, before one is built
@@ -170,23 +173,30 @@ def run_stack(cfgs: Sequence[Config]) -> list[Path]:
     #    anything is written); DataLoader workers start now, before the models exist.
     cfg, first = pending[0]
     accelerator, dev = first.accelerator, first.device
-    path = datapath.choose_path(cfg, data_folders(cfg, needs_mixed), dev, accelerator)
-    train, val = load_data(cfg, path, dev)
-    mixed = load_mixed(cfg, train, path, dev) if needs_mixed else None
-    budget = train_run_images(cfg.root, cfg.train_limit, mixed_folder(cfg) if needs_mixed else None)
+    with phases.phase("data"):
+        path = datapath.choose_path(cfg, data_folders(cfg, needs_mixed), dev, accelerator)
+        train, val = load_data(cfg, path, dev)
+        mixed = load_mixed(cfg, train, path, dev) if needs_mixed else None
+        mixed_path = mixed_folder(cfg) if needs_mixed else None
+        budget = train_run_images(cfg.root, cfg.train_limit, mixed_path)
     if first.main:
         log.info("train %s: %s", ", ".join(c.run for c, _ in pending), path.describe())
     for _, r in pending:
         r.write_config()
-    mean, std = datapath.statistics(train, cfg.in_channels, cfg)  # normalisation: real/train
-    val = datapath.sequential(val, cfg.eval_batch_size, cfg)
-    series = mixed.images if mixed else None
-    pixels = datapath.pixel_source(train, series, objective.mixes_rows, accelerator, cfg)
+    with phases.phase("data"):
+        mean, std = datapath.statistics(train, cfg.in_channels, cfg)  # normalisation: real/train
+        val = datapath.sequential(val, cfg.eval_batch_size, cfg)
+        series = mixed.images if mixed else None
+        pixels = datapath.pixel_source(train, series, objective.mixes_rows, accelerator, cfg)
     data = Data(train, val, mean, std, train.image_size, mixed, pixels)
+    if path.path == "memory":  # decoded once for the whole stack
+        decoded = len(train) + len(val) + (len(mixed.classes) * mixed.soft.shape[1] if mixed else 0)
+        phases.count("images_decoded", decoded)
 
     # 3.-4. Each run's model and optimizer, then their epochs in turn.
     try:
-        members = [_member(c, r, data, path, len(classes), budget) for c, r in pending]
+        with phases.phase("models"):
+            members = [_member(c, r, data, path, len(classes), budget) for c, r in pending]
         results = _in_turn([m.epochs for m in members])
     finally:
         datapath.close(data.pixels, data.val)
@@ -195,7 +205,8 @@ def run_stack(cfgs: Sequence[Config]) -> list[Path]:
     #    the manifest last.
     for m, result in zip(members, results, strict=True):
         if m.run.main:
-            _write(m, result, path, classes, data, made_from)
+            with phases.phase("outputs"):
+                _write(m, result, path, classes, data, made_from)
     return [r.done() for r in runs]
 
 

@@ -114,6 +114,33 @@ def test_store_returns_load_split_pixels(root):
     assert real.image_size == memory.image_size == 16
 
 
+def test_a_head_reads_only_its_own_labels_and_equals_the_whole_splits_head(root, monkeypatch):
+    """open_real(limit=n) (train's train_limit): the first n labels and images of the split,
+    byte for byte; its label pass reads n cls members, not one per sample of the split (every
+    shard is still checked at open)."""
+    import shards.store as store_module
+
+    folder = root / "real" / "train"
+    memory = load_real(folder)
+    n = 300  # past the first shard
+    assert read_manifest(folder).shards[0].count < n
+    reads: list[str] = []
+    real_read = store_module.read_member
+
+    def counted(fd, path, name, *args, **kwargs):
+        reads.append(name)
+        return real_read(fd, path, name, *args, **kwargs)
+
+    monkeypatch.setattr(store_module, "read_member", counted)
+    head = open_real(folder, limit=n)
+    assert sum(name.endswith(".cls") for name in reads) == n
+    assert torch.equal(head.labels, memory.labels[:n]) and len(head.images) == n
+    assert torch.equal(head.images[:], memory.images[:n])
+    assert head.class_names == memory.class_names
+    # a limit past the split's end: the whole split
+    assert torch.equal(open_real(folder, limit=10**6).labels, memory.labels)
+
+
 def test_series_table_streamed_equals_in_memory(root):
     names = [str(c) for c in range(10)]
     memory = load_series_table(root / "mixed", names)

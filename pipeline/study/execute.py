@@ -13,6 +13,7 @@ from pathlib import Path
 
 from core.io import atomic_write_json, read_json
 from core.logs import log, progress
+from pipeline.registry import STAGES, resolve_stage_config
 from pipeline.study.config import StudyError, Task
 from pipeline.study.estimate import start_order
 
@@ -40,6 +41,29 @@ def last_error(log_path: Path) -> str:
     return (errors or lines or ["no output"])[-1]
 
 
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # the pools a command starts with
+
+
+def task_env(cmd: list[str]) -> dict[str, str]:
+    """The environment of one task command: this process's, with OpenMP's and MKL's pools
+    started at the stage's `cpu_threads` when it pins one (train, evaluate, generate, annotate
+    of the study's presets: 1), so that a command beside another one holds no thread it never
+    uses (the stage's `torch.set_num_threads` caps its work; the pools are sized when the
+    libraries load, before it). A chain (several stages, several counts) and a stage left at
+    torch's default (0: every core) keep the environment as it is; a value the user set wins."""
+    env = dict(os.environ)
+    stage, preset = cmd[3], cmd[5]
+    if stage not in STAGES or any(v in env for v in THREAD_VARS):
+        return env
+    try:
+        threads = resolve_stage_config(stage, preset, cmd[7:]).cpu_threads
+    except (ValueError, OSError):  # the stage itself reports a bad config, in its own log
+        return env
+    if threads > 0:
+        env |= {v: str(threads) for v in THREAD_VARS}
+    return env
+
+
 def _execute(task: Task, preset: str, logs: Path) -> float:
     """Run the task's commands one after another, output to logs/<task>.log; seconds taken."""
     t0 = time.perf_counter()
@@ -59,7 +83,7 @@ def _execute(task: Task, preset: str, logs: Path) -> float:
             out.write(f"$ {' '.join(cmd[1:])}\n")
             out.flush()
             rc = subprocess.run(
-                cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=task_env(cmd)
             ).returncode
         if rc != 0:
             raise TaskError(task.name, rc, log_path, last_error(log_path))

@@ -85,7 +85,7 @@ def open_head(folder: Path, n: int, choice: DataPathChoice, device: torch.device
     """`head(open_split(...), n)`, decoding only those n on the memory path (the same bytes:
     an ImageStore's items are `load_real`'s; 5,000 of Fashion-MNIST's 54,000 in a tenth of
     the time)."""
-    split = head(open_real(folder, device), n)
+    split = open_real(folder, device, limit=n)  # labels of those n only
     if choice.path == "memory":
         split = RealSplit(split.images[:].to(device), split.labels, split.class_names)
     return split

@@ -56,6 +56,7 @@ from shards.datasets import RealSplit
 from shards.prefetch import PixelSource, StepPlan
 from shards.runs import finish_run, write_weights
 from shards.store import SeriesImages
+from stages.common import phases
 from stages.common.loop import PRECISION_KEY, train_units
 
 BEST = "best.safetensors"  # in a checkpoint: the best weights so far (keep="best")
@@ -321,10 +322,16 @@ class Epochs:
         """Train and validate (main process) one epoch; keep its weights if they are the best."""
         recipe, state, data = self.recipe, self.state, self.data
         t0 = time.perf_counter()
-        stats = train_epoch(recipe, epoch, self.accelerator, self.module, self.optimizer, data, bar)
+        with phases.phase("steps"):
+            stats = train_epoch(
+                recipe, epoch, self.accelerator, self.module, self.optimizer, data, bar
+            )
         seconds = time.perf_counter() - t0
         main = self.accelerator.is_main_process
-        scores = [validate(self.net, data, recipe.eval_batch_size) if main else None]
+        with phases.phase("validation"):
+            scores = [validate(self.net, data, recipe.eval_batch_size) if main else None]
+        phases.count("epochs")
+        phases.count("images_validated", len(data.val) if main else 0)
         stats |= broadcast_object_list(scores, from_process=0)[0]
         stats |= {
             "epoch": epoch + 1,  # epochs count from 1 wherever a person reads them

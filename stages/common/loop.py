@@ -25,6 +25,7 @@ from core.precision import ACCELERATE, canonical, resolve_precision
 from core.runtime import make_accelerator as new_accelerator
 from core.runtime import share_from_main
 from shards.checkpoints import LOAD_KWARGS, MARKER, Checkpointer, checkpoint_number
+from stages.common import phases
 
 PRECISION_KEY = "precision"  # a checkpoint's record of the precision its run computes in
 
@@ -113,9 +114,13 @@ def train_units(
     with units.bar(done) as bar:
         for unit in range(done, units.count):
             units.train(unit, bar)
-            number, state, tensors = units.checkpoint(unit)
-            ckpt.save(number, lambda folder: accelerator.save_state(str(folder)), state, tensors)
-            units.report(unit)
+            with phases.phase("checkpoint"):
+                number, state, tensors = units.checkpoint(unit)
+                ckpt.save(
+                    number, lambda folder: accelerator.save_state(str(folder)), state, tensors
+                )
+            with phases.phase("report"):
+                units.report(unit)
             yield unit
 
 
