@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from core.config import ConfigError
+from pipeline.study.protocol import COMMITTED, PROTOCOL
 
 
 class StudyError(ValueError):
@@ -80,13 +81,15 @@ class StudyConfig:
     # ce and csm run every seed, the primary endpoints' other methods (csm3) the first
     # `primary_seeds`, the exploratory ones (every other method) the first `other_seeds` (seed k
     # of two methods share their initialisation: the statistics pair them)
-    seeds: tuple[int, ...] = tuple(range(10))
-    primary_seeds: int = 5
-    other_seeds: int = 3
+    # (the protocol's seeds, docs/protocol.toml)
+    seeds: tuple[int, ...] = PROTOCOL.seeds
+    primary_seeds: int = PROTOCOL.primary_seeds
+    other_seeds: int = PROTOCOL.other_seeds
     # independent mixed sets of each csm-family chain (csm's, csm3's, csm-redraw's), each drawn
     # with its own generate seed; the run of seed k trains on set k mod mixed_sets (its record's
-    # `mixed_set`), so the generator's variance is in the comparisons
-    mixed_sets: int = 3
+    # `mixed_set`), so the generator's variance is in the comparisons (the protocol's fits x
+    # mixed sets per fit: until the fits land, every set is drawn from one fit)
+    mixed_sets: int = PROTOCOL.fits * PROTOCOL.mixed_sets_per_fit
     jobs: int = 2  # runs at a time (subprocesses)
     # a train method's seeds that share a mixed set train as one stack (train seeds=...): one
     # process, the data read once, each run its own folder as when trained alone; off: a
@@ -101,7 +104,7 @@ class StudyConfig:
     # the seeds every grid point runs at (100, 101, ...): its score is the mean val NLL over
     # them, and a winner whose advantage over the reference point is within one standard error
     # of their paired differences gives way to the reference (pipeline/study/tuning.py choose_point)
-    tune_seeds: int = 3
+    tune_seeds: int = PROTOCOL.tune_seeds
     # the generator's sampler cell (guidance w, x̂₀ clipping) tuned like csm's other
     # hyper-parameters: csm at its reference point on each cell the fit judged faithful, the
     # lowest val NLL by the same rule (pipeline/study/cells.py); off, or without `tune`: the
@@ -110,6 +113,10 @@ class StudyConfig:
     # every run also evaluated under shift (the corrupted test split) and on far-OOD sets, the
     # comparisons paired as in the main table (pipeline/study/robustness.py); off: the clean test only
     robustness: bool = True
+    # the protocol the study is run under (relative: from the repository root): its sha256 goes
+    # to study.json and, at the start, study/protocol.lock; the study's values are the committed
+    # file's, so another file must hold the same values (pipeline/study/protocol.py)
+    protocol: str = COMMITTED
 
     def __post_init__(self):
         unknown = [m for m in self.methods if m not in METHODS]

@@ -31,18 +31,15 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
+from pipeline.study.protocol import PROTOCOL
+
 LEVEL = 0.95  # two-sided level of every interval (the "ci95" fields)
 PRIMARY = "t"  # the interval "ci95" holds
 SECOND = "percentile"  # the interval the verdict also reads
 Z0_FLAG = 0.5  # |z0| above it: the BCa interval is flagged in the report
-# The study's primary endpoints, named before the run: (when, metric, method, reference). Every
-# other comparison is exploratory.
-PRIMARY_ENDPOINTS = (
-    ("before_ts", "ece", "csm", "ce"),
-    ("after_ts", "ece", "csm", "ce"),
-    ("after_ts", "nll", "csm", "ce"),
-    ("before_ts", "ece", "csm3", "csm"),
-)
+# The study's primary endpoints, named before the run in the protocol (docs/protocol.toml):
+# (when, metric, method, reference). Every other comparison is exploratory.
+PRIMARY_ENDPOINTS = PROTOCOL.primary_endpoints
 _NORMAL = NormalDist()
 
 
