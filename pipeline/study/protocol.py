@@ -226,4 +226,43 @@ def load(path: str | Path = COMMITTED) -> Protocol:
         raise ConfigError(f"{path}: {e}") from None
 
 
+LOCK = "protocol.lock"  # in the study's folder: the protocol's sha256 and the code at its start
+
+
+def check_same(path: str | Path) -> None:
+    """A study's protocol file must hold the committed file's values: the study's modules read
+    the committed one (PROTOCOL). One line naming the file and the fix otherwise."""
+    if resolve(path) != resolve(COMMITTED) and load(path) != PROTOCOL:
+        raise ConfigError(
+            f"study.protocol={path}: its values differ from {COMMITTED}, which the study's code "
+            f"reads; commit the change to {COMMITTED} (or leave study.protocol unset)"
+        )
+
+
+def lock(folder: Path, path: str | Path, code: str | None) -> dict[str, Any]:
+    """The protocol as the study started with it: study/protocol.lock, written once, before its
+    first task (a later invocation reads it back); {"sha256", "code"}."""
+    from core.io import atomic_write_json, read_json
+
+    file = folder / LOCK
+    if not file.is_file():
+        atomic_write_json(file, {"sha256": sha256(path), "code": code})
+    return read_json(file)
+
+
+def record(folder: Path, path: str | Path) -> dict[str, Any]:
+    """study.json's "protocol": the file, its sha256 now and at the start, the code's commit at
+    the start, and whether it changed since (then every verdict is exploratory)."""
+    started = lock(folder, path, None)
+    now = sha256(path)
+    return {
+        "file": str(path),
+        "sha256": now,
+        "started_sha256": started["sha256"],
+        "code": started["code"],
+        "changed": now != started["sha256"],
+        "verdicts": "exploratory" if now != started["sha256"] else "confirmatory",
+    }
+
+
 PROTOCOL = load()  # the committed protocol: the values every study module reads
