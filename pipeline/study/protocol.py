@@ -84,13 +84,16 @@ def _get(table: dict[str, Any], key: str, where: str, kind: type | tuple[type, .
         raise ConfigError(f"protocol: {name} is missing")
     value = table[key]
     if isinstance(value, bool) or not isinstance(value, kind):
-        raise ConfigError(f"protocol: {name} = {value!r} is not a {_kind(kind)}")
+        raise ConfigError(f"protocol: {name} = {value!r} is not {_kind(kind)}")
     return value
+
+
+KINDS = {int: "an integer", float: "a number", str: "a string", list: "a list", dict: "a table"}
 
 
 def _kind(kind: type | tuple[type, ...]) -> str:
     kinds = kind if isinstance(kind, tuple) else (kind,)
-    return " or ".join(k.__name__ for k in kinds)
+    return " or ".join(KINDS[k] for k in kinds if not (k is int and float in kinds))
 
 
 def _positive(value: float, name: str) -> float:
@@ -217,9 +220,9 @@ def load(path: str | Path = COMMITTED) -> Protocol:
     try:
         data = tomllib.loads(file.read_text(encoding="utf-8"))
     except OSError as e:
-        raise ConfigError(f"protocol {path}: cannot read it ({e.strerror})") from None
+        raise ConfigError(f"{path}: protocol: cannot read it ({e.strerror})") from None
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"protocol {path}: not valid TOML ({e})") from None
+        raise ConfigError(f"{path}: protocol: not valid TOML ({e})") from None
     try:
         return parse(data)
     except ConfigError as e:
