@@ -1,12 +1,17 @@
-"""`make study`'s tuning: every method's own hyper-parameters chosen on the validation split,
-from a grid of the same size, by one rule fixed before the run (docs/study.md).
+"""`make study`'s tuning: every method's own hyper-parameters and, for a train method, its
+weight decay, chosen on the validation split by one search and one rule fixed before the run in
+the protocol (docs/protocol.toml; docs/study.md).
 
-GRIDS declares one grid per tuning group, {train or finetune field: values}: 4 points each (2 x 2
-for a two-parameter method, 4 values for a one-parameter one), around the published defaults.
-REFERENCE names each grid's reference point: the default the method runs with untuned. Every
-point runs at the same `tune_seeds` seeds (TUNE_SEED, TUNE_SEED + 1, ...; no study seed: a tuning
-run is never a study run), so the points are paired by seed. A run's score is its val NLL at its
-chosen checkpoint: a train run's best-val-accuracy epoch (the checkpoint it keeps), a
+GRIDS declares one grid per tuning group, {train or finetune field: values}, the protocol's: 4
+points each (2 x 2 for a two-parameter method, 4 values for a one-parameter one), around the
+published defaults. REFERENCE names each grid's reference point: the default the method runs with
+untuned. The search, the same for every train method (a coordinate search; a full cross would
+cost 16 points a method): its own grid at the reference weight decay, then the shared
+weight-decay grid (SHARED) at its own choice, 4 + 3 = 7 configurations; ce, with no parameter
+of its own, tunes weight decay alone on the shared grid refined by its midpoints, 7 values.
+Every point runs at the same `tune_seeds` seeds (TUNE_SEED, TUNE_SEED + 1, ...; no study seed:
+a tuning run is never a study run), so the points are paired by seed. A run's score is its val
+NLL at its chosen checkpoint: a train run's best-val-accuracy epoch (the checkpoint it keeps), a
 fine-tuning's last epoch (it keeps its last weights). NLL because it rewards accuracy and
 calibration at once; no tuning run is evaluated, so the test split is never read for it.
 
@@ -14,6 +19,13 @@ The rule (`choose_point`, the same for every group): a point's score is its mean
 tuning seeds; the lowest wins (ties: the first in grid order) only when its advantage over the
 reference, the mean of its paired per-seed differences, exceeds that mean's standard error;
 otherwise the reference is chosen: a gap inside the seeds' noise moves nothing.
+
+Interior optima: then each parameter extends, one geometric step at a time, until the chosen
+point has a tried neighbour on each side along it or sits on a bound of the protocol (BOUNDS),
+at most MAX_EXTENSIONS steps per parameter: tasks tune-<group>-ext-<letter><k>, step k of every
+parameter after step k - 1 of all, each deciding its point from the scores before it
+(next_point; None: nothing to run, the study skips it). A method's runs take the final choice
+through their task's prepare, so they wait for every step.
 
 Groups: csm's (w x s) serves the whole 2-way csm family (csm, csm-ratio, csm-ce, csm-redraw);
 csm3 tunes s at csm's chosen w on its own k = 3 set; ce its weight decay; ls, focal, mixup, mmce
@@ -24,19 +36,11 @@ fine-tunes its own name of the base: train/tune-ce-r128-q0p7 is a hard-linked co
 run (pipeline.study.mixed_sets.link_complete) and its fine-tuning is
 finetune/tune-ce-r128-q0p7-maccal.
 
-Run names: tune-<group>-<letter><value>... at TUNE_SEED, tune-<group>-...-t<seed> at the others
-(MaC-Cal: tune-<base>-...[-t<seed>]-maccal).
-
-Edge rule, once: a chosen value that is the smallest or largest of its grid values gets one more
-point, task tune-<group>-ext-<p> (and its other seeds), one geometric step outward (v²/neighbour:
-v·(v/neighbour) above the max, v/(neighbour/v) below the min), the group's other parameters at
-their chosen values; then the choice is made again, by the same rule, over all the group's
-points. An interior choice leaves the tasks nothing to do: their prepare returns None and the
-study skips them. A method's runs take the final choice through their task's prepare, so they
-wait for the extension tasks too.
+Run names: tune-<group>-<letter><value>... at TUNE_SEED (the shared decays tune-<group>-wd<value>),
+tune-<group>-...-t<seed> at the others (MaC-Cal: tune-<base>-...[-t<seed>]-maccal).
 
 The grids, names and the rule live here; their runs as tasks of the study's plan, and study.json's
-"tuning", in pipeline/study/tuning_plan.py.
+"tuning" and "configurations", in pipeline/study/tuning_plan.py.
 """
 
 from __future__ import annotations
