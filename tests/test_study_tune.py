@@ -1,6 +1,8 @@
-"""`make study`'s tuning (pipeline/study/tuning.py): one grid of the same size per method, chosen
-by val NLL, a choice on the grid's edge extending it once; on fake metrics.json files and on a
-tiny real grid (digits, one epoch per run, subprocesses as in real use)."""
+"""`make study`'s tuning (pipeline/study/tuning.py): every train method's own grid, then the
+shared weight-decay grid at its choice (the same number of configurations), chosen by val NLL,
+a choice without a tried neighbour on each side extending one geometric step at a time up to a
+protocol bound; on fake metrics.json files and on a tiny real grid (digits, one epoch per run,
+subprocesses as in real use)."""
 
 import json
 import math
@@ -17,15 +19,23 @@ from pipeline.study.config import METHODS, StudyConfig, StudyError
 from pipeline.study.execute import _execute, execute
 from pipeline.study.plan import plan
 from pipeline.study.tuning import (
+    BOUNDS,
     GRIDS,
     LETTERS,
-    POINTS,
+    MAX_EXTENSIONS,
+    PATHS,
     REFERENCE,
+    SHARED,
     TUNE_SEED,
+    WEIGHT_DECAY,
     choose,
     choose_point,
     grid_points,
-    step_out,
+    next_point,
+    planned_configurations,
+    reference,
+    refined,
+    shares_weight_decay,
     tune_run,
     tuning_group,
 )
@@ -37,11 +47,14 @@ from stages.configs import train as train_config
 def test_every_method_gets_a_grid_of_the_same_size_over_its_own_fields():
     for group, grid in GRIDS.items():
         m = METHODS[group]
-        assert len(grid_points(group)) == POINTS, group
+        # the same number of val configurations before any extension: a train method's own 4
+        # points then the shared grid's 3 others, ce's 7 on the refined shared grid; MaC-Cal 4
+        assert planned_configurations(group) == (7 if m.stage == "train" else 4), group
         assert all(v > 0 for values in grid.values() for v in values)  # geometric steps
         assert all(len(set(values)) == len(values) > 1 for values in grid.values())
-        if group == "ce":  # ce has no loss parameter: its weight decay
-            assert set(grid) == {"weight_decay"}
+        if group == "ce":  # ce has no loss parameter: its weight decay, the shared grid refined
+            assert grid == {"weight_decay": (1.25e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3)}
+            assert set(SHARED.values) <= set(grid["weight_decay"])
         elif m.stage == "train":  # the loss's own parameters (train's loss section)
             loss = next(s.split("=")[1] for s in m.sets if s.startswith("loss="))
             own = set(train_config.LOSS.fields_of(loss).values())
@@ -62,9 +75,9 @@ def test_every_grids_reference_is_a_grid_point_and_the_untuned_default():
     finetune = finetune_config.Config(run="x").to_dict()
     from pipeline.registry import resolve_stage_config
 
-    for group, reference in REFERENCE.items():
-        assert reference in grid_points(group), group
-        for key, value in reference.items():
+    for group, ref in REFERENCE.items():
+        assert ref in grid_points(group), group
+        for key, value in ref.items():
             if key in finetune and key.startswith("maccal"):
                 assert finetune[key] == value, (group, key)
             elif key != "csm_sharpening":
@@ -125,29 +138,75 @@ def test_a_grid_whose_every_point_diverged_is_one_line():
         choose_point(_rows({"ref": [math.nan] * 3, "a": [math.inf] * 3}), {"x": "ref"})
 
 
+def _line(group: str, param: str, nll: dict[float, float]) -> list[dict]:
+    """Rows along one parameter, the others at their reference: {value: val NLL at each seed}."""
+    point = reference(group)
+    return [
+        {"run": f"{param}={v:g}", **point, param: v, "val_nll_seeds": [n, n + 0.01, n + 0.02]}
+        for v, n in nll.items()
+    ]
+
+
 @pytest.mark.parametrize(
-    ("values", "chosen", "param", "expected"),
+    ("group", "param", "nll", "expected"),
     [
-        ((0.02, 0.05, 0.1, 0.2), 0.2, "ls_alpha", 0.4),  # above the max: 0.2 * (0.2 / 0.1)
-        ((0.02, 0.05, 0.1, 0.2), 0.02, "ls_alpha", 0.008),  # below: 0.02 / (0.05 / 0.02)
-        ((0.02, 0.05, 0.1, 0.2), 0.05, "ls_alpha", None),  # interior: nothing
-        ((1.0, 2.0, 3.0, 5.0), 5.0, "focal_gamma", 8.33),  # 3 significant digits
-        ((2.3, 4.0), 2.3, "csm_sharpening", 1.32),
-        ((128, 256), 128, "maccal_r", 64),  # a whole number of units
-        ((128, 256), 256, "maccal_r", 512),
-        ((0.7, 0.9), 0.9, "maccal_q0", 1.0),  # 1.157 is no retention probability: q_max
-        ((0.9, 1.0), 1.0, "maccal_q0", None),  # already at the limit: nothing to run
-        ((0.7, 0.9), 0.7, "maccal_q0", 0.544),
+        ("ls", "ls_alpha", {0.02: 0.5, 0.05: 0.4, 0.1: 0.35, 0.2: 0.3}, 0.4),  # 0.2 * (0.2 / 0.1)
+        ("ls", "ls_alpha", {0.02: 0.3, 0.05: 0.4, 0.1: 0.45, 0.2: 0.5}, 0.008),  # 0.02 / 2.5
+        ("ls", "ls_alpha", {0.02: 0.5, 0.05: 0.3, 0.1: 0.4, 0.2: 0.5}, None),  # interior
+        ("ls", "ls_alpha", {0.1: 0.5, 0.2: 0.4, 0.4: 0.3}, 0.5),  # 0.8 passes 0.5: the bound
+        ("ls", "ls_alpha", {0.2: 0.5, 0.4: 0.4, 0.5: 0.3}, None),  # on the bound: nothing
+        ("focal", "focal_gamma", {1.0: 0.5, 2.0: 0.4, 3.0: 0.35, 5.0: 0.3}, 8.33),  # 3 digits
+        ("csm", "csm_sharpening", {2.3: 0.3, 4.0: 0.4}, 1.32),
+        ("ce+maccal", "maccal_r", {128: 0.3, 256: 0.4}, 64),  # a whole number of units
+        ("ce+maccal", "maccal_q0", {0.7: 0.4, 0.9: 0.3}, 1.0),  # 1.157 passes q_max = 1
+        ("ce+maccal", "maccal_q0", {0.9: 0.4, 1.0: 0.3}, None),  # already at the bound
+        ("ce", "weight_decay", {1e-3: 0.5, 2e-3: 0.4, 4e-3: 0.35, 8e-3: 0.3}, 0.016),
     ],
 )
-def test_a_choice_on_the_edge_steps_out_geometrically_once(values, chosen, param, expected):
-    assert step_out(values, chosen, param) == expected
+def test_a_choice_without_a_neighbour_steps_out_geometrically_to_a_bound(
+    group, param, nll, expected
+):
+    rows = _line(group, param, nll)
+    if param == "ls_alpha" and 0.05 not in nll:  # the reference row the rule needs, worst
+        rows.append(_line(group, param, {0.05: 0.9})[0])
+    if (param == "maccal_q0" and 0.9 not in nll) or param == "weight_decay":
+        rows.append(_line(group, param, {REFERENCE[group][param]: 0.9})[0])
+    point = next_point(group, rows, param)
+    assert (None if point is None else point[param]) == expected
+    if point is not None:  # the other parameters at the choice's values
+        assert {k: v for k, v in point.items() if k != param} == {
+            k: v for k, v in reference(group).items() if k != param
+        }
+    lo, hi = BOUNDS[group][param]
+    assert expected is None or lo <= expected <= hi
+
+
+def test_the_refined_grid_adds_the_geometric_midpoints():
+    assert refined((1.0, 4.0, 16.0)) == (1.0, 2.0, 4.0, 8.0, 16.0)
+    assert refined((1e-4, 1e-2)) == (1e-4, 1e-3, 1e-2)
 
 
 SEEDS = (TUNE_SEED, TUNE_SEED + 1, TUNE_SEED + 2)  # StudyConfig.tune_seeds = 3
 
 
-def test_plan_gives_every_method_the_same_grid_at_the_same_tuning_seeds(tmp_path):
+def _exts(group: str, seeds=None) -> list[str]:
+    """Every extension step's run of a group, at every tuning seed."""
+    params = [*GRIDS[group], *([WEIGHT_DECAY] if shares_weight_decay(group) else [])]
+    return [
+        tune_run(group, (p, k), seed)
+        for k in range(1, MAX_EXTENSIONS + 1)
+        for p in params
+        for seed in seeds or SEEDS
+    ]
+
+
+def _shared(group: str, seeds=None) -> list[str]:
+    """The shared weight-decay grid's runs of a group (its reference is in its own grid)."""
+    values = [v for v in SHARED.values if v != SHARED.reference]
+    return [tune_run(group, {WEIGHT_DECAY: v}, seed) for v in values for seed in seeds or SEEDS]
+
+
+def test_plan_gives_every_method_the_same_knobs_at_the_same_tuning_seeds(tmp_path):
     root = tmp_path / "digits"
     cfg = StudyConfig(
         stack=False, methods=("ce", "ls", "focal", "ce+maccal"), seeds=(0,), robustness=False
@@ -155,7 +214,10 @@ def test_plan_gives_every_method_the_same_grid_at_the_same_tuning_seeds(tmp_path
     tasks = {t.name: t for t in plan(cfg, "digits", ["train.epochs=1"], root)}
     tune = {n for n in tasks if n.startswith("tune-")}
     points = {
-        "ce": ["tune-ce-wd0p00025", "tune-ce-wd0p0005", "tune-ce-wd0p001", "tune-ce-wd0p002"],
+        "ce": [
+            "tune-ce-wd0p000125", "tune-ce-wd0p00025", "tune-ce-wd0p0005", "tune-ce-wd0p001",
+            "tune-ce-wd0p002", "tune-ce-wd0p004", "tune-ce-wd0p008",
+        ],
         "ls": ["tune-ls-a0p02", "tune-ls-a0p05", "tune-ls-a0p1", "tune-ls-a0p2"],
         "focal": ["tune-focal-g1", "tune-focal-g2", "tune-focal-g3", "tune-focal-g5"],
         "ce+maccal": [
@@ -168,14 +230,19 @@ def test_plan_gives_every_method_the_same_grid_at_the_same_tuning_seeds(tmp_path
     assert tune_run("ce+maccal", {"maccal_r": 128, "maccal_q0": 0.7}, 101) == (
         "tune-ce-r128-q0p7-t101-maccal"
     )
-    assert [r for r in runs["ls"][:3]] == [
-        "tune-ls-a0p02",
-        "tune-ls-a0p02-t101",
-        "tune-ls-a0p02-t102",
+    assert runs["ls"][:3] == ["tune-ls-a0p02", "tune-ls-a0p02-t101", "tune-ls-a0p02-t102"]
+    # ls and focal then run the shared weight-decay grid; ce's grid is weight decay itself
+    assert _shared("ls", [TUNE_SEED]) == [
+        "tune-ls-wd0p000125",
+        "tune-ls-wd0p002",
+        "tune-ls-wd0p008",
     ]
-    exts = {g: [tune_run(g, p, seed) for p in GRIDS[g] for seed in SEEDS] for g in points}
-    assert tune == set(chain(*runs.values(), *exts.values()))
-    assert {len(g) for g in points.values()} == {POINTS}  # the same budget for every method
+    shared = {g: _shared(g) if shares_weight_decay(g) else [] for g in points}
+    assert not shared["ce"] and not shared["ce+maccal"]
+    exts = {g: _exts(g) for g in points}
+    assert tune == set(chain(*runs.values(), *shared.values(), *exts.values()))
+    # the same configurations before extensions: ce 7 values, ls and focal 4 own + 3 shared
+    assert {len(points[g]) + len(shared[g]) // len(SEEDS) for g in ("ce", "ls", "focal")} == {7}
     for group, names in points.items():
         assert [tune_run(group, p) for p in grid_points(group)] == names
         for point in grid_points(group):
@@ -186,23 +253,33 @@ def test_plan_gives_every_method_the_same_grid_at_the_same_tuning_seeds(tmp_path
                 paths = config.LEGACY  # a grid parameter is set under its path in the tree
                 assert {f"{paths.get(k, k)}={v:g}" for k, v in point.items()} <= set(sets)
                 assert stage == ("finetune" if group == "ce+maccal" else "train")
-        for name in exts[group]:  # an extension waits for its whole grid, every seed
-            assert set(runs[group]) <= tasks[name].after and tasks[name].prepare is not None
+                if shares_weight_decay(group):  # its own grid at the reference decay
+                    assert "optim.weight_decay=0.0005" in sets
+        for name in shared[group]:  # the shared grid waits for the own grid, every seed
+            assert set(runs[group]) <= tasks[name].after
+        order = [*runs[group], *shared[group], *exts[group]]
+        for i, name in enumerate(exts[group]):  # a step waits for every task before it
+            before = order[: order.index(name)]
+            assert set(before) - set(exts[group][i - i % len(SEEDS) :]) <= tasks[name].after
+            assert tasks[name].prepare is not None
     ls_sets = tasks["tune-ls-a0p1"].steps[0][1]
     assert "loss=ls" in ls_sets and "epochs=1" in ls_sets and "run=tune-ls-a0p1" in ls_sets
+    wd_sets = tasks["tune-ls-wd0p002-t101"].steps[0][1]
+    assert "optim.weight_decay=0.002" in wd_sets and "seed=101" in wd_sets
     # MaC-Cal's grid fine-tunes its own copy of ce's chosen runs, so it waits for ce's tuning
     ft_sets = tasks["tune-ce-r128-q0p7-t101-maccal"].steps[0][1]
     assert "run=tune-ce-r128-q0p7-t101" in ft_sets and "method=maccal" in ft_sets
     assert tasks["tune-ce-r128-q0p7-maccal"].after == {*runs["ce"], *exts["ce"]}
-    # each study run waits for its method's grid and extensions, and only for those
-    assert tasks["ls-s0"].after == {*runs["ls"], *exts["ls"]}
-    assert tasks["focal-s0"].after == {*runs["focal"], *exts["focal"]}
+    # each study run waits for its method's tuning, and only for it
+    assert tasks["ls-s0"].after == {*runs["ls"], *shared["ls"], *exts["ls"]}
+    assert tasks["focal-s0"].after == {*runs["focal"], *shared["focal"], *exts["focal"]}
     assert tasks["ce-s0"].after == {*runs["ce"], *exts["ce"]}
     assert tasks["ce-s0-maccal"].after == {
         "ce-s0", *runs["ce"], *exts["ce"], *runs["ce+maccal"], *exts["ce+maccal"]
     }  # fmt: skip
-    names = list(tasks)  # a grid joins the list just before its method's runs
-    assert names.index("tune-ls-ext-a-t102") < names.index("ls-s0") < names.index("tune-focal-g1")
+    names = list(tasks)  # a group's tasks join the list just before its method's runs
+    last = tune_run("ls", (WEIGHT_DECAY, MAX_EXTENSIONS), TUNE_SEED + 2)
+    assert names.index(last) < names.index("ls-s0") < names.index("tune-focal-g1")
     untuned = StudyConfig(
         stack=False, methods=cfg.methods, seeds=(0,), tune=False, robustness=False
     )
@@ -255,31 +332,129 @@ def _tasks(root, methods, ce: bool = True):
     return cfg, {t.name: t for t in plan(cfg, "digits", [], root)}
 
 
-def test_a_choice_on_the_edge_runs_one_step_beyond_and_is_made_again(tmp_path):
+def _shared_points(root, group: str, nll: float = 0.9) -> None:
+    """The shared weight-decay grid's runs of a group, each worse than its own grid's points."""
+    for v in SHARED.values:
+        if v != SHARED.reference:
+            _point(root, group, {WEIGHT_DECAY: v}, nll)
+
+
+INVERSE = {path: flat for flat, path in PATHS.items()}
+
+
+def _values(sets) -> dict[str, float]:
+    """The tuning parameters among --set values, by their flat names."""
+    pairs = (s.partition("=") for s in sets)
+    return {INVERSE.get(k, k): float(v) for k, _, v in pairs if INVERSE.get(k, k) in LETTERS}
+
+
+def _run_tuning(root, tasks, group: str, nll_of) -> list[dict[str, float]]:
+    """A group's tuning tasks run in plan order as the study runs them: each task's prepare
+    first (None: nothing to run), then a fake train run whose val NLL is nll_of(its point) plus
+    the seed's spread (0, 0.01, 0.02: paired gaps exact). Returns the points run, once each."""
+    ran = []
+    for t in tasks.values():
+        if getattr(t, "group", "") != group:
+            continue
+        extra = t.prepare() if t.prepare else []
+        if extra is None:
+            continue
+        point = {**reference(group), **_values([*t.steps[0][1], *extra])}
+        make = _finetune_run if t.stage_dir == "finetune" else _train_run
+        make(root, t.name, round(nll_of(point) + 0.01 * (t.seed - TUNE_SEED), 4))
+        if t.seed == TUNE_SEED:
+            ran.append(point)
+    return ran
+
+
+def _bowl(best: dict[str, float]):
+    """A val NLL whose minimum is at `best`: 0.3 + the squared log distance to it."""
+    return lambda p: 0.3 + sum(0.1 * math.log(p[k] / v) ** 2 for k, v in best.items())
+
+
+def test_the_shared_grid_runs_at_each_methods_own_choice(tmp_path):
+    """ce tunes weight decay alone on the refined shared grid; ls its α at the reference decay,
+    then the shared decays at its chosen α: 7 configurations each before extensions, counted in
+    study.json with them."""
+    from pipeline.study.tuning_plan import configurations
+
+    root = tmp_path / "digits"
+    cfg, tasks = _tasks(root, ("ce", "ls"), ce=False)
+    ce = _run_tuning(root, tasks, "ce", _bowl({WEIGHT_DECAY: 1e-3}))
+    assert [p[WEIGHT_DECAY] for p in ce] == [*GRIDS["ce"][WEIGHT_DECAY]]  # interior: no step
+    ls = _run_tuning(root, tasks, "ls", _bowl({"ls_alpha": 0.1, WEIGHT_DECAY: 2e-3}))
+    # own grid at 5e-4, the shared grid's other decays at α = 0.1 (its own choice); the choice
+    # (0.1, 2e-3) then needs α's neighbours at its decay: two steps, below first
+    assert ls == [
+        *({"ls_alpha": a, WEIGHT_DECAY: 5e-4} for a in GRIDS["ls"]["ls_alpha"]),
+        *({"ls_alpha": 0.1, WEIGHT_DECAY: v} for v in SHARED.values if v != 5e-4),
+        {"ls_alpha": 0.05, WEIGHT_DECAY: 2e-3},
+        {"ls_alpha": 0.2, WEIGHT_DECAY: 2e-3},
+    ]
+    assert tasks["tune-ls-wd0p002-t101"].prepare() == ["loss.ls.alpha=0.1"]
+    assert tasks["ls-s0"].prepare() == ["loss.ls.alpha=0.1", "optim.weight_decay=0.002"]
+    assert tasks["ce-s0"].prepare() == ["optim.weight_decay=0.001"]
+    report = tuning_report(cfg, root, [])
+    assert report["ls"]["params"] == {"ls_alpha": [0.02, 0.05, 0.1, 0.2],
+                                      WEIGHT_DECAY: list(SHARED.values)}  # fmt: skip
+    assert report["ls"]["chosen"] == {"ls_alpha": 0.1, WEIGHT_DECAY: 2e-3}
+    assert report["ls"]["interior"] == {"ls_alpha": True, WEIGHT_DECAY: True}
+    counts = configurations(cfg, report)
+    assert counts["methods"] == {
+        "ce": {"group": "ce", "configurations": 7}, "ls": {"group": "ls", "configurations": 9}
+    }  # fmt: skip
+    assert counts["primary"] == ["ce"] and counts["balanced"]  # ls is no primary method
+
+
+def test_an_extension_reaches_an_interior_optimum_two_steps_beyond_the_grid(tmp_path):
+    """focal's val NLL lowest at γ = 13.9, two geometric steps beyond its grid's 5 (5²/3 = 8.33,
+    8.33²/5 = 13.9): the chain steps there, then once more (23.2, clamped to the bound 16) for
+    a neighbour above, and stops with a tried neighbour on each side of both parameters."""
+    root = tmp_path / "digits"
+    cfg, tasks = _tasks(root, ("ce", "focal"))
+    ran = _run_tuning(root, tasks, "focal", _bowl({"focal_gamma": 13.9, WEIGHT_DECAY: 5e-4}))
+    steps = ran[7:]  # after the 4 own points and the 3 shared decays
+    assert steps == [
+        {"focal_gamma": 8.33, WEIGHT_DECAY: 5e-4},  # step 1 of γ
+        {"focal_gamma": 8.33, WEIGHT_DECAY: 1.25e-4},  # decay's neighbours at the new γ
+        {"focal_gamma": 13.9, WEIGHT_DECAY: 5e-4},  # step 2 of γ: the minimum
+        {"focal_gamma": 13.9, WEIGHT_DECAY: 1.25e-4},
+        {"focal_gamma": 16.0, WEIGHT_DECAY: 5e-4},  # step 3: 23.2 passes the bound 16
+        {"focal_gamma": 13.9, WEIGHT_DECAY: 2e-3},
+    ]
+    result = tuning_report(cfg, root, [])["focal"]
+    assert result["chosen"] == {"focal_gamma": 13.9, WEIGHT_DECAY: 5e-4}
+    assert result["interior"] == {"focal_gamma": True, WEIGHT_DECAY: True}
+    assert result["at_bound"] == [] and result["configurations"] == 7 + 6
+    assert result["extended"] == {"focal_gamma": [8.33, 13.9, 16.0],
+                                  WEIGHT_DECAY: [1.25e-4, 1.25e-4, 2e-3]}  # fmt: skip
+    assert tasks["focal-s0"].prepare() == ["loss.focal.gamma=13.9", "optim.weight_decay=0.0005"]
+    _, again = _tasks(root, ("ce", "focal"))  # a rerun's plan: every step done
+    assert all(t.done for t in again.values() if getattr(t, "group", "") == "focal")
+
+
+def test_an_extension_stopped_by_a_bound_is_marked_at_bound(tmp_path):
+    """ls's val NLL falls with α up to the protocol's bound 0.5: 0.2 -> 0.4 -> 0.5 (0.8 clamped),
+    then nothing: the choice sits on the bound, marked in study.json and the report."""
+    from pipeline.study.report import _tuning
+
     root = tmp_path / "digits"
     cfg, tasks = _tasks(root, ("ce", "ls"))
-    for alpha, nll in zip((0.02, 0.05, 0.1, 0.2), (0.50, 0.40, 0.35, 0.30)):  # best at the max
-        _point(root, "ls", {"ls_alpha": alpha}, nll)
-    for seed in SEEDS:  # every seed's extension runs the same stepped point
-        assert tasks[tune_run("ls", "ls_alpha", seed)].prepare() == ["loss.ls.alpha=0.4"]
-    # the extension is not done yet: plan says so, and a study run waits for it
-    _, again = _tasks(root, ("ce", "ls"))
-    assert not again["tune-ls-ext-a"].done and "tune-ls-ext-a-t102" in again["ls-s0"].after
-    _point(root, "ls", "ls_alpha", 0.20)  # better still: the choice moves to it
-    assert tasks["ls-s0"].prepare() == ["loss.ls.alpha=0.4"]
+    falls = _bowl({WEIGHT_DECAY: 5e-4})
+    ran = _run_tuning(root, tasks, "ls", lambda p: falls(p) - p["ls_alpha"])
+    assert [(p["ls_alpha"], p[WEIGHT_DECAY]) for p in ran[7:]] == [
+        (0.4, 5e-4), (0.4, 1.25e-4),  # step 1: α, then the decay's neighbour at the new α
+        (0.5, 5e-4), (0.5, 1.25e-4),  # step 2: α to the bound, decay below
+        (0.5, 2e-3),  # step 3: α on its bound has nothing to try; the decay above
+    ]  # fmt: skip
+    assert BOUNDS["ls"]["ls_alpha"] == (0.001, 0.5)
     result = tuning_report(cfg, root, [])["ls"]
-    assert result["chosen"] == {"ls_alpha": 0.4} and result["extended"] == {"ls_alpha": 0.4}
-    assert result["chosen_run"] == "tune-ls-ext-a" and len(result["grid"]) == POINTS + 1
-    assert result["chosen_runs"] == [tune_run("ls", "ls_alpha", seed) for seed in SEEDS]
-    assert [r["extension"] for r in result["grid"]] == [False] * POINTS + [True]
-    # scored at the best-val-accuracy epoch, the mean over the seeds
-    assert result["grid"][2]["val_nll_seeds"] == [0.35, 0.36, 0.37]
-    assert result["grid"][2]["val_nll"] == 0.36
-    assert result["reference"] == {"ls_alpha": 0.05} and result["seeds"] == list(SEEDS)
-    for seed in SEEDS:
-        shutil.rmtree(root / "train" / tune_run("ls", "ls_alpha", seed))
-    _point(root, "ls", "ls_alpha", 0.31)  # worse: the grid's edge stays chosen
-    assert tasks["ls-s0"].prepare() == ["loss.ls.alpha=0.2"]
+    assert result["chosen"] == {"ls_alpha": 0.5, WEIGHT_DECAY: 5e-4}
+    assert result["at_bound"] == ["ls_alpha"] and not result["interior"]["ls_alpha"]
+    assert result["extended"]["ls_alpha"] == [0.4, 0.5]
+    text = "\n".join(_tuning({"ls": result}))
+    assert f"| ls | {result['chosen_run']} | ls_alpha = 0.5, weight_decay = 0.0005 |" in text
+    assert "**chosen**, at bound (ls_alpha), ext |" in text
 
 
 def test_a_winner_inside_the_seeds_noise_gives_way_to_the_reference(tmp_path):
@@ -291,8 +466,10 @@ def test_a_winner_inside_the_seeds_noise_gives_way_to_the_reference(tmp_path):
     _point(root, "ls", {"ls_alpha": 0.05}, 0.40, (0.0, 0.0, 0.0))
     _point(root, "ls", {"ls_alpha": 0.1}, 0.45)
     _point(root, "ls", {"ls_alpha": 0.2}, 0.40, (-0.04, 0.03, -0.004))
-    assert tasks["tune-ls-ext-a"].prepare() is None
-    assert tasks["ls-s0"].prepare() == ["loss.ls.alpha=0.05"]
+    _shared_points(root, "ls")
+    assert tasks["tune-ls-wd0p002"].prepare() == ["loss.ls.alpha=0.05"]
+    assert tasks["tune-ls-ext-a1"].prepare() is None
+    assert tasks["ls-s0"].prepare() == ["loss.ls.alpha=0.05", "optim.weight_decay=0.0005"]
     result = tuning_report(cfg, root, [])["ls"]
     assert result["rule"]["winner"] == "tune-ls-a0p2" and result["rule"]["kept_reference"]
     assert result["rule"]["advantage"] < result["rule"]["standard_error"]
@@ -304,16 +481,17 @@ def test_an_interior_choice_skips_the_extension(tmp_path):
     cfg, tasks = _tasks(root, ("ce", "ls"))
     for alpha, nll in zip((0.02, 0.05, 0.1, 0.2), (0.50, 0.35, 0.30, 0.40)):
         _point(root, "ls", {"ls_alpha": alpha}, nll)
-    ext = tasks["tune-ls-ext-a"]
+    _shared_points(root, "ls")
+    ext = tasks["tune-ls-ext-a1"]
     assert ext.prepare() is None  # nothing to run
     logs = tmp_path / "logs"
     logs.mkdir()
     _execute(ext, "digits", logs)  # no subprocess: the log says so, no run folder appears
-    assert "nothing to run" in (logs / "tune-ls-ext-a.log").read_text()
-    assert not (root / "train" / "tune-ls-ext-a").exists()
-    _, again = _tasks(root, ("ce", "ls"))  # a rerun's plan knows it is done
-    assert all(again[tune_run("ls", "ls_alpha", seed)].done for seed in SEEDS)
-    assert tasks["ls-s0"].prepare() == ["loss.ls.alpha=0.1"]
+    assert "nothing to run" in (logs / "tune-ls-ext-a1.log").read_text()
+    assert not (root / "train" / "tune-ls-ext-a1").exists()
+    _, again = _tasks(root, ("ce", "ls"))  # a rerun's plan knows every step is done
+    assert all(again[name].done for name in _exts("ls"))
+    assert tasks["ls-s0"].prepare() == ["loss.ls.alpha=0.1", "optim.weight_decay=0.0005"]
     result = tuning_report(cfg, root, [])["ls"]
     assert result["extended"] == {} and result["chosen_run"] == "tune-ls-a0p1"
 
@@ -324,12 +502,13 @@ def test_two_parameters_on_edges_extend_each_at_the_others_choice(tmp_path):
     nll = {(0.05, 2.0): 0.5, (0.05, 4.0): 0.5, (0.1, 2.0): 0.3, (0.1, 4.0): 0.4}
     for p in grid_points("fedlas-ls"):
         _point(root, "fedlas-ls", p, nll[tuple(p.values())])
-    assert tasks["tune-fedlas-ls-ext-a"].prepare() == [
-        "loss.fedlas_ls.alpha=0.2",
-        "loss.fedlas_ls.beta=2",
-    ]
-    assert tasks["tune-fedlas-ls-ext-b-t101"].prepare() == [
-        "loss.fedlas_ls.alpha=0.1", "loss.fedlas_ls.beta=1"
+    _shared_points(root, "fedlas-ls")
+    assert tasks["tune-fedlas-ls-ext-a1"].prepare() == [
+        "loss.fedlas_ls.alpha=0.2", "loss.fedlas_ls.beta=2", "optim.weight_decay=0.0005"
+    ]  # fmt: skip
+    _point(root, "fedlas-ls", ("fedlas_ls_alpha", 1), 0.6)  # worse: (0.1, 2) stays chosen
+    assert tasks["tune-fedlas-ls-ext-b1-t101"].prepare() == [
+        "loss.fedlas_ls.alpha=0.1", "loss.fedlas_ls.beta=1", "optim.weight_decay=0.0005"
     ]  # fmt: skip
 
 
@@ -340,24 +519,23 @@ def test_maccal_is_tuned_on_its_base_methods_chosen_runs_seed_by_seed(tmp_path):
         for seed in SEEDS:
             run = root / "train" / tune_run("ce", {"weight_decay": wd}, seed)
             (run / "model.safetensors").write_text(f"ce weights {wd} {seed}")
-    nll = {(128, 0.7): 0.5, (128, 0.9): 0.4, (256, 0.7): 0.45, (256, 0.9): 0.3}
-    for p in grid_points("ce+maccal"):
-        _point(root, "ce+maccal", p, nll[tuple(p.values())])
-    # (256, 0.9): both on their grid's upper edge
-    assert tasks["tune-ce-ext-r-maccal"].prepare() == ["maccal.r=512", "maccal_q0=0.9"]
-    assert tasks["tune-ce-ext-q-t102-maccal"].prepare() == ["maccal.r=256", "maccal_q0=1"]
-    for seed, name in ((100, "tune-ce-ext-r"), (102, "tune-ce-ext-q-t102")):
+    # lowest at (256, q0 = 1, its bound): the grid's (256, 0.9), r's step up (512) worse, q0's
+    # 1.157 clamped to 1, then r's neighbours at q0 = 1 (128, 512); q0 stays on its bound
+    ran = _run_tuning(root, tasks, "ce+maccal", _bowl({"maccal_r": 256, "maccal_q0": 1.0}))
+    assert [(p["maccal_r"], p["maccal_q0"]) for p in ran[4:]] == [
+        (512, 0.9), (256, 1.0), (128, 1.0), (512, 1.0)
+    ]  # fmt: skip
+    for seed, name in ((100, "tune-ce-ext-r1"), (102, "tune-ce-ext-q1-t102")):
         base = root / "train" / tune_run("ce", {"weight_decay": 5e-4}, seed) / "model.safetensors"
         copy = root / "train" / name / "model.safetensors"  # the chosen ce run of its seed
         assert copy.stat().st_ino == base.stat().st_ino
-    _point(root, "ce+maccal", "maccal_r", 0.35)
-    _point(root, "ce+maccal", "maccal_q0", 0.25)
     assert tasks["ce-s0-maccal"].prepare() == ["maccal.r=256", "maccal_q0=1"]
     assert tasks["ce-s0"].prepare() == ["optim.weight_decay=0.0005"]
     result = tuning_report(cfg, root, [])["ce+maccal"]
     assert result["base"] == [tune_run("ce", {"weight_decay": 5e-4}, seed) for seed in SEEDS]
-    assert result["chosen_run"] == "tune-ce-ext-q-maccal"
-    assert result["extended"] == {"maccal_r": 512, "maccal_q0": 1.0}
+    assert result["chosen_run"] == "tune-ce-ext-q1-maccal"
+    assert result["extended"] == {"maccal_r": [512, 128, 512], "maccal_q0": [1.0]}
+    assert result["at_bound"] == ["maccal_q0"] and result["interior"]["maccal_r"]
 
 
 def test_csm_family_and_csm_maccal_take_csm_grids_choice(tmp_path):
@@ -377,21 +555,22 @@ def test_csm_family_and_csm_maccal_take_csm_grids_choice(tmp_path):
         assert f"mixed={root.parent / 'digits-k3' / 'mixed'}" in tasks[name].steps[0][1]
     for name in ("csm-s0", "csm-ratio-s0"):
         assert csm_all <= tasks[name].after and tasks[name].extra_step == 0
-    # csm's grid chooses (1, 2.3): w on its grid's max, s on its min, each steps out
-    for p, nll in zip(grid_points("csm"), (0.50, 0.31, 0.30, 0.45)):
-        _point(root, "csm", p, nll)
-    assert tasks["tune-csm-ext-w"].prepare() == ["loss.csm.weight=2", "loss.csm.sharpening=2.3"]
-    assert tasks["tune-csm-ext-s"].prepare() == ["loss.csm.weight=1", "loss.csm.sharpening=1.32"]
-    _point(root, "csm", "csm_weight", 0.40)
-    _point(root, "csm", "csm_sharpening", 0.35)
-    assert tasks["csm-s0"].prepare() == ["loss.csm.weight=1", "loss.csm.sharpening=2.3"]
+    # csm's val NLL lowest at (w 1, s 2.3, decay 5e-4): interior once s's step below (1.32) and
+    # w's above (2) are tried
+    ran = _run_tuning(root, tasks, "csm", _bowl({"csm_weight": 1.0, "csm_sharpening": 2.3,
+                                                 WEIGHT_DECAY: 5e-4}))  # fmt: skip
+    assert {(p["csm_weight"], p["csm_sharpening"]) for p in ran[7:]} == {(2.0, 2.3), (1.0, 1.32)}
+    assert tasks["csm-s0"].prepare() == [
+        "loss.csm.weight=1", "loss.csm.sharpening=2.3", "optim.weight_decay=0.0005"
+    ]  # fmt: skip
     train_cmd = tasks["csm-s0"].commands("digits", ["loss.csm.weight=1"])[0]  # the train step's
     assert train_cmd[-1] == "loss.csm.weight=1" and "evaluate" not in train_cmd
-    for p, nll in zip(grid_points("csm3"), (0.4, 0.3, 0.2, 0.25)):
-        _point(root, "csm3", p, nll)
     assert tasks["tune-csm3-s4"].prepare() == ["loss.csm.weight=1"]  # csm's w, its own s
-    assert tasks["tune-csm3-ext-s"].prepare() is None  # 5.4 is interior
-    assert tasks["csm3-s0"].prepare() == ["loss.csm.weight=1", "loss.csm.sharpening=5.4"]
+    ran3 = _run_tuning(root, tasks, "csm3", _bowl({"csm_sharpening": 5.4, WEIGHT_DECAY: 5e-4}))
+    assert len(ran3) == 7  # 5.4 and 5e-4 interior: no step
+    assert tasks["csm3-s0"].prepare() == [
+        "loss.csm.weight=1", "loss.csm.sharpening=5.4", "optim.weight_decay=0.0005"
+    ]  # fmt: skip
     # csm+maccal fine-tunes csm's chosen grid runs, its own grid
     for seed in SEEDS:
         run = root / "train" / tune_run("csm", {"csm_weight": 1.0, "csm_sharpening": 2.3}, seed)
@@ -412,12 +591,14 @@ def test_a_tiny_grid_runs_chooses_on_val_and_is_not_run_again(digits_root, tmp_p
     cfg = StudyConfig(stack=False, methods=("ce", "ls"), seeds=(0,), robustness=False, tune_seeds=2)
     tasks = plan(cfg, "digits", sets, root)
     tune = [t for t in tasks if t.name.startswith("tune-ls")]
-    assert len(tune) == (4 + 1) * 2  # ls's grid + its extension, at each seed
+    # ls's grid, the shared decays, MAX_EXTENSIONS steps of α and of the decay, at each seed
+    assert len(tune) == (4 + 3 + 2 * MAX_EXTENSIONS) * 2
     execute([tasks[0], *tune], "digits", 2, tmp_path / "logs")  # real/ (done) and ls's grid
     result = choose(root, tuning_tasks(cfg, root, sets)["ls"])
     grid = [r for r in result["grid"] if not r["extension"]]
-    reference = next(r for r in grid if r["ls_alpha"] == REFERENCE["ls"]["ls_alpha"])
-    assert choose_point(grid, REFERENCE["ls"])["chosen"]["run"] in {r["run"] for r in grid}
+    ref = reference("ls")
+    start = next(r for r in grid if all(r[k] == v for k, v in ref.items()))
+    assert choose_point(grid, ref)["chosen"]["run"] in {r["run"] for r in grid}
     for r in result["grid"]:  # every row the mean of its seeds' runs
         assert len(r["runs"]) == 2 and r["val_nll"] == pytest.approx(
             np.mean(r["val_nll_seeds"]), abs=1e-4
@@ -425,12 +606,21 @@ def test_a_tiny_grid_runs_chooses_on_val_and_is_not_run_again(digits_root, tmp_p
         for run, seed in zip(r["runs"], (TUNE_SEED, TUNE_SEED + 1)):
             config = json.loads((root / "train" / run / "config.json").read_text())
             assert config["seed"] == seed and config["ls_alpha"] == r["ls_alpha"]
-    grid_choice = choose_point(grid, REFERENCE["ls"])["chosen"]
-    ext = step_out(GRIDS["ls"]["ls_alpha"], grid_choice["ls_alpha"], "ls_alpha")
-    assert ("ls_alpha" in result["extended"]) == (ext is not None)
-    assert (root / "train" / "tune-ls-ext-a" / "manifest.json").is_file() == (ext is not None)
-    assert result["chosen_run"] == choose_point(result["grid"], REFERENCE["ls"])["chosen"]["run"]
-    assert reference["val_nll_seeds"] and result["criterion"].startswith("mean val_nll")
+            assert config["weight_decay"] == r[WEIGHT_DECAY]
+    # every extension step ran where the choice before it lacked a neighbour, and only there
+    steps = [r for r in result["grid"] if r["extension"]]
+    for k in range(1, MAX_EXTENSIONS + 1):
+        for param in ("ls_alpha", WEIGHT_DECAY):
+            name = tune_run("ls", (param, k))
+            before = result["grid"][: next(
+                (i for i, r in enumerate(result["grid"]) if r["run"] == name), len(result["grid"])
+            )]  # fmt: skip
+            ran = (root / "train" / name / "manifest.json").is_file()
+            assert ran == (name in {r["run"] for r in steps})
+            if not ran and before == result["grid"]:  # nothing left to try for it at the end
+                assert result["interior"][param] or param in result["at_bound"]
+    assert result["chosen_run"] == choose_point(result["grid"], ref)["chosen"]["run"]
+    assert start["val_nll_seeds"] and result["criterion"].startswith("mean val_nll")
     again = [t for t in plan(cfg, "digits", sets, root) if t.name.startswith("tune-ls")]
     assert all(t.done for t in again)
 

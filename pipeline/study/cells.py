@@ -39,6 +39,7 @@ from pipeline.chain import scoped_errors, split_sets
 from pipeline.registry import resolve_stage_config
 from pipeline.study.config import METHODS, Task
 from pipeline.study.mixed_sets import link_complete, share_upstream, variant_root
+from pipeline.study.protocol import PROTOCOL
 from pipeline.study.tuning import (
     REFERENCE,
     TUNE_SEED,
@@ -51,11 +52,12 @@ from shards.manifest import is_complete
 from stages.configs.fit_generator import parse_sampler_cell
 from stages.presets import chain_steps
 
-# the endpoint fidelity (%, by the fit's chooser judge) a cell needs: near the 5k encoder's own
-# accuracy on real Fashion-MNIST test images (87.8 %), so a kept cell's pure images are as
-# recognisable as real ones
-FIDELITY_FLOOR = 90.0
-MAX_CELLS = 3  # each a full mixed set: ~9 min of generate on 2 cores for Fashion-MNIST
+# the endpoint fidelity (%, by the fit's chooser judge) a cell needs, the protocol's
+# (docs/protocol.toml): near the 5k encoder's own accuracy on real Fashion-MNIST test images
+# (87.8 %), so a kept cell's pure images are as recognisable as real ones
+FIDELITY_FLOOR = PROTOCOL.fidelity_floor
+# each a full mixed set: ~9 min of generate on 2 cores for Fashion-MNIST (the protocol's)
+MAX_CELLS = PROTOCOL.max_cells
 GENERATOR = "generator"  # the task that fits the generator (the chain's steps before generate)
 # the chain root variant of the fit the cells are chosen on (<root>-cells), no comparison's
 CELL_FIT = "cells"

@@ -26,16 +26,17 @@ from pipeline.study.config import (
     comparison_pairs,
 )
 from pipeline.study.estimate import estimate, measured_line, remaining_path
-from pipeline.study.execute import Sitting, execute
+from pipeline.study.execute import Sitting, code_version, execute
 from pipeline.study.figures import fidelity_figure, figures
 from pipeline.study.intervals import mixed_sets_of
 from pipeline.study.mixed_sets import mixed_images, set_variant, variant_root
 from pipeline.study.plan import setup, study_cells
+from pipeline.study.protocol import lock, record
 from pipeline.study.records import collect, seed_predictions
 from pipeline.study.report import write_report
 from pipeline.study.stats import MARGINS, compare, summarize
 from pipeline.study.tuning import tune_seeds
-from pipeline.study.tuning_plan import tuning_report
+from pipeline.study.tuning_plan import configurations, tuning_report
 from shards.budget import labelled_split_images
 
 RUNS = ("train", "finetune", "evaluate")  # the stages a study runs after the chain
@@ -57,6 +58,8 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
         *(root.name, len(cfg.methods), len(cfg.seeds), len(todo), len(tasks), cfg.jobs, out),
     )
     out.mkdir(parents=True, exist_ok=True)
+    # the protocol as the study starts with it, before its first task: a later edit shows
+    lock(out, cfg.protocol, code_version())
     sitting = Sitting(out / "host.json")
     # the plan's expected wall before the first task (pipeline/study/estimate.py), its
     # critical-path priorities the order ready tasks start in; host.json keeps it beside the
@@ -96,6 +99,7 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
             "ood": robustness.ood_paired(root, records, cfg.methods, cfg.bootstrap, robustness.rng),
         }
     tuning = tuning_report(cfg, root, sets) if cfg.tune else {}
+    counts = configurations(cfg, tuning) if cfg.tune else None
     chain_sets = [s for s in sets if not s.startswith("study.")]
     cells = study_cells(cfg, preset, chain_sets) and choose_cell(
         root, tune_seeds(cfg), variant_root(root, CELL_FIT), reference_steps(preset, chain_sets)
@@ -112,6 +116,7 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
         out / "study.json",
         {
             "dataset": root.name,
+            "protocol": record(out, cfg.protocol),
             "labelled_images": labelled_split_images(root, budget),
             "labelled_train_images": budget,
             "config": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.__dict__.items()},
@@ -120,6 +125,7 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
             "paired": paired,
             "margins": MARGINS,
             "tuning": tuning,
+            "configurations": counts,
             "generator": cells or None,
             "mixed_images": images,
             "shift_paired": robust["shift"],
@@ -134,7 +140,7 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
         fidelity_figure(cells, out / "fidelity.png")
     report = write_report(
         cfg, root, out, records, summary, paired, tuning, images,
-        robust if cfg.robustness else None, cells or None,
+        robust if cfg.robustness else None, cells or None, record(out, cfg.protocol), counts,
     )  # fmt: skip
     if cfg.robustness:
         robustness.figure(records, out / "shift.png", f"{root.name}: under corruption, after TS")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from core.config import ConfigError
+from pipeline.study.protocol import COMMITTED, PROTOCOL
 
 
 class StudyError(ValueError):
@@ -74,10 +75,6 @@ POSTHOC = "ce+posthoc"
 METRICS = ("top1", "ece", "aece", "classwise_ece", "oece", "uece", "mce", "nll", "brier")
 
 
-# the protocol's counts of generator units (one place: the committed protocol file replaces
-# these defaults): fits, and mixed sets per fit; 3 x 1 draws as many sets as the 1 x 3 before
-FITS = 3
-MIXED_SETS_PER_FIT = 1
 MAX_FITS = 100  # fit f's fit-generator seed is the chain's + f; the cell fit's + CELL_FIT_SEED
 CELL_FIT_SEED = 1000
 
@@ -88,16 +85,18 @@ class StudyConfig:
     # ce and csm run every seed, the primary endpoints' other methods (csm3) the first
     # `primary_seeds`, the exploratory ones (every other method) the first `other_seeds` (seed k
     # of two methods share their initialisation: the statistics pair them)
-    seeds: tuple[int, ...] = tuple(range(10))
-    primary_seeds: int = 5
-    other_seeds: int = 3
+    # (the protocol's seeds, docs/protocol.toml)
+    seeds: tuple[int, ...] = PROTOCOL.seeds
+    primary_seeds: int = PROTOCOL.primary_seeds
+    other_seeds: int = PROTOCOL.other_seeds
     # independent generator fits (fit f: fit-generator's seed + f, its own chain root; records'
     # `fit`), each with `mixed_sets` independent mixed sets of each csm-family chain (csm's,
     # csm3's, csm-redraw's), each drawn with its own generate seed: the run of the i-th seed
     # trains on fit i mod fits, set (i div fits) mod mixed_sets (`fit_of`, `mixed_set`), so the
-    # variance of fitting a generator, and of drawing from it, is in the comparisons
-    fits: int = FITS
-    mixed_sets: int = MIXED_SETS_PER_FIT
+    # variance of fitting a generator, and of drawing from it, is in the comparisons (the
+    # protocol's fits and mixed sets per fit)
+    fits: int = PROTOCOL.fits
+    mixed_sets: int = PROTOCOL.mixed_sets_per_fit
     jobs: int = 2  # runs at a time (subprocesses)
     # a train method's seeds that share a mixed set train as one stack (train seeds=...): one
     # process, the data read once, each run its own folder as when trained alone; off: a
@@ -112,7 +111,7 @@ class StudyConfig:
     # the seeds every grid point runs at (100, 101, ...): its score is the mean val NLL over
     # them, and a winner whose advantage over the reference point is within one standard error
     # of their paired differences gives way to the reference (pipeline/study/tuning.py choose_point)
-    tune_seeds: int = 3
+    tune_seeds: int = PROTOCOL.tune_seeds
     # the generator's sampler cell (guidance w, x̂₀ clipping) tuned like csm's other
     # hyper-parameters: csm at its reference point on each cell the fit judged faithful, the
     # lowest val NLL by the same rule (pipeline/study/cells.py); off, or without `tune`: the
@@ -121,6 +120,10 @@ class StudyConfig:
     # every run also evaluated under shift (the corrupted test split) and on far-OOD sets, the
     # comparisons paired as in the main table (pipeline/study/robustness.py); off: the clean test only
     robustness: bool = True
+    # the protocol the study is run under (relative: from the repository root): its sha256 goes
+    # to study.json and, at the start, study/protocol.lock; the study's values are the committed
+    # file's, so another file must hold the same values (pipeline/study/protocol.py)
+    protocol: str = COMMITTED
 
     def __post_init__(self):
         unknown = [m for m in self.methods if m not in METHODS]

@@ -52,6 +52,8 @@ def task_env(cmd: list[str]) -> dict[str, str]:
     libraries load, before it). A chain (several stages, several counts) and a stage left at
     torch's default (0: every core) keep the environment as it is; a value the user set wins."""
     env = dict(os.environ)
+    if cmd[1:3] != ["-m", "pipeline"] or len(cmd) < 7 or cmd[4] != "--preset":
+        return env  # not a stage command (Task.commands' form): nothing to pin
     stage, preset = cmd[3], cmd[5]
     if stage not in STAGES or any(v in env for v in THREAD_VARS):
         return env

@@ -33,6 +33,7 @@ from pipeline.study.mixed_sets import (
     set_variant,
     variant_root,
 )
+from pipeline.study.protocol import check_same
 from pipeline.study.tuning import chosen_groups, chosen_sets, plan_groups, tune_seeds
 from pipeline.study.tuning_plan import tuning_tasks
 from shards import evals
@@ -319,6 +320,7 @@ def setup(
     Reads only."""
     study_sets = [s.removeprefix("study.") for s in sets if s.startswith("study.")]
     cfg = StudyConfig(**parse_sets(StudyConfig, study_sets, lambda key: f"study.{key}"))
+    check_same(cfg.protocol)
     root = resolve_stage_config("train", preset, split_sets(sets, "train")).root
     tasks = plan(cfg, preset, sets, root)
     check_tasks(preset, tasks, data)

@@ -225,9 +225,9 @@ def _single_unit(paired: dict | None) -> list[str]:
     return list(dict.fromkeys(pairs))
 
 
-def _paired(paired: dict) -> list[str]:
+def _paired(paired: dict, exploratory: bool = False) -> list[str]:
     """The paired comparisons, the primary endpoints first, with every interval and the
-    verdict; `paired`: {when: pipeline.study.stats.compare(...)} = {when: {metric: {reference:
+    verdict (every row exploratory when the protocol changed after the start); `paired`: {when: pipeline.study.stats.compare(...)} = {when: {metric: {reference:
     {method: result}}}}."""
     results = _results(paired)
     if not results:
@@ -273,7 +273,8 @@ def _paired(paired: dict) -> list[str]:
         d = 4 if r["metric"] == "nll" else 2
         flag = f" ⚑ z0 {r['bca']['z0']:+.2f}" if r["bca"]["z0_flagged"] else ""
         rows.append([
-            WHEN[when], "**primary**" if r["primary"] else "exploratory", r["metric"],
+            WHEN[when], "**primary**" if r["primary"] and not exploratory else "exploratory",
+            r["metric"],
             f"{r['method']} − {r['reference']}", f"{r['difference']:+.{d}f}", _units(r),
             _ci(r, d, "ci95_t"), _ci(r, d, "ci95_percentile"), f"{_ci(r, d, 'ci95_bca')}{flag}",
             f"{r['margin']:g}", _verdict(r), _relative(r), _leave_one_out(r),
@@ -300,10 +301,13 @@ def _tuning(tuning: dict) -> list[str]:
     lines = [
         "## Every method's hyper-parameters, chosen on the val split",
         "",
-        "Each method's grid has the same number of points (pipeline/study/tuning.py GRIDS), every "
-        f"point a run at each tuning seed ({', '.join(map(str, seeds))}; no study seed), its "
-        "scores the means over them; a choice on the edge of its grid adds one point outward "
-        "(ext). The point of the lowest mean val NLL is chosen only when its advantage over the "
+        "Every train method searches its own grid (docs/protocol.toml) at the reference weight "
+        "decay, then the shared weight-decay grid at its own choice (ce, with no parameter of its "
+        "own, the shared grid refined by its midpoints: as many configurations); every point a "
+        f"run at each tuning seed ({', '.join(map(str, seeds))}; no study seed), its scores the "
+        "means over them. Then each parameter extends one geometric step at a time (ext) until "
+        "the choice has a tried neighbour on each side or sits on a bound of the protocol (at "
+        "bound), at most the protocol's number of steps. The point of the lowest mean val NLL is chosen only when its advantage over the "
         "grid's reference point (ref), the mean of their paired per-seed differences, exceeds "
         "that mean's standard error; else the reference stays. A point whose val NLL is not "
         "finite (diverged) never wins. The test split is not read.",
@@ -314,8 +318,11 @@ def _tuning(tuning: dict) -> list[str]:
         reference = result.get("reference")
         for r in result["grid"]:
             values = ", ".join(f"{k} = {r[k]:g}" for k in result["chosen"] if r.get(k) is not None)
+            chosen = r["run"] == result["chosen_run"]
+            bound = [p for p in result.get("at_bound", []) if chosen]
             notes = {
-                "**chosen**": r["run"] == result["chosen_run"],
+                "**chosen**": chosen,
+                f"at bound ({', '.join(bound)})": bool(bound),
                 "ref": bool(reference) and all(r.get(k) == v for k, v in reference.items()),
                 "ext": bool(r.get("extension")),
                 "diverged": not math.isfinite(r["val_nll"]),
@@ -418,6 +425,39 @@ def _differences(
     ]
 
 
+def _configurations(counts: dict) -> list[str]:
+    """Each tuned method's number of val configurations, and whether the primary endpoints'
+    methods had the same number (within one)."""
+    parts = [f"{m} {c['configurations']}" for m, c in counts["methods"].items()]
+    primary = ", ".join(counts["primary"])
+    said = (
+        f"the primary endpoints' methods ({primary}) had the same number within one"
+        if counts["balanced"]
+        else f"**the primary endpoints' methods ({primary}) did not have the same number: they "
+        f"differ by {counts['spread']}** (extensions differ per method)"
+    )
+    return [
+        f"Val configurations per method: {', '.join(parts)}; {said}. The csm family also chose "
+        "its generator cell among the cells below, a knob ce has no counterpart of.",
+        "",
+    ]
+
+
+def _protocol_header(protocol: dict) -> list[str]:
+    """The protocol's line at the top: its file and sha256, and whether it changed after the
+    study started (then every verdict below is exploratory)."""
+    line = (
+        f"Protocol: `{protocol['file']}` sha256 {protocol['sha256'][:12]}…, code "
+        f"{protocol['code'] or 'unknown'} at the start."
+    )
+    if protocol["changed"]:
+        line += (
+            f" **The protocol changed after the study started** (sha256 "
+            f"{protocol['started_sha256'][:12]}… then): every verdict below is exploratory."
+        )
+    return [line, ""]
+
+
 def write_report(
     cfg: StudyConfig,
     root: Path,
@@ -429,6 +469,8 @@ def write_report(
     images: dict | None = None,
     shift: dict | None = None,
     generator: dict | None = None,
+    protocol: dict | None = None,
+    configurations: dict | None = None,
 ) -> Path:
     """study/report.md: the tables a reader needs to judge every method against ce.
 
@@ -438,10 +480,13 @@ def write_report(
     the study has methods on other mixed sets than csm's. `shift`: the paired comparisons
     under shift and on the OOD sets ({"shift": ..., "ood": ...}, pipeline/study/robustness.py); with
     it, the records carry `shift` and `ood`. `generator`: the sampler cell chosen on val
-    (pipeline/study/cells.py choose_cell)."""
+    (pipeline/study/cells.py choose_cell). `protocol`: study.json's "protocol"
+    (pipeline/study/protocol.py record); `configurations`: study.json's "configurations"."""
+    exploratory = bool(protocol and protocol["changed"])
     lines = [
         f"# Study: {root.name}",
         "",
+        *(_protocol_header(protocol) if protocol else []),
         f"{len(cfg.methods)} methods; {_seeds_per_method(cfg)}; "
         f"test split; mean ± std (sample std) over seeds; percentages x100 except NLL and Brier. "
         f"Temperature scaling fitted on the val split (criterion `{cfg.ts_criterion}`). "
@@ -477,9 +522,15 @@ def write_report(
     lines += _differences(summary, paired, "ce", "Difference to ce")
     if "csm" in summary:
         lines += _goal(summary, paired)
-    lines += _paired(paired)
+        if exploratory:  # the goals' verdicts too: the protocol moved after the start
+            lines[-1:-1] = [
+                "- these verdicts are exploratory: the protocol changed after the start"
+            ]
+    lines += _paired(paired, exploratory)
     if tuning:
         lines += _tuning(tuning)
+    if configurations:
+        lines += _configurations(configurations)
     if generator:
         lines += _generator(generator)
     if images:

@@ -1,12 +1,17 @@
-"""`make study`'s tuning: every method's own hyper-parameters chosen on the validation split,
-from a grid of the same size, by one rule fixed before the run (docs/study.md).
+"""`make study`'s tuning: every method's own hyper-parameters and, for a train method, its
+weight decay, chosen on the validation split by one search and one rule fixed before the run in
+the protocol (docs/protocol.toml; docs/study.md).
 
-GRIDS declares one grid per tuning group, {train or finetune field: values}: 4 points each (2 x 2
-for a two-parameter method, 4 values for a one-parameter one), around the published defaults.
-REFERENCE names each grid's reference point: the default the method runs with untuned. Every
-point runs at the same `tune_seeds` seeds (TUNE_SEED, TUNE_SEED + 1, ...; no study seed: a tuning
-run is never a study run), so the points are paired by seed. A run's score is its val NLL at its
-chosen checkpoint: a train run's best-val-accuracy epoch (the checkpoint it keeps), a
+GRIDS declares one grid per tuning group, {train or finetune field: values}, the protocol's: 4
+points each (2 x 2 for a two-parameter method, 4 values for a one-parameter one), around the
+published defaults. REFERENCE names each grid's reference point: the default the method runs with
+untuned. The search, the same for every train method (a coordinate search; a full cross would
+cost 16 points a method): its own grid at the reference weight decay, then the shared
+weight-decay grid (SHARED) at its own choice, 4 + 3 = 7 configurations; ce, with no parameter
+of its own, tunes weight decay alone on the shared grid refined by its midpoints, 7 values.
+Every point runs at the same `tune_seeds` seeds (TUNE_SEED, TUNE_SEED + 1, ...; no study seed:
+a tuning run is never a study run), so the points are paired by seed. A run's score is its val
+NLL at its chosen checkpoint: a train run's best-val-accuracy epoch (the checkpoint it keeps), a
 fine-tuning's last epoch (it keeps its last weights). NLL because it rewards accuracy and
 calibration at once; no tuning run is evaluated, so the test split is never read for it.
 
@@ -14,6 +19,13 @@ The rule (`choose_point`, the same for every group): a point's score is its mean
 tuning seeds; the lowest wins (ties: the first in grid order) only when its advantage over the
 reference, the mean of its paired per-seed differences, exceeds that mean's standard error;
 otherwise the reference is chosen: a gap inside the seeds' noise moves nothing.
+
+Interior optima: then each parameter extends, one geometric step at a time, until the chosen
+point has a tried neighbour on each side along it or sits on a bound of the protocol (BOUNDS),
+at most MAX_EXTENSIONS steps per parameter: tasks tune-<group>-ext-<letter><k>, step k of every
+parameter after step k - 1 of all, each deciding its point from the scores before it
+(next_point; None: nothing to run, the study skips it). A method's runs take the final choice
+through their task's prepare, so they wait for every step.
 
 Groups: csm's (w x s) serves the whole 2-way csm family (csm, csm-ratio, csm-ce, csm-redraw);
 csm3 tunes s at csm's chosen w on its own k = 3 set; ce its weight decay; ls, focal, mixup, mmce
@@ -24,19 +36,11 @@ fine-tunes its own name of the base: train/tune-ce-r128-q0p7 is a hard-linked co
 run (pipeline.study.mixed_sets.link_complete) and its fine-tuning is
 finetune/tune-ce-r128-q0p7-maccal.
 
-Run names: tune-<group>-<letter><value>... at TUNE_SEED, tune-<group>-...-t<seed> at the others
-(MaC-Cal: tune-<base>-...[-t<seed>]-maccal).
-
-Edge rule, once: a chosen value that is the smallest or largest of its grid values gets one more
-point, task tune-<group>-ext-<p> (and its other seeds), one geometric step outward (v²/neighbour:
-v·(v/neighbour) above the max, v/(neighbour/v) below the min), the group's other parameters at
-their chosen values; then the choice is made again, by the same rule, over all the group's
-points. An interior choice leaves the tasks nothing to do: their prepare returns None and the
-study skips them. A method's runs take the final choice through their task's prepare, so they
-wait for the extension tasks too.
+Run names: tune-<group>-<letter><value>... at TUNE_SEED (the shared decays tune-<group>-wd<value>),
+tune-<group>-...-t<seed> at the others (MaC-Cal: tune-<base>-...[-t<seed>]-maccal).
 
 The grids, names and the rule live here; their runs as tasks of the study's plan, and study.json's
-"tuning", in pipeline/study/tuning_plan.py.
+"tuning" and "configurations", in pipeline/study/tuning_plan.py.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -52,53 +57,43 @@ import numpy as np
 
 from core.io import read_json
 from pipeline.study.config import METHODS, StudyConfig, StudyError, Task
+from pipeline.study.protocol import PROTOCOL
 from stages.configs import finetune as finetune_config
 from stages.configs import train as train_config
 
-TUNE_SEED = 100  # the first tuning seed: no study seed, a tuning run is never a study run
-POINTS = 4  # every group's grid size: the same tuning budget for every method
+TUNE_SEED = PROTOCOL.tune_first  # the first tuning seed: no study seed, a tuning run is never one
+WEIGHT_DECAY = "weight_decay"  # train's optim.weight_decay: the knob every train method shares
+SHARED = PROTOCOL.weight_decay  # its grid, reference and bounds
+MAX_EXTENSIONS = PROTOCOL.max_extensions  # extension steps per parameter: the plan stays finite
 
-# MaC-Cal's r = 256 and q0 = 0.9 are the finetune config's (guessed) defaults: each with one step
-# below
-MACCAL_GRID: dict[str, tuple[float, ...]] = {"maccal_r": (128, 256), "maccal_q0": (0.7, 0.9)}
-# group -> {train or finetune field: values}; a group is named after the method it tunes
+
+def refined(values: Sequence[float]) -> tuple[float, ...]:
+    """A grid and its geometric midpoints (3 significant digits): 2n - 1 values, the grid of a
+    method with no parameter of its own (ce), so it gets as many configurations as a two-round
+    search of an n-point grid of its own and the n-point shared grid (n + n - 1)."""
+    ordered = sorted(values)
+    mids = [float(f"{math.sqrt(a * b):.3g}") for a, b in pairwise(ordered)]
+    return tuple(sorted([*ordered, *mids]))
+
+
+# group -> {train or finetune field: values}, the protocol's (docs/protocol.toml); a group is named
+# after the method it tunes. ce, with no parameter of its own, tunes weight decay alone on the
+# shared grid refined by its midpoints; every other train group tunes weight decay after its own
+# grid (shares_weight_decay)
 GRIDS: dict[str, dict[str, tuple[float, ...]]] = {
-    # weight decay 5e-4 (the train config's), x2 steps: how hard ce is held back from
-    # overconfidence, its one lever on calibration
-    "ce": {"weight_decay": (2.5e-4, 5e-4, 1e-3, 2e-3)},
-    # w = 1 (the reference code), w / 2; s = 4 (CIFAR-10, Tiny) and 2.3 (CIFAR-100)
-    "csm": {"csm_weight": (0.5, 1.0), "csm_sharpening": (2.3, 4.0)},
-    # s at csm's chosen w: a k = 3 vertex target as sharp as k = 2's at s = 4 needs s ≈ 5.4 (x1.35,
-    # docs/study.md); a x1.35 ladder around it also holds k = 3's match of s = 2.3 (≈ 3.1)
-    "csm3": {"csm_sharpening": (3.0, 4.0, 5.4, 7.3)},
-    # α = 0.05 (CIFAR-10, Tiny) and 0.1 (CIFAR-100), x2 steps either side
-    "ls": {"ls_alpha": (0.02, 0.05, 0.1, 0.2)},
-    # γ = 3 (the focal-calibration paper's), 5 (FLSD-53's high γ), 1 and 2 (the rest of Mukhoti et al.'s grid)
-    "focal": {"focal_gamma": (1.0, 2.0, 3.0, 5.0)},
-    # α = 1 (Zhang et al., CIFAR; the preset's GUESS), 0.2 (ImageNet), 0.1-0.4 (Thulasidasan et
-    # al.'s calibration study)
-    "mixup": {"mixup_alpha": (0.1, 0.2, 0.4, 1.0)},
-    # λ = 2 (the focal-calibration code), x2 steps
-    "mmce": {"mmce_lam": (1.0, 2.0, 4.0, 8.0)},
-    # α = 0.05 (CIFAR-10, Tiny) and 0.1 (CIFAR-100), β = 4 and 4 / 2
-    "fedlas-ls": {"fedlas_ls_alpha": (0.05, 0.1), "fedlas_ls_beta": (2.0, 4.0)},
-    "ce+maccal": MACCAL_GRID,
-    "csm+maccal": MACCAL_GRID,
+    group: {k: p.values for k, p in params.items()} or {WEIGHT_DECAY: refined(SHARED.values)}
+    for group, params in PROTOCOL.grids.items()
 }
-# each grid's reference point: the value its method runs with untuned (the train and finetune
-# configs' defaults; csm's s = 4, the sharpening annotate uses, and csm3's s = 5.4, its k = 3
-# match); the rule falls back to it when a winner's advantage is within the seeds' noise
+# each grid's reference point: the value its method runs with untuned (the protocol's); the rule
+# falls back to it when a winner's advantage is within the seeds' noise
 REFERENCE: dict[str, dict[str, float]] = {
-    "ce": {"weight_decay": 5e-4},
-    "csm": {"csm_weight": 1.0, "csm_sharpening": 4.0},
-    "csm3": {"csm_sharpening": 5.4},
-    "ls": {"ls_alpha": 0.05},
-    "focal": {"focal_gamma": 3.0},
-    "mixup": {"mixup_alpha": 1.0},
-    "mmce": {"mmce_lam": 2.0},
-    "fedlas-ls": {"fedlas_ls_alpha": 0.05, "fedlas_ls_beta": 4.0},
-    "ce+maccal": {"maccal_r": 256, "maccal_q0": 0.9},
-    "csm+maccal": {"maccal_r": 256, "maccal_q0": 0.9},
+    group: {k: p.reference for k, p in params.items()} or {WEIGHT_DECAY: SHARED.reference}
+    for group, params in PROTOCOL.grids.items()
+}
+# where an extension stops: every parameter's bounds in the protocol
+BOUNDS: dict[str, dict[str, tuple[float, float]]] = {
+    group: {k: p.bounds for k, p in params.items()} | {WEIGHT_DECAY: SHARED.bounds}
+    for group, params in PROTOCOL.grids.items()
 }
 # a field's letter in run names: tune-csm-w0p5-s2p3, tune-ls-a0p05, tune-ce-r128-q0p7-maccal
 LETTERS = {
@@ -107,10 +102,7 @@ LETTERS = {
     "mixup_alpha": "a", "mmce_lam": "l", "fedlas_ls_alpha": "a", "fedlas_ls_beta": "b",
     "maccal_r": "r", "maccal_q0": "q",
 }  # fmt: skip
-# where an extension step stops: q0 is a retention probability within the finetune preset's
-# [maccal_q_min, maccal_q_max] = [0.3, 1]; r is a whole number of units
-LIMITS: dict[str, tuple[float, float]] = {"maccal_q0": (0.3, 1.0), "maccal_r": (1, math.inf)}
-INTEGERS = ("maccal_r",)
+INTEGERS = ("maccal_r",)  # a whole number of units
 # a group whose runs need another group's choice: csm3 its w, a MaC-Cal group its chosen runs
 NEEDS = {"csm3": "csm", "ce+maccal": "ce", "csm+maccal": "csm"}
 
@@ -137,13 +129,38 @@ def chosen_groups(method: str) -> tuple[str, ...]:
     return ("csm", group) if group == "csm3" else (group,) if group else ()
 
 
-def tune_run(group: str, point: dict[str, float] | str, seed: int = TUNE_SEED) -> str:
+def shares_weight_decay(group: str) -> bool:
+    """A train group whose own grid is not weight decay: it tunes the shared weight-decay grid
+    after its own (MaC-Cal's fine-tunings have none; ce's own grid is weight decay)."""
+    return METHODS[group].stage == "train" and WEIGHT_DECAY not in GRIDS[group]
+
+
+def params(group: str) -> tuple[str, ...]:
+    """Every parameter a group chooses: its own, then weight decay where it shares it."""
+    return (*GRIDS[group], *((WEIGHT_DECAY,) if shares_weight_decay(group) else ()))
+
+
+def reference(group: str) -> dict[str, float]:
+    """The group's reference point over all its parameters (weight decay's where it shares it)."""
+    shared = {WEIGHT_DECAY: SHARED.reference} if shares_weight_decay(group) else {}
+    return {**REFERENCE[group], **shared}
+
+
+def planned_configurations(group: str) -> int:
+    """The val configurations a group's search tries before any extension: its own grid, then
+    the shared weight-decay grid but its reference (already tried) at its own choice."""
+    extra = len(SHARED.values) - 1 if shares_weight_decay(group) else 0
+    return len(grid_points(group)) + extra
+
+
+def tune_run(group: str, point: dict[str, float] | tuple[str, int], seed: int = TUNE_SEED) -> str:
     """The tuning run's folder name (no dots in run names): tune-<group>-<letter><value>...
-    for a grid point, tune-<group>-ext-<letter> for an extension (`point`: the parameter), with
-    -t<seed> after it at every seed but TUNE_SEED; MaC-Cal's is its fine-tuning,
+    for a grid point (tune-<group>-wd<value> for a point of the shared weight-decay grid),
+    tune-<group>-ext-<letter><k> for step k of a parameter's extension (`point`: (parameter,
+    k)), with -t<seed> after it at every seed but TUNE_SEED; MaC-Cal's is its fine-tuning,
     tune-<base>-...-maccal (tuning_alias: the train run it reads)."""
-    if isinstance(point, str):
-        tail = f"ext-{LETTERS[point]}"
+    if isinstance(point, tuple):
+        tail = f"ext-{LETTERS[point[0]]}{point[1]}"
     else:
         tail = "-".join(f"{LETTERS[k]}{v:g}" for k, v in point.items()).replace(".", "p")
     if seed != TUNE_SEED:
@@ -172,10 +189,13 @@ def grid_points(group: str) -> list[dict[str, float]]:
 @dataclass
 class TuneTask(Task):
     group: str = ""
-    role: str = "grid"  # grid | ext (one step beyond the grid's edge)
+    # grid (its own grid) | wd (a shared weight-decay value at its own choice) | ext (one
+    # extension step of a parameter)
+    role: str = "grid"
     stage_dir: str = "train"  # where its run lands: train | finetune
-    point: dict[str, float] = field(default_factory=dict)  # a grid point's values
-    param: str = ""  # ext: the parameter it steps out
+    point: dict[str, float] = field(default_factory=dict)  # grid: its values; wd: its decay
+    param: str = ""  # ext: the parameter it steps
+    step: int = 0  # ext: its step, 1 ... MAX_EXTENSIONS
     seed: int = TUNE_SEED
     key: str = ""  # its point's name: the run at TUNE_SEED (the seeds of a point share it)
 
@@ -249,79 +269,134 @@ def score_row(
     }
 
 
-def _rows(
-    root: Path, tasks: Sequence[TuneTask], points: dict[str, dict[str, float]]
-) -> list[dict[str, Any]]:
-    """One row per point (`points`: {key: its values}, in order): its values, the mean of each
-    score over its seeds, its val NLL per seed and its runs."""
+def _row(root: Path, tasks: Sequence[TuneTask], values: dict[str, float]) -> dict[str, Any]:
+    """A point's row (`tasks`: its runs, one per tuning seed): its values, the mean of each
+    score over its seeds, its val NLL per seed, its runs and its role."""
+    runs = sorted(tasks, key=lambda t: t.seed)
+    row = score_row(runs[0].key, values, [score(root, t) for t in runs], [t.name for t in runs])
+    return {**row, "role": runs[0].role, "extension": runs[0].role == "ext"}
+
+
+def _by_key(tasks: Sequence[TuneTask]) -> dict[str, list[TuneTask]]:
+    """The tasks of each point (its key), the points in plan order."""
     by_key: dict[str, list[TuneTask]] = defaultdict(list)
     for t in tasks:
         by_key[t.key].append(t)
-    rows = []
-    for key, point in points.items():
-        runs = sorted(by_key[key], key=lambda t: t.seed)
-        scores = [score(root, t) for t in runs]
-        row = score_row(key, point, scores, [t.name for t in runs])
-        rows.append({**row, "extension": runs[0].role == "ext"})
+    return by_key
+
+
+def own_choice(root: Path, tasks: Sequence[TuneTask]) -> dict[str, float]:
+    """The rule's choice over the group's own grid (at the reference weight decay): the own
+    values the shared weight-decay grid then runs at."""
+    group = tasks[0].group
+    grid = [t for t in tasks if t.role == "grid"]
+    rows = [_row(root, ts, _grid_values(ts[0])) for ts in _by_key(grid).values()]
+    chosen = choose_point(rows, reference(group))["chosen"]
+    return {k: chosen[k] for k in GRIDS[group]}
+
+
+def _grid_values(task: TuneTask) -> dict[str, float]:
+    shared = {WEIGHT_DECAY: SHARED.reference} if shares_weight_decay(task.group) else {}
+    return {**task.point, **shared}
+
+
+def tuned_rows(
+    root: Path, tasks: Sequence[TuneTask], until: str | None = None
+) -> list[dict[str, Any]]:
+    """Every point the group tried before the task of key `until` (all: None), in plan order,
+    as rows (an extension with nothing to do has none). An extension's point is not in its
+    name: it is replayed, step by step, from the scores before it, as its prepare computed it."""
+    group = tasks[0].group
+    rows: list[dict[str, Any]] = []
+    own: dict[str, float] | None = None
+    for key, ts in _by_key(tasks).items():
+        if key == until:
+            break
+        t = ts[0]
+        if t.role == "grid":
+            rows.append(_row(root, ts, _grid_values(t)))
+        elif t.role == "wd":
+            own = own if own is not None else own_choice(root, tasks)
+            rows.append(_row(root, ts, {**own, **t.point}))
+        elif (point := next_point(group, rows, t.param)) is not None:
+            rows.append(_row(root, ts, point))
     return rows
 
 
-def _grid_choice(root: Path, tasks: Sequence[TuneTask]) -> dict[str, Any]:
-    """The rule over the grid's points alone (what decides the extensions)."""
-    grid = [t for t in tasks if t.role == "grid"]
-    points = {t.key: t.point for t in grid}
-    return choose_point(_rows(root, grid, points), REFERENCE[tasks[0].group])["chosen"]
+def _round(value: float, param: str) -> float:
+    return round(value) if param in INTEGERS else float(f"{value:.3g}")
 
 
-def step_out(values: Sequence[float], chosen: float, param: str) -> float | None:
-    """The extension of a parameter whose chosen value is the smallest or largest of `values`:
-    one geometric step outward, chosen² / its neighbour in the grid (within LIMITS, 3 significant
-    digits, whole for INTEGERS); None for an interior choice or a step the limits leave at
-    `chosen`."""
-    ordered = sorted(values)
-    if len(ordered) < 2 or ordered[0] < chosen < ordered[-1]:
-        return None
-    neighbour = ordered[1] if chosen == ordered[0] else ordered[-2]
-    lo, hi = LIMITS.get(param, (0.0, math.inf))
-    new = min(max(chosen * chosen / neighbour, lo), hi)
-    new = round(new) if param in INTEGERS else float(f"{new:.3g}")
-    return None if new == chosen else new
+def missing_sides(
+    group: str, rows: Sequence[dict[str, Any]], chosen: dict[str, Any], param: str
+) -> list[tuple[int, float | None]]:
+    """The sides (-1 below, +1 above) where the chosen point has no tried neighbour along
+    `param` (the tried points equal to it in every other parameter), each with the value to try
+    there: the nearest value of `param` tried anywhere in the group on that side, else one
+    geometric step out (chosen² / its nearest value on the other side), clamped to the
+    protocol's bound; None where the chosen value already sits on that bound."""
+    others = [q for q in params(group) if q != param]
+    line = [r for r in rows if all(r[q] == chosen[q] for q in others)]
+    ladder = sorted({r[param] for r in rows} | set(GRIDS[group].get(param, SHARED.values)))
+    c, (lo, hi) = chosen[param], BOUNDS[group][param]
+    sides: list[tuple[int, float | None]] = []
+    for side in (-1, 1):
+        if any((r[param] - c) * side > 0 for r in line):
+            continue  # a tried neighbour on this side
+        beyond = [v for v in ladder if (v - c) * side > 0]
+        behind = [v for v in ladder if (v - c) * side < 0]
+        if beyond:  # a value tried elsewhere, not yet on this line
+            new = min(beyond, key=lambda v: abs(v - c))
+        elif behind:
+            new = _round(min(max(c * c / min(behind, key=lambda v: abs(v - c)), lo), hi), param)
+        else:
+            continue
+        sides.append((side, None if new == c else new))
+    return sides
 
 
-def extension_point(root: Path, tasks: Sequence[TuneTask], param: str) -> dict[str, float] | None:
-    """The point an extension task runs: the grid's choice with `param` one step beyond the
-    edge; None when the grid's choice of `param` is interior (the task has nothing to do)."""
-    group = tasks[0].group
-    best = _grid_choice(root, tasks)
-    new = step_out(GRIDS[group][param], best[param], param)
-    return None if new is None else {**{k: best[k] for k in GRIDS[group]}, param: new}
+def next_point(group: str, rows: Sequence[dict[str, Any]], param: str) -> dict[str, float] | None:
+    """The point an extension step of `param` runs, from the points tried before it: the
+    current choice (the rule over them) with `param` at the value missing_sides names for its
+    first side without a neighbour (below first); None when the choice has a tried neighbour on
+    each side along `param`, or sits on the bound where one is missing."""
+    chosen = choose_point(rows, reference(group))["chosen"]
+    for _, value in missing_sides(group, rows, chosen, param):
+        if value is not None:
+            return {**{k: chosen[k] for k in params(group)}, param: value}
+    return None
 
 
 def choose(root: Path, tasks: Sequence[TuneTask]) -> dict[str, Any]:
-    """A group's choice by the rule over its grid and the extensions its grid's choice asked
-    for: every point's scores (means over the tuning seeds), whether it extended, which
-    parameter to which value ({} when the grid's choice was interior), and the rule's numbers."""
+    """A group's choice by the rule over every point it tried (its own grid, the shared
+    weight-decay grid at its own choice, the extensions): every point's scores (means over the
+    tuning seeds), the extensions' values per parameter, the rule's numbers, how many val
+    configurations it tried, and where the choice is interior (a tried neighbour on each side)
+    or sits on a protocol bound (`at_bound`)."""
     group = tasks[0].group
-    points = {t.key: t.point for t in tasks if t.role == "grid"}
-    extended = {}
-    for t in tasks:
-        if t.role != "ext" or t.key in points:
-            continue
-        if (point := extension_point(root, tasks, t.param)) is not None:
-            extended[t.param] = point[t.param]
-            points[t.key] = point
-    rows = _rows(root, [t for t in tasks if t.key in points], points)
-    rule = choose_point(rows, REFERENCE[group])
+    rows = tuned_rows(root, tasks)
+    rule = choose_point(rows, reference(group))
     chosen = rule.pop("chosen")
+    extended: dict[str, list[float]] = {}
+    for t in tasks:
+        if t.role == "ext" and t.seed == TUNE_SEED:
+            row = next((r for r in rows if r["run"] == t.key), None)
+            if row is not None:
+                extended.setdefault(t.param, []).append(row[t.param])
+    sides = {p: missing_sides(group, rows, chosen, p) for p in params(group)}
     return {
         "criterion": "mean val_nll over the tuning seeds; within one standard error: reference",
+        "search": PROTOCOL.search,
         "seeds": sorted({t.seed for t in tasks}),
-        "reference": REFERENCE[group],
+        "reference": reference(group),
         "rule": rule,
-        "chosen": {k: chosen[k] for k in GRIDS[group]},
+        "chosen": {k: chosen[k] for k in params(group)},
         "chosen_run": chosen["run"],
         "chosen_runs": chosen["runs"],
+        "configurations": len(rows),
         "extended": extended,
+        "interior": {p: not missing for p, missing in sides.items()},
+        "at_bound": [p for p, missing in sides.items() if any(v is None for _, v in missing)],
         "grid": rows,
     }
 

@@ -11,30 +11,49 @@ from typing import Any
 
 from pipeline.chain import split_sets
 from pipeline.study.config import METHODS, StudyConfig
+from pipeline.study.intervals import PRIMARY_ENDPOINTS
 from pipeline.study.mixed_sets import link_complete, variant_root
 from pipeline.study.tuning import (
+    BOUNDS,
     GRIDS,
+    MAX_EXTENSIONS,
     NEEDS,
+    SHARED,
+    WEIGHT_DECAY,
     TuneTask,
     base_run,
     choose,
     chosen_sets,
-    extension_point,
     grid_points,
+    next_point,
+    own_choice,
+    params,
     plan_groups,
     set_values,
+    shares_weight_decay,
     tune_run,
     tune_seeds,
+    tuned_rows,
     tuning_alias,
+    tuning_group,
 )
 from shards.manifest import is_complete
 
 
+def _prepare_weight_decay(
+    root: Path, tasks: list[TuneTask], fixed: Callable[[], list[str]] | None
+) -> list[str]:
+    """A shared weight-decay point's other --set values: its group's own choice (its decay is
+    in its own sets)."""
+    return [*(fixed() if fixed else []), *set_values(own_choice(root, tasks))]
+
+
 def _prepare_extension(
-    root: Path, tasks: list[TuneTask], param: str, fixed: Callable[[], list[str]] | None
+    root: Path, tasks: list[TuneTask], key: str, param: str, fixed: Callable[[], list[str]] | None
 ) -> list[str] | None:
-    """An extension task's --set values, or None when its grid's choice is interior."""
-    point = extension_point(root, tasks, param)
+    """An extension step's --set values, or None when the choice before it needs no step of
+    `param` (a tried neighbour on each side, or a bound)."""
+    point = next_point(tasks[0].group, tuned_rows(root, tasks, key), param)
     if point is None:
         return None
     return [*(fixed() if fixed else []), *set_values(point)]
@@ -57,14 +76,14 @@ def _prepare_finetune(
 
 
 def _extension_done(root: Path, tasks: list[TuneTask], task: TuneTask) -> bool:
-    """Its run is complete, or its grid is and chose an interior value (nothing to run)."""
+    """Its run is complete, or every task before it is done and its step has nothing to run."""
     if is_complete(root / task.stage_dir / task.name):
         return True
-    if not all(t.done for t in tasks if t.role == "grid"):
+    if not all(t.done for t in tasks[: tasks.index(task)]):
         return False
     try:
-        return extension_point(root, tasks, task.param) is None
-    except (OSError, ValueError, KeyError, StopIteration):  # a grid run's metrics unreadable
+        return next_point(task.group, tuned_rows(root, tasks, task.key), task.param) is None
+    except (OSError, ValueError, KeyError, StopIteration):  # a run's metrics unreadable
         return False
 
 
@@ -76,7 +95,11 @@ def _group_tasks(
     tuned: dict[str, list[TuneTask]],
     seeds: Sequence[int],
 ) -> list[TuneTask]:
-    """A group's tasks: its grid and one extension per parameter, each at every tuning seed."""
+    """A group's tasks, each at every tuning seed: its own grid (at the reference weight decay),
+    the shared weight-decay grid at its own choice (a train group whose own grid is not weight
+    decay), then MAX_EXTENSIONS extension steps per parameter, step k of every parameter after
+    step k - 1 of all, each after every task before it (its prepare decides from their
+    scores)."""
     m = METHODS[group]
     stage = "finetune" if m.stage == "finetune" else "train"
     tasks: list[TuneTask] = []
@@ -91,10 +114,12 @@ def _group_tasks(
         if stage == "train":  # csm3: csm's chosen w
             fixed = functools.partial(chosen_sets, root, tuned, (NEEDS[group],), ("csm_weight",))
 
-    def make(at: dict[str, float] | str, seed: int, prepare, **kw) -> TuneTask:
-        """The run of grid point `at` (or the extension of parameter `at`) at `seed`."""
+    def make(at: dict[str, float] | tuple[str, int], seed: int, prepare, **kw) -> TuneTask:
+        """The run of grid point `at` (or extension step `at` = (parameter, k)) at `seed`."""
         name = tune_run(group, at, seed)
-        values = [] if isinstance(at, str) else set_values(at)
+        values = [] if isinstance(at, tuple) else set_values(at)
+        if kw.get("role", "grid") == "grid" and shares_weight_decay(group):
+            values += set_values({WEIGHT_DECAY: SHARED.reference})
         if stage == "finetune":
             run = tuning_alias(name)
             sets = [*ft_sets, *m.sets, *values, f"run={run}", f"seed={seed}"]
@@ -109,10 +134,26 @@ def _group_tasks(
 
     grid = [make(p, seed, fixed, point=p) for p in grid_points(group) for seed in seeds]
     tasks += grid
-    after |= {t.name for t in grid}  # an extension: the whole grid first, it decides the step
-    for param in GRIDS[group]:
-        prepare = functools.partial(_prepare_extension, root, tasks, param, fixed)
-        tasks += [make(param, seed, prepare, role="ext", param=param) for seed in seeds]
+    after |= {t.name for t in grid}  # the rest: the whole grid first, it decides their points
+    if shares_weight_decay(group):
+        prepare = functools.partial(_prepare_weight_decay, root, tasks, fixed)
+        shared = [
+            make({WEIGHT_DECAY: v}, seed, prepare, role="wd", point={WEIGHT_DECAY: v})
+            for v in SHARED.values
+            if v != SHARED.reference
+            for seed in seeds
+        ]
+        tasks += shared
+        after |= {t.name for t in shared}
+    for k in range(1, MAX_EXTENSIONS + 1):
+        for param in params(group):
+            key = tune_run(group, (param, k))
+            prepare = functools.partial(_prepare_extension, root, tasks, key, param, fixed)
+            step = [
+                make((param, k), seed, prepare, role="ext", param=param, step=k) for seed in seeds
+            ]
+            tasks += step
+            after |= {t.name for t in step}
     for t in tasks:
         if t.role == "ext":
             t.done = _extension_done(root, tasks, t)
@@ -138,10 +179,37 @@ def tuning_report(cfg: StudyConfig, root: Path, sets: Sequence[str]) -> dict[str
     tuned = tuning_tasks(cfg, root, sets)
     report: dict[str, Any] = {}
     for group, tasks in tuned.items():
-        result = {"params": {k: list(v) for k, v in GRIDS[group].items()}, **choose(root, tasks)}
+        grid = {k: list(v) for k, v in GRIDS[group].items()}
+        shared = {WEIGHT_DECAY: list(SHARED.values)} if shares_weight_decay(group) else {}
+        result = {
+            "params": {**grid, **shared},
+            "bounds": {p: list(BOUNDS[group][p]) for p in params(group)},
+            **choose(root, tasks),
+        }
         if group == "csm3":
             result["at"] = {"csm_weight": choose(root, tuned["csm"])["chosen"]["csm_weight"]}
         if METHODS[group].stage == "finetune":
             result["base"] = choose(root, tuned[NEEDS[group]])["chosen_runs"]
         report[group] = result
     return report
+
+
+def configurations(cfg: StudyConfig, tuning: dict[str, Any]) -> dict[str, Any]:
+    """study.json's "configurations": the val configurations each tuned method's choice was made
+    among (its group's tried points; csm3's w comes from csm's), and whether the methods of the
+    primary endpoints had the same number within one (`balanced`; the report says so when not).
+    The csm family's generator cells are counted apart, in study.json's "generator"."""
+    methods = {
+        m: {"group": g, "configurations": tuning[g]["configurations"]}
+        for m in cfg.methods
+        if (g := tuning_group(m)) and g in tuning
+    }
+    primary = [m for m in dict.fromkeys(e for *_, a, b in PRIMARY_ENDPOINTS for e in (a, b))]
+    counts = [methods[m]["configurations"] for m in primary if m in methods]
+    spread = max(counts) - min(counts) if counts else 0
+    return {
+        "methods": methods,
+        "primary": [m for m in primary if m in methods],
+        "spread": spread,
+        "balanced": spread <= 1,
+    }
