@@ -153,9 +153,9 @@ def check_choice(field: str, value: Any, choices: Sequence[Any]) -> None:
     if recorded is not None:
         recorded[field] = tuple(choices)
     if value not in choices:
+        shown = ", ".join('"" (empty)' if c == "" else str(c) for c in choices)
         raise ConfigError(
-            f"{field}={value!r} is not valid; {did_you_mean(value, choices)}choose one of: "
-            f"{', '.join(map(str, choices))}"
+            f"{field}={value!r} is not valid; {did_you_mean(value, choices)}choose one of: {shown}"
         )
 
 
