@@ -23,6 +23,7 @@ on the number of processes: BatchNorm normalises with each process's batch stati
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Generator
 from dataclasses import asdict, dataclass, field, replace
@@ -264,6 +265,14 @@ def all_finite(net: torch.nn.Module) -> Tensor:
     return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
 
 
+def likely_cause(recipe: Recipe, lr: float) -> str:
+    return (
+        f"the likely cause: {recipe.lr_field}={lr:g} too large for this model and data, or "
+        f"a non-finite input; rerun with a smaller {recipe.lr_field} (the run has no manifest: "
+        "a rerun with another value starts it over)"
+    )
+
+
 def diverged(
     recipe: Recipe,
     epoch: int,
@@ -279,11 +288,7 @@ def diverged(
     local = finite.logical_not().nonzero()
     mine = int(local[0]) if len(local) else steps
     first = int(accelerator.gather(finite.new_tensor([mine], dtype=torch.long)).min())
-    cause = (
-        f"the likely cause: {recipe.lr_field}={lr:g} too large for this model and data, or "
-        f"a non-finite input; rerun with a smaller {recipe.lr_field} (the run has no manifest: "
-        "a rerun with another value starts it over)"
-    )
+    cause = likely_cause(recipe, lr)
     if first < steps:
         value = float(losses[first]) if first == mine else float("nan")
         return Diverged(
@@ -383,6 +388,12 @@ class Epochs:
         main = self.accelerator.is_main_process
         scores = [validate(self.net, data, recipe.eval_batch_size) if main else None]
         stats |= broadcast_object_list(scores, from_process=0)[0]
+        if not all(math.isfinite(stats[k]) for k in ("val_ece", "val_nll")):  # logits overflow
+            raise Diverged(
+                f"{self.name}: the validation metrics are {stats['val_ece']} after epoch "
+                f"{epoch + 1} (the weights are finite, their logits are not): the run diverged "
+                f"and is stopped; {likely_cause(recipe, recipe.lr(epoch))}"
+            )
         stats |= {
             "epoch": epoch + 1,  # epochs count from 1 wherever a person reads them
             "seconds": round(seconds, 3),
