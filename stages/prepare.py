@@ -125,7 +125,7 @@ def already_complete(cfg: Config, real: Path) -> bool:
     rerun only reads, so it works on read-only media and without the source dataset at hand."""
     if not all(completed(real / split) for split in SPLITS):
         return False
-    write_config(real, cfg.recorded())  # compares only: refuses another config
+    write_config(real, cfg.recorded(), parts=SPLITS)  # compares only: refuses another config
     check_source(real)
     log.info("prepare: %s is complete already", real)
     return True
@@ -185,7 +185,7 @@ def run(cfg: Config) -> Path:
     # 1. Load the source (may fail with a one-line message naming what is missing).
     source: Source = reader(cfg.source)(cfg)  # each preset says how its data are read
     check_classes(source, str(source.origin or cfg.source))
-    write_config(real, cfg.recorded())
+    write_config(real, cfg.recorded(), parts=SPLITS)  # an incomplete real/ defends nothing
     check_source(real)  # a resumed root: its source must be the one its shards came from
     pinned = record_source(real, source)
     splits = plan_splits(source, cfg)

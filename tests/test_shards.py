@@ -141,7 +141,10 @@ def test_datasets_loads_our_shards(tmp_path):
 
 
 def test_config_mismatch_refused(tmp_path):
+    """A complete folder defends its config; one that never completed does not
+    (tests/test_values_runs.py)."""
     write_config(tmp_path, {"a": 1, "b": 2})
+    (tmp_path / "manifest.json").write_text("{}")  # complete: only its presence counts here
     first = snapshot(tmp_path)
     write_config(tmp_path, {"a": 1, "b": 2})  # same config: resume is fine, nothing rewritten
     assert snapshot(tmp_path) == first
