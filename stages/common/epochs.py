@@ -243,7 +243,7 @@ def train_epoch(
         bar.update(len(idx))
     # the epoch's one sync: its totals, with how many steps' losses were non-finite and whether
     # the weights still are finite (a NaN never heals: a diverged run is stopped, not finished)
-    finite = torch.isfinite(torch.stack(losses))
+    finite = torch.isfinite(torch.stack(losses)) if losses else sums.new_ones(0).bool()
     weights = all_finite(net).logical_not()
     bad = torch.stack([finite.logical_not().sum().double(), weights.double()])
     totals = torch.cat([sums, sums.new_tensor([count]), bad])
@@ -390,9 +390,9 @@ class Epochs:
         stats |= broadcast_object_list(scores, from_process=0)[0]
         if not all(math.isfinite(stats[k]) for k in ("val_ece", "val_nll")):  # logits overflow
             raise Diverged(
-                f"{self.name}: the validation metrics are {stats['val_ece']} after epoch "
-                f"{epoch + 1} (the weights are finite, their logits are not): the run diverged "
-                f"and is stopped; {likely_cause(recipe, recipe.lr(epoch))}"
+                f"{self.name}: val ECE {stats['val_ece']}, val NLL {stats['val_nll']} after "
+                f"epoch {epoch + 1} (the weights are finite, their logits are not): the run "
+                f"diverged and is stopped; {likely_cause(recipe, recipe.lr(epoch))}"
             )
         stats |= {
             "epoch": epoch + 1,  # epochs count from 1 wherever a person reads them
