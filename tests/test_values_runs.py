@@ -166,7 +166,7 @@ def test_a_diverged_fine_tuning_names_its_run_and_lr_field(trained, tmp_path, ca
     copy_root(trained, tmp_path)
     argv = ["finetune", "--preset", "digits", "--set", f"out={tmp_path}", "run=ce"]
     line = one_line_error(
-        capsys, [*argv, "maccal.epochs=1", "maccal.lr=1e30"], "finetune ce-maccal: the "
+        capsys, [*argv, "maccal.epochs=1", "maccal.lr=1e30"], "finetune ce-maccal: "
     )
     assert "the run diverged" in line and "rerun with a smaller maccal.lr" in line
     assert not (tmp_path / "digits" / "finetune" / "ce-maccal" / MANIFEST).exists()
