@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import math
 import types
 import typing
 import warnings
@@ -89,6 +90,11 @@ class StageConfig(metaclass=Tree):
     # 0 skips the hash for storage you trust. Not part of an output's identity.
     verify_sha256: bool = not_recorded(True)
 
+    def check_leaves(self) -> None:
+        """The ranges its `bounded` leaves declare (core.tree.Tree calls it on every config it
+        builds, after the dataclasses' own checks)."""
+        check_bounds(self)
+
     @property
     def root(self) -> Path:
         """runs/<classes>/: the folder all stages of one dataset share."""
@@ -150,9 +156,9 @@ def check_choice(field: str, value: Any, choices: Sequence[Any]) -> None:
     if recorded is not None:
         recorded[field] = tuple(choices)
     if value not in choices:
+        shown = ", ".join('"" (empty)' if c == "" else str(c) for c in choices)
         raise ConfigError(
-            f"{field}={value!r} is not valid; {did_you_mean(value, choices)}choose one of: "
-            f"{', '.join(map(str, choices))}"
+            f"{field}={value!r} is not valid; {did_you_mean(value, choices)}choose one of: {shown}"
         )
 
 
@@ -172,11 +178,55 @@ def field_choices(config_cls: type, values: Mapping[str, Any]) -> dict[str, tupl
 
 
 def check_range(
-    field: str, value: float, low: float | None = None, high: float | None = None
+    field: str,
+    value: float,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
 ) -> None:
-    if (low is not None and value < low) or (high is not None and value > high):
-        bounds = f"[{'-inf' if low is None else low}, {'inf' if high is None else high}]"
+    """`value` within [low, high] (an `_open` end excluded: `(0.0, inf)`), and finite: a NaN
+    compares False with every bound, so without the explicit check `lr=nan` passed any range
+    and trained to NaN."""
+    bounds = (  # an infinite end is never allowed: `)`
+        f"{'(' if low_open or low is None else '['}{'-inf' if low is None else low}, "
+        f"{'inf' if high is None else high}{')' if high_open or high is None else ']'}"
+    )
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{field}={value!r} is not a finite number; allowed: {bounds}")
+    below = low is not None and (value <= low if low_open else value < low)
+    above = high is not None and (value >= high if high_open else value > high)
+    if below or above:
         raise ConfigError(f"{field}={value!r} is out of range {bounds}")
+
+
+# A numeric field's allowed range, said at the field (`bounded`): every config built checks its
+# leaves' ranges (`check_bounds`, called by core.tree.Tree once the config is built), so a stage
+# gets the check by declaring the field, and the error names the leaf by its path (`optim.lr`).
+BOUNDS = "bounds"
+
+
+def bounded(
+    default: Any,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> Any:
+    """A numeric field with its allowed range (check_range: finite, an `_open` end excluded)."""
+    bounds = {"low": low, "high": high, "low_open": low_open, "high_open": high_open}
+    return dataclasses.field(default=default, metadata={BOUNDS: bounds})
+
+
+def check_bounds(config: Any) -> None:
+    """Every `bounded` leaf of a built config within its range; the first that is not is one
+    ConfigError naming the leaf as --set spells it (its path)."""
+    for leaf in leaves(type(config)):
+        bounds = leaf.field.metadata.get(BOUNDS)
+        if bounds is not None:
+            check_range(shown(type(config), leaf.path), get(config, leaf.path), **bounds)
 
 
 def _coerce(field: str, text: str, annotation: Any) -> Any:

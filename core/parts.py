@@ -40,19 +40,22 @@ def param(
     *,
     low: float | None = None,
     high: float | None = None,
+    high_open: bool = False,
     doc: str = "",
     field: str = "",
     section: str = "",
     data: bool = False,
     identity: str = "",
 ) -> Any:
-    """One parameter of a part. `low`/`high`: the closed range `check_params` enforces; `doc`:
+    """One parameter of a part. `low`/`high`: the range `check_params` enforces (closed;
+    `high_open`: high excluded, label smoothing's α < 1); `doc`:
     its description in --fields; `field`: the config field it is recorded under when that is not
     `<prefix>_<name>` (names older than the parts: `mbls_margin` for MbLS' m); `section`: a
     heading --fields shows above it; `data`: the stage reads it (how it loads the mixed set:
     csm's sharpening) and the part's builder does not; `identity`: its config field's rule in
     config.json (core.config: OFF_DEFAULT for a parameter added after runs were recorded)."""
     meta: dict[str, Any] = dict(low=low, high=high, doc=doc, field=field, section=section)
+    meta["high_open"] = high_open
     meta |= {"data": data, **({IDENTITY: identity} if identity else {})}
     return dataclasses.field(default=default, metadata=meta)
 
@@ -76,7 +79,8 @@ def check_params(cls: type, values: Mapping[str, Any], spell: Callable[[str], st
         if choices(cls, f.name):
             check_choice(spell(f.name), value, choices(cls, f.name))
         if f.metadata.get("low") is not None or f.metadata.get("high") is not None:
-            check_range(spell(f.name), value, f.metadata["low"], f.metadata["high"])
+            low, high = f.metadata["low"], f.metadata["high"]
+            check_range(spell(f.name), value, low, high, high_open=f.metadata["high_open"])
     check_values = getattr(cls, "check_values", None)
     if check_values is not None:
         check_values(values, spell)

@@ -123,7 +123,11 @@ class Tree(type):
     """Metaclass of the stage configs: a config is built from paths and legacy names alike."""
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        return super().__call__(*args, **nested(cls, kwargs))
+        built = super().__call__(*args, **nested(cls, kwargs))
+        check = getattr(built, "check_leaves", None)  # core.config: the leaves' ranges
+        if check is not None:
+            check()
+        return built
 
 
 def items(obj: Any) -> Iterator[tuple[str, Any]]:

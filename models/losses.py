@@ -74,7 +74,9 @@ class LabelSmoothing(nn.Module):
 
     @dataclass(frozen=True)
     class Params(Params):
-        alpha: float = param(0.05, low=0.0, high=1.0, doc="ls: α of (1-α)·CE + α·uniform CE")
+        alpha: float = param(
+            0.05, low=0.0, high=1.0, high_open=True, doc="ls: α of (1-α)·CE + α·uniform CE"
+        )
 
     def __init__(self, num_classes: int, params: Params | None = None) -> None:
         super().__init__()

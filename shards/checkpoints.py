@@ -78,7 +78,10 @@ _ACCELERATE = (
 )
 LOAD_KWARGS = {"weights_only": True}  # for accelerator.load_state(load_kwargs=...)
 RESUME_HELP = "auto (newest if any), latest (newest, must exist), '' (start over) or a folder"
-START_OVER = "start over with resume='' (RESUME=) or remove the folder"
+# what to paste: the field's current path (`--set checkpoint.resume=`; make's SET passes it)
+START_OVER = (
+    "start over with --set checkpoint.resume= (make: SET=checkpoint.resume=) or remove the folder"
+)
 # what a file that is no loadable state raises while `read` loads it (torch.load with
 # weights_only, safetensors, load_state_dict): turned into one line, never a traceback
 _LOAD_ERRORS = (pickle.UnpicklingError, EOFError, RuntimeError, ValueError, KeyError)
@@ -267,14 +270,16 @@ class Checkpointer:
         complete = self.complete()
         if resume in ("auto", "latest"):
             if not complete and resume == "latest":
-                raise CheckpointError(f"resume=latest: {self.folder} holds no complete checkpoint")
+                raise CheckpointError(
+                    f"checkpoint.resume=latest: {self.folder} holds no complete checkpoint"
+                )
             if not complete:
                 return None
             return self._newest_intact(complete) if verify else complete[max(complete)]
         path = Path(resume)
         if not path.is_dir() or checkpoint_number(path) is None:
             raise CheckpointError(
-                f"resume={resume}: not a checkpoint_<n> folder (or {RESUME_HELP})"
+                f"checkpoint.resume={resume}: not a checkpoint_<n> folder (or {RESUME_HELP})"
             )
         if not verify:
             if not (path / MARKER).is_file():

@@ -208,7 +208,9 @@ def ood_folder(path: str) -> Path:
         if is_complete(candidate):
             return candidate
     raise ShardError(
-        f"ood={path}: no prepared split there (looked for {MANIFEST} in ., test/, real/test/)"
+        f"ood={path}: no prepared split there (looked for {MANIFEST} in ., test/, real/test/); "
+        "give a prepared split, a real/ root or a runs/<name>/ root (the ood stage writes "
+        "runs/<classes>/ood/<set>), or leave ood= empty"
     )
 
 

@@ -241,6 +241,13 @@ class Run:
                 f"{path}: sha256 differs from the run's manifest (modified after the run "
                 f"finished); {damaged_fix(self.folder)}"
             )
+        bad = [k for k, v in state.items() if v.is_floating_point() and not v.isfinite().all()]
+        if bad:  # a run that diverged before training stopped such runs: nothing can read it
+            raise RunError(
+                f"{path} holds non-finite weights ({bad[0]}{' and more' if bad[1:] else ''}): "
+                f"the run diverged; {damaged_fix(self.folder)} (with a smaller lr if it was "
+                "set)"
+            )
         return {k: v.to(device) for k, v in state.items()}
 
 

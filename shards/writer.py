@@ -39,7 +39,6 @@ from core.io import (
 from core.logs import log
 from shards.datapath import DATA_FIELDS
 from shards.manifest import (
-    MANIFEST,
     Manifest,
     ShardError,
     ShardRecord,
@@ -224,54 +223,85 @@ def _given(config: Mapping[str, Any], key: str) -> str:
     return f"{key}={value if len(value) <= 40 else value[:39] + '…'}"
 
 
-def check_config(folder: Path, config: Mapping[str, Any], fix: str = OTHER_ROOT) -> bool:
-    """Whether `folder` holds a config.json; if it does and it is not `config` (compared without
-    NOT_IDENTITY), refuse in one line naming every field that differs, with both values, and
-    then `fix` (what to do instead). Reads only."""
+def changed_fields(folder: Path, config: Mapping[str, Any]) -> list[str]:
+    """The fields in which `folder`'s config.json differs from `config` (compared without
+    NOT_IDENTITY); [] when they agree or the folder holds no config.json. Reads only."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return []
+    old, new = _identity(read_json(path)), _identity(config)
+    if canonical_json(old) == canonical_json(new):
+        return []
+    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+
+
+def claimed(folder: Path, parts: Iterable[str] = ()) -> bool:
+    """Whether `folder` defends its config: only a complete folder does (its manifest.json, or
+    with `parts` the manifest of every part: prepare's real/ is complete when each split is).
+    The one completion rule: no manifest, no claim; a folder that never completed (a run that
+    diverged, a prepare stopped by a bad value) holds nobody's output, so a rerun with other
+    values replaces it (write_config) instead of being refused."""
+    folder = Path(folder)
+    return all(is_complete(folder / p) for p in parts) if parts else is_complete(folder)
+
+
+def replaces(folder: Path, config: Mapping[str, Any], parts: Iterable[str] = ()) -> bool:
+    """Whether write_config will replace `folder`: it holds another config and never completed
+    (so its checkpoints and partial shards are not this run's to resume). Reads only."""
+    return bool(changed_fields(folder, config)) and not claimed(folder, tuple(parts))
+
+
+def check_config(
+    folder: Path, config: Mapping[str, Any], fix: str = OTHER_ROOT, parts: Iterable[str] = ()
+) -> bool:
+    """Whether `folder` holds a config.json that is `config` (compared without NOT_IDENTITY).
+    A complete folder (`claimed`) with another config is refused in one line naming every field
+    that differs, with both values, and then `fix` (what to do instead); an incomplete one is
+    not ours (False): write_config replaces it. Reads only."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         return False
-    old, new = _identity(read_json(path)), _identity(config)
-    if canonical_json(old) != canonical_json(new):
-        changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-        raise ShardError(
-            f"{folder} holds a run with a different config (differs in: {', '.join(changed)}): "
-            f"it has {' '.join(_given(old, k) for k in changed)}, this one asks "
-            f"{' '.join(_given(new, k) for k in changed)}; {fix}"
-        )
-    return True
+    changed = changed_fields(folder, config)
+    if not changed:
+        return True
+    if not claimed(folder, tuple(parts)):
+        return False
+    old, new = read_json(path), dict(config)
+    raise ShardError(
+        f"{folder} holds a run with a different config (differs in: {', '.join(changed)}): "
+        f"it has {' '.join(_given(old, k) for k in changed)}, this one asks "
+        f"{' '.join(_given(new, k) for k in changed)}; {fix}"
+    )
 
 
-def write_config(folder: Path, config: Mapping[str, Any], fix: str = OTHER_ROOT) -> None:
+def write_config(
+    folder: Path, config: Mapping[str, Any], fix: str = OTHER_ROOT, parts: Iterable[str] = ()
+) -> None:
     """Write the stage's resolved config first thing; refuse to mix two configs in one folder.
 
     Resuming is only safe when the rerun asks for exactly the same thing; otherwise the
     folder would end up holding shards of two different runs. An existing config.json is only
     compared (check_config), never rewritten: a complete folder on read-only media stays
-    untouched. Where the folder lives (NOT_IDENTITY) is neither compared nor recorded.
-
-    A folder that never completed (no manifest in it or under it: real/'s splits) is nobody's
-    output, so it is no identity to defend: another config replaces it, with a line saying so
-    (a failed run never blocks the rerun that fixes its values). Its completed shards go with
-    it: they hold the other config's samples.
+    untouched. A folder that never completed under another config is nobody's output, so it is
+    no identity to defend: it is replaced, with a line saying so (`claimed`; `parts`: the
+    subfolders whose manifests complete it), and a failed run never blocks the rerun that fixes
+    its values. Where the folder lives (NOT_IDENTITY) is neither compared nor recorded.
     """
-    try:
-        if check_config(folder, config, fix):
-            return
-    except ShardError:
-        if claimed(folder):
-            raise  # a complete output (or a complete part of one) is never rewritten
-        if not replace_incomplete(folder, "it holds another config and never completed"):
-            return  # another process replaced it at the same time and writes the config
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    atomic_write_json(Path(folder) / "config.json", _identity(config))
-
-
-def claimed(folder: Path) -> bool:
-    """Whether `folder` holds a complete output: a manifest in it or in a folder under it
-    (real/ is complete split by split). The one completion rule: no manifest, no claim."""
     folder = Path(folder)
-    return is_complete(folder) or any(folder.rglob(MANIFEST))
+    if check_config(folder, config, fix, parts):
+        return
+    changed = changed_fields(folder, config)
+    if changed:  # not claimed (check_config refuses a complete one): nobody's output
+        old = read_json(folder / "config.json")
+        why = (
+            f"it never completed (no manifest) and was made with "
+            f"{' '.join(_given(old, k) for k in changed)}; this run "
+            f"({' '.join(_given(dict(config), k) for k in changed)}) starts it over"
+        )
+        if not replace_incomplete(folder, why):
+            return  # another process replaced it at the same time and writes the config
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(folder / "config.json", _identity(config))
 
 
 def replace_incomplete(folder: Path, why: str) -> bool:

@@ -210,7 +210,9 @@ def run(cfg: Config) -> Path:
 
     # 3. The loop: constant lr, the last epoch's weights (FeDLaS clips the classifier only;
     #    MaC-Cal clips nothing).
-    recipe = run.recipe(key=(cfg.seed, SECTION, cfg.method), lr=lambda epoch: lr, keep="last")
+    lr_field = "maccal.lr" if cfg.method == "maccal" else "fedlas.lr"
+    key = (cfg.seed, SECTION, cfg.method)
+    recipe = run.recipe(key=key, lr=lambda epoch: lr, keep="last", lr_field=lr_field)
     source_info = {
         "run": cfg.run,
         "folder": f"train/{cfg.run}",

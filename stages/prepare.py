@@ -125,7 +125,7 @@ def already_complete(cfg: Config, real: Path) -> bool:
     rerun only reads, so it works on read-only media and without the source dataset at hand."""
     if not all(completed(real / split) for split in SPLITS):
         return False
-    write_config(real, cfg.recorded())  # compares only: refuses another config
+    write_config(real, cfg.recorded(), parts=SPLITS)  # compares only: refuses another config
     check_source(real)
     log.info("prepare: %s is complete already", real)
     return True
@@ -147,7 +147,7 @@ def check_source(real: Path) -> bool:
         return True
     now = fingerprint(origin, recorded.get("files", ()), recorded.get("suffixes", ()))
     said = changes(recorded["fingerprint"], now)
-    if said and not claimed(real):
+    if said and not claimed(real, SPLITS):
         replace_incomplete(
             real, f"{origin} changed since it was read ({summary(said)}), no split had completed"
         )
@@ -231,11 +231,11 @@ def run(cfg: Config) -> Path:
     check_classes(source, where)
     splits = plan_splits(source, cfg)
     check_splits(splits, source.class_names, cfg, where)  # before anything is written
-    write_config(real, cfg.recorded())
+    write_config(real, cfg.recorded(), parts=SPLITS)  # an incomplete real/ defends nothing
     # a resumed root: its source must be the one its shards came from (a changed source under
     # a root that never completed: replaced, started again)
     if not check_source(real):
-        write_config(real, cfg.recorded())
+        write_config(real, cfg.recorded(), parts=SPLITS)
     pinned = record_source(real, source)
     log.info(
         "prepare %s: %d classes, %s -> %s",

@@ -265,6 +265,7 @@ def _member(
         key=(cfg.seed, "train"),
         lr=lambda e: multistep_lr(e, cfg.optim.lr, cfg.optim.milestones, cfg.optim.lr_gamma),
         keep="best",
+        lr_field="optim.lr",
     )
 
     def section(state: LoopState, finished: bool) -> dict[str, Any]:

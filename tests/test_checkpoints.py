@@ -142,7 +142,7 @@ def test_the_main_process_chooses_the_checkpoint_for_every_rank(tmp_path):
     (main_view / "checkpoint_2").rename(tmp_path / "elsewhere")
     (main_view / "checkpoint_3").rename(tmp_path / "elsewhere3")
     for rank in ranks:
-        with pytest.raises(ShardError, match=f"resume=latest: {main_view / ''}"):
+        with pytest.raises(ShardError, match=f"checkpoint.resume=latest: {main_view / ''}"):
             rank.choose("latest")
 
 
@@ -265,7 +265,7 @@ def test_no_intact_checkpoint_stops_in_one_line(tmp_path, semix_log):
     message = str(error.value)
     assert "\n" not in message
     assert message.startswith(str(ckpt.folder / "checkpoint_1" / "random_states_0.pkl"))
-    assert "holds no intact checkpoint: start over with resume=''" in message
+    assert "holds no intact checkpoint: start over with --set checkpoint.resume= " in message
     assert len(semix_log) == 2  # one line per damaged checkpoint, no "resuming from"
     assert ckpt.choose("") is None  # resume='' starts over
     ckpt.tidy(first_free=0)
@@ -317,7 +317,7 @@ def test_a_file_that_does_not_load_is_one_line_and_never_unpickled(tmp_path):
             )
         message = str(error.value)
         assert message.startswith(f"{path}: this checkpoint does not load") and says in message
-        assert "\n" not in message and "resume=''" in message
+        assert "\n" not in message and "--set checkpoint.resume= " in message
     assert not ran.exists()
 
 

@@ -430,7 +430,7 @@ def test_damaged_checkpoints_are_named_and_training_resumes_from_an_intact_one(
     line = fails(capsys, argv)
     newest = checkpoints / "checkpoint_2" / "model.safetensors"
     assert line.startswith(f"semix train: error: {newest}: ") and "record says" in line
-    assert "holds no intact checkpoint: start over with resume=''" in line
+    assert "holds no intact checkpoint: start over with --set checkpoint.resume= " in line
     assert manifests(checkpoints.parent) == []
     reruns(capsys, [*argv, "resume="])  # start over
     ruined = checkpoints.parent / "model.safetensors"

@@ -99,7 +99,7 @@ def test_the_edm_preset_values_follow_the_picked_backend():
             "none",
         ),
         (["backend.dti.class_ids=1"], "no backend 'dti'; did you mean 'dit'?"),
-        (["backend.sd.native_size=-1"], "backend.sd.native_size=-1 is out of range [0, inf]"),
+        (["backend.sd.native_size=-1"], "backend.sd.native_size=-1 is out of range [0, inf)"),
         (["native_size=-1"], "backend.sd.native_size=-1 is out of range"),  # any backend's
         (["backend.sd.prompt_template=a photo"], "backend.sd.prompt_template must contain"),
         (["backend=nope"], "backend='nope' is not valid"),

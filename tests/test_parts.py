@@ -115,8 +115,8 @@ def test_nested_keys_follow_the_loss_the_preset_or_set_picks():
         (["loss.gamma=2"], "loss.gamma: loss 'ce' has no parameter 'gamma'; its parameters: none"),
         (["loss=focal", "loss.gama=2"], "did you mean 'gamma'?"),
         (["loss.fokal.gamma=2"], "no loss 'fokal'; did you mean 'focal'?"),
-        (["loss=focal", "loss.gamma=-1"], "loss.focal.gamma=-1.0 is out of range [0.0, inf]"),
-        (["ls_alpha=1.5"], "loss.ls.alpha=1.5 is out of range [0.0, 1.0]"),  # any loss's, at once
+        (["loss=focal", "loss.gamma=-1"], "loss.focal.gamma=-1.0 is out of range [0.0, inf)"),
+        (["ls_alpha=1.5"], "loss.ls.alpha=1.5 is out of range [0.0, 1.0)"),  # any loss's, at once
         (["csm_targets=both"], "loss.csm.targets='both' is not valid"),
         (["loss=nope"], "loss='nope' is not valid"),
     ],

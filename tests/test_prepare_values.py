@@ -75,7 +75,7 @@ def test_a_failed_prepare_never_blocks_the_fix_it_names(tmp_path, capsys):
     line = one_line_error(capsys, prepare(out, data, "image_size=0"), "set image_size=N")
     assert "tiny.png is 1x1" in line and no_manifest(real)
     err = succeeds(capsys, prepare(out, data, "image_size=8"))  # the fix: once refused
-    assert f"{real}: replaced (it holds another config and never completed)" in err
+    assert f"{real}: replaced (it never completed (no manifest) and was made with" in err
     assert read_manifest(real / "train").info["image_size"] == 8
 
 

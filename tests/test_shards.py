@@ -141,10 +141,11 @@ def test_datasets_loads_our_shards(tmp_path):
 
 
 def test_config_mismatch_refused(tmp_path):
+    """A complete folder defends its config; one that never completed does not
+    (tests/test_values_runs.py)."""
     folder = tmp_path / "out"
     write_config(folder, {"a": 1, "b": 2})
-    (folder / "split").mkdir()
-    (folder / "split" / "manifest.json").write_text("{}")  # a completed part: a claim
+    (folder / "manifest.json").write_text("{}")  # complete: only its presence counts here
     first = snapshot(folder)
     write_config(folder, {"a": 1, "b": 2})  # same config: resume is fine, nothing rewritten
     assert snapshot(folder) == first
@@ -166,7 +167,8 @@ def test_a_folder_that_never_completed_is_replaced_by_another_config(tmp_path, c
     assert sorted(p.name for p in folder.iterdir()) == ["config.json"]
     assert json.loads((folder / "config.json").read_text()) == {"a": 1, "b": 3}
     assert [r.getMessage() for r in caplog.records] == [
-        f"{folder}: replaced (it holds another config and never completed)"
+        f"{folder}: replaced (it never completed (no manifest) and was made with b=2; this run "
+        "(b=3) starts it over)"
     ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing left aside
 

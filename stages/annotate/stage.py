@@ -22,7 +22,7 @@ from shards.manifest import (
     read_manifest,
 )
 from shards.reader import read_raw_shard
-from shards.writer import DONE_DIR, ShardFolder, completed, write_config
+from shards.writer import DONE_DIR, ShardFolder, check_config, completed, write_config
 from stages.annotate.encoder import PROTOTYPES, build_encoder, ensure_prototypes, load_prototypes
 from stages.annotate.mixed import annotate_shards
 from stages.annotate.report import (
@@ -115,8 +115,10 @@ def run(cfg: Config) -> Path:
     encoder = build_encoder(cfg, device) if needs_features else None
     if already_complete(cfg, mixed, series, real, encoder):
         return mixed
-    if procs.is_main or (mixed / "config.json").is_file():
-        write_config(mixed, cfg.recorded())  # other ranks only compare (rank 0 writes)
+    if procs.is_main:
+        write_config(mixed, cfg.recorded())
+    else:  # other ranks only compare (rank 0 writes, or replaces a folder that never completed)
+        check_config(mixed, cfg.recorded())
     folder = ShardFolder(mixed, prefix="mixed")
     n_shards = len(series_m.shards)
     log.info(

@@ -23,6 +23,7 @@ on the number of processes: BatchNorm normalises with each process's batch stati
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Generator
 from dataclasses import asdict, dataclass, field, replace
@@ -79,6 +80,7 @@ class Recipe:
     eval_batch_size: int = 512
     checkpoint_limit: int = 2
     resume: str = "auto"  # shards.checkpoints.RESUME_HELP
+    lr_field: str = "lr"  # the config field the lr comes from, as --set spells it (`optim.lr`)
 
 
 @dataclass
@@ -218,7 +220,7 @@ def train_epoch(
     objective.start_epoch(epoch, net, lambda purpose: make_generator(*key, purpose))
     clip = list(objective.clip_parameters(net)) if recipe.clip_norm > 0 else []
     sums = torch.zeros(2, dtype=torch.float64, device=dev)  # loss sum, correct
-    count = 0
+    count, losses = 0, []  # each step's loss, kept on the device: checked once, after the epoch
     batches = epoch_batches(len(data.train), recipe.batch_size, order, 2 * world)
     plans = plan_steps(data, [b.to(dev) for b in batches], extra)
     assert data.pixels is not None  # fit provides one
@@ -237,12 +239,67 @@ def train_epoch(
         objective.observe(batch, logits)
         correct = (logits.argmax(dim=1) == batch["y"]).sum()
         sums += torch.stack([loss.detach().double() * n, correct.double()])
+        losses.append(loss.detach())
         count += n
         bar.update(len(idx))
-    totals = torch.cat([sums, sums.new_tensor([count])])
-    loss_sum, correct, count = accelerator.reduce(totals, reduction="sum").tolist()
+    # the epoch's one sync: its totals, with how many steps' losses were non-finite and whether
+    # the weights still are finite (a NaN never heals: a diverged run is stopped, not finished)
+    finite = torch.isfinite(torch.stack(losses)) if losses else sums.new_ones(0).bool()
+    weights = all_finite(net).logical_not()
+    bad = torch.stack([finite.logical_not().sum().double(), weights.double()])
+    totals = torch.cat([sums, sums.new_tensor([count]), bad])
+    loss_sum, correct, count, bad_steps, bad_weights = accelerator.reduce(totals, "sum").tolist()
+    if bad_steps or bad_weights:
+        raise diverged(recipe, epoch, lr, losses, finite, accelerator)
     stats = {"lr": lr, "loss": loss_sum / count, "train_acc": 100.0 * correct / count}
     return stats | objective.end_epoch(epoch, net, lambda t: accelerator.reduce(t, "sum"))
+
+
+class Diverged(ValueError):
+    """The loss or the weights became non-finite: the run stops before its epoch's checkpoint,
+    so it has no manifest, and its last checkpoint (if any) holds finite weights."""
+
+
+def all_finite(net: torch.nn.Module) -> Tensor:
+    """Whether every floating parameter and buffer of `net` is finite (a device bool, no sync)."""
+    tensors = [t for t in (*net.parameters(), *net.buffers()) if t.is_floating_point()]
+    return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+
+
+def likely_cause(recipe: Recipe, lr: float) -> str:
+    return (
+        f"the likely cause: {recipe.lr_field}={lr:g} too large for this model and data, or "
+        f"a non-finite input; rerun with a smaller {recipe.lr_field} (the run has no manifest: "
+        "a rerun with another value starts it over)"
+    )
+
+
+def diverged(
+    recipe: Recipe,
+    epoch: int,
+    lr: float,
+    losses: list[Tensor],
+    finite: Tensor,
+    accelerator: Accelerator,
+) -> Diverged:
+    """The one line that says where the run diverged (the first step whose loss is non-finite
+    on any process, numbered from 1 within the epoch) and the likely cause; every process
+    computes it (the gather is collective)."""
+    steps = len(losses)
+    local = finite.logical_not().nonzero()
+    mine = int(local[0]) if len(local) else steps
+    first = int(accelerator.gather(finite.new_tensor([mine], dtype=torch.long)).min())
+    cause = likely_cause(recipe, lr)
+    if first < steps:
+        value = float(losses[first]) if first == mine else float("nan")
+        return Diverged(
+            f"the loss is {value} at epoch {epoch + 1}, step {first + 1} of {steps}: the run "
+            f"diverged and is stopped; {cause}"
+        )
+    return Diverged(
+        f"the weights hold non-finite values after epoch {epoch + 1} (every step's loss was "
+        f"finite): the run diverged and is stopped; {cause}"
+    )
 
 
 def validate(model: torch.nn.Module, data: Data, batch_size: int) -> dict[str, float]:
@@ -323,9 +380,12 @@ class Epochs:
         recipe, state, data = self.recipe, self.state, self.data
         t0 = time.perf_counter()
         with phases.phase("steps"):
-            stats = train_epoch(
-                recipe, epoch, self.accelerator, self.module, self.optimizer, data, bar
-            )
+            try:
+                stats = train_epoch(
+                    recipe, epoch, self.accelerator, self.module, self.optimizer, data, bar
+                )
+            except Diverged as e:  # the run's name first, as every line of this run
+                raise Diverged(f"{self.name}: {e}") from None
         seconds = time.perf_counter() - t0
         main = self.accelerator.is_main_process
         with phases.phase("validation"):
@@ -333,6 +393,12 @@ class Epochs:
         phases.count("epochs")
         phases.count("images_validated", len(data.val) if main else 0)
         stats |= broadcast_object_list(scores, from_process=0)[0]
+        if not all(math.isfinite(stats[k]) for k in ("val_ece", "val_nll")):  # logits overflow
+            raise Diverged(
+                f"{self.name}: val ECE {stats['val_ece']}, val NLL {stats['val_nll']} after "
+                f"epoch {epoch + 1} (the weights are finite, their logits are not): the run "
+                f"diverged and is stopped; {likely_cause(recipe, recipe.lr(epoch))}"
+            )
         stats |= {
             "epoch": epoch + 1,  # epochs count from 1 wherever a person reads them
             "seconds": round(seconds, 3),

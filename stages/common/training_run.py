@@ -6,7 +6,7 @@
     run.check_resume()
     ... the stage's data, model, objective ...
     run.write_config()                                          # first file (main); all wait
-    result = run.fit(run.recipe(key, lr, keep), module, optimizer, data, path, section)
+    result = run.fit(run.recipe(key, lr, keep, "optim.lr"), module, optimizer, data, path, section)
     if run.main:
         metrics = run.final_metrics(result, path, section)      # host.json too
         write_run(run.folder, result.weights, meta, metrics, [run.curves(...), ...], made_from)
@@ -39,7 +39,7 @@ from core.tracking import Tracking
 from models.objectives import TrainingModule
 from shards.datapath import DataPathChoice
 from shards.runs import run_complete, write_host
-from shards.writer import OTHER_ROOT, write_config
+from shards.writer import OTHER_ROOT, replaces, write_config
 from stages.common import data as datapath
 from stages.common.epochs import Data, LoopState, Recipe, Result, fit_epochs
 from stages.common.loop import check_resume, drain, make_accelerator, run_precision
@@ -81,6 +81,7 @@ class TrainingRun:
     folder: Path
     tracking: Tracking
     accelerator: Accelerator
+    fresh: bool = False  # the folder is replaced (shards.writer.replaces): nothing to resume
 
     @classmethod
     def open(cls, cfg: RunConfig, stage: str, name: str, fix: str = OTHER_ROOT) -> TrainingRun:
@@ -89,9 +90,13 @@ class TrainingRun:
         with the trackers of `tracker=`, whose files go outside the run's own."""
         folder = cfg.root / stage / name
         tracking = Tracking.of(cfg.tracker, folder, cfg.root)
-        precision = run_precision(folder, cfg.precision, cfg.checkpoint.resume)
+        # a folder that never completed under another config (a diverged run rerun with a
+        # smaller lr) is replaced by write_config: its checkpoints are not this run's to resume
+        fresh = replaces(folder, cfg.recorded())
+        resume = "" if fresh else cfg.checkpoint.resume
+        precision = run_precision(folder, cfg.precision, resume)
         accelerator = make_accelerator(precision, **tracking.accelerator_kwargs())
-        return cls(cfg, stage, name, fix, folder, tracking, accelerator)
+        return cls(cfg, stage, name, fix, folder, tracking, accelerator, fresh)
 
     @property
     def main(self) -> bool:
@@ -118,7 +123,8 @@ class TrainingRun:
 
     def check_resume(self) -> None:
         """A `resume=` that names no usable checkpoint fails now, before any data is read."""
-        check_resume(self.folder, self.cfg.checkpoint.resume)
+        if not self.fresh:
+            check_resume(self.folder, self.cfg.checkpoint.resume)
 
     def write_config(self) -> None:
         """config.json, the run's first file (main process; refuses another config under the
@@ -129,9 +135,12 @@ class TrainingRun:
 
     # ------------------------------------------------------------ the loop
 
-    def recipe(self, key: tuple[Any, ...], lr: Callable[[int], float], keep: str) -> Recipe:
-        """The loop's recipe: the stage gives its draws' key, its lr schedule and the epoch it
-        keeps ("best" on val, or "last"); the rest is the config's machinery."""
+    def recipe(
+        self, key: tuple[Any, ...], lr: Callable[[int], float], keep: str, lr_field: str
+    ) -> Recipe:
+        """The loop's recipe: the stage gives its draws' key, its lr schedule, the epoch it
+        keeps ("best" on val, or "last") and the field its lr comes from (what a diverged
+        run's error names); the rest is the config's machinery."""
         cfg = self.cfg
         return Recipe(
             key=key,
@@ -145,6 +154,7 @@ class TrainingRun:
             eval_batch_size=cfg.eval_batch_size,
             checkpoint_limit=cfg.checkpoint.limit,
             resume=cfg.checkpoint.resume,
+            lr_field=lr_field,
         )
 
     def fit(

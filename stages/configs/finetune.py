@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from core.config import ConfigError, StageConfig, check_choice, check_range
+from core.config import ConfigError, StageConfig, bounded, check_choice, check_range
 from core.parts import Section
 from core.precision import check_precision
 from core.tracking import parse_trackers
@@ -36,39 +36,29 @@ METHOD = Section("method", {"maccal": MaCCalPart(), **{m: LOSS.parts[m] for m in
 class Optim:
     """SGD with momentum (docs/methods.md §4: momentum 0.9, wd 5e-4); each method's own lr"""
 
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    clip_norm: float = 2.0  # grad-norm clip of the classifier only (not the gate); 0 = off
-
-    def __post_init__(self) -> None:
-        for name in ("momentum", "weight_decay", "clip_norm"):
-            check_range(f"optim.{name}", getattr(self, name), 0.0)
+    momentum: float = bounded(0.9, 0.0, 1.0, high_open=True)
+    weight_decay: float = bounded(5e-4, 0.0)
+    # grad-norm clip of the classifier only (not the gate); 0 = off
+    clip_norm: float = bounded(2.0, 0.0)
 
 
 @dataclass(frozen=True)
 class MaCCal:
     """MaC-Cal (docs/methods.md §4)"""
 
-    epochs: int = 40
-    lr: float = 0.1  # constant
-    r: int = 256  # bottleneck width r (GUESS); the schedule's maccal_*: models/heads.py
-
-    def __post_init__(self) -> None:
-        check_range("maccal.epochs", self.epochs, 1)
-        check_range("maccal.r", self.r, 1)
-        check_range("maccal.lr", self.lr, 0.0)
+    epochs: int = bounded(40, 1)
+    lr: float = bounded(0.1, 0.0, low_open=True)  # constant
+    # bottleneck width r (GUESS); the schedule's maccal_*: models/heads.py
+    r: int = bounded(256, 1)
 
 
 @dataclass(frozen=True)
 class FeDLaS:
     """FeDLaS fine-tuning (docs/methods.md §5)"""
 
-    epochs: int = 10  # GUESS: docs/methods.md gives no fine-tuning length
-    lr: float = 0.001  # constant; GUESS: the last lr of the CIFAR Stage-I recipe
-
-    def __post_init__(self) -> None:
-        check_range("fedlas.epochs", self.epochs, 1)
-        check_range("fedlas.lr", self.lr, 0.0)
+    epochs: int = bounded(10, 1)  # GUESS: docs/methods.md gives no fine-tuning length
+    # constant; GUESS: the last lr of the CIFAR Stage-I recipe
+    lr: float = bounded(0.001, 0.0, low_open=True)
 
 
 @dataclass(frozen=True)

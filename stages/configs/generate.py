@@ -141,7 +141,9 @@ class Config(StageConfig):
     model: str = ""
     revision: str = ""  # hub revision of `model` ("" = the default branch)
     license: str = ""  # license of the generated images, recorded in the manifest ("" = unknown)
-    sampler: str = "ddim"  # deterministic only: ddim (eta 0) | dpmsolver++ | unipc; edm: heun | euler
+    sampler: str = (
+        "ddim"  # deterministic only: ddim (eta 0) | dpmsolver++ | unipc; edm: heun | euler
+    )
     sample_steps: int = 25
     # classifier-free guidance w (1 = none); auto = the unet generator's recorded best w
     # (fit-generator chooses it by fidelity), 1 for the other backends without a preset value

@@ -16,7 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from core.config import ConfigError, StageConfig, check_choice, check_range, not_recorded
+from core.config import (
+    ConfigError,
+    StageConfig,
+    bounded,
+    check_choice,
+    check_range,
+    not_recorded,
+)
 from core.parts import Section
 from core.precision import check_precision
 from core.tracking import parse_trackers
@@ -42,16 +49,15 @@ PRECISIONS = ("auto", "fp32", "bf16")
 class Optim:
     """SGD with momentum; the lr times lr_gamma at each milestone epoch"""
 
-    lr: float = 0.1
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
+    lr: float = bounded(0.1, 0.0, low_open=True)
+    momentum: float = bounded(0.9, 0.0, 1.0, high_open=True)
+    weight_decay: float = bounded(5e-4, 0.0)
     milestones: tuple[int, ...] = (80, 120)
-    lr_gamma: float = 0.1
-    clip_norm: float = 2.0  # gradient-norm clip of the classifier's parameters; 0 = off
+    lr_gamma: float = bounded(0.1, 0.0, low_open=True)
+    # gradient-norm clip of the classifier's parameters; 0 = off
+    clip_norm: float = bounded(2.0, 0.0)
 
     def __post_init__(self) -> None:
-        check_range("optim.lr", self.lr, 0.0)
-        check_range("optim.clip_norm", self.clip_norm, 0.0)
         if list(self.milestones) != sorted(self.milestones):
             raise ConfigError(f"optim.milestones={list(self.milestones)} must be increasing")
 

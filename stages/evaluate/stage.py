@@ -35,7 +35,7 @@ from shards.manifest import (
     remake_command,
     stage_command,
 )
-from shards.runs import META, RunError
+from shards.runs import META, RunError, damaged_fix
 from shards.runs import load_model as load_run_model
 from stages.common import data as datapath
 from stages.configs.evaluate import Config
@@ -71,6 +71,19 @@ def find_run(root: Path, name: str, stage_dir: str, preset: str = "") -> Path:
             f"rerun it before evaluating it: {how}"
         )
     where = " or ".join(str(root / s / name) for s in candidates)
+    elsewhere = [s for s in RUN_STAGES if s not in candidates and is_complete(root / s / name)]
+    if elsewhere:  # stage_dir= pins the other folder: the run is complete there
+        sets = {"run": name, "stage_dir": elsewhere[0]}
+        command = stage_command("evaluate", root, preset, sets)
+        raise RunError(
+            f"run {name!r} is not in {where} but in {root / elsewhere[0] / name}: evaluate it "
+            f"there: `{command}`"
+        )
+    if candidates == ["finetune"]:  # finetune writes <run>-<method>, from a trained run
+        raise RunError(
+            f"run {name!r} has no fine-tuned weights in {where}; fine-tune a trained run first "
+            f"(finetune --set run=<trained run> method=<method> writes finetune/<run>-<method>)"
+        )
     remake = remake_command(root / "train" / name, preset)
     how = (
         f"`{remake[1]}`"
@@ -168,6 +181,13 @@ def _measure(
         "evaluate %s on %d test / %d val images (%s)", ", ".join(names), len(test), len(val), device
     )
     test_logits, val_logits = logits_of(test.images), logits_of(val.images)
+    for n in names:  # a NaN would pass through every metric into report.md
+        for split_name, lg in (("test", test_logits[n]), ("val", val_logits[n])):
+            if not torch.isfinite(lg).all():
+                raise RunError(
+                    f"run {n!r} ({folders[n]}) gives non-finite logits on real/{split_name}: "
+                    f"its weights overflow; {damaged_fix(folders[n])} with a smaller lr"
+                )
     temps = {
         n: fit_temperature(val_logits[n], val.labels, criterion=cfg.ts_criterion)
         for n in test_logits
@@ -309,7 +329,24 @@ def write_evaluation(
 # ---------------------------------------------------------------- the stage
 
 
+def check_inputs(cfg: Config) -> None:
+    """Every path evaluate reads besides the runs (ood=, corruptions=) checked before any work:
+    a mistyped one fails in a second, not after the whole evaluation. The corruption arrays are
+    memory-mapped, so checking their shapes reads no pixels."""
+    evals.ood_folders(cfg.ood)
+    if cfg.corruptions:
+        if not Path(cfg.corruptions).is_dir():
+            raise ShardError(
+                f"corruptions={cfg.corruptions}: no such folder; give a folder of "
+                "<corruption>.npy arrays + labels.npy (CIFAR-C layout; the shift stage writes "
+                "one per root), or leave corruptions= empty"
+            )
+        evals.corruption_sets(cfg.corruptions)
+
+
 def run(cfg: Config) -> Path:
+    # 0. Input paths first (the bare form checks them again per run: a stat each).
+    check_inputs(cfg)
     report = evals.report_path(cfg.root)
     if not cfg.run and not cfg.runs:  # `make evaluate`: every complete user run, then the report
         skip = left_out(cfg)
