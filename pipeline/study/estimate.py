@@ -1,7 +1,7 @@
 """How long a study's plan takes on this machine, before its first task: every task's expected
 seconds from measured rates (one model per task kind), then the scheduler of execute.py
-simulated over the plan (`jobs` at a time, the same dependencies, the same order), giving the
-expected wall and the critical path.
+simulated over the plan (`jobs` at a time, the same dependencies, the same order, the same core
+rule: startable()), giving the expected wall and the critical path.
 
 The rates are seconds per unit of work as a task of that kind took them *inside a study*, with
 `jobs - 1` other tasks beside it on the same cores: what the scheduler sees. The committed
@@ -9,7 +9,9 @@ default (rates.json) is fitted from the verdict study's own host.json (docs/resu
 verdict/, 2 jobs on 2 cores; `python -m pipeline.study.estimate fit` remakes it and prints the
 cross-check). A task's units come from its resolved config, so a plan with more seeds, epochs,
 fit steps or images costs more without a new fit; another machine, or another `jobs`, needs
-its own rates file (`--set` nothing: pass the file as SEMIX_STUDY_RATES).
+its own rates file (`--set` nothing: pass the file as SEMIX_STUDY_RATES). A task that holds
+every core runs alone under the core rule, so its kind's `alone` rate (measured alone, not
+fitted: the file's `alone_source` says where) replaces the study's for it.
 """
 
 from __future__ import annotations
