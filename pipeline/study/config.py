@@ -6,6 +6,7 @@ Its own module so that the study's plan (pipeline.study.plan), its tuning grids
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -191,6 +192,10 @@ class Task:
     # grid's choice does not need), the task is done as it is
     prepare: Callable[[], list[str] | None] | None = None
     extra_step: int = -1
+    # the cores its commands keep busy at once: its stages' cpu_threads, the most of its steps
+    # (a stage at torch's default, 0, and a chain's generate, one process per core: every core;
+    # plan.task_cores). execute starts it only where that many are free (estimate.startable)
+    cores: int = 1
 
     def commands(self, preset: str, extra: Sequence[str] = ()) -> list[list[str]]:
         at = self.extra_step % len(self.steps)
@@ -199,6 +204,14 @@ class Task:
             + (list(extra) if i == at else [])
             for i, (stage, sets) in enumerate(self.steps)
         ]
+
+
+def cpu_count() -> int:
+    """The cores this process may run on (its affinity where the system says, as the chain's
+    process count does), at least 1: the machine the study's tasks share."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 # the tuned baselines csm must also meet (on the seeds they share with it)

@@ -1,7 +1,7 @@
 """How long a study's plan takes on this machine, before its first task: every task's expected
 seconds from measured rates (one model per task kind), then the scheduler of execute.py
-simulated over the plan (`jobs` at a time, the same dependencies, the same order), giving the
-expected wall and the critical path.
+simulated over the plan (`jobs` at a time, the same dependencies, the same order, the same core
+rule: startable()), giving the expected wall and the critical path.
 
 The rates are seconds per unit of work as a task of that kind took them *inside a study*, with
 `jobs - 1` other tasks beside it on the same cores: what the scheduler sees. The committed
@@ -9,7 +9,9 @@ default (rates.json) is fitted from the verdict study's own host.json (docs/resu
 verdict/, 2 jobs on 2 cores; `python -m pipeline.study.estimate fit` remakes it and prints the
 cross-check). A task's units come from its resolved config, so a plan with more seeds, epochs,
 fit steps or images costs more without a new fit; another machine, or another `jobs`, needs
-its own rates file (`--set` nothing: pass the file as SEMIX_STUDY_RATES).
+its own rates file (`--set` nothing: pass the file as SEMIX_STUDY_RATES). A task that holds
+every core runs alone under the core rule, so its kind's `alone` rate (measured alone, not
+fitted: the file's `alone_source` says where) replaces the study's for it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 from pipeline.chain import scoped_errors, split_sets
 from pipeline.registry import resolve_stage_config
 from pipeline.study.cells import MAX_CELLS
-from pipeline.study.config import StudyError, Task
+from pipeline.study.config import StudyError, Task, cpu_count
 
 RATES = Path(__file__).with_name("rates.json")  # the committed default (its "source" says whence)
 RATES_ENV = "SEMIX_STUDY_RATES"  # another rates file: this machine's, or another `jobs`
@@ -136,8 +138,9 @@ def plan_classes(root: Path, default: int) -> tuple[int, bool]:
 
 
 def load_rates(path: Path | None = None) -> dict[str, Any]:
-    """The rates file: `rates` (seconds per unit, per kind), `extension_share`, `classes` and
-    its `source`. SEMIX_STUDY_RATES names another one; a missing or bad file is one line."""
+    """The rates file: `rates` (seconds per unit, per kind, inside a study), `alone` (those of
+    the kinds measured alone, for a task that holds every core), `extension_share`, `classes`
+    and its `source`. SEMIX_STUDY_RATES names another one; a missing or bad file is one line."""
     path = Path(path or os.environ.get(RATES_ENV) or RATES)
     try:
         rates = json.loads(path.read_text(encoding="utf-8"))
@@ -156,18 +159,26 @@ def load_rates(path: Path | None = None) -> dict[str, Any]:
 
 
 def expected_seconds(
-    tasks: Sequence[Task], preset: str, rates: Mapping[str, Any], classes: int
+    tasks: Sequence[Task],
+    preset: str,
+    rates: Mapping[str, Any],
+    classes: int,
+    cpus: int | None = None,
 ) -> tuple[dict[str, float], dict[str, Work]]:
-    """Every task's expected seconds (0 for a task already done) and its work."""
+    """Every task's expected seconds (0 for a task already done) and its work. With `cpus`
+    (the core rule), a task that holds the whole machine runs alone: its kind's `alone` rate
+    where the rates file has one (measured alone), else the study's rate."""
     cells = sum(1 for t in tasks if t.name.startswith(CELL_TASKS[0]))
     cell_share = min(1.0, MAX_CELLS / cells) if cells else 1.0
     ext_share = float(rates.get("extension_share", 1.0))
-    r = rates["rates"]
+    r, alone = rates["rates"], rates.get("alone", {})
     seconds, works = {}, {}
     for t in tasks:
         w = task_work(t, preset, classes, cell_share, ext_share)
         works[t.name] = w
-        own = w.units * r[w.kind] + extra_evaluate(t) * r["evaluate"]
+        wide = cpus is not None and held_cores(t, cpus) >= cpus
+        rate = alone[w.kind] if wide and w.kind in alone else r[w.kind]
+        own = w.units * rate + extra_evaluate(t) * r["evaluate"]
         seconds[t.name] = 0.0 if t.done else own * w.share
     return seconds, works
 
@@ -227,6 +238,35 @@ def start_order(ready: Sequence[Task], priority: Mapping[str, float] | None) -> 
     return [t for _, t in ranked]
 
 
+def held_cores(task: Task, cpus: int | None) -> int:
+    """The cores a task holds while it runs: its `cores`, the whole machine where it asks for
+    every core or more (such a task runs alone); 0 without a core rule (`cpus` None)."""
+    if cpus is None:
+        return 0
+    return cpus if task.cores <= 0 or task.cores >= cpus else task.cores
+
+
+def startable(
+    ready: Sequence[Task], running: int, busy: int, jobs: int, cpus: int | None
+) -> list[Task]:
+    """Which ready tasks start now, with `running` tasks holding `busy` cores: in `ready`'s
+    order (start_order), while fewer than `jobs` run and the task's cores fit beside the busy
+    ones on the machine's `cpus`. The first task that does not fit stops the list: nothing
+    after it starts (it has the cores reserved as the running tasks end), so a task that needs
+    the whole machine and heads the critical path is never starved by narrow tasks that keep
+    starting beside each other. The price: a core can idle while the wide task waits for its
+    neighbour to end. `cpus` None: no core rule (`jobs` only, the scheduler before it).
+    execute.py and simulate() both use it."""
+    out: list[Task] = []
+    for t in ready:
+        need = held_cores(t, cpus)
+        if running + len(out) >= jobs or (cpus is not None and busy + need > cpus):
+            break
+        out.append(t)
+        busy += need
+    return out
+
+
 @dataclass(frozen=True)
 class Schedule:
     wall: float  # seconds from the first task's start to the last one's end
@@ -238,21 +278,25 @@ def simulate(
     seconds: Mapping[str, float],
     jobs: int,
     priority: Mapping[str, float] | None = None,
+    cpus: int | None = None,
 ) -> Schedule:
     """execute.py's loop with each task's expected seconds for its run: at each moment the
-    ready tasks start in start_order while fewer than `jobs` run; the earliest end frees its
-    job (ends at the same moment together). A done task is done at 0."""
+    ready tasks start as startable() lets them (start_order; fewer than `jobs` running; with
+    `cpus`, the core rule); the earliest end frees its job and its cores (ends at the same
+    moment together). A done task is done at 0."""
     done = {t.name for t in tasks if t.done}
     pending = [t for t in tasks if not t.done]
     running: list[tuple[float, int, str]] = []  # (end, plan index, name)
     index = {t.name: i for i, t in enumerate(tasks)}
+    held = {t.name: held_cores(t, cpus) for t in tasks}
     starts: dict[str, float] = {}
-    now = 0.0
+    now, busy = 0.0, 0
     while pending or running:
-        ready = [t for t in pending if t.after <= done]
-        for t in start_order(ready, priority)[: max(0, jobs - len(running))]:
+        ready = start_order([t for t in pending if t.after <= done], priority)
+        for t in startable(ready, len(running), busy, jobs, cpus):
             pending.remove(t)
             starts[t.name] = now
+            busy += held[t.name]
             heapq.heappush(running, (now + seconds.get(t.name, 0.0), index[t.name], t.name))
         if not running:
             if pending:
@@ -261,7 +305,9 @@ def simulate(
             break
         now = running[0][0]
         while running and running[0][0] <= now:
-            done.add(heapq.heappop(running)[2])
+            name = heapq.heappop(running)[2]
+            done.add(name)
+            busy -= held[name]
     return Schedule(now, starts)
 
 
@@ -296,6 +342,7 @@ class Estimate:
     source: str
     classes_assumed: bool
     report: float = 0.0  # the statistics and report after the last task (in `wall`)
+    cpus: int | None = None  # the core rule's machine; None: `jobs` only (order plan, critical)
 
     def by_kind(self) -> dict[str, tuple[int, float]]:
         """kind -> (pending tasks that cost anything, their task-seconds), in KINDS order."""
@@ -320,7 +367,9 @@ class Estimate:
         for kind, (n, s) in self.by_kind().items():
             lines.append(f"{kind:<12} {n:>5} {s / 60:>9.1f} {on_path.get(kind, 0) / 60:>12.1f}")
         lines.append(
-            f"expected wall {_hm(self.wall)} at {self.jobs} job(s) "
+            f"expected wall {_hm(self.wall)} at {self.jobs} job(s)"
+            + (f" on {self.cpus} core(s)" if self.cpus else "")
+            + " "
             f"(critical path {_hm(sum(self.seconds[n] for n in self.critical))}: "
             f"{' -> '.join(_short(self.critical))}); rates: {self.source}"
             + ("; classes assumed as the rates' study" if self.classes_assumed else "")
@@ -332,6 +381,7 @@ class Estimate:
         return {
             "wall_seconds": round(self.wall, 1),
             "jobs": self.jobs,
+            "cpus": self.cpus,
             "task_minutes": {k: round(s / 60, 1) for k, (_, s) in self.by_kind().items()},
             "critical_path": self.critical,
             "rates": self.source,
@@ -347,22 +397,31 @@ def _short(names: Sequence[str], keep: int = 6) -> list[str]:
     return list(names) if len(names) <= keep else [*names[:3], "...", *names[-2:]]
 
 
+ORDERS = ("cores", "critical", "plan")  # estimate()'s schedulers, execute.py's first
+
+
 def estimate(
     tasks: Sequence[Task],
     preset: str,
     jobs: int,
     root: Path,
     rates: Mapping[str, Any] | None = None,
-    order: str = "critical",
+    order: str = "cores",
+    cpus: int | None = None,
 ) -> Estimate:
-    """The plan's expected wall at `jobs`: order "critical" (execute.py's order) or "plan"
-    (the order before critical-path scheduling, to compare with studies that ran so). The
-    report's seconds are added once, when any task is pending."""
+    """The plan's expected wall at `jobs` under one of three schedulers: "cores" (execute.py's:
+    critical path first and the core rule on `cpus`, this machine's by default; a task that
+    holds every core runs alone, at its kind's alone rate), "critical" (critical path first,
+    `jobs` only) or "plan" (plan order, `jobs` only: how the verdict study ran). The report's
+    seconds are added once, when any task is pending."""
+    if order not in ORDERS:
+        raise ValueError(f"order {order!r}: one of {', '.join(ORDERS)}")
     rates = rates or load_rates()
     classes, assumed = plan_classes(root, int(rates.get("classes", 10)))
-    seconds, works = expected_seconds(tasks, preset, rates, classes)
+    cpus = (cpus or cpu_count()) if order == "cores" else None
+    seconds, works = expected_seconds(tasks, preset, rates, classes, cpus)
     path = remaining_path(tasks, seconds)
-    schedule = simulate(tasks, seconds, jobs, path if order == "critical" else None)
+    schedule = simulate(tasks, seconds, jobs, path if order != "plan" else None, cpus)
     pending = any(not t.done for t in tasks)
     report = rates["rates"][REPORT] if pending else 0.0
     return Estimate(
@@ -374,6 +433,7 @@ def estimate(
         rates.get("source", "?"),
         classes_assumed=assumed,
         report=report,
+        cpus=cpus,
     )
 
 
@@ -440,6 +500,9 @@ def _fit_main(argv: Sequence[str]) -> int:
     cfg, root, tasks = setup(args.preset, [*args.sets, "out=/nonexistent-study-root"], data=False)
     print(cross_check(host, tasks, args.preset, cfg.jobs, root, args.report_seconds))
     rates = rates_from_host(host, tasks, args.preset, args.report_seconds)
+    # the alone rates are measured alone, not in a study: kept from the committed file
+    committed = load_rates(RATES)
+    rates |= {k: committed[k] for k in ("alone", "alone_source") if k in committed}
     rates["source"] = f"{args.host} ({cfg.jobs} jobs, {sittings(host)[-1].get('cpu_count')} cores)"
     text = json.dumps(rates, indent=2) + "\n"
     if args.out:

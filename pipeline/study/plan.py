@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from core.config import parse_sets
-from pipeline.chain import check_chain, scoped_errors, split_sets
+from pipeline.chain import SPREAD, check_chain, scoped_errors, split_sets
 from pipeline.registry import resolve_stage_config
 from pipeline.study import robustness
 from pipeline.study.cells import (
@@ -23,7 +23,7 @@ from pipeline.study.cells import (
     prepare_set0,
     reference_steps,
 )
-from pipeline.study.config import CELL_FIT_SEED, METHODS, StudyConfig, Task, run_name
+from pipeline.study.config import CELL_FIT_SEED, METHODS, StudyConfig, Task, cpu_count, run_name
 from pipeline.study.mixed_sets import (
     FIT_UPSTREAM,
     chain_task,
@@ -193,7 +193,35 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
     for t in tasks[1:]:  # every task reads the data: each waits for it, directly or not
         if not t.after:
             t.after.add(DATA)
+    cpus = cpu_count()
+    for t in tasks:
+        t.cores = task_cores(preset, t.steps, cpus)
     return tasks
+
+
+@functools.lru_cache(maxsize=1024)
+def _step_cores(stage: str, preset: str, sets: tuple[str, ...], cpus: int) -> int:
+    with scoped_errors(stage):
+        threads = resolve_stage_config(stage, preset, list(sets)).cpu_threads
+    return threads if 0 < threads < cpus else cpus
+
+
+def task_cores(preset: str, steps: Sequence[tuple[str, Sequence[str]]], cpus: int) -> int:
+    """The cores a task's commands keep busy at once, from its steps' resolved configs: a
+    stage's `cpu_threads` (0, torch's default: every core; never more than the machine), the
+    most over its steps (they run one after another). A chain counts every step of the
+    preset's chain with the values the chain gives it, and a step it spreads over one process
+    per core (pipeline/chain.py SPREAD: generate) as every core."""
+    most = 1
+    for stage, sets in steps:
+        if stage == "chain":
+            for sub, extra in chain_steps(preset):
+                if sub in SPREAD:
+                    return cpus
+                most = max(most, _step_cores(sub, preset, (*extra, *split_sets(sets, sub)), cpus))
+        else:
+            most = max(most, _step_cores(stage, preset, tuple(sets), cpus))
+    return min(most, cpus)
 
 
 def study_cells(cfg: StudyConfig, preset: str, chain_sets: Sequence[str]) -> list[Cell]:
