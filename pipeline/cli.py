@@ -225,14 +225,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         preset = compose(args.preset or DEFAULT_PRESET, args.recipe)  # an unknown recipe: here
         if args.help:
             return show(help_text(args.stage, preset))
-        if args.estimate:  # the study's plan, timed before it starts; runs nothing
-            if args.stage != "study":
-                raise ConfigError(
-                    f"--estimate is the study's (semix study --estimate), not {args.stage}'s"
-                )
+        if args.estimate and args.stage != "study":
+            raise ConfigError(
+                f"--estimate is the study's (semix study --estimate), not {args.stage}'s"
+            )
+        if args.estimate and not (args.fields or args.print_config):  # runs nothing
             from pipeline.study import estimate_text
 
-            return show(estimate_text(preset, sets))
+            return show(estimate_text(preset, sets))  # --print-config's plan holds it already
         if args.fields or args.print_config:  # on every command: describe, never start work
             return show(describe(args.stage, preset, sets, print_config=not args.fields))
         check_environment()  # before any work: a value semix would misread is one line
