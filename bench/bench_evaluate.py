@@ -14,6 +14,9 @@ Fashion-MNIST run (the study's evaluate: real/test + real/val, corruptions, OOD)
 3. Agreement: every number of the two checkouts' metrics.json (before_ts, after_ts, posthoc,
    corruptions, ood), the largest absolute difference, and the keys that differ by more than
    1e-4, so a speed-up that moved a result shows next to its time.
+4. Shares: one more evaluate of each checkout with its parts timed in CPU seconds (SHARES_CODE:
+   the stage's functions wrapped, no profiler), as shares of the process's CPU time: what
+   is left to cut, and what a change cut, read on a machine where seconds vary.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,6 +34,36 @@ from bench.bench_train import SHIFT_IMAGES, _fashion_idx, _timed
 
 REPEATS = 3
 TOLERANCE = 1e-4
+
+# `python -c SHARES_CODE <pipeline args>`: one evaluate with its parts' CPU seconds (process
+# time, so that other jobs on the machine do not count), printed as one JSON line at exit. The
+# parts are the stage's module attributes, wrapped where a checkout has them; nested calls are
+# not subtracted, so the parts are disjoint only as listed (the logits include every set's).
+PARTS = (
+    ("stages.evaluate.stage", "collect_logits", "logits"),
+    ("shards.datasets", "load_split", "splits read"),
+    ("stages.evaluate.stage", "fit_posthoc", "post-hoc fits"),
+    ("stages.evaluate.stage", "reliability_diagram", "reliability diagram"),
+)
+SHARES_CODE = f"""
+import atexit, functools, importlib, json, runpy, sys, time
+cpu = {{}}
+PARTS = {PARTS!r}
+for module, name, part in PARTS:
+    mod = importlib.import_module(module)
+    if not hasattr(mod, name):
+        continue
+    def timed(*args, _f=getattr(mod, name), _part=part, **kwargs):
+        t = time.process_time()
+        try:
+            return _f(*args, **kwargs)
+        finally:
+            cpu[_part] = cpu.get(_part, 0.0) + time.process_time() - t
+    setattr(mod, name, functools.wraps(getattr(mod, name))(timed))
+atexit.register(lambda: print("SHARES " + json.dumps({{"total": time.process_time(), **cpu}})))
+sys.argv = ["pipeline", *sys.argv[1:]]
+runpy.run_module("pipeline", run_name="__main__")
+"""
 
 
 def _leaves(tree, path: str = "") -> dict[str, float]:
@@ -64,16 +98,36 @@ def _compare(before: dict[str, float], now: dict[str, float]) -> tuple[float, li
     return worst, off + sorted(f"{k} (one side only)" for k in before.keys() ^ now.keys())
 
 
+def _shares(cpu: dict[str, float]) -> str:
+    """SHARES_CODE's JSON as "logits 59 %, splits read 11 %, ..., the rest 9 % of 36.2 CPU s"."""
+    total = cpu.pop("total")
+    parts = [f"{part} {100 * s / total:.0f} %" for part, s in cpu.items()]
+    rest = total - sum(cpu.values())
+    return ", ".join([*parts, f"the rest {100 * rest / total:.0f} %"]) + f" of {total:.1f} CPU s"
+
+
 def _sitting(before: Path, tmp: Path, preset: str, sets: list[str]) -> dict:
-    """The fastest evaluate of each checkout on one root, and their results' agreement."""
+    """The fastest evaluate of each checkout on one root, their results' agreement, and the
+    shares of one more evaluate of each."""
     py = sys.executable
     root = tmp / preset
+    args = ["evaluate", "--preset", preset, "--set", f"out={tmp}", "run=r0", "stage_dir=train"]
 
     def evaluate(code: Path) -> tuple[float, dict[str, float]]:
         shutil.rmtree(root / "eval", ignore_errors=True)
-        cmd = [py, "-m", "pipeline", "evaluate", "--preset", preset, "--set", f"out={tmp}"]
-        seconds = _timed([*cmd, "run=r0", "stage_dir=train", *sets], code)
+        seconds = _timed([py, "-m", "pipeline", *args, *sets], code)
         return seconds, _evaluation(root)
+
+    def shares(code: Path) -> str:
+        shutil.rmtree(root / "eval", ignore_errors=True)
+        env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1"}
+        env["SEMIX_NO_PROGRESS"] = "1"
+        cmd = [py, "-c", SHARES_CODE, *args, *sets]
+        done = subprocess.run(cmd, cwd=code, env=env, capture_output=True, text=True)
+        lines = [x for x in done.stdout.splitlines() if x.startswith("SHARES ")]
+        if done.returncode or not lines:
+            raise RuntimeError(f"evaluate with shares failed:\n{done.stderr[-2000:]}")
+        return _shares(json.loads(lines[-1].removeprefix("SHARES ")))
 
     befores, nows = [], []
     for _ in range(REPEATS):
@@ -81,6 +135,7 @@ def _sitting(before: Path, tmp: Path, preset: str, sets: list[str]) -> dict:
         nows.append(evaluate(REPO))
     t_before, t_now = min(s for s, _ in befores), min(s for s, _ in nows)
     worst, off = _compare(befores[0][1], nows[0][1])
+    share_before, share_now = shares(before), shares(REPO)
     return {
         "run": preset,
         "before s": f"{t_before:.1f}",
@@ -90,6 +145,8 @@ def _sitting(before: Path, tmp: Path, preset: str, sets: list[str]) -> dict:
         "above 1e-4": "; ".join(off) if off else "none",
         "all s": f"before {', '.join(f'{s:.1f}' for s, _ in befores)}; "
         f"now {', '.join(f'{s:.1f}' for s, _ in nows)}",
+        "shares before": share_before,
+        "shares now": share_now,
     }
 
 
@@ -142,6 +199,11 @@ def run() -> dict | None:
         "reach the gradient tolerance (dirichlet at the L-BFGS cap on a small val or on a flat "
         "valley; vector scaling on a val fold where a class has no error) stops where rounding "
         "led it, in either checkout, ~1e-3 apart in probability: see docs/evaluate.md.",
+        "Shares: one more evaluate of each checkout, its parts in CPU seconds (process time) as "
+        "shares of the process's: logits = every set's forward passes (test, val, each "
+        "corruption and severity, OOD); splits read = real/test, real/val and the OOD splits "
+        "read and their PNGs decoded; the rest = start-up and imports, model loading, metrics, "
+        "outputs.",
     ]
     return {"title": TITLE, "rows": rows, "notes": notes}
 

@@ -69,15 +69,19 @@ def _cross_entropy(z: np.ndarray, hit: np.ndarray) -> tuple[float, np.ndarray]:
     """(mean −log softmax(z)_y, its gradient in z): F.cross_entropy and its backward in closed
     form, (softmax(z) − onehot(y)) / N. z is class-major [C, N] (a sum over classes is then a
     sum of C rows, several times faster in numpy than C columns), `hit` the flat positions
-    y_i·N + i of the labels (`_hits`)."""
+    y_i·N + i of the labels (`_hits`). z is overwritten by the gradient: the objectives make it
+    fresh for each call, and working in place spares three [C, N] arrays per call, each fresh
+    memory from the system at these sizes (the same operations, so the same numbers)."""
     n = z.shape[1]
     m = z.max(axis=0)
-    e = np.exp(z - m)
+    label = np.mean(z.ravel()[hit])
+    e = np.exp(np.subtract(z, m, out=z), out=z)
     total = e.sum(axis=0)
-    loss = float(np.mean(m + np.log(total)) - np.mean(z.ravel()[hit]))
+    loss = float(np.mean(m + np.log(total)) - label)
     e /= total
     e.ravel()[hit] -= 1.0
-    return loss, e / n
+    e /= n
+    return loss, e
 
 
 def _hits(y: np.ndarray) -> np.ndarray:
@@ -131,7 +135,9 @@ class VectorScaling:
 
         def objective(theta: np.ndarray) -> tuple[float, np.ndarray]:
             w, b = theta[:c], theta[c:]
-            loss, dz = _cross_entropy(x * w[:, None] + b[:, None], hit)
+            z = x * w[:, None]
+            z += b[:, None]
+            loss, dz = _cross_entropy(z, hit)
             return loss, np.concatenate([(dz * x).sum(axis=1), dz.sum(axis=1)])
 
         theta = _minimise(objective, np.concatenate([np.ones(c), np.zeros(c)]))  # w = 1, b = 0
@@ -159,7 +165,9 @@ class DirichletScaling:
 
         def objective(theta: np.ndarray) -> tuple[float, np.ndarray]:
             weight, bias = theta[: c * c].reshape(c, c), theta[c * c :]
-            loss, dz = _cross_entropy(weight @ x + bias[:, None], hit)
+            z = weight @ x
+            z += bias[:, None]
+            loss, dz = _cross_entropy(z, hit)
             w_off = weight * off
             loss += scale * float((w_off**2).sum()) + self.mu * float((bias**2).mean())
             d_weight = dz @ x.T + 2.0 * scale * w_off

@@ -203,6 +203,23 @@ def test_ood_corruptions_and_finetune_runs(tmp_path):
         evaluate(root, "run=ft", "stage_dir=train")
 
 
+def test_a_grey_corruption_set_is_copied_as_its_rgb_view(tmp_path):
+    from stages.evaluate.metrics import _copied
+
+    rng = np.random.default_rng(3)
+    np.save(tmp_path / "labels.npy", rng.integers(0, 4, 6))
+    np.save(tmp_path / "blur.npy", rng.integers(0, 256, (30, 5, 4, 1), dtype=np.uint8))
+    np.save(tmp_path / "rgb.npy", rng.integers(0, 256, (30, 5, 4, 3), dtype=np.uint8))
+    sets, _ = evals.corruption_sets(str(tmp_path))
+    for name in ("blur", "rgb"):
+        view = sets[name][12:18]  # severity 3
+        copy = _copied(view)
+        assert copy.flags.writeable and copy.flags.c_contiguous and copy.shape == (6, 5, 4, 3)
+        np.testing.assert_array_equal(copy, np.array(view))
+    grey = np.load(tmp_path / "blur.npy")[12:18]
+    np.testing.assert_array_equal(_copied(sets["blur"][12:18]), np.concatenate([grey] * 3, -1))
+
+
 def test_evaluate_leaves_trained_runs_byte_identical_and_writes_eval_folders(digits_root, tmp_path):
     shutil.copytree(digits_root / "real", tmp_path / "digits" / "real")
     root = tmp_path / "digits"

@@ -388,3 +388,33 @@ def test_fit_posthoc_matches_the_old_calibrators():
     q = torch.stack([isotonic_predict(*f, F.softmax(test, 1)[:, k]) for k, f in enumerate(fits)], 1)
     ref = q / q.sum(1, keepdim=True)
     assert (fit.probs(test)["isotonic"] - ref).abs().max() < 1e-12
+
+
+def _old_cross_entropy(z: np.ndarray, hit: np.ndarray) -> tuple[float, np.ndarray]:
+    """posthoc._cross_entropy before it worked in place (kept as the reference)."""
+    n = z.shape[1]
+    m = z.max(axis=0)
+    e = np.exp(z - m)
+    total = e.sum(axis=0)
+    loss = float(np.mean(m + np.log(total)) - np.mean(z.ravel()[hit]))
+    e /= total
+    e.ravel()[hit] -= 1.0
+    return loss, e / n
+
+
+@pytest.mark.parametrize("c, n", [(10, 4800), (3, 7), (100, 50)])
+def test_cross_entropy_in_place_gives_the_old_numbers_bit_for_bit(c, n):
+    from models.posthoc import _cross_entropy, _hits
+
+    rng = np.random.default_rng(c)
+    z = 5.0 * rng.standard_normal((c, n))
+    y = rng.integers(0, c, n)
+    want_loss, want_grad = _old_cross_entropy(z.copy(), _hits(y))
+    loss, grad = _cross_entropy(z.copy(), _hits(y))
+    assert loss == want_loss and np.array_equal(grad, want_grad)
+    # and both are F.cross_entropy and its gradient
+    zt = torch.from_numpy(z.T.copy()).requires_grad_()
+    ref = F.cross_entropy(zt, torch.from_numpy(y))
+    ref.backward()
+    assert loss == pytest.approx(ref.detach().item(), abs=1e-12)
+    np.testing.assert_allclose(grad, zt.grad.numpy().T, atol=1e-15)

@@ -50,6 +50,15 @@ def ood_section(
     }
 
 
+def _copied(images: np.ndarray) -> np.ndarray:
+    """A writable copy of one severity's images out of the memory map. A grey set comes as a
+    view repeating its one channel (evals.corruption_sets, a stride of 0): copying that view
+    goes byte by byte, ~3x slower than copying the channel and repeating it (same bytes)."""
+    if images.shape[-1] == 3 and images.strides[-1] == 0:
+        return np.repeat(np.array(images[..., :1]), 3, axis=-1)
+    return np.array(images)
+
+
 def corruption_metrics(
     sets: dict[str, np.ndarray],
     labels: np.ndarray,
@@ -76,9 +85,7 @@ def corruption_metrics(
             y = torch.from_numpy(
                 np.asarray(labels[s * n : (s + 1) * n] if len(labels) > n else labels)
             ).long()
-            logits = logits_of(
-                torch.from_numpy(np.array(arr[s * n : (s + 1) * n]))
-            )  # copy out of the mmap
+            logits = logits_of(torch.from_numpy(_copied(arr[s * n : (s + 1) * n])))
             for name, lg in logits.items():
                 kept[name][-1].append(lg.float())
                 rows = {
