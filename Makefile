@@ -1,7 +1,7 @@
 # semix front door. `make help` lists every target.
 # Variables: CLASSES (preset or classes .txt), RECIPE (a preset whose recipe runs on CLASSES'
 # data), OUT (runs root), RUN, LOSS, METHOD, RUNS, MIXED, REPO, REVISION, PRIVATE, DRY_RUN,
-# SET (extra key=value overrides), FORCE (clean).
+# SET (extra key=value overrides), FORCE (clean), PYTEST_WORKERS (make test: processes, 0 = one).
 
 SHELL      := /bin/bash
 ROOT       := $(patsubst %/,%,$(dir $(abspath $(lastword $(MAKEFILE_LIST)))))
@@ -57,11 +57,14 @@ fashion-mnist-data: ## install Debian's dataset-fashion-mnist when missing (need
 	    { apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist; }; } >/dev/null 2>&1; } || \
 	  echo "semix: could not install dataset-fashion-mnist (not root or no apt-get); prepare names the other ways"
 
+# Tests spread over the cores (pytest-xdist; each worker's torch gets its share of them:
+# tests/conftest.py). PYTEST_WORKERS=0 runs them in one process.
+PYTEST_WORKERS ?= auto
 test: $(STAMP) ## fast CPU test tier (what CI runs)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS)
 
 test-all: $(STAMP) ## every CPU test, slow ones included
-	$(PY) -m pytest -q -m "not gpu"
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "not gpu"
 
 test-gpu: $(STAMP) ## tests that need a CUDA GPU (without one: says "no GPU", exits 0)
 	@$(PY) -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)'; rc=$$?; \

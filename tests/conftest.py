@@ -23,6 +23,18 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (`make test`: -n auto), each worker's torch gets its share of the
+    cores, so N workers never run N x cores threads (OpenMP oversubscribed on a 2-core machine
+    spins more than it computes). Serial runs keep torch's default; the environment is left
+    alone (tests check how stages read OMP_NUM_THREADS)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 def subprocess_env() -> dict[str, str]:
     """Environment for `python -m pipeline` subprocesses run from any cwd."""
     env = dict(os.environ)
