@@ -14,6 +14,7 @@ import io
 import re
 import textwrap
 import tokenize
+import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -136,7 +137,10 @@ def describe_fields(
         doc, heading = _comments(leaf.owner).get(leaf.field.name, ("", ""))
         if "." in leaf.path and head not in heads:  # a section's first leaf: its heading
             heads.add(head)
-            heading = " ".join(x for x in (_section_doc(leaf.owner, head), heading) if x)
+            held = typing.get_type_hints(config_cls)[
+                head
+            ]  # the section's class, not a subsection's
+            heading = " ".join(x for x in (_section_doc(held, head), heading) if x)
         name, default, named = leaf.path, field_default(leaf.field), shown(config_cls, leaf.path)
         own = [set_value(chosen[name])] if name in chosen and chosen[name] != default else []
         own += [f"{set_value(v[name])} when {c}" for c, v in when.items() if name in v]
