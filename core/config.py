@@ -119,7 +119,22 @@ class StageConfig(metaclass=Tree):
             off = rule == OFF_DEFAULT and get(self, path) == field_default(f)
             return rule != SKIP and not off
 
-        return {short(type(self), p): _jsonable(get(self, p)) for p in rows if kept(p)}
+        kept_ = {short(type(self), p): _jsonable(get(self, p)) for p in rows if kept(p)}
+        return Recorded(kept_, type(self))
+
+
+class Recorded(dict):
+    """A config.json's {flat name: value} (`StageConfig.recorded`) that knows how the command
+    line names each key: `named(key)`, its tree path through the stage's LEGACY
+    (`lr` -> `optim.lr`). The keys and values are what is compared and written; the names are
+    for the messages about them (shards.writer.check_config: `differs in: optim.lr`)."""
+
+    def __init__(self, values: Mapping[str, Any], config_cls: type) -> None:
+        super().__init__(values)
+        self.config_cls = config_cls
+
+    def named(self, key: str) -> str:
+        return shown(self.config_cls, spelt(self.config_cls, key))
 
 
 def every_field(config: Any) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import io
 import re
 import textwrap
 import tokenize
+import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -107,6 +108,29 @@ def _with_choices(doc: str, choices: Sequence[Any]) -> str:
     return f"{doc}; {listed}" if doc else listed
 
 
+def other_spellings(config_cls: type) -> dict[str, list[str]]:
+    """{path: the other keys --set takes for that leaf}: its flat name (config.json's, `LEGACY`)
+    and a section of parts' shorthands, the part named (`method.fedlas-ls.alpha`) or the picked
+    part's (`method.alpha (method=fedlas-ls)`), in the order core.config.parse_sets spells them."""
+    found: dict[str, list[str]] = {}
+    for flat, path in getattr(config_cls, "LEGACY", {}).items():
+        found.setdefault(path, []).append(flat)
+    for section in getattr(config_cls, "SECTIONS", ()):
+        for part in section.names:
+            for param, flat in section.fields_of(part).items():
+                path = spelt(config_cls, section.legacy.get(flat, flat))
+                # the shorthand is the picked part's parameter: say which picks make it this one
+                pickers = [p for p in section.names if section.fields_of(p).get(param) == flat]
+                words = found.setdefault(path, [])
+                for word in (
+                    f"{section.name}.{part}.{param}",
+                    f"{section.name}.{param} ({section.name}={'|'.join(pickers)})",
+                ):
+                    if word.partition(" ")[0].replace("-", "_") != path and word not in words:
+                        words.append(word)
+    return found
+
+
 def describe_fields(
     config_cls: type,
     presets: Presets | None = None,
@@ -128,6 +152,7 @@ def describe_fields(
     }
     choices = field_choices(config_cls, {**chosen, **({"preset": label} if label else {})})
     chosen = {spelt(config_cls, k): v for k, v in chosen.items()}
+    spellings = other_spellings(config_cls)
     rows, heads = [], set()
     for leaf in leaves(config_cls):
         head = leaf.path.partition(".")[0]
@@ -136,11 +161,16 @@ def describe_fields(
         doc, heading = _comments(leaf.owner).get(leaf.field.name, ("", ""))
         if "." in leaf.path and head not in heads:  # a section's first leaf: its heading
             heads.add(head)
-            heading = " ".join(x for x in (_section_doc(leaf.owner, head), heading) if x)
+            held = typing.get_type_hints(config_cls)[
+                head
+            ]  # the section's class, not a subsection's
+            heading = " ".join(x for x in (_section_doc(held, head), heading) if x)
         name, default, named = leaf.path, field_default(leaf.field), shown(config_cls, leaf.path)
         own = [set_value(chosen[name])] if name in chosen and chosen[name] != default else []
         own += [f"{set_value(v[name])} when {c}" for c, v in when.items() if name in v]
         doc = _with_choices(doc, choices.get(named, ()))
+        if spellings.get(name):  # the other words --set takes for it (a flat one says its path)
+            doc = f"{doc}; also: {', '.join(spellings[name])}".lstrip("; ")
         rows.append((spell(named), set_value(default), "; ".join(own), doc, heading or None))
     header = ("field", "default", label, "description", None)
     # columns: name, default, the preset's value (only when some field has one), description

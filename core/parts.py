@@ -143,6 +143,7 @@ class Section:
         self.parts: dict[str, Part] = dict(parts)
         self.derived: dict[str, Derived] = {}
         self.legacy: dict[str, str] = {}  # a tree section's {flat field: path} (`tree`)
+        self.picking = False  # its tree section has a `name` leaf that picks the part (`tree`)
         for part, entry in self.parts.items():
             for f in dataclasses.fields(entry.params):
                 name_ = f.metadata.get("field") or f"{entry.prefix}_{f.name}"
@@ -196,15 +197,17 @@ class Section:
 
         return insert
 
-    def tree(self, default: str, module: str, doc: str = "") -> type:
+    def tree(self, default: str, module: str, doc: str = "", pick: bool = True) -> type:
         """The section class a config holds this section in (train's `loss`): `name` picks the
         part (its docs `doc`; set as `loss=focal`, recorded as `loss`: core.tree.PICK), then a
         subsection per part, the part's name with `_` for `-`, holding the parameters it
         declares first (`loss.focal.gamma`): a parameter that several parts share (mmce's λ) is
         one leaf, at its first part. Building one runs every part's checks. `legacy` gets
         {flat field: path} (config.json's names). `module` assigns the class to its name, the
-        section's titled (`Loss`), so a config pickles (its subsections: `Loss.Csm`)."""
-        self.default, section = default, self
+        section's titled (`Loss`), so a config pickles (its subsections: `Loss.Csm`).
+        `pick=False`: no `name` leaf, another field picks the part (finetune's `loss` holds
+        the FeDLaS losses' parameters at train's paths; its `method` picks)."""
+        self.default, self.picking, section = default, pick, self
         subsections = []
         for part in self.parts:
             key = part.replace("-", "_")
@@ -216,26 +219,62 @@ class Section:
             self.legacy |= {d.name: f"{self.name}.{key}.{d.param}" for d in own}
             leaves = [(d.param, d.hint, self._leaf(d)) for d in own]
             sub = dataclasses.make_dataclass(key.title().replace("_", ""), leaves, frozen=True)
-            sub.__doc__ = f"{self.name}={part}'s parameters"
+            sub.__doc__ = f"{self.name}={part}'s parameters" if pick else f"{part}'s parameters"
             subsections.append((key, sub, dataclasses.field(default_factory=sub)))
 
         def __post_init__(picked: Any) -> None:
             section.check_tree(picked)
 
-        def params(picked: Any, data: bool = False) -> dict[str, Any]:
-            """The picked part's parameters {param: value} (`data=False`: what its builder takes)."""
-            return {p: get(picked, path) for p, path in section.paths_of(picked.name, data).items()}
+        def params(held: Any, data: bool = False, part: str = "") -> dict[str, Any]:
+            """A part's parameters {param: value}: the picked one's, else `part`'s
+            (`data=False`: what its builder takes)."""
+            paths = section.paths_of(part or held.name, data)
+            return {p: get(held, path) for p, path in paths.items()}
 
         name = (PICK, str, dataclasses.field(default=default, metadata={"comment": (doc, "")}))
-        namespace = {"__post_init__": __post_init__, "params": params, "PARTS": self.parts}
+        namespace: dict[str, Any] = {"__post_init__": __post_init__, "params": params}
+        if pick:
+            namespace["PARTS"] = self.parts  # core.tree.picks: `loss=focal` is loss.name
         cls = dataclasses.make_dataclass(
-            self.name.title(), [name, *subsections], frozen=True, namespace=namespace
+            self.name.title(), [name] * pick + subsections, frozen=True, namespace=namespace
         )
         cls.__doc__, cls.__module__ = self.heading or self.name, module
         for _, sub, _ in subsections:
             sub.__module__, sub.__qualname__ = module, f"{cls.__name__}.{sub.__name__}"
             setattr(cls, sub.__name__, sub)
         return cls
+
+    def within(self, path: str) -> Callable[[type], type]:
+        """A class decorator, under `@dataclass`: the parts' parameters as leaves of the
+        decorated section class, after its own fields, each under its parameter's name
+        (finetune's `maccal` section: its epochs, lr and r, then the retention schedule's q0,
+        `maccal.q0`); `path` is the section's field in the config. `legacy` gets {flat field:
+        path}; building one runs the parts' checks, each parameter named by its path."""
+        section = self
+
+        def insert(cls: type) -> type:
+            own = inspect.get_annotations(cls)
+            for d in self.derived.values():
+                if d.param in own:
+                    raise TypeError(f"{cls.__name__} already has a field {d.param!r}")
+                own[d.param] = d.hint
+                setattr(cls, d.param, self._leaf(d))
+                self.legacy[d.name] = f"{path}.{d.param}"
+            cls.__annotations__ = own
+            checked = cls.__dict__.get("__post_init__")
+
+            def __post_init__(built: Any) -> None:
+                if checked is not None:
+                    checked(built)
+                for entry in section.parts.values():
+                    names = [f.name for f in dataclasses.fields(entry.params)]
+                    values = {p: getattr(built, p) for p in names}
+                    check_params(entry.params, values, lambda p: f"{path}.{p}")
+
+            cls.__post_init__ = __post_init__
+            return cls
+
+        return insert
 
     def _leaf(self, d: Derived) -> dataclasses.Field:
         return dataclasses.field(default=d.field.default, metadata=self._meta(d))
@@ -258,7 +297,8 @@ class Section:
     def check_tree(self, section: Any) -> None:
         """The tree section's checks: its `name` one of the parts, every part's parameters as
         their dataclasses declare, each named by its path."""
-        check_choice(self.name, section.name, self.names)
+        if self.picking:
+            check_choice(self.name, section.name, self.names)
         for part, entry in self.parts.items():
             paths = self.paths_of(part)
             values = {p: get(section, path) for p, path in paths.items()}
@@ -301,7 +341,7 @@ class Section:
 
     def _field(self, rest: str, picked: str, spell: Callable[[str], str]) -> str:
         if rest == PICK:
-            return f"{self.name}.{PICK}" if self.legacy else self.name
+            return f"{self.name}.{PICK}" if self.picking else self.name
         part, dot, p = rest.rpartition(".")
         by_key = {name.replace("-", "_"): name for name in self.parts}
         part = by_key.get(part, part) if dot else picked

@@ -22,7 +22,7 @@ import re
 import sys
 import traceback
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from safetensors import SafetensorError
@@ -196,18 +196,23 @@ def show(text: str) -> int:
     return 0
 
 
-def _format_warning(message, category, *args, **kwargs) -> str:
-    """A renamed --set spelling is one line, its message alone; other warnings as Python says."""
-    if issubclass(category, RenamedField):
-        return f"{message}\n"
-    return _python_format(message, category, *args, **kwargs)
+def _warnings_of(who: str) -> Callable[..., str]:
+    """How warnings are printed: a renamed --set spelling as one line, its message after `who`
+    (`semix train: lr is now optim.lr`); other warnings as Python says."""
+
+    def format_warning(message, category, *args, **kwargs) -> str:
+        if issubclass(category, RenamedField):
+            return f"{who}: {message}\n"
+        return _python_format(message, category, *args, **kwargs)
+
+    return format_warning
 
 
 _python_format = warnings.formatwarning
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    warnings.formatwarning = _format_warning
+    warnings.formatwarning = _warnings_of("semix")
     try:  # first: a plugin's loss, preset or stage is in every config and help (plugins.py)
         load_plugins()
     except ConfigError as e:
@@ -217,6 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sets = [s for s in args.sets if s]  # Makefile variables expand to empty strings
     is_main = os.environ.get("RANK", "0") == "0"  # under a launcher: global rank 0
     who = f"semix {args.stage}" if args.stage in names() else "semix"  # how its lines start
+    warnings.formatwarning = _warnings_of(who)
     try:
         if args.help and args.stage is None:
             parser.epilog = overview()

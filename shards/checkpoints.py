@@ -23,7 +23,7 @@ included, has its recorded size and sha256, with no file missing or added. accel
 not notice a damaged RNG file (it logs "Could not load random states" and goes on with the
 current ones), and a bit flip in a float tensor loads silently. A damaged newest checkpoint is
 logged in one line naming the file and the previous complete one is taken (one more line);
-with none left, resume stops in one line (`resume=''` starts over). A checkpoint written
+with none left, resume stops in one line (`checkpoint.resume=` starts over). A checkpoint written
 before the record existed (a marker without "files") is loaded unverified, with a warning.
 
 accelerate's own files: the model (safetensors), optimizer and scheduler (`.bin`) and RNG

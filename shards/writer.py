@@ -19,7 +19,7 @@ from __future__ import annotations
 import io
 import os
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -215,12 +215,19 @@ def _identity(config: Mapping[str, Any]) -> dict[str, Any]:
 OTHER_ROOT = "remove the folder or write to another OUT/name"
 
 
-def _given(config: Mapping[str, Any], key: str) -> str:
-    """`key=value` as --set spells it, shortened; `key unset` when the config lacks it."""
+def _named(config: Mapping[str, Any]) -> Callable[[str], str]:
+    """How the command line names a config.json key: its tree path where the config knows it
+    (core.config.Recorded: `lr` -> `optim.lr`), else the key as recorded."""
+    return getattr(config, "named", str)
+
+
+def _given(config: Mapping[str, Any], key: str, named: Callable[[str], str] = str) -> str:
+    """`key=value` as --set spells it (`named(key)`), shortened; `key unset` when the config
+    lacks it."""
     if key not in config:
-        return f"{key} unset"
+        return f"{named(key)} unset"
     value = set_value(tuple(config[key]) if isinstance(config[key], list) else config[key])
-    return f"{key}={value if len(value) <= 40 else value[:39] + '…'}"
+    return f"{named(key)}={value if len(value) <= 40 else value[:39] + '…'}"
 
 
 def changed_fields(folder: Path, config: Mapping[str, Any]) -> list[str]:
@@ -266,11 +273,12 @@ def check_config(
         return True
     if not claimed(folder, tuple(parts)):
         return False
-    old, new = read_json(path), dict(config)
+    old, new, named = read_json(path), dict(config), _named(config)
     raise ShardError(
-        f"{folder} holds a run with a different config (differs in: {', '.join(changed)}): "
-        f"it has {' '.join(_given(old, k) for k in changed)}, this one asks "
-        f"{' '.join(_given(new, k) for k in changed)}; {fix}"
+        f"{folder} holds a run with a different config (differs in: "
+        f"{', '.join(map(named, changed))}): it has "
+        f"{' '.join(_given(old, k, named) for k in changed)}, this one asks "
+        f"{' '.join(_given(new, k, named) for k in changed)}; {fix}"
     )
 
 
@@ -292,11 +300,11 @@ def write_config(
         return
     changed = changed_fields(folder, config)
     if changed:  # not claimed (check_config refuses a complete one): nobody's output
-        old = read_json(folder / "config.json")
+        old, named = read_json(folder / "config.json"), _named(config)
         why = (
             f"it never completed (no manifest) and was made with "
-            f"{' '.join(_given(old, k) for k in changed)}; this run "
-            f"({' '.join(_given(dict(config), k) for k in changed)}) starts it over"
+            f"{' '.join(_given(old, k, named) for k in changed)}; this run "
+            f"({' '.join(_given(dict(config), k, named) for k in changed)}) starts it over"
         )
         if not replace_incomplete(folder, why):
             return  # another process replaced it at the same time and writes the config

@@ -39,7 +39,7 @@ def one_line_error(capsys, argv: list[str], names: str, code: int = 1) -> str:
     traceback. Returns the line."""
     rc = main(argv)
     err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("semix")]
+    lines = [line for line in err.splitlines() if line.startswith("semix") and ": error: " in line]
     assert rc == code, err
     assert "Traceback" not in err, err
     assert len(lines) == 1 and names in lines[0], err
@@ -211,12 +211,16 @@ def trained(digits_root, tmp_path_factory) -> Path:
     return root
 
 
-def test_another_config_under_a_run_name_names_the_fields(trained, tmp_path, capsys):
+@pytest.mark.parametrize("typed", ["optim.lr=0.5", "lr=0.5"])
+def test_another_config_under_a_run_name_names_the_fields(trained, tmp_path, capsys, typed):
+    """Named by the path the user types (config.json's key is the flat `lr`), either spelling."""
     shutil.copytree(trained, tmp_path / "digits")
     before = snapshot(tmp_path / "digits")
-    argv = ["train", "--set", f"out={tmp_path}", *TINY, "lr=0.5"]  # the digits preset: 0.05
+    argv = ["train", "--set", f"out={tmp_path}", *TINY, typed]  # the digits preset: 0.05
     line = one_line_error(capsys, argv, str(tmp_path / "digits" / "train" / "ce"))
-    assert "(differs in: lr): it has lr=0.05, this one asks lr=0.5" in line
+    assert line.startswith("semix train: error: ")
+    assert "(differs in: optim.lr): it has optim.lr=0.05, this one asks optim.lr=0.5" in line
+    assert json.loads((tmp_path / "digits/train/ce/config.json").read_text())["lr"] == 0.05
     assert "choose another run=<name>" in line
     assert snapshot(tmp_path / "digits") == before
 

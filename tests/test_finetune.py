@@ -297,7 +297,7 @@ def test_bad_input_gives_one_line_errors(root, tmp_path, capsys, monkeypatch):
     base = ["finetune", "--preset", "digits", "--set", f"out={root.parent}"]
     _one_line_error(capsys, [*base, f"run={SRC}", "method=nope"], 2, "method='nope' is not valid")
     _one_line_error(capsys, [*base, "method=maccal"], 2, "set run=NAME")  # finetune needs a run
-    _one_line_error(capsys, [*base, f"run={SRC}", "maccal_q0=0.1"], 2, "maccal_q_min <= maccal_q0")
+    _one_line_error(capsys, [*base, f"run={SRC}", "maccal.q0=0.1"], 2, "maccal.q_min <= maccal.q0")
     _one_line_error(capsys, [*base, "run=ghost"], 1, "has no trained weights")
     assert not (root / "finetune" / "ghost-maccal").exists()
     # A model without a separable head (registered for this test only).

@@ -69,7 +69,7 @@ def test_writes_generator_folder_that_loads_back(runs, capsys):
     errors = [
         e for e in capsys.readouterr().err.splitlines() if e.startswith("semix fit-generator")
     ]
-    assert code == 1 and len(errors) == 1 and "differs in: steps" in errors[0]
+    assert code == 1 and len(errors) == 1 and "differs in: train_steps" in errors[0]
 
 
 @pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])

@@ -127,12 +127,20 @@ def test_bad_loss_values_are_refused_in_one_line_naming_the_field(sets, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
-def test_finetune_takes_its_methods_fields_and_no_others():
-    names = {f.name for f in dataclasses.fields(finetune_config.Config)}
-    assert set(finetune_config.METHOD.derived) <= names
-    assert {"maccal_q0", "maccal_q_max", "fedlas_ls_alpha"} <= names and "focal_gamma" not in names
+def test_finetune_takes_its_methods_parameters_at_trains_paths_and_no_others():
+    paths = {leaf.path for leaf in leaves(finetune_config.Config)}
+    legacy = finetune_config.Config.LEGACY
+    # every method's parameter is a leaf; its config.json name maps onto it
+    assert set(finetune_config.METHOD.derived) <= set(legacy)
+    assert {legacy[name] for name in finetune_config.METHOD.derived} <= paths
+    assert legacy["maccal_q0"] == "maccal.q0" and legacy["maccal_q_max"] == "maccal.q_max"
+    # a FeDLaS parameter has train's path in finetune, and the same config.json name
+    fedlas = {k: v for k, v in legacy.items() if k.startswith("fedlas_") and v.startswith("loss.")}
+    assert len(fedlas) == 6
+    assert fedlas == {k: train_config.Config.LEGACY[k] for k in fedlas}
+    assert "loss.focal.gamma" not in paths and "focal_gamma" not in legacy
     cfg = resolve_stage_config("finetune", "digits", ["run=x", "method.q0=0.7"])
-    assert cfg.maccal_q0 == 0.7 and cfg.method_params() == {
+    assert cfg.maccal.q0 == 0.7 and cfg.method_params() == {
         "q0": 0.7,
         "gamma": 0.9,
         "tau0": 0.1,
@@ -142,8 +150,12 @@ def test_finetune_takes_its_methods_fields_and_no_others():
     }
     with pytest.raises(ConfigError, match="alpha"):
         resolve_stage_config("finetune", "digits", ["run=x", "method.alpha=0.1"])
-    with pytest.raises(ConfigError, match="maccal_tau0"):
+    with pytest.raises(ConfigError, match=r"^maccal\.tau0=-1"):
         resolve_stage_config("finetune", "digits", ["run=x", "maccal_tau0=-1"])
+    sets = ["run=x", "method=fedlas-ls", "loss.fedlas_ls.alpha=0.2", "loss.fedlas_ls.theta=0.9"]
+    cfg = resolve_stage_config("finetune", "digits", sets)
+    assert cfg.method_params() == {"alpha": 0.2, "beta": 4.0, "theta": 0.9}
+    assert cfg.recorded()["fedlas_ls_alpha"] == 0.2 and cfg.recorded()["fedlas_theta"] == 0.9
 
 
 def test_a_chain_scopes_a_nested_key_by_its_first_part():

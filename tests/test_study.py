@@ -225,8 +225,10 @@ def test_a_done_chain_whose_generator_the_config_no_longer_asks_for_is_refused(t
     with pytest.raises(ShardError) as err:  # the chain asks for v-prediction now
         setup("digits", [*out, *study, "fit-generator.prediction_type=v_prediction"])
     line = str(err.value)
-    assert "\n" not in line and "differs in: prediction_type" in line
-    assert "prediction_type unset" in line and "fit-generator.<field>" in line and "out=" in line
+    assert "\n" not in line and "differs in: noise.prediction_type" in line
+    assert (
+        "noise.prediction_type unset" in line and "fit-generator.<field>" in line and "out=" in line
+    )
 
 
 def test_study_runs_reports_and_resumes_only_what_is_missing(digits_root, tmp_path, capsys):

@@ -529,7 +529,7 @@ def test_maccal_is_tuned_on_its_base_methods_chosen_runs_seed_by_seed(tmp_path):
         base = root / "train" / tune_run("ce", {"weight_decay": 5e-4}, seed) / "model.safetensors"
         copy = root / "train" / name / "model.safetensors"  # the chosen ce run of its seed
         assert copy.stat().st_ino == base.stat().st_ino
-    assert tasks["ce-s0-maccal"].prepare() == ["maccal.r=256", "maccal_q0=1"]
+    assert tasks["ce-s0-maccal"].prepare() == ["maccal.r=256", "maccal.q0=1"]
     assert tasks["ce-s0"].prepare() == ["optim.weight_decay=0.0005"]
     result = tuning_report(cfg, root, [])["ce+maccal"]
     assert result["base"] == [tune_run("ce", {"weight_decay": 5e-4}, seed) for seed in SEEDS]

@@ -154,12 +154,15 @@ def test_a_diverged_run_stops_in_one_line_and_its_fix_starts_clean(trained, tmp_
     # the rerun with a fixed lr is not "a run with a different config": it replaces the folder
     assert main([*argv, "optim.lr=0.05"]) == 0
     err = capsys.readouterr().err
-    assert f"{run}: replaced (it never completed (no manifest) and was made with lr=1e+30;" in err
+    assert (
+        f"{run}: replaced (it never completed (no manifest) and was made with optim.lr=1e+30;"
+        in err
+    )
     assert (run / MANIFEST).is_file()
     assert json.loads((run / "config.json").read_text())["lr"] == 0.05
     # complete now: another config is refused again, naming the field
     line = one_line_error(capsys, [*argv, "optim.lr=0.5"], "holds a run with a different config")
-    assert "(differs in: lr): it has lr=0.05, this one asks lr=0.5" in line
+    assert "(differs in: optim.lr): it has optim.lr=0.05, this one asks optim.lr=0.5" in line
 
 
 def test_a_diverged_fine_tuning_names_its_run_and_lr_field(trained, tmp_path, capsys):

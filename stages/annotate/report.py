@@ -69,7 +69,7 @@ def generator_fidelity(cfg: Config, series: Path, class_names, device) -> dict[s
     classifier on real/test (models.annotation_stats.fidelity_stats)."""
     if not cfg.judge:
         return None
-    judge = cnn_judge(cfg.root, cfg.judge, device, cfg.batch_size, key="fidelity_run")
+    judge = cnn_judge(cfg.root, cfg.judge, device, cfg.batch_size, key="judge")
     images, expected = endpoints(series)
     if not len(images):
         return None

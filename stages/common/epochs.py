@@ -354,14 +354,14 @@ class Epochs:
         must have been computed in this process's precision."""
         if "loop" not in saved:
             raise CheckpointError(
-                f"{path} was written by an older semix; start over (resume=) or remove it"
+                f"{path} was written by an older semix; start over (checkpoint.resume=) or remove it"
             )
         computed = saved.get(PRECISION_KEY, self.computes)
         if computed != self.computes:
             raise CheckpointError(
                 f"{path} was computed in {computed}, this process computes in {self.computes}; "
                 f"resume it in {computed} (accelerate launch --mixed_precision), or start over "
-                f"(resume=)"
+                f"(checkpoint.resume=)"
             )
         self.state = LoopState(**saved["loop"])
         self.objective.load_extra_state(saved["objective"] | tensors.get(OBJECTIVE, {}))

@@ -55,9 +55,11 @@ class Judge:
     labelled_train_images: int | None = None
 
 
-def cnn_judge(root: Path, run: str, device, batch_size: int = 256, key: str = "judge_run") -> Judge:
+def cnn_judge(
+    root: Path, run: str, device, batch_size: int = 256, key: str = "fidelity.judge"
+) -> Judge:
     """The real-only classifier train/<run> (its own normalisation and input size); ``key`` is
-    the config field that named it (for the error)."""
+    the path of the config leaf that named it (for the error: what the user types)."""
     folder = root / "train" / run
     try:
         model, meta = load_model(folder, classifier_from_config)
@@ -170,7 +172,7 @@ def make_judges(
     only measure."""
     judges = [cnn_judge(root, cnn_run, device)] if cnn_run else []
     judges.append(linear_probe(root, limit))
-    judges += [cnn_judge(root, run, device, key="report_judges") for run in report]
+    judges += [cnn_judge(root, run, device, key="fidelity.report_judges") for run in report]
     for i, j in enumerate(judges):
         log.info(
             "fidelity judge %s (%s, %s labelled train images): %.1f %% on real test",

@@ -2,11 +2,14 @@
 
 `method` picks MaC-Cal (docs/methods.md §4: frozen backbone, new masked bottleneck head, adaptive
 retention q) or FeDLaS fine-tuning (docs/methods.md §5: the whole trained model continues under the
-FeDLaS-LS / -MbLS loss). Each method reads its own prefixed fields (`maccal_*`, `fedlas_*`);
-batch size, momentum, weight decay and augmentation are shared. GUESS values of docs/methods.md are
-fields with the given default. The FeDLaS fields are those of train's fedlas-* losses, derived
-from their parameters, MaC-Cal's from its retention schedule's (the `METHOD` section,
-core/parts.py: also `method.alpha=0.1`, `method.q0=0.7`).
+FeDLaS-LS / -MbLS loss). Each method reads its own section: `maccal` (its length, lr, head width
+and its retention schedule's parameters, derived from models/heads.RetentionParams: `maccal.q0`),
+or `fedlas` (length, lr) and `loss`, the FeDLaS losses' parameters at train's paths
+(`loss.fedlas_ls.alpha`, derived from the losses' own parameters); batch size, momentum, weight
+decay and augmentation are shared. GUESS values of docs/methods.md are fields with the given
+default. config.json keeps the flat names (`maccal_q0`, `fedlas_ls_alpha`: LEGACY), and the
+command line still takes them, saying the path once, and the picked method's shorthand
+(`method.q0=0.7`, `method.alpha=0.1`: the `METHOD` section, core/parts.py).
 """
 
 from __future__ import annotations
@@ -27,9 +30,15 @@ from stages.configs.train import LOSS, PRECISIONS
 from stages.presets import stage_presets
 
 METHODS = ("maccal", "fedlas-ls", "fedlas-mbls")
-# the FeDLaS methods are train's losses of the same names: their parameters, the same fields
-# MaC-Cal's retention schedule (models/heads.py) is the method section's first part
-METHOD = Section("method", {"maccal": MaCCalPart(), **{m: LOSS.parts[m] for m in METHODS[1:]}})
+# MaC-Cal's retention schedule (models/heads.py): leaves of the `maccal` section (`maccal.q0`)
+RETENTION = Section("maccal", {"maccal": MaCCalPart()})
+# the FeDLaS methods are train's losses of the same names: their parameters, at train's paths
+FEDLAS = Section("loss", {m: LOSS.parts[m] for m in METHODS[1:]})
+Loss = FEDLAS.tree("", __name__, pick=False)
+Loss.__doc__ = "the FeDLaS losses' parameters, as train's (method=fedlas-ls | fedlas-mbls)"
+# `method.q0=0.7`, `method.alpha=0.1`: the picked method's parameter (core.config.parse_sets),
+# spelt as its path
+METHOD = Section("method", {"maccal": MaCCalPart(), **FEDLAS.parts})
 
 
 @dataclass(frozen=True)
@@ -43,12 +52,13 @@ class Optim:
 
 
 @dataclass(frozen=True)
+@RETENTION.within("maccal")  # then the retention schedule's parameters: maccal.q0, ...
 class MaCCal:
     """MaC-Cal (docs/methods.md §4)"""
 
     epochs: int = bounded(40, 1)
     lr: float = bounded(0.1, 0.0, low_open=True)  # constant
-    # bottleneck width r (GUESS); the schedule's maccal_*: models/heads.py
+    # bottleneck width r (GUESS); the retention schedule's parameters follow (models/heads.py)
     r: int = bounded(256, 1)
 
 
@@ -61,12 +71,15 @@ class FeDLaS:
     lr: float = bounded(0.001, 0.0, low_open=True)
 
 
+METHOD.legacy = RETENTION.legacy | FEDLAS.legacy  # `method.q0` -> maccal_q0 -> maccal.q0
+
+
 @dataclass(frozen=True)
-@METHOD.fields(after="method")  # every method's parameters, one field each
 class Config(StageConfig):
     # the folders under the runs root it names: plain names (core.config.check_plain_name)
     FOLDER_NAMES: ClassVar[tuple[str, ...]] = ("name", "run")
-    LEGACY = legacy_names("finetune")
+    LEGACY = legacy_names("finetune", METHOD.legacy)
+    SECTIONS = (METHOD,)  # `method.alpha=0.1`: the picked method's (core.config.parse_sets)
 
     run: str = ""  # the trained run: runs/<classes>/train/<run>/ (RUN=)
     method: str = "maccal"  # maccal | fedlas-ls | fedlas-mbls (METHOD=)
@@ -76,6 +89,7 @@ class Config(StageConfig):
     augment: Augment = section(Augment)
     maccal: MaCCal = section(MaCCal)
     fedlas: FeDLaS = section(FeDLaS)
+    loss: Loss = section(Loss)
     data: Data = section(Data)  # how real/train and real/val are read
     # machinery
     precision: str = "auto"  # auto: bf16 where the device computes it natively, else fp32
@@ -92,7 +106,6 @@ class Config(StageConfig):
         if "/" in self.run or self.run.startswith("."):
             raise ConfigError(f"run={self.run!r} must be a plain folder name")
         check_choice("method", self.method, METHODS)
-        METHOD.check(self)  # every method's parameters, as their dataclasses declare
         check_precision("precision", self.precision, PRECISIONS)
         check_range("batch_size", self.batch_size, 1)
         check_range("eval_batch_size", self.eval_batch_size, 1)
@@ -114,7 +127,12 @@ class Config(StageConfig):
 
     def method_params(self) -> dict[str, Any]:
         """RetentionSchedule kwargs (maccal) or FeDLaSCriterion kwargs (fedlas-*)."""
-        return METHOD.params(self)
+        if self.method == "maccal":
+            return {p: getattr(self.maccal, p) for p in RETENTION.fields_of("maccal")}
+        return self.loss.params(part=self.method)
+
+
+METHOD.default = Config.method  # `method.q0=` with no method set names maccal's
 
 
 PRESETS = stage_presets("finetune")

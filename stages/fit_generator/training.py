@@ -87,11 +87,11 @@ def lr_factor(cfg: Config, step: int) -> float:
 
 
 def resolve_precision(choice: str, cpu: bool) -> str:
-    """accelerate's mixed precision ("no", "bf16", "fp16") for mixed_precision=`choice`: auto is
+    """accelerate's mixed precision ("no", "bf16", "fp16") for precision=`choice`: auto is
     bf16 where the device computes it natively, CPUs with AVX512-BF16 or AMX included (the fit is
     1.3x faster there), else fp32; under `accelerate launch` accelerate's value (core/precision.py)."""
     device = torch.device("cpu" if cpu else "cuda")
-    return ACCELERATE[resolve_precision_of("mixed_precision", choice, device, cpu_bf16=True)]
+    return ACCELERATE[resolve_precision_of("precision", choice, device, cpu_bf16=True)]
 
 
 def fit_accelerator(cpu: bool, precision: str, tracking: Tracking) -> Accelerator:
@@ -163,7 +163,7 @@ class DDPMSteps:
         shadow, ema = tensors[EMA], self.ema
         if sorted(shadow, key=int) != [str(i) for i in range(len(ema.shadow_params))]:
             raise CheckpointError(
-                f"{path / EMA}: EMA weights of another model; start over (resume=)"
+                f"{path / EMA}: EMA weights of another model; start over (checkpoint.resume=)"
             )
         ema.load_state_dict(
             {**saved["ema"], "shadow_params": [shadow[str(i)] for i in range(len(shadow))]}

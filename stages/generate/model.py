@@ -151,7 +151,7 @@ def edm_model(cfg: Config) -> Path:
 def resolve_dtype(cfg: Config, device: torch.device) -> str:
     """The generators' dtype word for `dtype=` (core/precision.py: auto = bf16 on a bf16 GPU,
     fp32 on a CPU); generate casts by itself, so no launcher has a say."""
-    return TORCH_NAMES[resolve_precision("dtype", cfg.precision, device, launcher=False)]
+    return TORCH_NAMES[resolve_precision("precision", cfg.precision, device, launcher=False)]
 
 
 # ---------------------------------------------------------------- the generator

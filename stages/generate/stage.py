@@ -30,7 +30,7 @@ def endpoint_check(cfg: Config, device: torch.device) -> EndpointCheck | None:
     """The endpoint check of this run, its judge loaded (None when off)."""
     if cfg.endpoint.check == "off":
         return None
-    judge = cnn_judge(cfg.root, cfg.endpoint.judge, device, key="endpoint_judge")
+    judge = cnn_judge(cfg.root, cfg.endpoint.judge, device, key="endpoint.judge")
     return EndpointCheck(cfg.endpoint.check, judge, cfg.endpoint.tries)
 
 
