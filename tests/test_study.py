@@ -218,6 +218,7 @@ def test_a_done_chain_whose_generator_the_config_no_longer_asks_for_is_refused(t
     fitted = resolve_stage_config("fit-generator", "digits", out).recorded()
     (tmp_path / "digits" / "generator").mkdir(parents=True)
     (tmp_path / "digits" / "generator" / "config.json").write_text(json.dumps(fitted))
+    (tmp_path / "digits" / "generator" / "manifest.json").write_text("{}")  # a complete fit
     (tmp_path / "digits" / "mixed").mkdir()
     (tmp_path / "digits" / "mixed" / "manifest.json").write_text("{}")
     study = ["study.methods=ce,csm", "study.seeds=0", "study.tune=false"]
