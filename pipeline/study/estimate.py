@@ -158,13 +158,13 @@ def load_rates(path: Path | None = None) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise EstimateError(
             f"cannot read the study's rates file {path} ({e}); point {RATES_ENV} at a rates "
-            f"file (`python -m pipeline.study.estimate fit HOST.json` writes one) or unset it"
+            f"file (`python -m pipeline.study.estimate fit HOST.json --preset P` writes one) or unset it"
         ) from e
     missing = sorted(set(KINDS) - set(rates.get("rates", {})))
     if missing:
         raise EstimateError(
             f"the rates file {path} has no rate for {', '.join(missing)}; refit it with "
-            "`python -m pipeline.study.estimate fit HOST.json`"
+            "`python -m pipeline.study.estimate fit HOST.json --preset P`"
         )
     return rates
 
@@ -500,7 +500,7 @@ def fit_rates(
 
 
 def _fit_main(argv: Sequence[str]) -> int:
-    """`python -m pipeline.study.estimate fit HOST.json [--preset P] [--set ...] [--out F]`:
+    """`python -m pipeline.study.estimate fit HOST.json --preset P [--set ...] [--out F]`:
     fit rates from a study's host.json on the plan its config makes (the task names must
     match: the verdict's is `--set study.fits=1 study.mixed_sets=3`, rebuilt before_fits), print the cross-check (rates from the first sitting predicting the others'
     task seconds, and the simulated wall against the measured one), write the rates file."""
@@ -510,7 +510,7 @@ def _fit_main(argv: Sequence[str]) -> int:
 
     p = argparse.ArgumentParser(prog="python -m pipeline.study.estimate fit")
     p.add_argument("host", type=Path)
-    p.add_argument("--preset", default="fashion-mnist")
+    p.add_argument("--preset", required=True)  # the study's (only presets name a preset)
     p.add_argument("--set", dest="sets", nargs="*", default=[])
     p.add_argument("--report-seconds", type=float, default=None)
     p.add_argument("--out", type=Path, default=None)
@@ -613,5 +613,5 @@ def cross_check(
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["fit"]:
-        sys.exit("usage: python -m pipeline.study.estimate fit HOST.json [--preset P] [--out F]")
+        sys.exit("usage: python -m pipeline.study.estimate fit HOST.json --preset P [--out F]")
     sys.exit(_fit_main(sys.argv[2:]))
