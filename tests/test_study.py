@@ -102,7 +102,9 @@ def test_ce_and_csm_run_every_seed_the_primary_five_and_the_exploratory_three(tm
     )
     assert cfg.seeds == tuple(range(10))  # the defaults: >= 10, >= 5 and 3 seeds
     names = [t.name for t in plan(cfg, "digits", [], tmp_path)]
-    runs = [n for n in names if n != "prepare" and not n.startswith(("chain", "train-"))]
+    # the generator fits are tasks, not runs: fit 0 in the chain, fits 1 and 2 their own
+    assert [n for n in names if n.startswith("fit-")] == ["fit-f1", "fit-f2"]
+    runs = [n for n in names if n != "prepare" and not n.startswith(("chain", "train-", "fit-"))]
     assert runs == [
         *(f"ce-s{k}" for k in range(10)), *(f"csm-s{k}" for k in range(10)),
         *(f"csm3-s{k}" for k in range(5)), *(f"ls-s{k}" for k in range(3)),
@@ -117,15 +119,16 @@ def test_ce_and_csm_run_every_seed_the_primary_five_and_the_exploratory_three(tm
 
 
 def test_each_csm_seed_trains_on_one_of_three_independent_mixed_sets(tmp_path):
-    """Seed k's run of a csm-family method trains on mixed set k mod 3 of its family, each set
-    its own chain with its own generate seed (the chain's + the set's index); its fine-tuning
-    and its record carry the same set."""
+    """One generator fit with three sets (study.fits=1 study.mixed_sets=3, the protocol before
+    fits): seed k's run of a csm-family method trains on mixed set k mod 3 of its family, each
+    set its own chain with its own generate seed (the chain's + the set's index); its
+    fine-tuning and its record carry the same set."""
     from pipeline.study.mixed_sets import prepare_set
 
     root = tmp_path / "digits"
     cfg = StudyConfig(stack=False,
         methods=("ce", "csm", "csm3", "csm+maccal"), seeds=(0, 1, 2, 3), tune=False,
-        robustness=False,
+        robustness=False, fits=1, mixed_sets=3,
     )  # fmt: skip
     tasks = {t.name: t for t in plan(cfg, "digits", [f"out={tmp_path}", "seed=5"], root)}
     assert [cfg.mixed_set("csm", k) for k in range(4)] == [0, 1, 2, 0]
@@ -347,6 +350,7 @@ def test_csm3_plan_trains_on_the_kway_set_after_its_chain(tmp_path):
         seeds=(0, 1),
         tune=False,
         robustness=False,
+        fits=1,
         mixed_sets=1,
     )
     tasks = {t.name: t for t in plan(cfg, "digits", [f"out={tmp_path}"], root)}
@@ -400,12 +404,12 @@ def test_a_train_methods_seeds_on_one_mixed_set_train_as_one_stack(tmp_path):
     assert stage == "train" and "run=ce" in sets and "seeds=0,1,2,3" in sets and not ce.done
     assert [tasks[f"ce-s{k}"].steps[0][0] for k in range(4)] == ["evaluate"] * 4
     assert all("train-ce" in tasks[f"ce-s{k}"].after for k in range(4))
-    # csm: one stack per mixed set (seed k on set k mod 3), each after its own chain
+    # csm: one stack per mixed set (seed k on fit k mod 3's one set), each after its own chain
     assert "seeds=0,3" in tasks["train-csm"].steps[0][1] and "chain" in tasks["train-csm"].after
-    csm1 = tasks["train-csm-m1"]
-    assert "seeds=1" in csm1.steps[0][1] and "chain-m1" in csm1.after
-    assert any(s.startswith("mixed=") and "-m1" in s for s in csm1.steps[0][1])
-    assert "train-csm-m2" in tasks["csm-s2"].after
+    csm1 = tasks["train-csm-f1"]
+    assert "seeds=1" in csm1.steps[0][1] and "chain-f1" in csm1.after
+    assert f"mixed={tmp_path / 'digits-f1' / 'mixed'}" in csm1.steps[0][1]
+    assert "train-csm-f2" in tasks["csm-s2"].after
     # fine-tunings are not stacked; done once every run of the stack is complete
     assert (
         tasks["ce-s0-maccal"].steps[0][0] == "finetune" and "ce-s0" in tasks["ce-s0-maccal"].after

@@ -12,10 +12,18 @@ fit steps or images costs more without a new fit; another machine, or another `j
 its own rates file (`--set` nothing: pass the file as SEMIX_STUDY_RATES). A task that holds
 every core runs alone under the core rule, so its kind's `alone` rate (measured alone, not
 fitted: the file's `alone_source` says where) replaces the study's for it.
+
+The verdict study ran the protocol before generator fits were units: one `generator` task
+trained the judges and the encoder and fitted the generator. A study now trains those in its
+`generator` task (train runs on real/, at train's rate) and fits each generator in a task of
+its own (`fit-f<f>`, `fit-cells`), so a fit alone has a rate of its own, `fit`: measured where a
+host ran such tasks, else derived from the old task's (derive_rates), and the plan is rebuilt
+in the old task's shape to fit rates on such a host (before_fits).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import json
 import math
@@ -28,7 +36,7 @@ from typing import Any
 
 from pipeline.chain import scoped_errors, split_sets
 from pipeline.registry import resolve_stage_config
-from pipeline.study.cells import MAX_CELLS
+from pipeline.study.cells import CELL_FIT, GENERATOR, MAX_CELLS
 from pipeline.study.config import StudyError, Task, cpu_count
 
 RATES = Path(__file__).with_name("rates.json")  # the committed default (its "source" says whence)
@@ -38,7 +46,8 @@ REPORT = "report"  # the statistics, report and figures after the last task (one
 # Every kind, its unit and what it covers: the rows of the printed table, in this order.
 KINDS: dict[str, tuple[str, str]] = {
     "prepare": ("task", "real/ (the chain's first step)"),
-    "generator": ("fit step", "the judges, the encoder, the fit and its cell check"),
+    "generator": ("fit step", "the judges, the encoder and fit 0 in one task (before fits)"),
+    "fit": ("fit step", "one generator fit and its cell check, its encoder trained before it"),
     "chain": ("image-step", "a mixed set: generate (images x sampler steps) and annotate"),
     "train": ("seed-epoch", "a classifier on real/ only (a grid point or a stack of seeds)"),
     "train-mixed": ("seed-epoch", "a classifier that also reads a mixed set (the csm family)"),
@@ -49,6 +58,7 @@ KINDS: dict[str, tuple[str, str]] = {
 }
 EXTENSION = "-ext-"  # a tuning grid's extension: runs only when its grid's choice is on an edge
 CELL_TASKS = ("chain-cell-", "tune-cell-")  # a generator cell's set and runs: only kept cells run
+FIT0, FIT_CELLS = "fit-f0", f"fit-{CELL_FIT}"  # plan.py's tasks of fit 0 and of the cell fit
 
 
 class EstimateError(StudyError):
@@ -98,18 +108,22 @@ def _step_work(stage: str, sets: Sequence[str], preset: str, classes: int) -> Wo
         mixed = bool(cfg.mixed) or cfg.loss.name.startswith("csm")
         return Work("train-mixed" if mixed else "train", cfg.epochs * max(1, len(cfg.seeds)))
     if stage == "fit-generator":
-        return Work("generator", _resolved(stage, preset, sets).train_steps)
+        return Work("fit", _resolved(stage, preset, sets).train_steps)
     raise EstimateError(f"no rate model for a study step of stage {stage!r}")
 
 
 def task_work(task: Task, preset: str, classes: int, cell_share: float, ext_share: float) -> Work:
-    """A task's kind, units and share. The generator task's kind is its fit (its judges and
-    encoder ride on the fit's rate); any other task is its first step's kind (a train/finetune
-    + evaluate task: its make step; an evaluate-only task: evaluate)."""
+    """A task's kind, units and share. A fit alone (fit-f<f>, fit-cells) is a `fit`; a fit
+    after other steps (the generator task before fits: judges, encoder, fit) a `generator`, its
+    judges and encoder riding on the fit's rate; any other task is its first step's kind (a
+    train/finetune + evaluate task: its make step; an evaluate-only task: evaluate; the
+    generator task that fits nothing: the judges' and encoder's seed-epochs at train's)."""
     works = [_step_work(stage, sets, preset, classes) for stage, sets in task.steps]
-    work = next((w for w in works if w.kind == "generator"), works[0])
-    if len(works) > 1 and work.kind != "generator":  # e.g. finetune + evaluate: one task
-        work = Work(work.kind, work.units + sum(w.units for w in works[1:] if w.kind == work.kind))
+    fit = next((w for w in works if w.kind == "fit"), None)
+    if fit is not None:
+        work = fit if len(works) == 1 else Work("generator", fit.units)
+    else:
+        work = Work(works[0].kind, sum(w.units for w in works if w.kind == works[0].kind))
     share = cell_share if task.name.startswith(CELL_TASKS) else 1.0
     share *= ext_share if EXTENSION in task.name else 1.0
     return Work(work.kind, work.units, share)
@@ -147,15 +161,51 @@ def load_rates(path: Path | None = None) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise EstimateError(
             f"cannot read the study's rates file {path} ({e}); point {RATES_ENV} at a rates "
-            f"file (`python -m pipeline.study.estimate fit HOST.json` writes one) or unset it"
+            f"file (`python -m pipeline.study.estimate fit HOST.json --preset P` writes one) or unset it"
         ) from e
     missing = sorted(set(KINDS) - set(rates.get("rates", {})))
     if missing:
         raise EstimateError(
             f"the rates file {path} has no rate for {', '.join(missing)}; refit it with "
-            "`python -m pipeline.study.estimate fit HOST.json`"
+            "`python -m pipeline.study.estimate fit HOST.json --preset P`"
         )
     return rates
+
+
+def generator_parts(tasks: Sequence[Task], preset: str, classes: int) -> tuple[float, float] | None:
+    """(the judges' and encoder's seed-epochs, fit 0's steps): what the generator task of the
+    protocol before fits held, read from a plan of either shape (its `generator` task's train
+    steps; its fit step, or else fit-f0's). None: the plan has neither."""
+    by_name = {t.name: t for t in tasks}
+    generator = by_name.get(GENERATOR)
+    steps = [
+        *(generator.steps if generator else ()),
+        *(by_name[FIT0].steps if FIT0 in by_name else ()),
+    ]
+    works = [_step_work(stage, sets, preset, classes) for stage, sets in steps]
+    fits = [w.units for w in works if w.kind == "fit"]
+    if not generator or not fits:
+        return None
+    return sum(w.units for w in works if w.kind == "train"), fits[0]
+
+
+def derive_rates(rates: dict[str, float], seed_epochs: float, steps: float) -> dict[str, str]:
+    """The fit rates one shape of plan cannot measure, from the other's (in place): the generator
+    task before fits = its judges' and encoder's `seed_epochs` at train's rate + a fit of
+    `steps` at fit's rate, so per fit step
+        fit = generator - train x seed_epochs / steps     (a host before fits: the verdict's)
+        generator = fit + train x seed_epochs / steps     (a host whose fits ran alone).
+    The fit then carries its cell check and its share of the slowdown beside other tasks as
+    the generator task did. Returns how each derived rate was made (the rates file's record)."""
+    share = rates.get("train", 0.0) * seed_epochs / steps
+    formula = f"train x {seed_epochs:g} seed-epochs / {steps:g} fit steps"
+    if rates.get("generator") and not rates.get("fit"):
+        rates["fit"] = max(0.0, rates["generator"] - share)
+        return {"fit": f"generator - {formula}"}
+    if rates.get("fit") and not rates.get("generator"):
+        rates["generator"] = rates["fit"] + share
+        return {"generator": f"fit + {formula}"}
+    return {}
 
 
 def expected_seconds(
@@ -456,6 +506,40 @@ def sittings(host: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [*host.get("earlier_invocations", []), last]
 
 
+def ran_before_fits(host: Mapping[str, Any]) -> bool:
+    """Whether a host.json's study ran the protocol before generator fits (a `generator` task
+    that fitted, no fit-f0 task): the verdict study's."""
+    names = {n for s in sittings(host) for n in s.get("task_seconds_this_invocation", {})}
+    return GENERATOR in names and FIT0 not in names
+
+
+def before_fits(tasks: Sequence[Task]) -> list[Task]:
+    """The plan as the protocol before generator fits ran it: fit 0's fit-generator step at the
+    end of the `generator` task (judges, encoder, fit: one task), no cell fit (the cells drawn
+    from fit 0's generator), every task that waited on either waiting on `generator`. On the
+    plan of study.fits=1 study.mixed_sets=3 this is the verdict study's plan, task for task, so
+    its host.json's seconds fit rates (and the plan is estimated as it ran). A plan without
+    fit-f0 (no generator task) as it is."""
+    by_name = {t.name: t for t in tasks}
+    if GENERATOR not in by_name or FIT0 not in by_name:
+        return list(tasks)
+    fit0, merged = by_name[FIT0], {FIT0, FIT_CELLS}
+    out = []
+    for t in tasks:
+        if t.name in merged:
+            continue
+        after = {GENERATOR if a in merged else a for a in t.after} - {t.name}
+        if t.name == GENERATOR:
+            t = dataclasses.replace(
+                t,
+                steps=[*t.steps, *fit0.steps],
+                done=t.done and fit0.done,
+                cores=max(t.cores, fit0.cores),  # the fit's cores: the task holds them
+            )
+        out.append(dataclasses.replace(t, after=after))
+    return out
+
+
 def fit_rates(
     measured: Mapping[str, float],
     works: Mapping[str, Work],
@@ -481,9 +565,9 @@ def fit_rates(
 
 
 def _fit_main(argv: Sequence[str]) -> int:
-    """`python -m pipeline.study.estimate fit HOST.json [--preset P] [--set ...] [--out F]`:
+    """`python -m pipeline.study.estimate fit HOST.json --preset P [--set ...] [--out F]`:
     fit rates from a study's host.json on the plan its config makes (the task names must
-    match), print the cross-check (rates from the first sitting predicting the others'
+    match: the verdict's is `--set study.fits=1 study.mixed_sets=3`, rebuilt before_fits), print the cross-check (rates from the first sitting predicting the others'
     task seconds, and the simulated wall against the measured one), write the rates file."""
     import argparse
 
@@ -491,13 +575,15 @@ def _fit_main(argv: Sequence[str]) -> int:
 
     p = argparse.ArgumentParser(prog="python -m pipeline.study.estimate fit")
     p.add_argument("host", type=Path)
-    p.add_argument("--preset", default="fashion-mnist")
+    p.add_argument("--preset", required=True)  # the study's (only presets name a preset)
     p.add_argument("--set", dest="sets", nargs="*", default=[])
     p.add_argument("--report-seconds", type=float, default=None)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     host = json.loads(args.host.read_text(encoding="utf-8"))
     cfg, root, tasks = setup(args.preset, [*args.sets, "out=/nonexistent-study-root"], data=False)
+    if ran_before_fits(host):  # the verdict's: its generator task fitted fit 0, no cell fit
+        tasks = before_fits(tasks)
     print(cross_check(host, tasks, args.preset, cfg.jobs, root, args.report_seconds))
     rates = rates_from_host(host, tasks, args.preset, args.report_seconds)
     # the alone rates are measured alone, not in a study: kept from the committed file
@@ -535,6 +621,8 @@ def rates_from_host(
             measured.update(s.get("task_seconds_this_invocation", {}))
     works, evals = _units(tasks, preset, classes)
     rates: dict[str, Any] = {"rates": fit_rates(measured, works, evals)}
+    parts = generator_parts(tasks, preset, classes)
+    derived = derive_rates(rates["rates"], *parts) if parts else {}
     ext = [n for n in works if EXTENSION in n and n in measured]
     rates["extension_share"] = (
         round(sum(measured[n] > 0 for n in ext) / len(ext), 3) if ext else 1.0
@@ -543,6 +631,8 @@ def rates_from_host(
     rates["rates"] = {k: rates["rates"].get(k, 0.0) for k in KINDS}
     rates["classes"] = classes
     rates["units"] = {k: u for k, (u, _) in KINDS.items()}
+    if derived:
+        rates["derived"] = derived
     return rates
 
 
@@ -591,5 +681,5 @@ def cross_check(
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["fit"]:
-        sys.exit("usage: python -m pipeline.study.estimate fit HOST.json [--preset P] [--out F]")
+        sys.exit("usage: python -m pipeline.study.estimate fit HOST.json --preset P [--out F]")
     sys.exit(_fit_main(sys.argv[2:]))

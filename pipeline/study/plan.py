@@ -86,7 +86,11 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
     cell_sets = [f"fit-generator.seed={base_fit_seed + CELL_FIT_SEED}"]
     steps = reference_steps(preset, chain_sets) if cells else 25
     reads = CellReads(root, tune_seeds(cfg), cell_fit, cell_sets, steps)  # this invocation's
-    fit_names = {f: fit_task_name(f) for f in range(cfg.fits)}
+    # the fits some csm-family seed trains on (fit 0 always: the chain's); a fit no run reads
+    # (fewer seeds than fits) is not fitted
+    used = {cfg.fit_of(m, s) or 0 for m in cfg.methods if METHODS[m].needs_mixed
+            for s in cfg.seeds_of(m)}  # fmt: skip
+    fit_names = {f: fit_task_name(f) for f in sorted(used | {0})}
     if needs_chain:
         done = is_complete(root / "mixed")
         if (
@@ -106,7 +110,7 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
             fit_names[0] = "chain"
             tasks += [fit_task(preset, chain_sets, root, fit_root(root, f),
                                fit_sets(base_fit_seed, f), fit_names[f], after="chain")
-                      for f in range(1, cfg.fits)]  # fmt: skip
+                      for f in fit_names if f]  # fmt: skip
 
     draws = cfg.fits * cfg.mixed_sets
     gen_seed = generate_seed(preset, chain_sets) if needs_chain and draws > 1 else 0
