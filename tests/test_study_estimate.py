@@ -14,7 +14,6 @@ from pipeline.study.estimate import (
     KINDS,
     EstimateError,
     before_fits,
-    critical_path,
     derive_rates,
     estimate,
     expected_seconds,
@@ -22,13 +21,10 @@ from pipeline.study.estimate import (
     measured_line,
     ran_before_fits,
     rates_from_host,
-    remaining_path,
-    simulate,
-    start_order,
-    startable,
 )
 from pipeline.study.execute import execute
 from pipeline.study.plan import task_cores
+from pipeline.study.schedule import critical_path, remaining_path, simulate, start_order, startable
 
 VERDICT = Path(__file__).resolve().parent.parent / "docs" / "results" / "fashion-verdict"
 

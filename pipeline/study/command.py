@@ -25,7 +25,7 @@ from pipeline.study.config import (
     check_budget,
     comparison_pairs,
 )
-from pipeline.study.estimate import estimate, measured_line, remaining_path
+from pipeline.study.estimate import estimate, measured_line
 from pipeline.study.execute import Sitting, code_version, execute
 from pipeline.study.figures import fidelity_figure, figures
 from pipeline.study.intervals import mixed_sets_of
@@ -34,6 +34,7 @@ from pipeline.study.plan import setup, study_cells
 from pipeline.study.protocol import lock, record
 from pipeline.study.records import collect, seed_predictions
 from pipeline.study.report import write_report
+from pipeline.study.schedule import remaining_path
 from pipeline.study.stats import MARGINS, compare, summarize
 from pipeline.study.tuning import tune_seeds
 from pipeline.study.tuning_plan import configurations, tuning_report

@@ -15,7 +15,7 @@ from core.io import atomic_write_json, read_json
 from core.logs import log, progress
 from pipeline.registry import STAGES, resolve_stage_config
 from pipeline.study.config import StudyError, Task, cpu_count
-from pipeline.study.estimate import held_cores, start_order, startable
+from pipeline.study.schedule import held_cores, start_order, startable
 
 FAILURES = "failures.log"  # in the study's logs/: every failed task, its cause and its log
 LINE_CHARS = 300  # the sitting's last line, at most (the cause is cut to fit)
