@@ -194,7 +194,7 @@ class Task:
     extra_step: int = -1
     # the cores its commands keep busy at once: its stages' cpu_threads, the most of its steps
     # (a stage at torch's default, 0, and a chain's generate, one process per core: every core;
-    # plan.task_cores). execute starts it only where that many are free (estimate.startable)
+    # plan.task_cores). execute starts it only where that many are free (schedule.startable)
     cores: int = 1
 
     def commands(self, preset: str, extra: Sequence[str] = ()) -> list[list[str]]:

@@ -179,7 +179,7 @@ def execute(
     remaining path (`priority`: its expected seconds plus its longest chain of dependants,
     estimate.remaining_path) starts first, so the generator fit and the chains that wait on
     it go before grids that can wait; ties, and no priorities, by plan order; the first that
-    does not fit stops the others (estimate.startable: the same rule the estimate simulates).
+    does not fit stops the others (schedule.startable: the same rule the estimate simulates).
     A failed task fails the tasks that need it; the others go on. Raises at the end in one
     short line (failure_line); every failure, its cause and its log in logs/failures.log.
     `on_done(seconds)` after each task that ran to the end."""
