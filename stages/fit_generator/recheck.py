@@ -32,6 +32,24 @@ from stages.common.fidelity import FidelityCheck, make_judges, sample_grid
 RECHECK_FIELDS = frozenset({"guidance_grid", "clip_choice", "fidelity.samplers"})
 
 
+def fidelity_check(cfg: Any, names: list[str], device: Any) -> FidelityCheck:
+    """fit-generator's fidelity check as its config asks: its judges (trained on the same
+    labelled budget, train_limit), the guidance grid, clipping and sampler cells; one builder
+    for the fit and for a recheck of a finished fit."""
+    judges = make_judges(
+        cfg.root, cfg.fidelity.judge, device, cfg.train_limit, cfg.fidelity.report_judges
+    )
+    return FidelityCheck(
+        judges,
+        cfg.grid,
+        names,
+        cfg.seed,
+        cfg.fidelity.per_class,
+        cfg.fidelity.clip_choice,
+        cfg.fidelity.samplers,
+    )
+
+
 def recheck_fields(folder: Path, config: dict[str, Any]) -> set[str] | None:
     """The fields in which `config` differs from the finished fit in `folder` when they are all
     RECHECK_FIELDS (then a recheck makes the folder this config's); None otherwise (no
@@ -59,18 +77,7 @@ def recheck(cfg: Any, folder: Path, config: dict[str, Any], names: tuple[str, ..
         "new grid, the weights stay", folder, ", ".join(sorted(recheck_fields(folder, config) or ())),
         step,
     )  # fmt: skip
-    judges = make_judges(
-        cfg.root, cfg.fidelity.judge, device, cfg.train_limit, cfg.fidelity.report_judges
-    )
-    check = FidelityCheck(
-        judges,
-        cfg.grid,
-        names,
-        cfg.seed,
-        cfg.fidelity.per_class,
-        cfg.fidelity.clip_choice,
-        cfg.fidelity.samplers,
-    )
+    check = fidelity_check(cfg, names, device)
     gen = load_generator("unet", model=folder, steps=cfg.preview.sample_steps, device=device)
     curve = [*fidelity["curve"][:-1], check(gen, step)]
     guidance, clip, summary = check.choose(curve)

@@ -28,9 +28,9 @@ from shards.manifest import (
 )
 from shards.reader import load_split
 from shards.writer import write_config
-from stages.common.fidelity import FidelityCheck, make_judges, sample_grid
+from stages.common.fidelity import sample_grid
 from stages.configs.fit_generator import Config
-from stages.fit_generator.recheck import recheck, recheck_fields
+from stages.fit_generator.recheck import fidelity_check, recheck, recheck_fields
 from stages.fit_generator.training import CHECKPOINTS, noise_scheduler, resolve_precision, train
 
 WEIGHTS = Path("unet") / "diffusion_pytorch_model.safetensors"
@@ -88,18 +88,7 @@ def run(cfg: Config) -> Path:
     # 2. The judges of fidelity (main process), then train (every process)
     check = None
     if procs.is_main:
-        judges = make_judges(
-            cfg.root, cfg.fidelity.judge, procs.device, cfg.train_limit, cfg.fidelity.report_judges
-        )
-        check = FidelityCheck(
-            judges,
-            cfg.grid,
-            names,
-            cfg.seed,
-            cfg.fidelity.per_class,
-            cfg.fidelity.clip_choice,
-            cfg.fidelity.samplers,
-        )
+        check = fidelity_check(cfg, names, procs.device)
     unet, curve = train(cfg, folder, images, labels, names, check)
     state = PartialState()
     if not state.is_main_process:
