@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.runtime import derive_seed, make_generator
+from core.seeding import derive_seed, make_generator
 from models.classifiers import build_classifier
 from models.objectives import TrainingModule, build_objective
 from models.training import (

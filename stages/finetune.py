@@ -36,7 +36,8 @@ import torch
 from core.io import atomic_write_json, read_json
 from core.logs import log
 from core.plots import lines
-from core.runtime import code_version, make_generator
+from core.seeding import make_generator
+from core.version import code_version
 from models.classifiers import Classifier
 from models.fedlas import GATE_MODES
 from models.finetuning import arch_with_head, build_model, require_separable_head

@@ -32,7 +32,8 @@ import torch
 
 from core.config import ConfigError, given_folder
 from core.logs import log
-from core.runtime import code_version, derive_seed, make_generator
+from core.seeding import derive_seed, make_generator
+from core.version import code_version
 from models.annotation import soft_targets
 from models.classifiers import build_classifier
 from models.objectives import OBJECTIVES, TrainingModule, build_objective

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from core.io import sha256_file
 from core.precision import native_bf16
-from core.runtime import make_generator
+from core.seeding import make_generator
 from models.calibration import ece, nll, topk_accuracy
 from models.classifiers import classifier_from_config
 from models.objectives import build_objective

@@ -13,7 +13,7 @@ import numpy as np
 from core.fielddocs import describe_fields
 from core.io import atomic_write_json
 from core.logs import log
-from core.runtime import derive_seed
+from core.seeding import derive_seed
 from pipeline.chain import chain_fields
 from pipeline.study import robustness
 from pipeline.study.cells import CELL_FIT, choose_cell, reference_steps

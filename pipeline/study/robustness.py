@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from core.runtime import derive_seed
+from core.seeding import derive_seed
 from core.tables import table
 from pipeline.chain import split_sets
 from pipeline.study.config import Task

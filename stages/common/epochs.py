@@ -38,8 +38,9 @@ from torch import Tensor
 from core.io import atomic_write_json
 from core.logs import log, progress
 from core.precision import FROM_ACCELERATE
-from core.runtime import code_version, make_generator
+from core.seeding import make_generator
 from core.tracking import scalars
+from core.version import code_version
 from models.calibration import ece, nll, topk_accuracy
 from models.objectives import TrainingModule
 from models.training import (

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from core.io import atomic_write_json
 from core.logs import log
 from core.plots import guidance_cells, image_grid
-from core.runtime import derive_seed
+from core.seeding import derive_seed
 from core.tracking import scalars
 from models.annotation_stats import fidelity_stats
 from models.classifiers import classifier_from_config
