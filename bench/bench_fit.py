@@ -21,16 +21,16 @@ from pathlib import Path
 
 import torch
 
-from core.runtime import make_accelerator
+from core.accelerator import new_accelerator
 from models.generators import UNET_PRESETS, unet_from_preset
 from models.generators.objective import denoising_loss
-from stages.fit_generator.training import resolve_precision
+from stages.common.loop import accelerate_precision
 
 BATCH, BLOCK, BLOCKS, WARMUP = 128, 5, 4, 3
 
 
 def _step_time(unet_name: str, precision: str) -> list[float]:
-    accelerator = make_accelerator(cpu=True, mixed_precision=precision)
+    accelerator = new_accelerator(cpu=True, mixed_precision=precision)
     torch.manual_seed(0)
     unet = unet_from_preset(unet_name, 10, null_class=True)
     opt = torch.optim.AdamW(unet.parameters(), lr=1e-4)
@@ -63,7 +63,7 @@ def _step_time(unet_name: str, precision: str) -> list[float]:
 
 def run() -> dict:
     rows, notes = [], []
-    native = resolve_precision("auto", cpu=True)
+    native = accelerate_precision("auto", cpu=True)
     for unet_name in ("digits-tiny", "fashion-28"):
         times: dict[str, list[float]] = {"no": [], "bf16": []}
         for _ in range(BLOCKS):
@@ -97,7 +97,7 @@ def fidelity_per_minute(folder: Path, rows: list[dict]) -> list[str]:
     fidelity = json.loads((folder / "fidelity.json").read_text())
     config = json.loads((folder / "config.json").read_text())
     row = next(r for r in rows if r["UNet"] == config["unet"])
-    precision = resolve_precision(config["mixed_precision"], cpu=True)
+    precision = accelerate_precision(config["mixed_precision"], cpu=True)
     per_step = float(row["bf16 s/step" if precision == "bf16" else "fp32 s/step"])
     w = f"{fidelity['guidance']:g}"
     out = [

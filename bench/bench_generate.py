@@ -23,10 +23,12 @@ import torch
 from diffusers import DDPMScheduler
 
 from core.io import sha256_file
-from core.runtime import cpu_threads, derive_seed
+from core.launch import cpu_threads
+from core.seeding import derive_seed
 from models.generators import load_unet, save_unet, unet_from_preset
-from models.generators.base import class_weights, make_mixable, make_scheduler
+from models.generators.base import class_weights, make_mixable
 from models.generators.loading import dtype_kwarg
+from models.generators.schedulers import make_scheduler
 from pipeline.registry import run_stage
 from shards.manifest import Manifest, manifest_digest, write_manifest
 from shards.writer import ShardFolder

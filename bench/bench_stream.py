@@ -2,7 +2,7 @@
 
 One synthetic CIFAR-size set (real/train + a CSM mixed/ folder, 32x32, shards as prepare and
 annotate write them) is trained on for a few steps of the train stage's own step
-(`stages.common.epochs.plan_steps` + `make_batch`, the CSM objective, SGD), once per data path, each in
+(`stages.common.batches.plan_steps` + `make_batch`, the CSM objective, SGD), once per data path, each in
 a fresh process so that its peak RSS (VmHWM; DataLoader workers: their own pages) is its own.
 Goal: streamed/in-memory step rate >= 0.9. tests/test_stream.py runs the same steps to prove
 both paths train alike; tests/test_train.py does it through the whole stage.
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.runtime import derive_seed, make_generator
+from core.seeding import derive_seed, make_generator
 from models.classifiers import build_classifier
 from models.objectives import TrainingModule, build_objective
 from models.training import (
@@ -36,7 +36,7 @@ from shards.datasets import RealSplit, SeriesTable, load_real, load_series_table
 from shards.prefetch import PixelSource
 from shards.store import open_real, open_series_table
 from shards.writer import ShardFolder, encode_png
-from stages.common.epochs import Data, Mixed, Recipe, make_batch, plan_steps
+from stages.common.batches import Mixed, Recipe, TrainingData, make_batch, plan_steps
 
 CLASSES = 10
 
@@ -126,14 +126,14 @@ def stage_data(
     table: SeriesTable | None,
     source: PixelSource,
     stats: tuple[list[float], list[float]],
-) -> Data:
-    """The training loop's view of the data (stages/common/epochs.py), pixels from `source`."""
+) -> TrainingData:
+    """The training loop's view of the data (stages/common/batches.py), pixels from `source`."""
     mixed = None
     if table is not None:
         index = SeriesIndex(table.classes, CLASSES)
         mixed = Mixed(table.images, table.classes, table.soft.float(), index)
     mean, std = (torch.tensor(v) for v in stats)
-    return Data(train, train, mean, std, train.image_size, mixed, source)
+    return TrainingData(train, train, mean, std, train.image_size, mixed, source)
 
 
 def train_steps(
@@ -151,7 +151,7 @@ def train_steps(
     waits: list[float] | None = None,
 ) -> list[float]:
     """`steps` steps (all of the epoch if None) of the train stage's own step (one process:
-    `plan_steps` and `make_batch` of stages/common/epochs.py, with the generators `train_epoch` derives)
+    `plan_steps` and `make_batch` of stages/common/batches.py, with the generators `train_epoch` derives)
     on the pixels of `source` (either data path); returns the losses. `waits` gets the seconds
     each step waited for its pixels."""
     data = stage_data(train, table, source, stats)

@@ -10,17 +10,17 @@ those files keep their bytes (docs/compat.md). `resolve_precision` says once wha
   classifier loop's train step (1.4x; bench/RESULTS.md). The samplers and the encoders keep fp32
   on CPUs, and so do the classifier's logits wherever they are measured (validation, evaluate);
 - under `accelerate launch`, accelerate's own mixed precision wins over `auto`, and a stage value
-  that names another one is refused in one line (core.runtime.launcher_precision).
+  that names another one is refused in one line (`launcher_precision`).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 import torch
 
 from core.config import ConfigError, did_you_mean
-from core.runtime import launcher_precision
 
 Precision = Literal["fp32", "bf16", "fp16"]
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -65,6 +65,26 @@ def native_bf16(device: torch.device) -> bool:
         getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
         or getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
     )
+
+
+def launcher_precision(field: str, value: str, resolved: str) -> str:
+    """Mixed precision ("no", "bf16", "fp16") as accelerate's conventions want it: under
+    `accelerate launch` its value (its --mixed_precision flag, else its config file, else its
+    default "no": ACCELERATE_MIXED_PRECISION) wins over semix's `field` = "auto"; a semix value
+    that names another precision is a conflict, refused in one line before any work. Outside
+    accelerate launch, `resolved` (semix's own choice for `value`)."""
+    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION", "")
+    if not launcher:
+        return resolved
+    if value == "auto":
+        return launcher
+    if resolved != launcher:
+        raise ConfigError(
+            f"{field}={value} conflicts with accelerate launch's mixed precision {launcher!r} "
+            "(its --mixed_precision flag, its config file or its default): give one of them, "
+            f"or leave {field}=auto to follow accelerate"
+        )
+    return resolved
 
 
 def resolve_precision(

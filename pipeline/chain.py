@@ -144,7 +144,7 @@ def cpu_processes() -> int:
     launcher (which has chosen already); else 1."""
     import torch  # not at import: resolving a chain's config imports no torch
 
-    from core.runtime import launch_world
+    from core.launch import launch_world
 
     if launch_world() > 1 or torch.cuda.is_available():
         return 1

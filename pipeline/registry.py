@@ -18,13 +18,8 @@ from typing import Any
 
 from core.config import ConfigError, resolve
 from core.fielddocs import describe_fields
-from core.runtime import (
-    check_launcher,
-    code_version,
-    cpu_threads,
-    launch_world,
-    run_launched,
-)
+from core.launch import check_launcher, cpu_threads, launch_world, run_launched
+from core.version import code_version
 from shards.manifest import register_outputs
 from shards.reader import hash_on_read
 

@@ -51,8 +51,8 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from core.io import canonical_json, read_json, sha256_file, writing
+from core.launch import is_peer_failure
 from core.logs import log
-from core.runtime import is_peer_failure
 from shards.manifest import ShardError
 from shards.runs import load_safetensors
 

@@ -72,7 +72,7 @@ def image_size_of(folder: Path) -> tuple[int, int]:
     rec = manifest.shards[0]
     name, offset, length = next(m for m in shard_members(folder, rec) if m[0].endswith(".png"))
     with open(folder / rec.name, "rb") as f:
-        png = read_member(f.fileno(), folder / rec.name, name, offset, length, limit=24)
+        png = read_member(f.fileno(), folder / rec.name, name, offset, length, max_bytes=24)
     width, height = struct.unpack(">II", png[16:24])
     return height, width
 

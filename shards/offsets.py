@@ -122,12 +122,12 @@ def shard_members(folder: Path, rec: ShardRecord) -> list[Member]:
 
 
 def read_member(
-    fd: int, path: Path, name: str, offset: int, size: int, kind: str = "", limit: int = -1
+    fd: int, path: Path, name: str, offset: int, size: int, kind: str = "", max_bytes: int = -1
 ) -> bytes:
-    """Payload of member `name` at `offset` (its first `limit` bytes if limit >= 0), read
+    """Payload of member `name` at `offset` (its first `max_bytes` bytes if max_bytes >= 0), read
     together with its header block, which must name the same member, with the same size and
     a valid checksum (one pread)."""
-    want = size if limit < 0 else min(size, limit)
+    want = size if max_bytes < 0 else min(size, max_bytes)
     data = os.pread(fd, BLOCK + want, offset - BLOCK)
     header = data[:BLOCK]
     try:

@@ -42,6 +42,7 @@ from core.io import (
     writing,
 )
 from core.precision import FROM_ACCELERATE
+from core.version import code_version
 from shards.manifest import (
     MANIFEST,
     Manifest,
@@ -305,3 +306,21 @@ def load_model(
         first = str(e).strip().splitlines()[0]
         raise RunError(f"{folder}: weights do not fit the architecture in {META} ({first})") from e
     return model.to(device), meta
+
+
+def write_run(
+    run_dir: Path,
+    weights: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    metrics: dict[str, Any],
+    plots: list[Callable[[Path], Any]],
+    upstream: dict[str, str],
+) -> None:
+    """The run's outputs (main process): weights + model.json, metrics.json, the plots, and the
+    manifest last, so a run folder with a manifest has every file."""
+    write_weights(run_dir, weights, meta)
+    atomic_write_json(run_dir / "metrics.json", metrics)
+    for plot in plots:
+        plot(run_dir)
+    info = {k: meta[k] for k in ("run", "loss") if k in meta}
+    finish_run(run_dir, meta["class_names"], upstream, code_version(), info)

@@ -36,7 +36,8 @@ import torch
 from core.io import atomic_write_json, read_json
 from core.logs import log
 from core.plots import lines
-from core.runtime import code_version, make_generator
+from core.seeding import make_generator
+from core.version import code_version
 from models.classifiers import Classifier
 from models.fedlas import GATE_MODES
 from models.finetuning import arch_with_head, build_model, require_separable_head
@@ -47,9 +48,10 @@ from shards.budget import labelled_images
 from shards.datapath import DataPathChoice
 from shards.datasets import check_same_classes
 from shards.manifest import manifest_digest
-from shards.runs import Run, read_run, split_history
+from shards.runs import Run, read_run, split_history, write_run
 from stages.common import data as datapath
-from stages.common.epochs import Data, LoopState, write_run
+from stages.common.batches import TrainingData
+from stages.common.epochs import LoopState
 from stages.common.training_run import TrainingRun
 from stages.configs.finetune import Config
 
@@ -69,7 +71,7 @@ def load_source(cfg: Config) -> tuple[Run, Classifier]:
     return source, model
 
 
-def load_data(cfg: Config, source: Run, accelerator: Any) -> tuple[Data, DataPathChoice]:
+def load_data(cfg: Config, source: Run, accelerator: Any) -> tuple[TrainingData, DataPathChoice]:
     """real/train and real/val through the data path (stages/common/data.py), with the run's own
     normalisation; pixels for the steps come later (`pixel_source`, once the method is known).
     The training images are the source run's own (its train_limit): fine-tuning on more labels
@@ -87,7 +89,7 @@ def load_data(cfg: Config, source: Run, accelerator: Any) -> tuple[Data, DataPat
         log.info("finetune %s: %s", cfg.output, path.describe())
     val = datapath.sequential(val, cfg.eval_batch_size, cfg)
     norm = meta["normalize"]
-    return Data(train, val, norm["mean"], norm["std"], int(meta["image_size"])), path
+    return TrainingData(train, val, norm["mean"], norm["std"], int(meta["image_size"])), path
 
 
 def source_train_limit(source: Run) -> int:
@@ -98,7 +100,7 @@ def source_train_limit(source: Run) -> int:
 # ---------------------------------------------------------------- 2. the methods
 
 
-def maccal_method(cfg: Config, model: Classifier, data: Data) -> Method:
+def maccal_method(cfg: Config, model: Classifier, data: TrainingData) -> Method:
     """docs/methods.md §4: frozen backbone, masked bottleneck head, adaptive retention q."""
     features = None
     if not cfg.augments:  # un-augmented features never change: compute them once
@@ -142,7 +144,7 @@ def maccal_method(cfg: Config, model: Classifier, data: Data) -> Method:
     return objective, optimizer, cfg.maccal.lr, [q_trace]
 
 
-def fedlas_method(cfg: Config, model: Classifier, data: Data) -> Method:
+def fedlas_method(cfg: Config, model: Classifier, data: TrainingData) -> Method:
     """docs/methods.md §5: the whole model continues under the FeDLaS objective of `train`."""
     objective = build_objective(
         cfg.method,
@@ -158,7 +160,7 @@ def fedlas_method(cfg: Config, model: Classifier, data: Data) -> Method:
     return objective, optimizer, cfg.fedlas.lr, []
 
 
-METHODS: dict[str, Callable[[Config, Classifier, Data], Method]] = {
+METHODS: dict[str, Callable[[Config, Classifier, TrainingData], Method]] = {
     "maccal": maccal_method,
     "fedlas-ls": fedlas_method,
     "fedlas-mbls": fedlas_method,

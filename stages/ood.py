@@ -33,7 +33,8 @@ from PIL import Image
 from core.config import ConfigError
 from core.logs import log
 from core.plots import image_grid
-from core.runtime import code_version, derive_seed
+from core.seeding import derive_seed
+from core.version import code_version
 from shards.manifest import ShardError, is_complete, manifest_digest, read_manifest
 from shards.reader import iter_folder
 from shards.sources import digits_source

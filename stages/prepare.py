@@ -18,7 +18,8 @@ from PIL import Image
 
 from core.io import atomic_write_json, read_json
 from core.logs import log, progress
-from core.runtime import code_version, make_generator
+from core.seeding import make_generator
+from core.version import code_version
 from shards.fingerprint import changes, digest, fingerprint, summary
 from shards.manifest import ShardError
 from shards.sources import Source, SplitSource

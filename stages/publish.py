@@ -16,7 +16,7 @@ from pathlib import Path
 from core.config import ConfigError
 from core.io import read_json
 from core.logs import log
-from core.runtime import code_version
+from core.version import code_version
 from shards import hub
 from shards.card import build_card, license_for
 from shards.datasets import check_mixed_sample

@@ -34,7 +34,8 @@ import numpy as np
 from core.io import atomic_write_json, read_json, sha256_file, tmp_path_for, writing
 from core.logs import log, progress
 from core.plots import image_grid
-from core.runtime import code_version, derive_seed
+from core.seeding import derive_seed
+from core.version import code_version
 from models.corruptions import SEVERITIES, corrupt, describe
 from shards.manifest import (
     Manifest,

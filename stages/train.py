@@ -32,7 +32,8 @@ import torch
 
 from core.config import ConfigError, given_folder
 from core.logs import log
-from core.runtime import code_version, derive_seed, make_generator
+from core.seeding import derive_seed, make_generator
+from core.version import code_version
 from models.annotation import soft_targets
 from models.classifiers import build_classifier
 from models.objectives import OBJECTIVES, TrainingModule, build_objective
@@ -42,10 +43,11 @@ from shards.budget import train_run_images
 from shards.datapath import DataPathChoice
 from shards.datasets import RealSplit, check_same_classes
 from shards.manifest import ShardError, manifest_digest, read_manifest
-from shards.runs import split_history
+from shards.runs import split_history, write_run
 from stages.common import data as datapath
 from stages.common import phases
-from stages.common.epochs import Data, LoopState, Mixed, Result, write_run
+from stages.common.batches import Mixed, TrainingData
+from stages.common.epochs import LoopState, Result
 from stages.common.training_run import TrainingRun
 from stages.configs.train import Config
 
@@ -188,7 +190,7 @@ def run_stack(cfgs: Sequence[Config]) -> list[Path]:
         val = datapath.sequential(val, cfg.eval_batch_size, cfg)
         series = mixed.images if mixed else None
         pixels = datapath.pixel_source(train, series, objective.mixes_rows, accelerator, cfg)
-    data = Data(train, val, mean, std, train.image_size, mixed, pixels)
+    data = TrainingData(train, val, mean, std, train.image_size, mixed, pixels)
     if path.path == "memory":  # decoded once for the whole stack
         decoded = len(train) + len(val) + (len(mixed.classes) * mixed.soft.shape[1] if mixed else 0)
         phases.count("images_decoded", decoded)
@@ -232,7 +234,12 @@ STACK_FREE = ("seed", "run")  # what may differ between the runs of a stack
 
 
 def _member(
-    cfg: Config, run: TrainingRun, data: Data, path: DataPathChoice, classes: int, budget: Any
+    cfg: Config,
+    run: TrainingRun,
+    data: TrainingData,
+    path: DataPathChoice,
+    classes: int,
+    budget: Any,
 ) -> Member:
     """A run's model (+ objective parameters), init from (seed, "init"), its optimizer and the
     generator of its epochs (nothing trains until it is advanced)."""
@@ -293,7 +300,7 @@ def _write(
     result: Result,
     path: DataPathChoice,
     classes: Sequence[str],
-    data: Data,
+    data: TrainingData,
     made_from: dict[str, str],
 ) -> None:
     """A finished run's outputs (main process), the manifest last."""

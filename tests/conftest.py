@@ -91,7 +91,7 @@ def one_thread():
     """One torch thread for a module (opt in with `pytestmark = pytest.mark.usefixtures(...)`):
     on a shared 2-core machine OpenMP's second thread makes tiny CPU kernels much slower, and
     CPU bytes can depend on the thread count."""
-    from core.runtime import cpu_threads
+    from core.launch import cpu_threads
 
     with cpu_threads(1):
         yield

@@ -145,7 +145,7 @@ def test_the_study_refuses_unequal_budgets_in_one_line():
 
 
 def test_without_a_cnn_the_probe_chooses_on_the_budgets_images(root, tmp_path):
-    judges = make_judges(root, "", "cpu", limit=LIMIT)
+    judges = make_judges(root, "", "cpu", train_limit=LIMIT)
     assert [j.name for j in judges] == ["linear probe"]
     assert judges[0].labelled_train_images == LIMIT
     assert make_judges(root, "", "cpu")[0].labelled_train_images == n_train(root)

@@ -324,10 +324,10 @@ def test_a_file_that_does_not_load_is_one_line_and_never_unpickled(tmp_path):
 def test_accelerate_alone_ignores_a_damaged_rng_file_the_record_does_not(tmp_path, semix_log):
     """Why the RNG files are in the record: accelerate's load_state swallows any error loading
     them ("Could not load random states") and carries on with the current RNG state."""
-    from core.runtime import make_accelerator
+    from core.accelerator import new_accelerator
     from shards.checkpoints import LOAD_KWARGS
 
-    accelerator = make_accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no")
+    accelerator = new_accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no")
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, optimizer = accelerator.prepare(model, optimizer)

@@ -16,7 +16,7 @@ from core.config import (
     recorded_along,
     recorded_off_default,
 )
-from core.runtime import derive_seed, make_generator
+from core.seeding import derive_seed, make_generator
 from models.objectives import build_objective
 from pipeline.cli import main
 from pipeline.registry import resolve_stage_config
@@ -81,7 +81,7 @@ def test_derived_seeds_are_the_same_in_another_process_and_key_sensitive(tmp_pat
     """Stable across processes: another interpreter with another str-hash seed (which would
     change anything built on hash()) derives the same seeds."""
     code = (
-        "import json, sys; from core.runtime import derive_seed; "
+        "import json, sys; from core.seeding import derive_seed; "
         "print(json.dumps([derive_seed(*k) for k in json.loads(sys.argv[1])]))"
     )
     env = subprocess_env() | {"PYTHONHASHSEED": "12345"}

@@ -52,7 +52,7 @@ from pathlib import Path
 
 from core.io import atomic_write_json
 from core.logs import log
-from core.runtime import code_version
+from core.version import code_version
 from shards.manifest import manifest_digest, read_manifest
 from shards.reader import iter_folder
 from shards.writer import ShardFolder, completed, write_config

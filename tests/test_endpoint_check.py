@@ -12,7 +12,7 @@ import torch
 from conftest import save_generator
 
 import stages.generate.stage as generate
-from core.runtime import derive_seed
+from core.seeding import derive_seed
 from models.generators import MixSpec, SeriesSpec, build_unet
 from pipeline.registry import run_stage
 from shards.manifest import read_manifest

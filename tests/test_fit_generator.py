@@ -22,9 +22,10 @@ from pipeline.cli import main
 from pipeline.registry import run_stage
 from shards.checkpoints import Checkpointer
 from shards.manifest import manifest_digest, read_manifest
+from stages.common.loop import make_accelerator
 from stages.configs.fit_generator import Config
 from stages.fit_generator.stage import WEIGHTS
-from stages.fit_generator.training import batch_indices, fit_accelerator, noise_scheduler
+from stages.fit_generator.training import ACCELERATOR_KWARGS, batch_indices, noise_scheduler
 
 QUICK = [
     "steps=4", "batch_size=16", "checkpoint_every=2", "samples_per_class=2", "sample_steps=2",
@@ -282,7 +283,10 @@ def test_the_lr_schedule_counts_optimiser_steps_on_any_number_of_processes(monke
 
     from core.tracking import Tracking
 
-    accelerator = fit_accelerator(True, "no", Tracking((), Path("."), Path(".")))
+    tracking = Tracking((), Path("."), Path("."))
+    accelerator = make_accelerator(
+        "no", cpu=True, **ACCELERATOR_KWARGS, **tracking.accelerator_kwargs()
+    )
     layer = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(layer.parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))

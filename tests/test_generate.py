@@ -30,7 +30,8 @@ from PIL import Image
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
 from core.io import sha256_file
-from core.runtime import cpu_threads, derive_seed
+from core.launch import cpu_threads
+from core.seeding import derive_seed
 from models.generators import NonFiniteImageError, SeriesSpec, build_unet, load_generator
 from pipeline.cli import main
 from pipeline.registry import resolve_stage_config, run_stage
@@ -117,7 +118,7 @@ def test_plans_number_their_class_tuples():
     too (bench/RESULTS.md has its time and memory)."""
     from itertools import combinations
 
-    from core.runtime import make_generator
+    from core.seeding import make_generator
     from models.simplex import ClassTuples, rank_tuple
 
     g = torch.Generator().manual_seed(0)

@@ -23,7 +23,7 @@ from PIL import Image
 from safetensors.numpy import save_file
 
 from core.io import atomic_write_json
-from core.runtime import code_version
+from core.version import code_version
 from pipeline.cli import main
 from shards import card
 from shards.manifest import MANIFEST, Manifest, ShardRecord

@@ -18,7 +18,7 @@ import torch
 from test_edm import tiny_edm
 from test_generate import _save_dit, _save_sd
 
-from core.runtime import cpu_threads
+from core.launch import cpu_threads
 from models.classifiers import build_classifier
 from models.generators import SeriesSpec, build_unet, load_generator
 from pipeline.registry import run_stage

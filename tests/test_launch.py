@@ -22,7 +22,7 @@ from test_multinode import (
 )
 
 from core.config import ConfigError
-from core.runtime import launcher_precision
+from core.precision import launcher_precision
 from pipeline.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,7 +28,7 @@ import pytest
 import torch
 from conftest import save_generator, subprocess_env
 
-from core.runtime import LaunchError, check_launcher, cpu_threads, disagreement
+from core.launch import LaunchError, check_launcher, cpu_threads, disagreement
 from models.generators import build_unet
 from pipeline.cli import main
 from pipeline.registry import run_stage

@@ -14,7 +14,7 @@ from conftest import REPO
 
 from core import __version__
 from core.logs import LogProgress, log, progress, setup_logging
-from core.runtime import code_version
+from core.version import code_version
 
 STAMP = re.compile(r"^\d\d:\d\d:\d\d semix ")
 

@@ -1,4 +1,4 @@
-"""The study's robustness table (pipeline/study/robustness.py): its plan, its records and its
+"""The study's robustness table (pipeline/study/robustness_stats.py): its plan, its records and its
 statistics paired by image, on constructed inputs with a known answer."""
 
 from __future__ import annotations
@@ -6,8 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.study import robustness
-from pipeline.study.robustness import SEVERE, ShiftPredictions, comparisons, record
+from pipeline.study import plan as study_plan
+from pipeline.study import robustness_stats
+from pipeline.study.records import robustness_entries
+from pipeline.study.robustness_report import report_lines
+from pipeline.study.robustness_stats import SEVERE, ShiftPredictions, comparisons
 from pipeline.study.stats import Predictions, paired_difference
 
 
@@ -65,7 +68,7 @@ def test_record_reads_the_evaluations_shift_and_ood_sections():
             }
         },
     }
-    r = record(ev)
+    r = robustness_entries(ev)
     assert r["shift"]["after_ts"]["3"]["ece"] == 3
     assert set(r["shift"]["per_corruption"]["before_ts"]) == {"noise", "blur"}
     assert r["ood"]["uniform"] == {
@@ -74,15 +77,15 @@ def test_record_reads_the_evaluations_shift_and_ood_sections():
 
 
 def test_the_plan_builds_the_sets_first_and_every_evaluation_reads_them(tmp_path):
-    tasks, reads = robustness.robustness_tasks(
+    tasks, reads = study_plan.robustness_tasks(
         tmp_path / "fashion-mnist", "fashion-mnist", {"chain"}
     )
     assert [t.name for t in tasks] == ["shift", "ood"] and all(t.after == {"chain"} for t in tasks)
-    assert tasks[0].steps == [("shift", [f"limit={robustness.SHIFT_IMAGES}"])]
+    assert tasks[0].steps == [("shift", [f"limit={study_plan.SHIFT_IMAGES}"])]
     assert tasks[1].steps == [("ood", ["sets=digits,uniform"])]
     assert reads[0].endswith("shift/test-c") and reads[1].count(",") == 1
     # scikit-learn's digits is no OOD set for the digits preset
-    assert robustness.ood_sets("digits") == ("uniform",)
+    assert study_plan.ood_sets("digits") == ("uniform",)
     assert comparisons(["ce", "csm", "ls"]) == [
         ("after_ts", "ece", "csm", "ce"), ("after_ts", "nll", "csm", "ce"),
         ("after_ts", "ece", "ls", "ce"), ("after_ts", "nll", "ls", "ce"),
@@ -127,9 +130,11 @@ def test_auroc_shortfall_is_one_minus_sklearns_auroc_with_ties_and_resampled_ima
     labels = g.integers(0, 3, 60)
     test = np.round(g.normal(size=(60, 3)) * 2, 1)  # rounded: tied scores, counted half
     ood = np.round(g.normal(size=(25, 3)), 1).astype(np.float32)
-    p = robustness.OODPredictions.load(_ood_npz(tmp_path / "p.npz", test, ood, labels), "noise")
+    p = robustness_stats.OODPredictions.load(
+        _ood_npz(tmp_path / "p.npz", test, ood, labels), "noise"
+    )
     msp = np.concatenate([
-        robustness.softmax(test.astype(np.float32)).max(axis=1), robustness.softmax(ood).max(axis=1)
+        robustness_stats.softmax(test.astype(np.float32)).max(axis=1), robustness_stats.softmax(ood).max(axis=1)
     ])  # fmt: skip
     is_id = np.r_[np.ones(60), np.zeros(25)]
     assert len(np.unique(msp)) < len(msp)  # the case has ties
@@ -158,12 +163,14 @@ def test_ood_paired_finds_the_method_that_separates_the_sets_better(tmp_path):
             if method == "sharp":  # trained on a mixed set of its own: the top-level unit
                 record["mixed_set"] = f"m{seed}"
             records.append(record)
-    out = robustness.ood_paired(tmp_path, records, ["ce", "sharp"], 300, robustness.rng)
+    out = robustness_stats.ood_paired(
+        tmp_path, records, ["ce", "sharp"], 300, robustness_stats.shift_rng
+    )
     r = out["noise"]["sharp"]
     assert r["metric"] == "auroc_shortfall" and r["seeds"] == [0, 1, 2] and r["n_test"] == 280
     assert r["difference"] < 0 and r["ci95"][1] < 0 and r["verdict"] == "better"
     assert r["units"] == {"level": "mixed_set", "groups": [[0], [1], [2]]}
-    lines = "\n".join(robustness.report_lines(
+    lines = "\n".join(report_lines(
         [{"method": m, "shift": {"after_ts": {str(s): {"ece": 1, "nll": 1, "top1": 1}
                                               for s in range(1, 6)}}, "ood": {}}
          for m in ("ce", "sharp")], {}, out,

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from core.io import sha256_file
 from core.precision import native_bf16
-from core.runtime import make_generator
+from core.seeding import make_generator
 from models.calibration import ece, nll, topk_accuracy
 from models.classifiers import classifier_from_config
 from models.objectives import build_objective
@@ -33,7 +33,7 @@ from shards.reader import load_split
 from shards.runs import load_model
 from shards.writer import ShardFolder
 from stages import train as train_stage
-from stages.common.epochs import Data, Recipe, make_batch, plan_steps
+from stages.common.batches import Recipe, TrainingData, make_batch, plan_steps
 from stages.configs.train import LOSS
 
 K = 4  # members per series in the test mixed/ folder
@@ -257,7 +257,7 @@ def test_a_step_draws_the_same_samples_on_any_number_of_processes(root, loss, pa
         series = mixed.images if mixed else None
         rows = (0, 1) if objective.mixes_rows else (rank, world)  # as the stage does
         pixels = PixelSource(real.images, series, *rows, workers=0)
-        data = Data(real, val, torch.tensor([0.4]), torch.tensor([0.3]), 16, mixed, pixels)
+        data = TrainingData(real, val, torch.tensor([0.4]), torch.tensor([0.3]), 16, mixed, pixels)
         aug, extra = make_generator(0, "aug"), make_generator(0, "extra")
         plans = plan_steps(data, [idx], extra)
         return make_batch(recipe, data, plans[0], next(pixels.batches(plans)), aug, extra,

@@ -123,8 +123,8 @@ def test_a_judge_that_is_no_trained_run_is_named_by_its_path(tmp_path):
 
 
 def test_a_precision_conflict_names_the_precision_field(monkeypatch):
-    from stages.fit_generator.training import resolve_precision
+    from stages.common.loop import accelerate_precision
 
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
     with pytest.raises(ConfigError, match=r"^precision=fp32 conflicts .* leave precision=auto"):
-        resolve_precision("fp32", cpu=True)
+        accelerate_precision("fp32", cpu=True)

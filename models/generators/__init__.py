@@ -10,15 +10,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .base import (
-    SAMPLERS,
-    Generator,
-    MixableEmbedding,
-    NonFiniteImageError,
-    make_scheduler,
-)
+from .base import Generator, MixableEmbedding, NonFiniteImageError
 from .loading import ModelNotFoundError
 from .registry import EDM_SAMPLERS, GENERATORS, Backend, load_generator, register_backend
+from .schedulers import SAMPLERS, make_scheduler
 from .spec import MixSpec, SeriesSpec
 from .unet_presets import UNET_PRESETS, UNetPreset
 

@@ -11,7 +11,8 @@ and in how they sample; everything else lives here:
 - (series, weight vector) pairs are flattened into rows, each row's classes sorted (so a permuted
   tuple gives the same condition, bit for bit), and sampled in chunks of ``batch_size`` rows; every model
   call is padded to a multiple of ``row_multiple`` rows (see ``Generator._sample_rows`` for why);
-- only deterministic samplers (DDIM η=0, DPM-Solver++ and UniPC multistep) are accepted;
+- only deterministic samplers (DDIM η=0, DPM-Solver++ and UniPC multistep) are accepted
+  (schedulers.py builds them);
 - outputs are checked for non-finite values, clipped and quantised to uint8 RGB.
 """
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
+from typing import Any, ClassVar, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -29,13 +30,8 @@ from torch import nn
 from core import parts
 from core.precision import DTYPES, TORCH_NAMES
 
+from .schedulers import SAMPLERS
 from .spec import MixSpec, Spec
-
-if TYPE_CHECKING:
-    from diffusers.schedulers.scheduling_utils import SchedulerMixin
-
-# diffusers is imported where a scheduler is built, not here: this module is on the path of every
-# config check and error message, and importing diffusers costs seconds (see registry.py)
 
 
 class NonFiniteImageError(RuntimeError):
@@ -55,76 +51,7 @@ class NonFiniteImageError(RuntimeError):
         )
 
 
-def _ddim(config: Any) -> SchedulerMixin:
-    from diffusers import DDIMScheduler
-
-    # η is a step() argument; we never pass it, so DDIM runs with its default η = 0 (deterministic).
-    return DDIMScheduler.from_config(config)
-
-
-def _x0_threshold(config: Any, sampler: str) -> dict[str, Any]:
-    """The multistep solvers' stand-in for DDIM's clip_sample: thresholding with a ceiling of 1
-    clamps x0 to exactly [-1, 1] (the scale max(quantile, 1) is capped at sample_max_value = 1,
-    then x0 is clamped to ±scale and divided by it); other ranges it would rescale, not clip. A
-    2,500-step fashion-28 UNet drew its class 11 % of the time unclipped, 33 % clipped."""
-    if not config.get("clip_sample", False):
-        return {}
-    limit = float(config.get("clip_sample_range", 1.0))
-    if limit != 1.0:
-        raise ValueError(
-            f"{sampler} can clip x0 only to [-1, 1], this scheduler config clips to "
-            f"[-{limit:g}, {limit:g}]: use sampler=ddim"
-        )
-    return {"thresholding": True, "sample_max_value": 1.0}
-
-
-def _dpmsolver_pp(config: Any) -> SchedulerMixin:
-    from diffusers import DPMSolverMultistepScheduler
-
-    # Force the ODE variant: a saved config may name an SDE one, which draws fresh noise each step.
-    # DPM-Solver has no clip_sample: _x0_threshold clips where the config does.
-    clip = _x0_threshold(config, "dpmsolver++")
-    return DPMSolverMultistepScheduler.from_config(config, algorithm_type="dpmsolver++", **clip)
-
-
-def _unipc(config: Any) -> SchedulerMixin:
-    from diffusers import UniPCMultistepScheduler
-
-    # UniPC (Zhao et al. 2023) is an ODE solver: no step draws noise. Its settings pinned, not
-    # read from the saved config (which never names them): the data-prediction form (predict_x0)
-    # with the B(h) = e^h − 1 variant (bh2) and a lower-order last step, diffusers' defaults and
-    # the paper's choice for few-step guided sampling; the corrector runs at every step.
-    clip = _x0_threshold(config, "unipc")
-    fixed = dict(predict_x0=True, solver_type="bh2", lower_order_final=True, disable_corrector=[])
-    return UniPCMultistepScheduler.from_config(config, **fixed, **clip)
-
-
-# Deterministic samplers only: ancestral/SDE samplers inject new noise at every step, which breaks
-# the shared-noise property of a series (docs/methods.md §1).
-SAMPLERS: dict[str, Callable[[Any], SchedulerMixin]] = {
-    "ddim": _ddim,
-    "dpmsolver++": _dpmsolver_pp,
-    "unipc": _unipc,
-}
-
-
-def make_scheduler(sampler: str, config: Any) -> SchedulerMixin:
-    """Build the deterministic sampler ``sampler`` from a (training) scheduler config.
-
-    A config in memory lists the fields its scheduler left at their defaults
-    (``_use_default_values``), and diffusers' from_config drops those, overrides included: a
-    live fit's ``clip_sample=False`` would be ignored. Dropping the list builds the sampler from
-    the values the config holds, as from a scheduler_config.json (which never has the list)."""
-    config = {k: v for k, v in dict(config).items() if k != "_use_default_values"}
-    if sampler not in SAMPLERS:
-        raise ValueError(
-            f"unknown or non-deterministic sampler {sampler!r}; choose one of {sorted(SAMPLERS)} "
-            "(ancestral/SDE samplers break the shared noise of a series)"
-        )
-    return SAMPLERS[sampler](config)
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """A generator's dtype: a torch dtype, or torch's name of it (float32, bfloat16, float16:
     the words a series manifest records; core.precision.TORCH_NAMES)."""
     by_name = {name: DTYPES[word] for word, name in TORCH_NAMES.items()}
@@ -255,7 +182,7 @@ class Generator(ABC):
         self.sampler = sampler
         self.steps = int(steps)
         self.device = torch.device(device)
-        self.dtype = resolve_dtype(dtype)
+        self.dtype = torch_dtype(dtype)
         self.batch_size = int(batch_size)
         self.row_multiple = int(row_multiple)
         self.torch_compile = bool(torch_compile)  # torch.compile the denoiser when it loads

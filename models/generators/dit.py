@@ -22,8 +22,9 @@ import torch
 
 from core.parts import Params, param
 
-from .base import Generator, MixableEmbedding, Shared, make_mixable, make_scheduler, mix_weights
+from .base import Generator, MixableEmbedding, Shared, make_mixable, mix_weights
 from .loading import load_pipeline
+from .schedulers import make_scheduler
 
 
 class DiTGenerator(Generator):

@@ -18,11 +18,12 @@ from typing import Any
 
 from core.parts import Params
 
-from .base import SAMPLERS, Generator
+from .base import Generator
 from .dit import DiTGenerator
+from .schedulers import SAMPLERS
 from .sd import SDGenerator
 
-# the edm backend's samplers (the others take base.SAMPLERS)
+# the edm backend's samplers (the others take schedulers.SAMPLERS)
 EDM_SAMPLERS = {"heun": "EDM Algorithm 1, 2nd order", "euler": "1st order"}
 
 
@@ -59,7 +60,7 @@ def register_backend(
     `_`; config.json records them as `<prefix>_<param>`, prefix: the name, `-` as `_`).
     `target` is the `Generator` subclass (its `backend` is `name`), or "module:Class" for one
     whose module is slow to import: then `params` and
-    `samplers` (its class's `Params` and `samplers`; default none and base.SAMPLERS) are given
+    `samplers` (its class's `Params` and `samplers`; default none and schedulers.SAMPLERS) are given
     here, since the config needs them before the class is imported. Register when your module is
     imported, which SEMIX_PLUGINS does before any config is built (pipeline/plugins.py)."""
     if name in GENERATORS:

@@ -19,8 +19,9 @@ import torch
 from core.config import ConfigError
 from core.parts import Params, param
 
-from .base import Generator, Shared, make_scheduler
+from .base import Generator, Shared
 from .loading import load_pipeline
+from .schedulers import make_scheduler
 
 
 class SDGenerator(Generator):

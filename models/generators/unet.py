@@ -25,8 +25,9 @@ import torch
 from diffusers import DDIMScheduler, UNet2DModel
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
-from .base import Generator, MixableEmbedding, Shared, make_mixable, make_scheduler, mix_weights
+from .base import Generator, MixableEmbedding, Shared, make_mixable, mix_weights
 from .loading import dtype_kwarg, load_pretrained
+from .schedulers import make_scheduler
 from .unet_presets import UNET_PRESETS
 
 NULL_CLASS = "_semix_null_class"  # in the UNet's config: the table's last row is ∅ (diffusers

@@ -13,9 +13,8 @@ import numpy as np
 from core.fielddocs import describe_fields
 from core.io import atomic_write_json
 from core.logs import log
-from core.runtime import derive_seed
+from core.seeding import derive_seed
 from pipeline.chain import chain_fields
-from pipeline.study import robustness
 from pipeline.study.cells import CELL_FIT, choose_cell, reference_steps
 from pipeline.study.config import (
     METHODS,
@@ -27,13 +26,14 @@ from pipeline.study.config import (
 )
 from pipeline.study.estimate import estimate, measured_line
 from pipeline.study.execute import Sitting, code_version, execute
-from pipeline.study.figures import fidelity_figure, figures
+from pipeline.study.figures import fidelity_figure, figures, shift_figure
 from pipeline.study.intervals import mixed_sets_of
 from pipeline.study.mixed_sets import mixed_images, set_variant, variant_root
 from pipeline.study.plan import setup, study_cells
 from pipeline.study.protocol import lock, record
 from pipeline.study.records import collect, seed_predictions
 from pipeline.study.report import write_report
+from pipeline.study.robustness_stats import comparisons, ood_paired, shift_paired, shift_rng
 from pipeline.study.schedule import remaining_path
 from pipeline.study.stats import MARGINS, compare, summarize
 from pipeline.study.tuning import tune_seeds
@@ -94,10 +94,10 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
     }
     robust: dict[str, Any] = {"shift": None, "ood": None}
     if cfg.robustness:
-        wanted = robustness.comparisons(cfg.methods)
+        wanted = comparisons(cfg.methods)
         robust = {
-            "shift": robustness.shift_paired(root, records, wanted, cfg.bootstrap, robustness.rng),
-            "ood": robustness.ood_paired(root, records, cfg.methods, cfg.bootstrap, robustness.rng),
+            "shift": shift_paired(root, records, wanted, cfg.bootstrap, shift_rng),
+            "ood": ood_paired(root, records, cfg.methods, cfg.bootstrap, shift_rng),
         }
     tuning = tuning_report(cfg, root, sets) if cfg.tune else {}
     counts = configurations(cfg, tuning) if cfg.tune else None
@@ -144,7 +144,7 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
         robust if cfg.robustness else None, cells or None, record(out, cfg.protocol), counts,
     )  # fmt: skip
     if cfg.robustness:
-        robustness.figure(records, out / "shift.png", f"{root.name}: under corruption, after TS")
+        shift_figure(records, out / "shift.png", f"{root.name}: under corruption, after TS")
     return report
 
 

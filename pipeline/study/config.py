@@ -119,7 +119,7 @@ class StudyConfig:
     # fit's most faithful cell
     cells: bool = True
     # every run also evaluated under shift (the corrupted test split) and on far-OOD sets, the
-    # comparisons paired as in the main table (pipeline/study/robustness.py); off: the clean test only
+    # comparisons paired as in the main table (pipeline/study/robustness_stats.py); off: the clean test only
     robustness: bool = True
     # the protocol the study is run under (relative: from the repository root): its sha256 goes
     # to study.json and, at the start, study/protocol.lock; the study's values are the committed

@@ -1,10 +1,12 @@
 """The study's figures: reliability.png (ce and the csm family, seeds pooled), ece.png (ECE per
 method, mean ± std over seeds) and, where the study chose the generator's sampler cell,
-fidelity.png (every cell's fidelity against w, the floor, the kept cells, the study's choice)."""
+fidelity.png (every cell's fidelity against w, the floor, the kept cells, the study's choice)
+and, with the robustness table, shift.png (ECE and NLL after TS against severity)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -69,3 +71,25 @@ def fidelity_figure(generator: dict, path: Path) -> Path:
     """fidelity.png of the study's generator cells (cell_marks)."""
     marks = cell_marks(generator)
     return guidance_cells(marks.pop("cells"), path, **marks)
+
+
+def shift_figure(records: list[dict[str, Any]], path: Path, title: str) -> Path:
+    """ECE and NLL after TS vs severity (0 = clean test), one line per method: the shape of
+    MaC-Cal's Fig. 5."""
+    from core.plots import panels
+
+    methods = list(dict.fromkeys(r["method"] for r in records))
+
+    def curve(method: str, key: str) -> tuple[list[int], list[float]]:
+        runs = [r for r in records if r["method"] == method]
+        ys = [float(np.mean([r["after_ts"][key] for r in runs]))]
+        ys += [
+            float(np.mean([r["shift"]["after_ts"][str(s)][key] for r in runs])) for s in range(1, 6)
+        ]
+        return list(range(6)), ys
+
+    data = {
+        label: {m: curve(m, key) for m in methods}
+        for key, label in (("ece", "ECE after TS (%)"), ("nll", "NLL after TS"))
+    }
+    return panels(data, path, xlabel="severity (0 = clean test)", title=title)

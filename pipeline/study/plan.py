@@ -1,6 +1,7 @@
 """A study's plan: its config from `study.key=value`, then every task it runs in order (the data,
-the chains of its mixed sets, the tuning grids, a train or fine-tuning run per method and seed,
-each evaluated), each task's config checked before any task starts."""
+the chains of its mixed sets, the tuning grids, the robustness table's shift and OOD sets, a
+train or fine-tuning run per method and seed, each evaluated), each task's config checked
+before any task starts."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from pathlib import Path
 from core.config import parse_sets
 from pipeline.chain import SPREAD, check_chain, scoped_errors, split_sets
 from pipeline.registry import resolve_stage_config
-from pipeline.study import robustness
 from pipeline.study.cells import (
     CELL_FIT,
     GENERATOR,
@@ -40,6 +40,61 @@ from shards import evals
 from shards.manifest import ShardError, is_complete, read_manifest
 from shards.writer import check_config
 from stages.presets import chain_steps, reader
+
+# ---------------------------------------------------------------- the robustness table's tasks
+
+SHIFT_IMAGES = 2000  # test images under each corruption and severity (x 5 x 11 per run)
+OOD_SETS = ("digits", "uniform")  # a far-OOD set of real images and a synthetic one
+
+
+def shift_folder(root: Path) -> Path:
+    return root / "shift" / "test-c"
+
+
+def ood_sets(preset: str) -> tuple[str, ...]:
+    """The OOD sets of a root: scikit-learn's digits is no OOD set for the digits data (the
+    digits preset, or digits+<recipe>: the data is the part before the +)."""
+    data = preset.partition("+")[0]
+    return tuple(s for s in OOD_SETS if not (s == "digits" and data == "digits"))
+
+
+def robustness_tasks(
+    root: Path, preset: str, after: set[str], study_sets: Sequence[str] = ()
+) -> tuple[list[Task], list[str]]:
+    """(the shift and ood tasks, the --set values that make evaluate read them); `study_sets`:
+    the study's command line, whose shared keys (out=, name=) and `shift.` / `ood.` keys reach
+    the two stages."""
+    sets = ood_sets(preset)
+    tasks = [
+        Task(
+            "shift",
+            [("shift", [*split_sets(study_sets, "shift"), f"limit={SHIFT_IMAGES}"])],
+            set(after),
+            is_complete(shift_folder(root)),
+        ),
+        Task(
+            "ood",
+            [("ood", [*split_sets(study_sets, "ood"), f"sets={','.join(sets)}"])],
+            set(after),
+            all(is_complete(root / "ood" / s) for s in sets),
+        ),
+    ]
+    evaluate = [
+        f"corruptions={shift_folder(root)}",
+        "ood=" + ",".join(str(root / "ood" / s) for s in sets),
+    ]
+    return tasks, evaluate
+
+
+def read_them(folder: Path, preset: str) -> bool:
+    """The evaluation in `folder` read the shift and OOD sets (its manifest's upstream)."""
+    manifest = read_manifest(folder)
+    upstream, settings = manifest.upstream, manifest.info.get("settings", {})
+    return (
+        "corruptions" in upstream
+        and all(f"ood/{s}" in upstream for s in ood_sets(preset))
+        and settings.get("predictions_format") == evals.PREDICTIONS_FORMAT  # has the OOD logits
+    )
 
 
 def _evaluated(folder: Path, criterion: str) -> bool:
@@ -139,7 +194,7 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
     robust: set[str] = set()  # the tasks every evaluation waits for: the shift and OOD sets
     if cfg.robustness:
         # the shift and OOD sets read real/ only: made beside the chain
-        extra, reads = robustness.robustness_tasks(root, preset, {DATA}, chain_sets)
+        extra, reads = robustness_tasks(root, preset, {DATA}, chain_sets)
         tasks += extra
         eval_sets += reads
         robust = {t.name for t in extra}
@@ -181,7 +236,7 @@ def plan(cfg: StudyConfig, preset: str, sets: Sequence[str], root: Path) -> list
                 after.add(run_name(m.base, seed))
             folder = evals.eval_dir(root, stage_dir, name)
             done = _evaluated(folder, cfg.ts_criterion) and (
-                not cfg.robustness or robustness.read_them(folder, preset)
+                not cfg.robustness or read_them(folder, preset)
             )
             if stacks:  # trained by its stack: this task evaluates
                 after.add(stack_name(method, mixed))

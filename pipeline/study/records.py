@@ -11,7 +11,6 @@ from typing import Any
 import numpy as np
 
 from core.io import read_json
-from pipeline.study import robustness
 from pipeline.study.config import METHODS, METRICS, POSTHOC, StudyConfig, run_name
 from pipeline.study.stats import Predictions
 from shards import evals
@@ -43,7 +42,7 @@ def collect(cfg: StudyConfig, root: Path) -> list[dict[str, Any]]:
                     "before_ts": {k: ev["before_ts"][k] for k in METRICS},
                     "after_ts": {k: ev["after_ts"][k] for k in METRICS},
                     **posthoc_entries(ev),
-                    **(robustness.record(ev) if cfg.robustness else {}),
+                    **(robustness_entries(ev) if cfg.robustness else {}),
                 }
             )
     return records
@@ -59,6 +58,27 @@ def posthoc_entries(ev: dict[str, Any]) -> dict[str, Any]:
         "posthoc_method": best,
         "after_posthoc": {k: ev["posthoc"]["after"][best][k] for k in METRICS},
     }
+
+
+def robustness_entries(ev: dict[str, Any]) -> dict[str, Any]:
+    """The `shift` and `ood` entries of a study record, from an evaluation's metrics."""
+    corr = ev["corruptions"]
+    shift = {when: corr[when]["mean"] for when in ("before_ts", "after_ts")}
+    shift["per_corruption"] = {
+        when: {c: v for c, v in corr[when].items() if c != "mean"}
+        for when in ("before_ts", "after_ts")
+    }
+    ood = {
+        name: {
+            "auroc": s["before_ts"]["msp_auroc"],
+            "fpr95": s["before_ts"]["msp_fpr95"],
+            "aupr_in": s["before_ts"].get("msp_aupr_in"),
+            "aupr_out": s["before_ts"].get("msp_aupr_out"),
+            "auroc_after_ts": s["after_ts"]["msp_auroc"],
+        }
+        for name, s in ev.get("ood", {}).items()
+    }
+    return {"shift": shift, "ood": ood}
 
 
 def recorded_budget(run: Path) -> int | None:

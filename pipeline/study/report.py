@@ -478,7 +478,7 @@ def write_report(
     image-paired comparisons with their non-inferiority verdicts. `tuning`: {group: the val grid
     and its choice} (pipeline/study/tuning.py). `images`: {mixed folder: generated images} when
     the study has methods on other mixed sets than csm's. `shift`: the paired comparisons
-    under shift and on the OOD sets ({"shift": ..., "ood": ...}, pipeline/study/robustness.py); with
+    under shift and on the OOD sets ({"shift": ..., "ood": ...}, pipeline/study/robustness_stats.py); with
     it, the records carry `shift` and `ood`. `generator`: the sampler cell chosen on val
     (pipeline/study/cells.py choose_cell). `protocol`: study.json's "protocol"
     (pipeline/study/protocol.py record); `configurations`: study.json's "configurations"."""
@@ -546,7 +546,7 @@ def write_report(
             methods=[m for m in others if m in ("csm3", "csm-redraw")],
         )
     if shift is not None:
-        from pipeline.study.robustness import report_lines
+        from pipeline.study.robustness_report import report_lines
 
         lines += report_lines(records, shift["shift"], shift.get("ood"))
     lines += [

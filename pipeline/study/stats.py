@@ -21,7 +21,7 @@ from pipeline.study.intervals import intervals, units_of
 N_BINS = 15  # equal-width bins ((m-1)/15, m/15], as evaluate uses
 METRICS = ("ece", "debiased_ece", "nll")  # each the name of a Predictions method
 # OOD detection, lower is better like every metric here: 1 − AUROC of the max softmax (ID =
-# positive), a method of pipeline.study.robustness.OODPredictions
+# positive), a method of pipeline.study.robustness_stats.OODPredictions
 OOD_METRICS = ("auroc_shortfall",)
 # ECEs and 1 − AUROC in points (x100), NLL in nats
 SCALE = {"ece": 100.0, "debiased_ece": 100.0, "nll": 1.0, "auroc_shortfall": 100.0}

@@ -18,7 +18,7 @@ import torch
 from core.io import atomic_write_json
 from core.logs import log
 from core.plots import scatter, ternary
-from core.runtime import make_generator
+from core.seeding import make_generator
 from models.annotation_stats import annotation_stats, fidelity_stats
 from models.simplex import lattice_points, simplex_stats
 from shards.reader import iter_folder

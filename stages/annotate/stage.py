@@ -10,8 +10,9 @@ import torch
 
 from core.config import given_folder
 from core.io import atomic_write_bytes, atomic_write_json, read_json, sha256_file
+from core.launch import Processes
 from core.logs import log, progress
-from core.runtime import Processes, code_version
+from core.version import code_version
 from models.annotation import ANNOTATORS
 from shards.manifest import (
     MANIFEST,

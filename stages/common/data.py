@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
-from core.runtime import share_from_main
+from core.launch import share_from_main
 from models.training import channel_stats, stats_chunk
 from shards.datapath import Data, DataPathChoice, choose_data_path
 from shards.datasets import RealSplit, SeriesTable, load_real, load_series_table

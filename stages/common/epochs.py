@@ -2,19 +2,20 @@
 call them.
 
     accelerator = make_accelerator(cfg.precision)
-    result = fit(run_dir, recipe, TrainingModule(model, objective), optimizer, data, accelerator)
-    write_run(run_dir, result.weights, meta, metrics, plots, upstream)
+    module = TrainingModule(model, objective)
+    result = drain(fit_epochs(run_dir, recipe, module, optimizer, data, accelerator, name))
+    write_run(run_dir, result.weights, meta, metrics, plots, upstream)  # shards/runs.py
 
 A unit is an epoch (`Epochs`): train, validate on real/val, keep the best weights. What a
 classifier trains is the stages' business (a fresh classifier and a loss; a trained run and
 FeDLaS; a frozen backbone and MaC-Cal's head: models/objectives.py); this module does the rest,
 the same way for all: the rank guard (the main process writes), progress (tqdm with rates).
 
-Process independence: each epoch is planned first (`plan_steps`: the *global* batches and
-their CSM members), a `PixelSource` serves each planned step's pixels (device tensors, or
-shards decoded ahead by DataLoader workers: stages/common/data.py), every step augments and
-applies the objective's `prepare` (mixup) to the global batch as a whole, and each process then
-keeps rows rank::world; its loss is weighted by its share of the batch, so DDP's gradient average is
+Process independence: each epoch is planned first (`plan_steps`, stages/common/batches.py: the
+*global* batches and their CSM members), a `PixelSource` serves each planned step's pixels
+(device tensors, or shards decoded ahead by DataLoader workers: stages/common/data.py), every
+step augments and applies the objective's `prepare` (mixup) to the global batch as a whole
+(`make_batch`), and each process then keeps rows rank::world; its loss is weighted by its share of the batch, so DDP's gradient average is
 the global batch mean. Every draw comes from a generator derived from (recipe.key, epoch,
 purpose), so a resumed run replays the uninterrupted one bit for bit on CPU. What still depends
 on the number of processes: BatchNorm normalises with each process's batch statistics
@@ -35,81 +36,25 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 from torch import Tensor
 
-from core.io import atomic_write_json
 from core.logs import log, progress
 from core.precision import FROM_ACCELERATE
-from core.runtime import code_version, make_generator
+from core.seeding import make_generator
 from core.tracking import scalars
 from models.calibration import ece, nll, topk_accuracy
 from models.objectives import TrainingModule
 from models.training import (
-    SeriesIndex,
     collect_logits,
-    csm_targets,
     epoch_batches,
     is_channels_last,
-    normalize,
-    random_crop_flip,
-    sample_csm_members,
 )
 from shards.checkpoints import CheckpointError
-from shards.datasets import RealSplit
-from shards.prefetch import PixelSource, StepPlan
-from shards.runs import finish_run, write_weights
-from shards.store import SeriesImages
+from shards.prefetch import PixelSource
 from stages.common import phases
+from stages.common.batches import Recipe, TrainingData, make_batch, plan_steps
 from stages.common.loop import PRECISION_KEY, train_units
 
 BEST = "best.safetensors"  # in a checkpoint: the best weights so far (keep="best")
 OBJECTIVE = "objective.safetensors"  # in a checkpoint: the objective's tensor state
-PAIRED = ("x_syn", "t_syn")  # batch entries with two rows per real image (CSM)
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """How to train, in the loop's terms; each stage fills it from its config."""
-
-    key: tuple[Any, ...]  # every draw derives from (*key, "epoch", e, purpose)
-    epochs: int
-    batch_size: int  # global, split over processes
-    lr: Callable[[int], float]  # lr of epoch e
-    clip_norm: float = 0.0  # over objective.clip_parameters(model); 0 = off
-    crop_pad: int = 0
-    flip: bool = False
-    keep: str = "best"  # best: highest val acc (first wins ties); last: the last epoch's
-    eval_batch_size: int = 512
-    checkpoint_limit: int = 2
-    resume: str = "auto"  # shards.checkpoints.RESUME_HELP
-    lr_field: str = "lr"  # the config field the lr comes from, as --set spells it (`optim.lr`)
-
-
-@dataclass
-class Mixed:
-    """The series table on the device, with the targets CSM trains on (docs/methods.md §3)."""
-
-    images: Tensor | SeriesImages  # uint8 [S, K, H, W, 3] (stream path: decoded when indexed)
-    classes: Tensor  # [S, 2] (k-way: [S, k])
-    soft: Tensor  # t_a [S, K] (k-way: t over the tuple [S, K, k])
-    index: SeriesIndex
-    interior: Tensor | None = None  # k-way: positions mixing >= 2 classes
-
-
-@dataclass
-class Data:
-    """What a step and validation read; mean/std: the run's normalisation.
-
-    Labels and series fields are on the device; pixels come from `pixels` (stages/common/data.py:
-    device tensors, or shards decoded ahead by DataLoader workers). Without one, `fit_epochs`
-    indexes train.images (and mixed.images) as device tensors."""
-
-    train: RealSplit
-    val: RealSplit
-    mean: list[float] | Tensor  # `fit_epochs` makes them tensors on the device (no copy per step)
-    std: list[float] | Tensor
-    image_size: int
-    mixed: Mixed | None = None
-    pixels: PixelSource | None = None
-    channels_last: bool = False  # the model's layout: `fit_epochs` sets it, the batches follow it
 
 
 @dataclass
@@ -130,69 +75,6 @@ class Result:
     weights: dict[str, Tensor]  # the kept weights (the main process's are the ones written)
 
 
-# ---------------------------------------------------------------- one step's inputs
-
-
-def plan_steps(data: Data, batches: list[Tensor], extra: torch.Generator) -> list[StepPlan]:
-    """What each step of an epoch reads: its global batch of real/train samples and, for CSM,
-    each real image's two series members (docs/methods.md §3: a random complete series containing
-    its label, that series' best member for the label + a random interior one). Planned for
-    the whole epoch first, so the streaming path can decode ahead; `extra` draws the members
-    of step 1, 2, ... in turn, then serves the objectives' `prepare` (no objective uses both)."""
-    mixed = data.mixed
-    if mixed is None:
-        return [StepPlan(idx) for idx in batches]
-    plans = []
-    for idx in batches:
-        y = data.train.labels[idx]
-        series, pos = sample_csm_members(
-            y, mixed.index, mixed.soft, extra, check=False, interior=mixed.interior
-        )
-        plans.append(StepPlan(idx, series, pos))
-    return plans
-
-
-def make_batch(
-    recipe: Recipe,
-    data: Data,
-    plan: StepPlan,
-    pixels: Any,
-    augment: torch.Generator,
-    extra: torch.Generator,
-    objective: Any,
-    rank: int,
-    world: int,
-) -> dict[str, Any]:
-    """This process's rows of the planned global batch, augmented and prepared as a whole first
-    (see the module docstring). `pixels` (shards.prefetch.Pixels): the plan's uint8 images,
-    real [B, ...] and for CSM syn [2B, ...]."""
-    idx, mixed = plan.idx, data.mixed
-    mean, std = data.mean, data.std
-
-    def norm(images: Tensor) -> Tensor:
-        return normalize(images, mean, std, data.image_size, channels_last=data.channels_last)
-
-    y = data.train.labels[idx]
-    images = random_crop_flip(pixels.real, augment, recipe.crop_pad, recipe.flip)
-    batch: dict[str, Any] = {"idx": idx, "x": norm(images), "y": y}
-    if mixed is not None and plan.series is not None:
-        series, pos = plan.series, plan.pos
-        syn = random_crop_flip(pixels.syn, augment, recipe.crop_pad, recipe.flip)
-        batch["x_syn"] = norm(syn)
-        batch["t_syn"] = csm_targets(
-            mixed.classes[series].flatten(0, 1),
-            mixed.soft[series, pos].flatten(0, 1),
-            mixed.index.num_classes,
-        )
-    batch = objective.prepare(batch, extra)
-    if world == 1:
-        return batch
-    mine = torch.arange(rank, len(y), world, device=idx.device)
-    pairs = torch.stack([2 * mine, 2 * mine + 1], dim=1).flatten()
-    per_sample = {k: v for k, v in batch.items() if isinstance(v, Tensor) and v.ndim > 0}
-    return batch | {k: v[pairs] if k in PAIRED else v[mine] for k, v in per_sample.items()}
-
-
 # ---------------------------------------------------------------- one epoch
 
 
@@ -202,7 +84,7 @@ def train_epoch(
     accelerator: Accelerator,
     module: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    data: Data,
+    data: TrainingData,
     bar: Any,
 ) -> dict[str, Any]:
     """One epoch; no host-device sync inside the loop (totals stay on the device)."""
@@ -302,7 +184,7 @@ def diverged(
     )
 
 
-def validate(model: torch.nn.Module, data: Data, batch_size: int) -> dict[str, float]:
+def validate(model: torch.nn.Module, data: TrainingData, batch_size: int) -> dict[str, float]:
     """fp32 eval-mode metrics on real/val (accuracy and ECE in %)."""
     logits = collect_logits(
         model,
@@ -332,7 +214,7 @@ class Epochs:
         recipe: Recipe,
         module: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        data: Data,
+        data: TrainingData,
         accelerator: Accelerator,
         name: str,
         on_epoch: Callable[[LoopState], None],
@@ -453,7 +335,7 @@ def fit_epochs(
     recipe: Recipe,
     module: TrainingModule,
     optimizer: torch.optim.Optimizer,
-    data: Data,
+    data: TrainingData,
     accelerator: Accelerator,
     name: str,
     on_epoch: Callable[[LoopState], None] = lambda state: None,
@@ -478,21 +360,3 @@ def fit_epochs(
     for _ in train_units(epochs, accelerator, run_dir, recipe.checkpoint_limit, recipe.resume):
         yield epochs.state
     return epochs.result()
-
-
-def write_run(
-    run_dir: Path,
-    weights: dict[str, Tensor],
-    meta: dict[str, Any],
-    metrics: dict[str, Any],
-    plots: list[Callable[[Path], Any]],
-    upstream: dict[str, str],
-) -> None:
-    """The run's outputs (main process): weights + model.json, metrics.json, the plots, and the
-    manifest last, so a run folder with a manifest has every file."""
-    write_weights(run_dir, weights, meta)
-    atomic_write_json(run_dir / "metrics.json", metrics)
-    for plot in plots:
-        plot(run_dir)
-    info = {k: meta[k] for k in ("run", "loss") if k in meta}
-    finish_run(run_dir, meta["class_names"], upstream, code_version(), info)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from core.io import atomic_write_json
 from core.logs import log
 from core.plots import guidance_cells, image_grid
-from core.runtime import derive_seed
+from core.seeding import derive_seed
 from core.tracking import scalars
 from models.annotation_stats import fidelity_stats
 from models.classifiers import classifier_from_config
@@ -85,13 +85,15 @@ def pixels(images: torch.Tensor) -> torch.Tensor:
     return images.float().mean(dim=-1).flatten(1) / 255.0
 
 
-def linear_probe(root: Path, limit: int = 0, l2: float = 1e-3, iterations: int = 200) -> Judge:
-    """Logistic regression on the pixels of the first ``limit`` images of real/train (0 = all;
+def linear_probe(
+    root: Path, train_limit: int = 0, l2: float = 1e-3, iterations: int = 200
+) -> Judge:
+    """Logistic regression on the pixels of the first ``train_limit`` images of real/train (0 = all;
     LBFGS, full batch, deterministic: zero initialisation, no random draw)."""
     train = load_real(root / "real" / "train")
     x, y = pixels(train.images), train.labels.long()
-    if limit:
-        x, y = x[:limit], y[:limit]
+    if train_limit:
+        x, y = x[:train_limit], y[:train_limit]
     # centred per pixel, scaled by one global std: a per-pixel std would blow up pixels that
     # are constant in real images (digit borders) wherever a generated image is not
     mean = x.mean(0)
@@ -165,13 +167,13 @@ def best_guidance(point: dict[str, dict[str, Any]], judge: str) -> float:
 
 
 def make_judges(
-    root: Path, cnn_run: str, device, limit: int = 0, report: Sequence[str] = ()
+    root: Path, cnn_run: str, device, train_limit: int = 0, report: Sequence[str] = ()
 ) -> list[Judge]:
     """The chooser first: the CNN judge train/<cnn_run> if named, else the linear probe (fitted
-    on the first ``limit`` real/train images); then the probe, then the ``report`` runs, which
+    on the first ``train_limit`` real/train images); then the probe, then the ``report`` runs, which
     only measure."""
     judges = [cnn_judge(root, cnn_run, device)] if cnn_run else []
-    judges.append(linear_probe(root, limit))
+    judges.append(linear_probe(root, train_limit))
     judges += [cnn_judge(root, run, device, key="fidelity.report_judges") for run in report]
     for i, j in enumerate(judges):
         log.info(

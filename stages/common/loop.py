@@ -7,7 +7,8 @@ its units, each followed by a checkpoint. A run says what a unit is (`Units`): t
 is an epoch (stages/common/epochs.py, with validation and the kept weights), fit-generator's a
 block of optimizer steps (stages/fit_generator/training.py). Beside it, what every run on it
 shares: the accelerator (`make_accelerator`: DDP under torchrun / accelerate launch, bf16 where
-the device computes it natively) and the precision a resumed run keeps (`run_precision`).
+the device computes it natively; `accelerate_precision` says which) and the precision a resumed
+run keeps (`run_precision`).
 """
 
 from __future__ import annotations
@@ -20,26 +21,34 @@ import torch
 from accelerate import Accelerator
 from torch import Tensor
 
+from core.accelerator import new_accelerator
 from core.io import read_json
+from core.launch import share_from_main
 from core.precision import ACCELERATE, canonical, resolve_precision
-from core.runtime import make_accelerator as new_accelerator
-from core.runtime import share_from_main
 from shards.checkpoints import LOAD_KWARGS, MARKER, Checkpointer, checkpoint_number
 from stages.common import phases
 
 PRECISION_KEY = "precision"  # a checkpoint's record of the precision its run computes in
 
 
-def make_accelerator(precision: str, **tracking: Any) -> Accelerator:
-    """DDP under a launcher; bf16 autocast for precision=auto where the device computes bf16
-    natively (a bf16 GPU; a CPU with AVX512-BF16 or AMX, where the classifier step measured
-    1.4x faster: bench/RESULTS.md), else fp32; under `accelerate launch`, auto follows
-    accelerate's mixed precision (core/precision.py). `tracking`: the trackers' Accelerator
-    arguments (core.tracking.Tracking.accelerator_kwargs)."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    mixed = ACCELERATE[resolve_precision("precision", precision, device, cpu_bf16=True)]
-    # cpu=True without CUDA, so that torchrun ranks on a CPU machine use gloo
-    return new_accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed, **tracking)
+def accelerate_precision(precision: str, cpu: bool) -> str:
+    """accelerate's mixed precision ("no", "bf16", "fp16") for precision=`precision` on the CPU
+    (`cpu`) or a GPU: auto is bf16 autocast where the device computes bf16 natively (a bf16 GPU;
+    a CPU with AVX512-BF16 or AMX, where the classifier step measured 1.4x faster and
+    fit-generator's 1.3x: bench/RESULTS.md), else fp32; under `accelerate launch`, auto follows
+    accelerate's mixed precision (core/precision.py)."""
+    device = torch.device("cpu" if cpu else "cuda")
+    return ACCELERATE[resolve_precision("precision", precision, device, cpu_bf16=True)]
+
+
+def make_accelerator(precision: str, *, cpu: bool | None = None, **kwargs: Any) -> Accelerator:
+    """DDP under a launcher, in `accelerate_precision(precision, cpu)`. `cpu`: None is the CPU
+    where there is no CUDA (so that torchrun ranks on a CPU machine use gloo). `kwargs`: the
+    Accelerator's other arguments, the trackers' (core.tracking.Tracking.accelerator_kwargs)
+    among them."""
+    if cpu is None:
+        cpu = not torch.cuda.is_available()
+    return new_accelerator(cpu=cpu, mixed_precision=accelerate_precision(precision, cpu), **kwargs)
 
 
 def run_precision(run_dir: Path, precision: str, resume: str) -> str:

@@ -19,7 +19,7 @@ from other inputs is refused, a bad `resume=` fails before any work, the tracker
 the outputs, the data path's workers are closed whatever happens) are written once. What a
 stage trains (model, objective, optimizer, lr schedule, kept epoch) and what its model.json
 and metrics.json say stay in the stage: each stage's `run` reads as its own steps. The stage
-writes the run itself (`stages.common.epochs.write_run`): the last step of its `run`.
+writes the run itself (`shards.runs.write_run`): the last step of its `run`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ from shards.datapath import DataPathChoice
 from shards.runs import run_complete, write_host
 from shards.writer import OTHER_ROOT, replaces, write_config
 from stages.common import data as datapath
-from stages.common.epochs import Data, LoopState, Recipe, Result, fit_epochs
+from stages.common.batches import Recipe, TrainingData
+from stages.common.epochs import LoopState, Result, fit_epochs
 from stages.common.loop import check_resume, drain, make_accelerator, run_precision
 from stages.configs.sections import Augment, Checkpoint
 
@@ -162,7 +163,7 @@ class TrainingRun:
         recipe: Recipe,
         module: TrainingModule,
         optimizer: torch.optim.Optimizer,
-        data: Data,
+        data: TrainingData,
         path: DataPathChoice,
         section: Section,
         describe: Callable[[dict[str, Any]], str] = lambda stats: "",
@@ -181,7 +182,7 @@ class TrainingRun:
         recipe: Recipe,
         module: TrainingModule,
         optimizer: torch.optim.Optimizer,
-        data: Data,
+        data: TrainingData,
         path: DataPathChoice,
         section: Section,
         describe: Callable[[dict[str, Any]], str] = lambda stats: "",

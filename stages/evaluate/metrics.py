@@ -71,7 +71,7 @@ def corruption_metrics(
     applies the entry's best post-hoc calibrator (fitted on clean val), named by
     posthoc_method. ECE and top-1 x100, NLL in nats (exact from the logits before and after TS;
     floored as models/calibration.py nll_of_probs after the calibrator), Brier raw. The arrays,
-    for statistics paired by image (pipeline/study/robustness.py): `corruption_logits` float32
+    for statistics paired by image (pipeline/study/robustness_stats.py): `corruption_logits` float32
     [corruptions, 5, N, C] in `corruption_names` order, `corruption_labels` [N]."""
     whens = ("before_ts", "after_ts", "after_posthoc")
     out: dict[str, dict] = {name: {w: {} for w in whens} for name in temps}

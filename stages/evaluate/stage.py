@@ -12,9 +12,10 @@ import numpy as np
 import torch
 
 from core.io import atomic_write_bytes, atomic_write_json
+from core.launch import Processes
 from core.logs import log
 from core.plots import reliability_diagram
-from core.runtime import Processes, code_version
+from core.version import code_version
 from models.calibration import (
     calibration_metrics,
     ece,

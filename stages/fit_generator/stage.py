@@ -15,8 +15,9 @@ import torch
 from accelerate import PartialState
 
 from core.io import sha256_file, writing
+from core.launch import Processes
 from core.logs import log
-from core.runtime import Processes, code_version
+from core.version import code_version
 from models.generators import UNET_PRESETS, save_unet
 from shards.manifest import (
     Manifest,
@@ -29,9 +30,10 @@ from shards.manifest import (
 from shards.reader import load_split
 from shards.writer import write_config
 from stages.common.fidelity import sample_grid
+from stages.common.loop import accelerate_precision
 from stages.configs.fit_generator import Config
 from stages.fit_generator.recheck import fidelity_check, recheck, recheck_fields
-from stages.fit_generator.training import CHECKPOINTS, noise_scheduler, resolve_precision, train
+from stages.fit_generator.training import CHECKPOINTS, noise_scheduler, train
 
 WEIGHTS = Path("unet") / "diffusion_pytorch_model.safetensors"
 
@@ -76,7 +78,7 @@ def run(cfg: Config) -> Path:
     images, labels = split.images, split.labels
     if cfg.train_limit:  # the first N, as train's train_limit: a fair study fits on its 5k
         images, labels = images[: cfg.train_limit], labels[: cfg.train_limit]
-    precision = resolve_precision(cfg.precision, procs.device.type == "cpu")
+    precision = accelerate_precision(cfg.precision, procs.device.type == "cpu")
     log.info(
         "fit-generator: %s UNet, %d classes, %d images, %d steps x %d, %s, %d threads, "
         "label dropout %g -> %s",

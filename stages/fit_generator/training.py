@@ -34,20 +34,22 @@ from diffusers import DDPMScheduler, UNet2DModel
 from diffusers.training_utils import EMAModel
 
 from core.logs import log, progress
-from core.precision import ACCELERATE
-from core.precision import resolve_precision as resolve_precision_of
-from core.runtime import derive_seed, make_accelerator, make_generator
+from core.seeding import derive_seed, make_generator
 from core.tracking import Tracking
 from models.generators import UNET_PRESETS, UNetGenerator, unet_from_preset
 from models.generators.objective import denoising_loss, denoising_target
 from shards.checkpoints import MARKER, CheckpointError
 from stages.common.fidelity import FidelityCheck, fidelity_scalars
-from stages.common.loop import drain, train_units
+from stages.common.loop import drain, make_accelerator, train_units
 from stages.configs.fit_generator import Config
 
 CHECKPOINTS = "checkpoints"  # the run's checkpoint folder (stages.common.loop.train_units)
 STATE = MARKER  # in a checkpoint folder, written last: the checkpoint is complete
 EMA = "ema.safetensors"  # the EMA weights of a checkpoint (its scalars live in STATE)
+# The stage's Accelerator arguments. The lr schedule counts optimiser steps: one scheduler step
+# per step on any number of processes (accelerate's default steps a prepared scheduler
+# num_processes times per step, for schedules counted in samples).
+ACCELERATOR_KWARGS = {"step_scheduler_with_optimizer": False}
 
 
 def batch_indices(n: int, seed: int, step: int, batch: int, rank: int, world: int) -> torch.Tensor:
@@ -84,26 +86,6 @@ def lr_factor(cfg: Config, step: int) -> float:
         return warm
     done = (step - cfg.optim.warmup_steps) / max(cfg.train_steps - cfg.optim.warmup_steps, 1)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
-
-
-def resolve_precision(choice: str, cpu: bool) -> str:
-    """accelerate's mixed precision ("no", "bf16", "fp16") for precision=`choice`: auto is
-    bf16 where the device computes it natively, CPUs with AVX512-BF16 or AMX included (the fit is
-    1.3x faster there), else fp32; under `accelerate launch` accelerate's value (core/precision.py)."""
-    device = torch.device("cpu" if cpu else "cuda")
-    return ACCELERATE[resolve_precision_of("precision", choice, device, cpu_bf16=True)]
-
-
-def fit_accelerator(cpu: bool, precision: str, tracking: Tracking) -> Accelerator:
-    """The stage's Accelerator. The lr schedule counts optimiser steps: one scheduler step per
-    step on any number of processes (accelerate's default steps a prepared scheduler
-    num_processes times per step, for schedules counted in samples)."""
-    return make_accelerator(
-        cpu=cpu,
-        mixed_precision=precision,
-        step_scheduler_with_optimizer=False,
-        **tracking.accelerator_kwargs(),
-    )
 
 
 def ema_generator(cfg: Config, model: torch.nn.Module, ema: EMAModel) -> UNetGenerator:
@@ -288,7 +270,8 @@ def train(
     and the fidelity curve (the main process, which alone gets `check`)."""
     cpu = cfg.device == "cpu" or not torch.cuda.is_available()  # else torchrun ranks unseen
     tracking = Tracking.of(cfg.tracker, folder, cfg.root)  # tracker=: outside the folder's files
-    accelerator = fit_accelerator(cpu, resolve_precision(cfg.precision, cpu), tracking)
+    kwargs = ACCELERATOR_KWARGS | tracking.accelerator_kwargs()
+    accelerator = make_accelerator(cfg.precision, cpu=cpu, **kwargs)
     with torch.random.fork_rng(devices=[]):  # the random init, seeded, global RNG left alone
         torch.manual_seed(derive_seed(cfg.seed, "fit-init"))
         unet = unet_from_preset(cfg.unet, len(names), null_class=cfg.label_dropout > 0)

@@ -22,7 +22,7 @@ import torch
 
 from core.io import atomic_write_json, read_json
 from core.logs import log
-from core.runtime import derive_seed
+from core.seeding import derive_seed
 from models.generators import MixSpec, SeriesSpec
 from stages.common.fidelity import Judge
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.runtime import derive_seed, make_generator
+from core.seeding import derive_seed, make_generator
 from models.generators import MixSpec, SeriesSpec
 from models.simplex import ClassTuples, class_tuples, lattice_weights
 from stages.configs.generate import Config

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import torch
 
+from core.launch import Processes
 from core.logs import log, progress
-from core.runtime import Processes, code_version
+from core.version import code_version
 from shards.manifest import Manifest
 from shards.writer import ShardFolder, completed, write_config
 from stages.common.fidelity import cnn_judge
