@@ -18,8 +18,8 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from core.config import Presets, field_choices, field_default, set_value
-from core.tree import leaves, shown, spelt
+from core.config import Presets, field_choices, set_value
+from core.tree import field_default, leaves, shown, spelt
 
 # comments that are tool pragmas, not descriptions
 _PRAGMAS = ("fmt:", "noqa", "type:", "pragma", "ruff:")
