@@ -15,7 +15,7 @@ from pipeline.study import robustness
 from pipeline.study.config import METHODS, METRICS, POSTHOC, StudyConfig, run_name
 from pipeline.study.stats import Predictions
 from shards import evals
-from shards.budget import labelled_split_images
+from stages.common.budget import labelled_split_images
 
 
 def collect(cfg: StudyConfig, root: Path) -> list[dict[str, Any]]:
@@ -62,7 +62,7 @@ def posthoc_entries(ev: dict[str, Any]) -> dict[str, Any]:
 
 
 def recorded_budget(run: Path) -> int | None:
-    """The labelled images a run recorded when it was made (metrics.json, shards/budget.py);
+    """The labelled images a run recorded when it was made (metrics.json, stages/common/budget.py);
     None for a run whose metrics.json does not record it (such a fine-tuning read all of
     real/train)."""
     section = "finetune" if run.parent.name == "finetune" else "train"
