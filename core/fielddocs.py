@@ -117,10 +117,9 @@ def other_spellings(config_cls: type) -> dict[str, list[str]]:
         found.setdefault(path, []).append(flat)
     for section in getattr(config_cls, "SECTIONS", ()):
         for part in section.names:
-            for param, flat in section.fields_of(part).items():
-                path = spelt(config_cls, section.legacy.get(flat, flat))
+            for param, path in section.paths_of(part).items():
                 # the shorthand is the picked part's parameter: say which picks make it this one
-                pickers = [p for p in section.names if section.fields_of(p).get(param) == flat]
+                pickers = [p for p in section.names if section.paths_of(p).get(param) == path]
                 words = found.setdefault(path, [])
                 for word in (
                     f"{section.name}.{part}.{param}",
