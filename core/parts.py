@@ -130,10 +130,10 @@ class Derived:
     hint: Any
     field: dataclasses.Field
     parts: tuple[str, ...]  # the parts that have it (mmce's λ: mmce and mmce_weighted)
-    # the key config.json records it under (`csm_weight`): the parts' one word for a parameter
+    # the key config.json records it under (`focal_gamma`): the parts' one word for a parameter
     # they share, read by the codec through `Section.legacy` (core/codec.py)
     recorded: str
-    path: str = ""  # its leaf in the config tree (`loss.csm.weight`), once `tree`/`within` put it
+    path: str = ""  # its leaf in the config tree (`loss.focal.gamma`), once `tree`/`within` put it
 
 
 class Section:
@@ -141,7 +141,7 @@ class Section:
     holds it (`loss`) and its --set prefix (`loss.gamma=2`); `parts` is the registry, read once,
     when the section is made (plugins register first: pipeline/plugins.py). `tree` or `within`
     puts the parts' parameters in the config tree; from then on `derived` holds each leaf by its
-    path (`loss.csm.weight`), and `legacy` {config.json's key: path} is all the section says of
+    path (`loss.focal.gamma`), and `legacy` {config.json's key: path} is all the section says of
     the recorded names (the stage's LEGACY: the codec's, and the rename table of old --set
     spellings)."""
 
@@ -295,7 +295,7 @@ class Section:
     @staticmethod
     def read(held: Any, path: str) -> Any:
         """The leaf `path` of the section object `held`, the config's field that holds it (its
-        path less the field's name: `loss.csm.weight` of a config's `loss`)."""
+        path less the field's name: `loss.focal.gamma` of a config's `loss`)."""
         return get(held, path.partition(".")[2])
 
     def check_tree(self, held: Any) -> None:
