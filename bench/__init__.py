@@ -2,6 +2,7 @@
 
 import os
 from pathlib import Path
+from typing import Any
 
 BENCH = Path(__file__).resolve().parent  # the bench_*.py modules
 REPO = BENCH.parent  # the checkout they measure
@@ -27,21 +28,28 @@ def run_root(
     return root
 
 
-def fitted_generator(root: Path) -> tuple[dict, dict, list]:
-    """A fitted in-house generator's config.json, fidelity.json and the fit's judges, rebuilt
-    as fit-generator built them (the chooser first, then the probe and the report judges)."""
+def fit_config(folder: Path) -> Any:
+    """A fitted generator's recorded config, as fit-generator's typed config (core.codec)."""
+    from core.codec import load
+    from stages.configs.fit_generator import Config
+
+    return load(Config, folder)
+
+
+def fitted_generator(root: Path) -> tuple[Any, dict, list]:
+    """A fitted in-house generator's config (typed: `fit_config`), fidelity.json and the fit's
+    judges, rebuilt as fit-generator built them (the chooser first, then the probe and the
+    report judges)."""
     import json
 
     from stages.common.fidelity import make_judges
 
-    config = json.loads((root / "generator" / "config.json").read_text())
+    config = fit_config(root / "generator")
     fidelity = json.loads((root / "generator" / "fidelity.json").read_text())
     report = [
         n.removeprefix("cnn:")
         for n, j in fidelity["judges"].items()
         if j["role"] == "reports only" and n.startswith("cnn:")
     ]
-    judges = make_judges(
-        root, config.get("judge_run", ""), "cpu", int(config.get("train_limit", 0)), report=report
-    )
+    judges = make_judges(root, config.fidelity.judge, "cpu", config.train_limit, report=report)
     return config, fidelity, judges

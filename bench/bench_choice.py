@@ -47,9 +47,9 @@ def run() -> dict | None:
     config, fidelity, judges = fitted_generator(root)
     names = load_real(root / "real" / "test").class_names
     per_class, seed, steps = (
-        int(config["fidelity_per_class"]),
-        int(config["seed"]),
-        int(config["sample_steps"]),
+        config.fidelity.per_class,
+        config.seed,
+        config.preview.sample_steps,
     )
     grid = [float(w) for w in fidelity["curve"][-1]["guidance"]]
     sched_config = json.loads(
@@ -84,8 +84,8 @@ def run() -> dict | None:
             "chosen": "**yes**" if (clip, w) == chosen else "",
         })  # fmt: skip
     notes = [
-        f"{root}/generator ({config['unet']}, {config.get('prediction_type', 'epsilon')}, "
-        f"{config['steps']} fit steps), DDIM {steps} steps, {per_class} images per class "
+        f"{root}/generator ({config.unet}, {config.noise.prediction_type}, "
+        f"{config.train_steps} fit steps), DDIM {steps} steps, {per_class} images per class "
         f"({per_class * len(names)} per cell) from seed {seed}: the fit's own check noise. "
         f"Chosen by {chooser}: w = {chosen[1]}, clipping {'on' if chosen[0] else 'off'} "
         f"(the fit chose w = {fidelity['guidance']:g} with clipping on).",

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from bench import fit_config
 from core.accelerator import new_accelerator
 from models.generators import UNET_PRESETS, unet_from_preset
 from models.generators.objective import denoising_loss
@@ -95,13 +96,13 @@ def fidelity_per_minute(folder: Path, rows: list[dict]) -> list[str]:
     """One note line per fidelity point of a fitted folder: minutes of training, fidelity at
     the chosen w by every judge."""
     fidelity = json.loads((folder / "fidelity.json").read_text())
-    config = json.loads((folder / "config.json").read_text())
-    row = next(r for r in rows if r["UNet"] == config["unet"])
-    precision = accelerate_precision(config["mixed_precision"], cpu=True)
+    config = fit_config(folder)
+    row = next(r for r in rows if r["UNet"] == config.unet)
+    precision = accelerate_precision(config.precision, cpu=True)
     per_step = float(row["bf16 s/step" if precision == "bf16" else "fp32 s/step"])
     w = f"{fidelity['guidance']:g}"
     out = [
-        f"fidelity per minute of {folder} ({config['unet']}, {config['steps']} steps, "
+        f"fidelity per minute of {folder} ({config.unet}, {config.train_steps} steps, "
         f"{precision}, chosen w = {w}; minutes = step x {per_step:.3f} s):"
     ]
     for point in fidelity["curve"]:

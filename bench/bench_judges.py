@@ -19,7 +19,7 @@ import json
 
 import torch
 
-from bench import run_root
+from bench import fit_config, run_root
 from shards.datasets import load_real
 from stages.annotate.report import endpoints
 from stages.common.fidelity import cnn_judge, linear_probe
@@ -52,7 +52,7 @@ def run() -> dict | None:
     )
     if root is None:
         return None
-    generator = json.loads((root / "generator" / "config.json").read_text())
+    generator = fit_config(root / "generator")
     fidelity = json.loads((root / "generator" / "fidelity.json").read_text())
     images, expected = endpoints(root / "series")
     test = load_real(root / "real" / "test")
@@ -64,7 +64,7 @@ def run() -> dict | None:
             j = cnn_judge(root, name.removeprefix("cnn:"), "cpu")
             judges.append((name, info.get("role", "?"), j.labelled_train_images,
                            j.real_test_accuracy, j.predict(images)))  # fmt: skip
-    for limit in dict.fromkeys((generator.get("train_limit", 0), 0)):
+    for limit in dict.fromkeys((generator.train_limit, 0)):
         j = linear_probe(root, limit)
         judges.append((f"probe ({j.labelled_train_images})", "reports only",
                        j.labelled_train_images, j.real_test_accuracy, j.predict(images)))  # fmt: skip
@@ -91,9 +91,9 @@ def run() -> dict | None:
         else None
     )
     notes = [
-        f"{root}: generator {generator['unet']}, {generator['steps']} fit steps, "
-        f"{generator.get('prediction_type', 'epsilon')}, hflip={generator.get('hflip')}, "
-        f"train_limit={generator.get('train_limit', 0)}, guidance w = {fidelity['guidance']:g} "
+        f"{root}: generator {generator.unet}, {generator.train_steps} fit steps, "
+        f"{generator.noise.prediction_type}, augment.flip={generator.augment.flip}, "
+        f"train_limit={generator.train_limit}, guidance w = {fidelity['guidance']:g} "
         f"chosen by {next(iter(fidelity['judges']))}; {len(images)} endpoints of series/.",
         "judges (role, labelled train images, accuracy on real test): "
         + "; ".join(f"{n} ({r}, {n_img}, {acc:.1f} %)" for n, r, n_img, acc, _ in judges),

@@ -81,8 +81,8 @@ def run() -> dict | None:
     config, fidelity, judges = fitted_generator(root)
     chosen = float(fidelity["guidance"])
     names = load_real(root / "real" / "test").class_names
-    per_class = int(config["fidelity_per_class"])
-    seed = int(config["seed"]) + 1  # fresh noise: the fit's check used seed
+    per_class = config.fidelity.per_class
+    seed = config.seed + 1  # fresh noise: the fit's check used seed
     sched_config = json.loads(
         (root / "generator" / "scheduler" / "scheduler_config.json").read_text()
     )
@@ -115,8 +115,8 @@ def run() -> dict | None:
             "ms / image": f"{1000 * took / (per_class * len(names)):.0f}",
         })  # fmt: skip
     notes = [
-        f"{root}/generator ({config['unet']}, {config.get('prediction_type', 'epsilon')}, "
-        f"{config['steps']} fit steps), w = {chosen:g} (chosen by {judges[0].name}), "
+        f"{root}/generator ({config.unet}, {config.noise.prediction_type}, "
+        f"{config.train_steps} fit steps), w = {chosen:g} (chosen by {judges[0].name}), "
         f"{per_class} images per class ({per_class * len(names)} per row) from seed {seed} "
         f"(the fit's check: seed {seed - 1}), float32, {torch.get_num_threads()} threads.",
         "judges' accuracy on real test: "

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bench import FITTED, run_root
+from bench import FITTED, fit_config, run_root
 from models.generators import load_generator, load_unet
 from models.generators.objective import predicted_x0
 from shards.datasets import load_real
@@ -75,11 +75,11 @@ def run() -> dict | None:
     )
     if root is None:
         return None
-    config = json.loads((root / "generator" / "config.json").read_text())
+    config = fit_config(root / "generator")
     chosen = float(json.loads((root / "generator" / "fidelity.json").read_text())["guidance"])
-    judges = make_judges(root, config.get("judge_run", ""), "cpu")
+    judges = make_judges(root, config.fidelity.judge, "cpu")
     names = load_real(root / "real" / "test").class_names
-    per_class = int(config["fidelity_per_class"])
+    per_class = config.fidelity.per_class
     guidance = sorted({1.0, chosen})
     rows = []
     for sampler, steps in GRID:
@@ -90,7 +90,7 @@ def run() -> dict | None:
         for w in guidance:
             t0 = time.perf_counter()
             point = endpoint_fidelity(
-                gen, [w], judges, names, seed=int(config["seed"]), per_class=per_class
+                gen, [w], judges, names, seed=config.seed, per_class=per_class
             )[f"{w:g}"]
             took = time.perf_counter() - t0
             cnn = point[judges[0].name]
@@ -102,13 +102,13 @@ def run() -> dict | None:
                 "ms / image": f"{1000 * took / (per_class * len(names)):.0f}",
             })  # fmt: skip
     notes = [
-        f"{root}/generator ({config['unet']}, {config['steps']} fit steps, chosen w = {chosen:g} "
-        f"at the preset's {config['sample_steps']}-step DDIM), {per_class} images per class "
+        f"{root}/generator ({config.unet}, {config.train_steps} fit steps, chosen w = {chosen:g} "
+        f"at the preset's {config.preview.sample_steps}-step DDIM), {per_class} images per class "
         f"({per_class * len(names)} per cell), float32, {torch.get_num_threads()} threads.",
         "judges' accuracy on real test: "
         + ", ".join(f"{j.name} {j.real_test_accuracy:.1f} %" for j in judges),
         x0_error_by_t(root),
     ]
-    what = f"{root.name}, {config.get('prediction_type', 'epsilon')}"
+    what = f"{root.name}, {config.noise.prediction_type}"
     return {"title": f"generate: sampler and steps vs endpoint fidelity ({what})", "rows": rows,
             "notes": notes}  # fmt: skip

@@ -5,8 +5,8 @@ Each stage has one frozen dataclass in `stages/configs/<stage>.py` deriving from
 its values of every preset (stages/presets/, the one place that names them), the leaf values
 that differ from the defaults, by path. Resolution order: dataclass defaults < preset < `--set`.
 A preset may hold `when={"field=value": {...}}`: values that apply only when the field resolves
-to that value. The resolved config is what a stage writes into its folder as config.json, under
-the flat names the stage's `LEGACY` gives (stages/configs/legacy.py).
+to that value. The resolved config is what a stage writes into its folder as config.json, through
+the one codec that knows config.json's names (core/codec.py).
 
 A field's description is the `# comment` at the end of its line (else the comment lines right
 above it): `--fields` reads them from the source (core/fielddocs.py), so they live in one place.
@@ -27,7 +27,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
-from core.tree import Tree, get, is_section, items, leaves, short, shown, spelt
+from core.codec import (  # what config.json holds, said at the field (core/codec.py)
+    ALONG,
+    IDENTITY,
+    OFF_DEFAULT,
+    SKIP,
+    Recorded,
+    encode,
+    every_leaf,
+    jsonable,
+)
+from core.tree import Tree, get, is_section, leaves, shown, spelt
 
 # The preset names, as stages/presets registers them when it is imported: core sits below the
 # presets and names none. For the layers below the stages, which cannot import them
@@ -44,11 +54,10 @@ class ConfigError(ValueError):
 
 
 # What config.json holds (an output's identity, which a rerun is compared on) is said once, at each
-# field, in its metadata (`StageConfig.recorded` reads it): every field, unless its default says
-# `not_recorded` (how or where an output is made, not what it holds), `recorded_off_default` (a
-# field added after outputs were written: theirs keep their bytes and resume) or
-# `recorded_along` (recorded exactly when another field is: an option of that one).
-IDENTITY, SKIP, OFF_DEFAULT, ALONG = "identity", "skip", "off-default", "along"
+# field (core.codec.encode reads it): every field, unless its default says `not_recorded` (how or
+# where an output is made, not what it holds), `recorded_off_default` (a field added after
+# outputs were written: theirs keep their bytes and resume) or `recorded_along` (recorded
+# exactly when another field is: an option of that one).
 
 
 def not_recorded(default: Any) -> Any:
@@ -67,8 +76,8 @@ def recorded_along(default: Any, other: str) -> Any:
 class StageConfig(metaclass=Tree):
     """Fields every stage shares: where the run root is and the seed everything derives from.
     `preset` is what --preset named (`resolve` sets it; stages/presets holds every preset).
-    A stage's own fields are leaves and typed sections (core/tree.py); `LEGACY` maps the flat
-    names its config.json records onto their paths (stages/configs/legacy.py)."""
+    A stage's own fields are leaves and typed sections (core/tree.py); `LEGACY` maps the names
+    its config.json records onto their paths (stages/configs/legacy.py; core/codec.py reads it)."""
 
     LEGACY: ClassVar[dict[str, str]] = {}
     # leaves that name a folder under the runs root (a root, a run): plain names, checked by
@@ -101,40 +110,12 @@ class StageConfig(metaclass=Tree):
         return Path(self.out) / (self.name or self.preset)
 
     def to_dict(self) -> dict[str, Any]:
-        """Every leaf under the name config.json records it by (what the trackers are given,
-        so a tracked run's hyperparameters read as its config.json); config.json holds
-        `recorded()`, which leaves some out."""
-        return {short(type(self), path): _jsonable(value) for path, value in items(self)}
+        """Every leaf under the name config.json records it by (core.codec.every_leaf)."""
+        return every_leaf(self)
 
-    def recorded(self) -> dict[str, Any]:
-        """What the stage writes as its config.json: the leaves as their metadata says, each
-        under its legacy flat name (`LEGACY`), so every config.json keeps its bytes."""
-        rows = {leaf.path: leaf for leaf in leaves(type(self))}
-
-        def kept(path: str) -> bool:
-            f = rows[path].field
-            rule = f.metadata.get(IDENTITY)
-            if rule == ALONG:  # a sibling in the same section
-                return kept(path.rpartition(".")[0] + "." * ("." in path) + f.metadata[ALONG])
-            off = rule == OFF_DEFAULT and get(self, path) == field_default(f)
-            return rule != SKIP and not off
-
-        kept_ = {short(type(self), p): _jsonable(get(self, p)) for p in rows if kept(p)}
-        return Recorded(kept_, type(self))
-
-
-class Recorded(dict):
-    """A config.json's {flat name: value} (`StageConfig.recorded`) that knows how the command
-    line names each key: `named(key)`, its tree path through the stage's LEGACY
-    (`lr` -> `optim.lr`). The keys and values are what is compared and written; the names are
-    for the messages about them (shards.writer.check_config: `differs in: optim.lr`)."""
-
-    def __init__(self, values: Mapping[str, Any], config_cls: type) -> None:
-        super().__init__(values)
-        self.config_cls = config_cls
-
-    def named(self, key: str) -> str:
-        return shown(self.config_cls, spelt(self.config_cls, key))
+    def recorded(self) -> Recorded:
+        """What the stage writes as its config.json (core.codec.encode)."""
+        return encode(self)
 
 
 def every_field(config: Any) -> dict[str, Any]:
@@ -143,12 +124,8 @@ def every_field(config: Any) -> dict[str, Any]:
     found = {}
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
-        found[f.name] = every_field(value) if is_section(type(value)) else _jsonable(value)
+        found[f.name] = every_field(value) if is_section(type(value)) else jsonable(value)
     return found
-
-
-def _jsonable(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value
 
 
 def did_you_mean(word: str, choices: Iterable[Any], spell: Callable[[str], str] = str) -> str:
@@ -428,11 +405,3 @@ def set_value(value: Any) -> str:
     if value is None:
         return "none"
     return str(value) or '""'
-
-
-def field_default(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return "(required)"

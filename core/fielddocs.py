@@ -18,8 +18,8 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from core.config import Presets, field_choices, field_default, set_value
-from core.tree import leaves, shown, spelt
+from core.config import Presets, field_choices, set_value
+from core.tree import field_default, leaves, shown, spelt
 
 # comments that are tool pragmas, not descriptions
 _PRAGMAS = ("fmt:", "noqa", "type:", "pragma", "ruff:")
@@ -117,10 +117,9 @@ def other_spellings(config_cls: type) -> dict[str, list[str]]:
         found.setdefault(path, []).append(flat)
     for section in getattr(config_cls, "SECTIONS", ()):
         for part in section.names:
-            for param, flat in section.fields_of(part).items():
-                path = spelt(config_cls, section.legacy.get(flat, flat))
+            for param, path in section.paths_of(part).items():
                 # the shorthand is the picked part's parameter: say which picks make it this one
-                pickers = [p for p in section.names if section.fields_of(p).get(param) == flat]
+                pickers = [p for p in section.names if section.paths_of(p).get(param) == path]
                 words = found.setdefault(path, [])
                 for word in (
                     f"{section.name}.{part}.{param}",

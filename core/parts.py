@@ -9,16 +9,17 @@ A stage config holds a section per kind of part (`Section`): train has `loss`, w
 the losses' registry (models/objectives.OBJECTIVES), generate has `backend`, the generator
 backends' (models/generators/registry.GENERATORS), annotate has `encoder`. The section derives
 the config's leaves from the parts' parameters, so adding a loss or a backend adds its leaves,
-checks, `--fields` rows and `--set` spellings with no table to edit. Train's `loss`,
-generate's `backend` and annotate's `encoder` are sections of the config tree
-(`Section.tree`): `cfg.loss.name`, then one subsection per loss, `cfg.loss.focal.gamma`.
-Finetune's `method` still gives flat fields (`Section.fields`). Either way config.json records
-a parameter under its flat name, `<prefix>_<param>` (`focal_gamma`), as it has since the first
-run: a run's identity keeps its bytes.
+checks, `--fields` rows and `--set` spellings with no table to edit: `Section.tree` makes the
+section class (`cfg.loss.name`, then one subsection per loss, `cfg.loss.focal.gamma`),
+`Section.within` adds the parameters to a section class of the config's own (finetune's
+`maccal.q0`). A section names each leaf by its path; config.json records it under the key
+the part declares, `<prefix>_<param>` (`focal_gamma`), as it has since the first run, so a
+run's identity keeps its bytes: that key reaches the stage's LEGACY through `Section.legacy`
+and is read by the codec alone (core/codec.py).
 On the command line a section also takes `loss.gamma=2` (the parameter of the loss the config
 picks: its last --set, else the preset's, else the default) and `loss.focal.gamma=2` (a named
 loss's, whichever is picked); core.config.parse_sets asks the config class's `SECTIONS` to
-spell those.
+spell those as paths.
 """
 
 from __future__ import annotations
@@ -49,10 +50,10 @@ def param(
 ) -> Any:
     """One parameter of a part. `low`/`high`: the range `check_params` enforces (closed;
     `high_open`: high excluded, label smoothing's α < 1); `doc`:
-    its description in --fields; `field`: the config field it is recorded under when that is not
+    its description in --fields; `field`: the key config.json records it under when that is not
     `<prefix>_<name>` (names older than the parts: `mbls_margin` for MbLS' m); `section`: a
     heading --fields shows above it; `data`: the stage reads it (how it loads the mixed set:
-    csm's sharpening) and the part's builder does not; `identity`: its config field's rule in
+    csm's sharpening) and the part's builder does not; `identity`: its leaf's rule in
     config.json (core.config: OFF_DEFAULT for a parameter added after runs were recorded)."""
     meta: dict[str, Any] = dict(low=low, high=high, doc=doc, field=field, section=section)
     meta["high_open"] = high_open
@@ -73,7 +74,7 @@ def choices(cls: type, name: str) -> tuple[Any, ...]:
 
 def check_params(cls: type, values: Mapping[str, Any], spell: Callable[[str], str] = str) -> None:
     """The checks `param()` and `Literal` declare, on `values` {param: value}; errors name each
-    parameter as `spell(name)` (the stage config's field)."""
+    parameter as `spell(name)` (its leaf's path)."""
     for f in dataclasses.fields(cls):
         value = values[f.name]
         if choices(cls, f.name):
@@ -114,8 +115,8 @@ class Part(Protocol):
     models/generators/registry.Backend)."""
 
     params: type[Params]
-    prefix: str  # its fields' prefix: `<prefix>_<param>`
-    # its fields recorded in every run's config.json (the parts older than this rule); else only
+    prefix: str  # config.json records its parameters as `<prefix>_<param>`
+    # its parameters recorded in every run's config.json (the parts older than this rule); else only
     # off their default (core.config OFF_DEFAULT), so registering a part keeps the bytes, and the
     # identity, of every run recorded before
     every_run: bool
@@ -123,104 +124,114 @@ class Part(Protocol):
 
 @dataclass(frozen=True)
 class Derived:
-    """One config field a section derives: a parameter of one or more parts."""
+    """One leaf a section derives: a parameter of one or more parts."""
 
-    name: str
     param: str
     hint: Any
     field: dataclasses.Field
-    parts: tuple[str, ...]  # the parts that have it (mmce_lam: mmce and mmce_weighted)
+    parts: tuple[str, ...]  # the parts that have it (mmce's λ: mmce and mmce_weighted)
+    # the key config.json records it under (`focal_gamma`): the parts' one word for a parameter
+    # they share, read by the codec through `Section.legacy` (core/codec.py)
+    recorded: str
+    path: str = ""  # its leaf in the config tree (`loss.focal.gamma`), once `tree`/`within` put it
 
 
 class Section:
-    """A stage config's section for one kind of part: `name` is both its field (which part:
-    `loss=focal`) and its --set prefix (`loss.gamma=2`); `parts` is the registry, read once,
-    when the section is made (plugins register first: pipeline/plugins.py)."""
+    """A stage config's section for one kind of part: `name` is both the config field that
+    holds it (`loss`) and its --set prefix (`loss.gamma=2`); `parts` is the registry, read once,
+    when the section is made (plugins register first: pipeline/plugins.py). `tree` or `within`
+    puts the parts' parameters in the config tree; from then on `derived` holds each leaf by its
+    path (`loss.focal.gamma`), and `legacy` {config.json's key: path} is all the section says of
+    the recorded names (the stage's LEGACY: the codec's, and the rename table of old --set
+    spellings)."""
 
     def __init__(self, name: str, parts: Mapping[str, Part], heading: str = "") -> None:
         self.name, self.heading = name, heading
-        self.default: Any = None  # the config's default part (`fields` reads it)
+        self.default: Any = None  # the config's default part
         self.parts: dict[str, Part] = dict(parts)
-        self.derived: dict[str, Derived] = {}
-        self.legacy: dict[str, str] = {}  # a tree section's {flat field: path} (`tree`)
+        self.derived: dict[str, Derived] = {}  # {path: leaf}, once placed (`tree`, `within`)
+        self.legacy: dict[str, str] = {}  # {config.json's key: path}, once placed
         self.picking = False  # its tree section has a `name` leaf that picks the part (`tree`)
+        # the parts' parameters, one per recorded key: two parts' parameters recorded under one
+        # key are one leaf (a shared one sits with its last part, as it always has)
+        shared: dict[str, Derived] = {}
         for part, entry in self.parts.items():
             for f in dataclasses.fields(entry.params):
-                name_ = f.metadata.get("field") or f"{entry.prefix}_{f.name}"
+                recorded = f.metadata.get("field") or f"{entry.prefix}_{f.name}"
                 hint = _hints(entry.params)[f.name]
-                seen = self.derived.pop(name_, None)  # a shared field sits with its last part
+                seen = shared.pop(recorded, None)
                 if seen and (seen.param, seen.field.default, seen.hint) != (
                     f.name,
                     f.default,
                     hint,
                 ):
                     raise TypeError(
-                        f"{name_}: {seen.parts} and {part!r} differ in name, type or default"
+                        f"{recorded}: {seen.parts} and {part!r} differ in name, type or default"
                     )
                 owners = (*seen.parts, part) if seen else (part,)
-                self.derived[name_] = Derived(name_, f.name, hint, f, owners)
+                shared[recorded] = Derived(f.name, hint, f, owners, recorded)
+        self._params = tuple(shared.values())
+
+    @classmethod
+    def joined(cls, name: str, *sections: Section) -> Section:
+        """A section over the parts of `sections`, each already placed, whose leaves stay where
+        those put them: finetune's `method` spells `method.q0` as MaC-Cal's `maccal.q0` and
+        `method.alpha` as the picked FeDLaS loss's `loss.fedlas_ls.alpha`."""
+        joined = cls(name, {part: entry for s in sections for part, entry in s.parts.items()})
+        for s in sections:
+            joined.derived |= s.derived
+            joined.legacy |= s.legacy
+        return joined
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(self.parts)
 
-    def fields_of(self, part: str, data: bool = True) -> dict[str, str]:
-        """{param: config field} of a part (`data=False`: what its builder takes)."""
-        return {
-            d.param: d.name
-            for d in self.derived.values()
-            if part in d.parts and (data or not d.field.metadata["data"])
+    def _place(self, at: Mapping[str, Derived]) -> None:
+        """Put the parameters at their leaves {path: parameter}: `derived` lists them in the
+        parts' order (a shared one with its last part), so a part's parameters keep the order
+        they have always come in (`params()`)."""
+        self.legacy |= {d.recorded: path for path, d in at.items()}
+        where = {d.recorded: path for path, d in at.items()}
+        self.derived |= {
+            where[d.recorded]: dataclasses.replace(d, path=where[d.recorded])
+            for d in self._params
+            if d.recorded in where
         }
 
-    def fields(self, after: str) -> Callable[[type], type]:
-        """A class decorator, under `@dataclass`: the derived fields, declared after the field
-        `after`, in registry order; the class's SECTIONS gets this section."""
-
-        def insert(cls: type) -> type:
-            own = inspect.get_annotations(cls)
-            if after not in own:
-                raise TypeError(f"{cls.__name__} has no field {after!r} to put {self.name}'s after")
-            annotations: dict[str, Any] = {}
-            for key, hint in own.items():
-                annotations[key] = hint
-                if key == after:
-                    annotations.update({d.name: d.hint for d in self.derived.values()})
-            for i, d in enumerate(self.derived.values()):
-                meta = self._meta(d)
-                if i == 0 and self.heading:  # the section's heading above its first field
-                    meta["comment"] = (meta["doc"], self.heading)
-                setattr(cls, d.name, dataclasses.field(default=d.field.default, metadata=meta))
-            cls.__annotations__ = annotations
-            self.default = cls.__dict__.get(self.name)
-            cls.SECTIONS = (*getattr(cls, "SECTIONS", ()), self)
-            return cls
-
-        return insert
+    def paths_of(self, part: str, data: bool = True) -> dict[str, str]:
+        """{param: its leaf's path} of a part (`data=False`: what its builder takes)."""
+        return {
+            d.param: path
+            for path, d in self.derived.items()
+            if part in d.parts and (data or not d.field.metadata["data"])
+        }
 
     def tree(self, default: str, module: str, doc: str = "", pick: bool = True) -> type:
         """The section class a config holds this section in (train's `loss`): `name` picks the
         part (its docs `doc`; set as `loss=focal`, recorded as `loss`: core.tree.PICK), then a
         subsection per part, the part's name with `_` for `-`, holding the parameters it
         declares first (`loss.focal.gamma`): a parameter that several parts share (mmce's λ) is
-        one leaf, at its first part. Building one runs every part's checks. `legacy` gets
-        {flat field: path} (config.json's names). `module` assigns the class to its name, the
-        section's titled (`Loss`), so a config pickles (its subsections: `Loss.Csm`).
-        `pick=False`: no `name` leaf, another field picks the part (finetune's `loss` holds
-        the FeDLaS losses' parameters at train's paths; its `method` picks)."""
+        one leaf, at its first part. Building one runs every part's checks. `module` assigns
+        the class to its name, the section's titled (`Loss`), so a config pickles (its
+        subsections: `Loss.Csm`). `pick=False`: no `name` leaf, another field picks the part
+        (finetune's `loss` holds the FeDLaS losses' parameters at train's paths; its `method`
+        picks)."""
         self.default, self.picking, section = default, pick, self
-        subsections = []
+        subsections, placed = [], {}
         for part in self.parts:
             key = part.replace("-", "_")
             if key == PICK:
                 raise TypeError(f"a {self.name} named {part!r} would hide {self.name}.{PICK}")
-            own = [d for d in self.derived.values() if d.parts[0] == part]
+            own = [d for d in self._params if d.parts[0] == part]
             if not own:  # ce: no parameters, no subsection
                 continue
-            self.legacy |= {d.name: f"{self.name}.{key}.{d.param}" for d in own}
+            placed |= {f"{self.name}.{key}.{d.param}": d for d in own}
             leaves = [(d.param, d.hint, self._leaf(d)) for d in own]
             sub = dataclasses.make_dataclass(key.title().replace("_", ""), leaves, frozen=True)
             sub.__doc__ = f"{self.name}={part}'s parameters" if pick else f"{part}'s parameters"
             subsections.append((key, sub, dataclasses.field(default_factory=sub)))
+        self._place(placed)
 
         def __post_init__(picked: Any) -> None:
             section.check_tree(picked)
@@ -229,7 +240,7 @@ class Section:
             """A part's parameters {param: value}: the picked one's, else `part`'s
             (`data=False`: what its builder takes)."""
             paths = section.paths_of(part or held.name, data)
-            return {p: get(held, path) for p, path in paths.items()}
+            return {p: section.read(held, path) for p, path in paths.items()}
 
         name = (PICK, str, dataclasses.field(default=default, metadata={"comment": (doc, "")}))
         namespace: dict[str, Any] = {"__post_init__": __post_init__, "params": params}
@@ -248,28 +259,25 @@ class Section:
         """A class decorator, under `@dataclass`: the parts' parameters as leaves of the
         decorated section class, after its own fields, each under its parameter's name
         (finetune's `maccal` section: its epochs, lr and r, then the retention schedule's q0,
-        `maccal.q0`); `path` is the section's field in the config. `legacy` gets {flat field:
-        path}; building one runs the parts' checks, each parameter named by its path."""
+        `maccal.q0`); `path` is the section's field in the config. Building one runs the parts'
+        checks, each parameter named by its path."""
         section = self
 
         def insert(cls: type) -> type:
             own = inspect.get_annotations(cls)
-            for d in self.derived.values():
+            for d in self._params:
                 if d.param in own:
                     raise TypeError(f"{cls.__name__} already has a field {d.param!r}")
                 own[d.param] = d.hint
                 setattr(cls, d.param, self._leaf(d))
-                self.legacy[d.name] = f"{path}.{d.param}"
+            self._place({f"{path}.{d.param}": d for d in self._params})
             cls.__annotations__ = own
             checked = cls.__dict__.get("__post_init__")
 
             def __post_init__(built: Any) -> None:
                 if checked is not None:
                     checked(built)
-                for entry in section.parts.values():
-                    names = [f.name for f in dataclasses.fields(entry.params)]
-                    values = {p: getattr(built, p) for p in names}
-                    check_params(entry.params, values, lambda p: f"{path}.{p}")
+                section.check_tree(built)
 
             cls.__post_init__ = __post_init__
             return cls
@@ -277,69 +285,52 @@ class Section:
         return insert
 
     def _leaf(self, d: Derived) -> dataclasses.Field:
-        return dataclasses.field(default=d.field.default, metadata=self._meta(d))
-
-    def _meta(self, d: Derived) -> dict[str, Any]:
-        """A derived leaf's metadata: its part's, what --fields shows, its rule in config.json."""
+        """A derived leaf: its part's metadata, what --fields shows, its rule in config.json."""
         meta = dict(d.field.metadata, part=self.name, parts=d.parts)
         meta["comment"] = (meta["doc"], meta["section"])  # what --fields shows (core.fielddocs)
         if not any(self.parts[p].every_run for p in d.parts):
             meta.setdefault(IDENTITY, OFF_DEFAULT)
-        return meta
+        return dataclasses.field(default=d.field.default, metadata=meta)
 
-    def paths_of(self, part: str, data: bool = True) -> dict[str, str]:
-        """{param: path in the tree section} of a part (`data=False`: what its builder takes)."""
-        prefix = f"{self.name}."
-        return {
-            p: self.legacy[f].removeprefix(prefix) for p, f in self.fields_of(part, data).items()
-        }
+    @staticmethod
+    def read(held: Any, path: str) -> Any:
+        """The leaf `path` of the section object `held`, the config's field that holds it (its
+        path less the field's name: `loss.focal.gamma` of a config's `loss`)."""
+        return get(held, path.partition(".")[2])
 
-    def check_tree(self, section: Any) -> None:
-        """The tree section's checks: its `name` one of the parts, every part's parameters as
-        their dataclasses declare, each named by its path."""
+    def check_tree(self, held: Any) -> None:
+        """The section's checks: its `name` one of the parts (a picking one), every part's
+        parameters as their dataclasses declare, each named by its path."""
         if self.picking:
-            check_choice(self.name, section.name, self.names)
+            check_choice(self.name, held.name, self.names)
         for part, entry in self.parts.items():
             paths = self.paths_of(part)
-            values = {p: get(section, path) for p, path in paths.items()}
-            check_params(entry.params, values, lambda p, paths=paths: f"{self.name}.{paths[p]}")
-
-    def check(self, config: Any) -> None:
-        """Every part's parameters, each named as its config field (the config checks its own
-        `name` field: finetune's `method` has choices that are no part here)."""
-        for part, entry in self.parts.items():
-            fields = self.fields_of(part)
-            values = {p: getattr(config, f) for p, f in fields.items()}
-            check_params(entry.params, values, lambda p, fields=fields: fields[p])
-
-    def params(self, config: Any, data: bool = False) -> dict[str, Any]:
-        """The picked part's parameters, read from the config's fields."""
-        part = getattr(config, self.name)
-        return {p: getattr(config, f) for p, f in self.fields_of(part, data).items()}
+            values = {p: self.read(held, path) for p, path in paths.items()}
+            check_params(entry.params, values, paths.__getitem__)
 
     def unnest(
         self, sets: Sequence[str], known: Mapping[str, Any], spell: Callable[[str], str]
     ) -> list[str]:
-        """--set values with this section's dotted keys spelt as fields: `method.name` ->
-        `method`, `method.alpha` -> the picked method's field of α (`known`: the preset's
-        values), and `method.fedlas-ls.alpha` -> `fedlas_ls_alpha`; a tree section's as paths
-        (`loss.gamma` -> `loss.focal.gamma` when focal is picked). Other values pass as they
-        are."""
+        """--set values with this section's dotted keys spelt as paths: `loss.name` (or
+        `method.name`: the field `method`, which picks but is no tree section), `loss.gamma` ->
+        the picked loss's `loss.focal.gamma` (`known`: the preset's values, by path), and
+        `method.fedlas-ls.alpha` -> `loss.fedlas_ls.alpha`. Other values pass as they are."""
         items = [(item.partition("=")[0].strip().replace("-", "_"), item) for item in sets]
         picked = str(known.get(self.name, known.get(f"{self.name}.{PICK}", self.default)))
         for key, item in items:
-            if key in (self.name, f"{self.name}.name"):
+            if key in (self.name, f"{self.name}.{PICK}"):
                 picked = item.partition("=")[2]
         spelt = []
         for key, item in items:
             head, dot, rest = key.partition(".")
             if head == self.name and dot and "=" in item:
-                field = self._field(rest, picked, spell)
-                item = f"{self.legacy.get(field, field)}={item.partition('=')[2]}"
+                item = f"{self._path(rest, picked, spell)}={item.partition('=')[2]}"
             spelt.append(item)
         return spelt
 
-    def _field(self, rest: str, picked: str, spell: Callable[[str], str]) -> str:
+    def _path(self, rest: str, picked: str, spell: Callable[[str], str]) -> str:
+        """The leaf `<section>.<rest>` names: `rest` a parameter of the picked part, or
+        `<part>.<param>`; a one-line ConfigError naming the key as typed when there is none."""
         if rest == PICK:
             return f"{self.name}.{PICK}" if self.picking else self.name
         part, dot, p = rest.rpartition(".")
@@ -353,11 +344,11 @@ class Section:
                 f"{key}: no {self.name} {part!r}; {did_you_mean(part, self.names)}choose one "
                 f"of: {', '.join(self.names)}"
             )
-        fields = self.fields_of(part)
-        if p not in fields:
-            has = ", ".join(fields) or "none"
+        paths = self.paths_of(part)
+        if p not in paths:
+            has = ", ".join(paths) or "none"
             raise ConfigError(
                 f"{key}: {self.name} {part!r} has no parameter {p!r}; "
-                f"{did_you_mean(p, fields)}its parameters: {has}"
+                f"{did_you_mean(p, paths)}its parameters: {has}"
             )
-        return fields[p]
+        return paths[p]

@@ -63,6 +63,14 @@ def get(obj: Any, path: str) -> Any:
     return obj
 
 
+def field_default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return "(required)"
+
+
 PICK = "name"  # the leaf of a section that picks a part (`loss.name`)
 
 
@@ -77,15 +85,6 @@ def spelt(cls: type, key: str) -> str:
     section's name as its `name` leaf."""
     path = getattr(cls, "LEGACY", {}).get(key, key)
     return f"{key}.{PICK}" if path == key and picks(cls, key) else path
-
-
-def short(cls: type, path: str) -> str:
-    """The name a path is shown and recorded by: its legacy flat name, a picking section's `name`
-    leaf as the section's name, else the path."""
-    head, _, rest = path.partition(".")
-    if rest == PICK and picks(cls, head):
-        return head
-    return {p: name for name, p in getattr(cls, "LEGACY", {}).items()}.get(path, path)
 
 
 def shown(cls: type, path: str) -> str:

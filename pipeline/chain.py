@@ -37,7 +37,7 @@ def field_names(stage: str) -> list[str]:
         f"{section.name}.{param}": None
         for section in getattr(config, "SECTIONS", ())
         for part in section.names
-        for param in section.fields_of(part)
+        for param in section.paths_of(part)
     }
     return [*(shown(config, leaf.path) for leaf in leaves(config)), *shorthands, *config.LEGACY]
 

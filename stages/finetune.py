@@ -44,13 +44,13 @@ from models.finetuning import arch_with_head, build_model, require_separable_hea
 from models.heads import MaskedSGD, RetentionSchedule
 from models.objectives import Objective, TrainingModule, build_objective, maccal
 from models.training import collect_logits
-from shards.budget import labelled_images
 from shards.datapath import DataPathChoice
 from shards.datasets import check_same_classes
 from shards.manifest import manifest_digest
 from shards.runs import Run, read_run, split_history, write_run
 from stages.common import data as datapath
 from stages.common.batches import TrainingData
+from stages.common.budget import labelled_images
 from stages.common.epochs import LoopState
 from stages.common.training_run import TrainingRun
 from stages.configs.finetune import Config
@@ -233,7 +233,7 @@ def run(cfg: Config) -> Path:
             "epochs": cfg.epochs,
             "history": split_history(state.history)[0],  # seconds: host.json
             "finished": finished,
-            # the source run's images and every part behind them (shards/budget.py)
+            # the source run's images and every part behind them (stages/common/budget.py)
             "labelled_train_images": budget,
         }
 

@@ -39,7 +39,6 @@ from models.classifiers import build_classifier
 from models.objectives import OBJECTIVES, TrainingModule, build_objective
 from models.simplex import softmax_targets
 from models.training import SeriesIndex, interior_positions, multistep_lr
-from shards.budget import train_run_images
 from shards.datapath import DataPathChoice
 from shards.datasets import RealSplit, check_same_classes
 from shards.manifest import ShardError, manifest_digest, read_manifest
@@ -47,6 +46,7 @@ from shards.runs import split_history, write_run
 from stages.common import data as datapath
 from stages.common import phases
 from stages.common.batches import Mixed, TrainingData
+from stages.common.budget import train_run_images
 from stages.common.epochs import LoopState, Result
 from stages.common.training_run import TrainingRun
 from stages.configs.train import Config
@@ -329,7 +329,7 @@ def _write(
 def _section(cfg: Config, state: LoopState, finished: bool, budget: int | None) -> dict[str, Any]:
     """metrics.json's section: what the config, the inputs and the code make of the run, the
     same bytes on any machine (its data path and seconds go to host.json); ``budget``: the
-    labelled real/train images behind it (shards/budget.py)."""
+    labelled real/train images behind it (stages/common/budget.py)."""
     return {
         "run": cfg.run,
         "loss": cfg.loss.name,

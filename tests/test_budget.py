@@ -16,8 +16,8 @@ from core.io import atomic_write_json
 from pipeline.registry import run_stage
 from pipeline.study.config import StudyError, check_budget
 from pipeline.study.records import recorded_budget
-from shards.budget import labelled_images, train_run_images
 from shards.manifest import Manifest, write_manifest
+from stages.common.budget import labelled_images, train_run_images
 from stages.common.fidelity import FidelityCheck, Judge, make_judges
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -53,7 +53,8 @@ def test_finetune_reads_only_the_source_runs_images(root, caplog):
 
 
 def complete(folder: Path, config: dict, kind: str = "run", upstream: dict | None = None) -> None:
-    """A folder as a stage leaves it, reduced to what the budget reads."""
+    """A folder as a stage leaves it, reduced to what the budget reads (its config.json read
+    back as the stage's typed config: a train run records its `run`, an sd series its model)."""
     atomic_write_json(folder / "config.json", config)
     write_manifest(folder, Manifest(kind, ("a", "b"), (), upstream or {}))
 
@@ -63,13 +64,17 @@ def chain(root, tmp_path) -> Path:
     """A csm chain whose parts read different prefixes of real/train."""
     r = tmp_path / "digits"
     shutil.copytree(root / "real", r / "real")
-    complete(r / "train" / "judge", {"train_limit": 0, "loss": "ce"})
-    complete(r / "train" / "encoder", {"train_limit": 200, "loss": "ce"})
+    complete(r / "train" / "judge", {"run": "judge", "train_limit": 0, "loss": "ce"})
+    complete(r / "train" / "encoder", {"run": "encoder", "train_limit": 200, "loss": "ce"})
     complete(r / "generator", {"train_limit": 100, "judge_run": "encoder"}, "generator")
     complete(r / "series", {"backend": "unet", "model": ""}, "series")
     complete(r / "mixed", {"encoder": "classifier", "encoder_run": "encoder", "train_limit": 150}, "mixed")  # fmt: skip
-    complete(r / "train" / "csm", {"train_limit": 100, "loss": "csm"}, upstream={"mixed": "x"})
-    complete(r / "train" / "ce", {"train_limit": 100, "loss": "ce"})
+    complete(
+        r / "train" / "csm",
+        {"run": "csm", "train_limit": 100, "loss": "csm"},
+        upstream={"mixed": "x"},
+    )
+    complete(r / "train" / "ce", {"run": "ce", "train_limit": 100, "loss": "ce"})
     return r
 
 
@@ -108,12 +113,16 @@ def test_generates_endpoint_judge_counts_only_when_it_chooses(chain):
     complete(chain / "series", {**redraw, "endpoint_check": "off"}, "series")
     assert labelled_images(chain, "train", "csm") == 200
     # a pretrained generator with a judge inside the budget: the judge alone counts
-    complete(chain / "series", {**redraw, "backend": "sd", "endpoint_judge": "ce"}, "series")
+    complete(
+        chain / "series",
+        {**redraw, "backend": "sd", "model": "/m", "endpoint_judge": "ce"},
+        "series",
+    )
     assert labelled_images(chain, "series") == 100
 
 
 def test_a_study_record_states_train_and_val_images(chain):
-    from shards.budget import labelled_split_images, val_size
+    from stages.common.budget import labelled_split_images, val_size
 
     n_val = json.loads((chain / "real" / "val" / "manifest.json").read_text())["num_samples"]
     assert val_size(chain) == n_val > 0

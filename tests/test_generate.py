@@ -108,7 +108,7 @@ def test_plan_walks_pairs_cycles_and_seeds():
     sub = [make_plan(resolve_stage_config("generate", "digits", ["pairs=3", f"seed={s}"]), 10) for s in (0, 0, 1)]  # fmt: skip
     assert sub[0].pairs == sub[1].pairs != sub[2].pairs
     assert len(sub[0].pairs) == 3 and list(sub[0].pairs) == sorted(sub[0].pairs)
-    with pytest.raises(GenerationError, match="only 6 pairs"):
+    with pytest.raises(GenerationError, match=r"^mixing\.pairs=7: only 6 pairs"):
         make_plan(resolve_stage_config("generate", "digits", ["pairs=7"]), 4)
 
 

@@ -29,7 +29,7 @@ def test_every_backend_parameter_is_a_leaf_with_its_default_and_its_flat_name():
     for name in BUILT_IN_BACKENDS:
         paths = generate_config.BACKEND.paths_of(name)
         for p in dataclasses.fields(GENERATORS[name].params):
-            assert get(cfg.backend, paths[p.name]) == p.default, (name, p.name)
+            assert get(cfg, paths[p.name]) == p.default, (name, p.name)
     legacy = generate_config.Config.LEGACY
     assert {k: legacy[k] for k in generate_config.BACKEND.legacy} == {
         "prompt_template": "backend.sd.prompt_template",
@@ -133,7 +133,7 @@ def test_every_encoder_parameter_is_a_leaf_recorded_by_its_flat_name():
         "encoder_cache": "encoder.openclip.cache",
         "encoder_run": "encoder.classifier.run",
     }
-    assert annotate_config.ENCODER.paths_of("hf-clip") == {"model": "openclip.model"}
+    assert annotate_config.ENCODER.paths_of("hf-clip") == {"model": "encoder.openclip.model"}
     assert [f.name for f in dataclasses.fields(cfg.encoder)] == ["name", "openclip", "classifier"]
     assert (cfg.encoder.name, cfg.encoder.params()) == (
         "openclip",

@@ -13,6 +13,7 @@ from typing import Literal
 
 import pytest
 
+from core.codec import key
 from core.config import (
     IDENTITY,
     OFF_DEFAULT,
@@ -38,17 +39,20 @@ from stages.configs import train as train_config
 def test_every_loss_parameter_is_a_leaf_of_the_loss_section_with_its_default():
     """The loss section's leaves are the losses' parameters, nothing more: each loss's `Params`
     default is its leaf's, a parameter shared by two losses is one leaf (at its first loss), and
-    each leaf is recorded under the flat name config.json has always had."""
+    each leaf is recorded under the flat name config.json has always had. The section keys
+    its leaves by their paths; the flat names are only its `legacy`, for the codec."""
     cfg, legacy = train_config.Config(run="x"), train_config.Config.LEGACY
     for name, entry in OBJECTIVES.items():
         paths = train_config.LOSS.paths_of(name)
         for p in dataclasses.fields(entry.params):
-            assert get(cfg.loss, paths[p.name]) == p.default, (name, p.name)
+            assert get(cfg, paths[p.name]) == p.default, (name, p.name)
     loss_leaves = {
         leaf.path for leaf in leaves(train_config.Config) if leaf.path.startswith("loss.")
     }
     assert loss_leaves == {"loss.name", *train_config.LOSS.legacy.values()}
-    assert train_config.LOSS.paths_of("mmce_weighted")["lam"] == "mmce.lam"  # mmce's λ, one leaf
+    assert loss_leaves == {"loss.name", *train_config.LOSS.derived}  # keyed by path
+    assert all(d.path == path for path, d in train_config.LOSS.derived.items())
+    assert train_config.LOSS.paths_of("mmce_weighted")["lam"] == "loss.mmce.lam"  # one leaf
     # config.json's names since the first runs: the irregular ones are declared by the params
     assert {k: legacy[k] for k in ("mbls_margin", "mbls_lam", "fedlas_theta")} == {
         "mbls_margin": "loss.mbls.m",
@@ -56,10 +60,13 @@ def test_every_loss_parameter_is_a_leaf_of_the_loss_section_with_its_default():
         "fedlas_theta": "loss.fedlas_ls.theta",
     }
     assert train_config.LOSS.paths_of("csm", data=False) == {
-        "weight": "csm.weight",
-        "mixed_loss": "csm.mixed_loss",
+        "weight": "loss.csm.weight",
+        "mixed_loss": "loss.csm.mixed_loss",
     }
-    assert train_config.LOSS.paths_of("csm")["sharpening"] == "csm.sharpening"  # data=True
+    assert train_config.LOSS.paths_of("csm")["sharpening"] == "loss.csm.sharpening"  # data=True
+    # the CSM weight: its path everywhere, config.json's key only at the codec
+    assert train_config.LOSS.derived["loss.csm.weight"].recorded == "csm_weight"
+    assert key(train_config.Config, "loss.csm.weight") == "csm_weight"
     assert "ce" not in {f.name for f in dataclasses.fields(cfg.loss)}  # no parameters, no section
 
 
@@ -130,9 +137,11 @@ def test_bad_loss_values_are_refused_in_one_line_naming_the_field(sets, needle):
 def test_finetune_takes_its_methods_parameters_at_trains_paths_and_no_others():
     paths = {leaf.path for leaf in leaves(finetune_config.Config)}
     legacy = finetune_config.Config.LEGACY
-    # every method's parameter is a leaf; its config.json name maps onto it
-    assert set(finetune_config.METHOD.derived) <= set(legacy)
-    assert {legacy[name] for name in finetune_config.METHOD.derived} <= paths
+    # every method's parameter is a leaf, keyed by its path; its config.json name maps onto it
+    method = finetune_config.METHOD
+    assert set(method.derived) == set(method.legacy.values()) <= paths
+    assert method.legacy.items() <= legacy.items()
+    assert method.paths_of("fedlas-ls")["alpha"] == "loss.fedlas_ls.alpha"  # train's path
     assert legacy["maccal_q0"] == "maccal.q0" and legacy["maccal_q_max"] == "maccal.q_max"
     # a FeDLaS parameter has train's path in finetune, and the same config.json name
     fedlas = {k: v for k, v in legacy.items() if k.startswith("fedlas_") and v.startswith("loss.")}
@@ -183,37 +192,21 @@ class _Other(Params):
     scale: float = param(2.0)
 
 
-def test_a_section_derives_fields_docs_identity_and_refuses_clashes():
-    """A section on a made-up config: fields after `after`, descriptions and choices for
-    --fields, the dotted --set spelling, a registered part's fields recorded only off their
-    default, and two parts that would share one field with different defaults refused."""
+def test_a_sections_leaves_carry_docs_identity_and_clashes_are_refused():
+    """A section on a made-up part: each leaf's description for --fields, a registered part's
+    leaves recorded only off their default, the leaves keyed by path (config.json's keys only
+    in `legacy`), a bad value named by its path, and two parts that would share one recorded
+    key with different defaults refused."""
     section = Section("loss", {"toy": LossEntry(_Toy, None, "toy")})
-
-    @dataclass(frozen=True)
-    @section.fields(after="first")
-    class Config(StageConfig):
-        first: int = 0
-        loss: str = "toy"
-        last: int = 0
-
-        def __post_init__(self):
-            section.check(self)
-
-    own = [f.name for f in dataclasses.fields(Config)][len(dataclasses.fields(StageConfig)) :]
-    assert own == ["first", "toy_scale", "toy_mode", "loss", "last"]
-    assert field_docs(Config)["toy_scale"] == "how much"
-    with pytest.raises(ConfigError, match="toy_mode='c' is not valid"):
-        Config(toy_mode="c")
-    assert section in Config.SECTIONS
-    rules = {f.name: f.metadata.get(IDENTITY) for f in dataclasses.fields(Config)}
-    assert rules["toy_scale"] == rules["toy_mode"] == OFF_DEFAULT
-
-    class Presets:
-        def lookup(self, preset):
-            return preset, {}
-
-    cfg = resolve(Config, Presets(), "p", ["loss.scale=3", "loss.mode=b"])
-    assert (cfg.toy_scale, cfg.toy_mode) == (3.0, "b")
+    held = section.tree("toy", __name__)
+    assert field_docs(held.Toy)["scale"] == "how much"
+    rules = {f.name: f.metadata.get(IDENTITY) for f in dataclasses.fields(held.Toy)}
+    assert rules == {"scale": OFF_DEFAULT, "mode": OFF_DEFAULT}
+    assert list(section.derived) == ["loss.toy.scale", "loss.toy.mode"]
+    assert section.legacy == {"toy_scale": "loss.toy.scale", "toy_mode": "loss.toy.mode"}
+    assert section.paths_of("toy") == {"scale": "loss.toy.scale", "mode": "loss.toy.mode"}
+    with pytest.raises(ConfigError, match=r"^loss\.toy\.mode='c' is not valid"):
+        held(toy=held.Toy(mode="c"))
     with pytest.raises(TypeError, match="differ in name, type or default"):
         Section("loss", {"toy": LossEntry(_Toy, None, "x"), "other": LossEntry(_Other, None, "x")})
 
@@ -270,6 +263,7 @@ def test_a_tree_section_holds_each_parameter_once_and_records_it_by_its_flat_nam
 
     assert [f.name for f in dataclasses.fields(Loss)] == ["name", "toy"]  # none: no section
     assert _TOYS.legacy == {"toy_scale": "loss.toy.scale", "toy_mode": "loss.toy.mode"}
+    assert _TOYS.paths_of("toy-too") == {"scale": "loss.toy.scale"}  # toy's leaf
 
     class Presets:
         def lookup(self, preset):

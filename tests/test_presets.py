@@ -18,8 +18,9 @@ from PIL import Image
 import pipeline.study.plan
 import stages.presets as presets
 from core.config import every_field
+from core.tree import leaves, shown
 from pipeline.cli import main
-from pipeline.registry import STAGES, resolve_stage_config
+from pipeline.registry import STAGES, config_module, resolve_stage_config
 from shards.reader import load_split
 
 RECIPE = "imagefolder+fashion-mnist"  # what `--preset imagefolder --recipe fashion-mnist` names
@@ -58,6 +59,23 @@ def test_only_the_presets_name_a_preset():
     )
     assert not [m for m in naming if m.split("/")[0] in ("core", "models", "shards")], naming
     assert set(naming) <= NAMING_ALLOWED, naming
+
+
+def test_presets_give_their_values_by_path():
+    """A preset names each leaf by its path as --set takes it (`optim.lr`, `loss.mbls.m`, `loss`
+    for loss.name): its values, its `when` conditions and values, its chain's --set values;
+    never by a name config.json records (`mbls_margin`: the codec's, core/codec.py)."""
+    for stage in STAGES:
+        config = config_module(stage).Config
+        paths = {shown(config, leaf.path) for leaf in leaves(config)}
+        for name in presets.NAMES:
+            values = dict(presets.resolved(name).stages.get(stage, {}))
+            when = values.pop("when", {})
+            keys = {*values, *(condition.partition("=")[0] for condition in when)}
+            keys |= {key for overrides in when.values() for key in overrides}
+            chain = [sets for step, sets in presets.chain_steps(name) if step == stage]
+            keys |= {item.partition("=")[0] for sets in chain for item in sets}
+            assert keys <= paths, (stage, name, sorted(keys - paths))
 
 
 def test_a_preset_extends_another_recipe_not_data():

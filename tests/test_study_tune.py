@@ -57,10 +57,11 @@ def test_every_method_gets_a_grid_of_the_same_size_over_its_own_fields():
             assert set(SHARED.values) <= set(grid["weight_decay"])
         elif m.stage == "train":  # the loss's own parameters (train's loss section)
             loss = next(s.split("=")[1] for s in m.sets if s.startswith("loss="))
-            own = set(train_config.LOSS.fields_of(loss).values())
-            assert set(grid) <= own, group
+            own = set(train_config.LOSS.paths_of(loss).values())
+            assert {PATHS[k] for k in grid} <= own, group  # the grids' flat names: PATHS
         else:  # MaC-Cal's bottleneck width and its q schedule's start
-            assert set(grid) <= {"maccal_r", *finetune_config.METHOD.fields_of("maccal").values()}
+            maccal = finetune_config.METHOD.paths_of("maccal").values()
+            assert {PATHS[k] for k in grid} <= {"maccal.r", *maccal}
             config = finetune_config.Config  # a name its --set takes: a leaf or a flat name
             assert set(grid) <= {*(leaf.path for leaf in leaves(config)), *config.LEGACY}
         assert set(grid) <= set(LETTERS)

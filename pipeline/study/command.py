@@ -38,7 +38,7 @@ from pipeline.study.schedule import remaining_path
 from pipeline.study.stats import MARGINS, compare, summarize
 from pipeline.study.tuning import tune_seeds
 from pipeline.study.tuning_plan import configurations, tuning_report
-from shards.budget import labelled_split_images
+from stages.common.budget import labelled_split_images
 
 RUNS = ("train", "finetune", "evaluate")  # the stages a study runs after the chain
 

@@ -228,7 +228,7 @@ def comparison_pairs(methods: Sequence[str]) -> list[tuple[str, str]]:
 
 def check_budget(records: list[dict[str, Any]]) -> int:
     """One labelled budget per comparison: every run must have been shaped by the same number
-    of labelled training images (shards/budget.py), else the study refuses to compare, in one
+    of labelled training images (stages/common/budget.py), else the study refuses to compare, in one
     line naming each budget's methods."""
     unknown = sorted({r["method"] for r in records if r["labelled_train_images"] is None})
     if unknown:

@@ -14,7 +14,7 @@ from core.io import read_json
 from pipeline.study.config import METHODS, METRICS, POSTHOC, StudyConfig, run_name
 from pipeline.study.stats import Predictions
 from shards import evals
-from shards.budget import labelled_split_images
+from stages.common.budget import labelled_split_images
 
 
 def collect(cfg: StudyConfig, root: Path) -> list[dict[str, Any]]:
@@ -82,7 +82,7 @@ def robustness_entries(ev: dict[str, Any]) -> dict[str, Any]:
 
 
 def recorded_budget(run: Path) -> int | None:
-    """The labelled images a run recorded when it was made (metrics.json, shards/budget.py);
+    """The labelled images a run recorded when it was made (metrics.json, stages/common/budget.py);
     None for a run whose metrics.json does not record it (such a fine-tuning read all of
     real/train)."""
     section = "finetune" if run.parent.name == "finetune" else "train"

@@ -492,7 +492,7 @@ def write_report(
         f"Temperature scaling fitted on the val split (criterion `{cfg.ts_criterion}`). "
         f"Labelled budget: every run was shaped by {records[0]['labelled_train_images']} labelled "
         "training images, its parts included (generator, the judge that chose its guidance, "
-        "encoder, prototypes, a fine-tuning's source run: shards/budget.py).",
+        "encoder, prototypes, a fine-tuning's source run: stages/common/budget.py).",
         "",
     ]
     if single := _single_unit(paired):

@@ -37,10 +37,10 @@ from models.annotation_stats import fidelity_stats
 from models.classifiers import classifier_from_config
 from models.generators import Generator, SeriesSpec, load_generator
 from models.training import collect_logits
-from shards.budget import labelled_images
 from shards.datasets import load_real
 from shards.manifest import ShardError
 from shards.runs import load_model
+from stages.common.budget import labelled_images
 from stages.configs.fit_generator import parse_sampler_cell
 
 
@@ -51,7 +51,7 @@ class Judge:
     name: str
     predict: Callable[[torch.Tensor], torch.Tensor]
     real_test_accuracy: float  # x100, on real/test
-    # the real/train images behind it (shards/budget.py); None: its folder does not say
+    # the real/train images behind it (stages/common/budget.py); None: its folder does not say
     labelled_train_images: int | None = None
 
 

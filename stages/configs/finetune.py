@@ -36,9 +36,6 @@ RETENTION = Section("maccal", {"maccal": MaCCalPart()})
 FEDLAS = Section("loss", {m: LOSS.parts[m] for m in METHODS[1:]})
 Loss = FEDLAS.tree("", __name__, pick=False)
 Loss.__doc__ = "the FeDLaS losses' parameters, as train's (method=fedlas-ls | fedlas-mbls)"
-# `method.q0=0.7`, `method.alpha=0.1`: the picked method's parameter (core.config.parse_sets),
-# spelt as its path
-METHOD = Section("method", {"maccal": MaCCalPart(), **FEDLAS.parts})
 
 
 @dataclass(frozen=True)
@@ -71,7 +68,9 @@ class FeDLaS:
     lr: float = bounded(0.001, 0.0, low_open=True)
 
 
-METHOD.legacy = RETENTION.legacy | FEDLAS.legacy  # `method.q0` -> maccal_q0 -> maccal.q0
+# `method.q0=0.7`, `method.alpha=0.1`: the picked method's parameter (core.config.parse_sets),
+# spelt as its path (`maccal.q0`, `loss.fedlas_ls.alpha`)
+METHOD = Section.joined("method", RETENTION, FEDLAS)
 
 
 @dataclass(frozen=True)
@@ -128,7 +127,7 @@ class Config(StageConfig):
     def method_params(self) -> dict[str, Any]:
         """RetentionSchedule kwargs (maccal) or FeDLaSCriterion kwargs (fedlas-*)."""
         if self.method == "maccal":
-            return {p: getattr(self.maccal, p) for p in RETENTION.fields_of("maccal")}
+            return {p: getattr(self.maccal, p) for p in RETENTION.paths_of("maccal")}
         return self.loss.params(part=self.method)
 
 

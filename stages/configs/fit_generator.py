@@ -102,7 +102,7 @@ class Fidelity:
     # real-only classifier train/<judge> (a CNN; "" = none) and a linear probe on the pixels of
     # the same train_limit images; the best w by the judge (else the probe) becomes the
     # generator's recorded guidance. The chooser shapes the generator: its labelled images
-    # count in the generator's budget (shards/budget.py)
+    # count in the generator's budget (stages/common/budget.py)
     judge: str = ""
     # more real-only runs train/<run> that only report fidelity beside the chooser (a judge
     # trained on more labels than the study's budget belongs here); not part of the identity

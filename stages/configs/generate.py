@@ -192,17 +192,5 @@ class Config(StageConfig):
         if entry.needs_model and not self.model:
             raise ConfigError(f"backend={backend} needs model=<hub id or local folder>")
 
-    @property
-    def lattice_m(self) -> int:
-        return self.mixing.lattice_m
-
-    @property
-    def budget_per_tuple(self) -> int:
-        return self.mixing.budget_per_tuple
-
-    @property
-    def subset(self) -> int:
-        return self.mixing.subset
-
 
 PRESETS = stage_presets("generate")

@@ -19,13 +19,17 @@ from typing import Any
 
 import numpy as np
 
-from core.io import atomic_write_bytes, read_json
+from core.codec import CONFIG_JSON, load
+from core.io import atomic_write_bytes
 from core.logs import log
 from core.tables import table
 from models.posthoc import POSTHOC
 from shards import evals
 from shards.manifest import ShardError
+from stages.configs.annotate import Config as AnnotateConfig
 from stages.configs.evaluate import Config
+from stages.configs.fit_generator import Config as FitGeneratorConfig
+from stages.configs.generate import Config as GenerateConfig
 
 ENSEMBLE = "ensemble"
 STAGE_FOLDERS = ("train", "finetune", ENSEMBLE)  # report order
@@ -71,24 +75,23 @@ INTERNAL_PREFIXES = ("tune-",)
 
 
 def internal_runs(root: Path) -> set[str]:
-    """Names of the train runs the stages under `root` used as tools, as their config.json files
-    record them: annotate's encoder (encoder=classifier) and fidelity judge (mixed/), the
-    endpoint judge of generate (series/) and the judge of fit-generator (generator/). In the
-    digits and fashion-mnist chains: `encoder` and `judge`. Runs named tune-* (the study's
-    tuning grid) are internal too (`is_internal`)."""
-    roles = {
-        "mixed": lambda c: (
-            [c.get("fidelity_run", "")]
-            + ([c.get("encoder_run", "")] if c.get("encoder") == "classifier" else [])
+    """Names of the train runs the stages under `root` used as tools, as their recorded configs
+    name them (core.codec.load): annotate's encoder (encoder=classifier) and fidelity judge
+    (mixed/), the endpoint judge of generate (series/) and the judge of fit-generator
+    (generator/). In the digits and fashion-mnist chains: `encoder` and `judge`. Runs named
+    tune-* (the study's tuning grid) are internal too (`is_internal`)."""
+    roles: dict[str, tuple[type, Callable[[Any], list[str]]]] = {
+        "mixed": (
+            AnnotateConfig,
+            lambda c: [c.judge, c.encoder.classifier.run if c.encoder.name == "classifier" else ""],
         ),
-        "series": lambda c: [c.get("endpoint_judge", "")],
-        "generator": lambda c: [c.get("judge_run", "")],
+        "series": (GenerateConfig, lambda c: [c.endpoint.judge]),
+        "generator": (FitGeneratorConfig, lambda c: [c.fidelity.judge]),
     }
     names: set[str] = set()
-    for folder, used in roles.items():
-        path = Path(root) / folder / "config.json"
-        if path.is_file():
-            names.update(n for n in used(read_json(path)) if n)
+    for folder, (config_cls, used) in roles.items():
+        if (Path(root) / folder / CONFIG_JSON).is_file():
+            names.update(n for n in used(load(config_cls, Path(root) / folder)) if n)
     return names
 
 

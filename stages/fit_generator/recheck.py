@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from core.codec import CONFIG_JSON, path
 from core.io import atomic_write_json, canonical_json, read_json
 from core.logs import log
 from core.runtime import code_version
@@ -27,9 +28,10 @@ from models.generators import load_generator
 from shards.manifest import MANIFEST, Manifest, is_complete, read_manifest, write_manifest
 from shards.writer import NOT_IDENTITY
 from stages.common.fidelity import FidelityCheck, make_judges, sample_grid
+from stages.configs.fit_generator import Config
 
-# the config fields a finished fit is rechecked for instead of refused (how it is sampled)
-RECHECK_FIELDS = frozenset({"guidance_grid", "clip_choice", "fidelity.samplers"})
+# the leaves a finished fit is rechecked for instead of refused (how it is sampled)
+RECHECK_FIELDS = frozenset({"fidelity.guidance_grid", "fidelity.clip_choice", "fidelity.samplers"})
 
 
 def fidelity_check(cfg: Any, names: list[str], device: Any) -> FidelityCheck:
@@ -51,14 +53,15 @@ def fidelity_check(cfg: Any, names: list[str], device: Any) -> FidelityCheck:
 
 
 def recheck_fields(folder: Path, config: dict[str, Any]) -> set[str] | None:
-    """The fields in which `config` differs from the finished fit in `folder` when they are all
-    RECHECK_FIELDS (then a recheck makes the folder this config's); None otherwise (no
-    finished fit, the same config, or another difference: the usual config check decides)."""
-    if not is_complete(folder) or not (folder / "config.json").is_file():
+    """The leaves (by path) in which `config` (what config.json records) differs from the
+    finished fit in `folder` when they are all RECHECK_FIELDS (then a recheck makes the folder
+    this config's); None otherwise (no finished fit, the same config, or another difference,
+    a key no leaf has now included: the usual config check decides)."""
+    if not is_complete(folder) or not (folder / CONFIG_JSON).is_file():
         return None
-    old = read_json(folder / "config.json")
+    old = read_json(folder / CONFIG_JSON)
     new = json.loads(canonical_json({k: v for k, v in config.items() if k not in NOT_IDENTITY}))
-    changed = {k for k in set(old) | set(new) if old.get(k) != new.get(k)}
+    changed = {path(Config, k) for k in set(old) | set(new) if old.get(k) != new.get(k)}
     return changed if changed and changed <= RECHECK_FIELDS else None
 
 
@@ -87,9 +90,7 @@ def recheck(cfg: Any, folder: Path, config: dict[str, Any], names: tuple[str, ..
     shutil.rmtree(gone, ignore_errors=True)
     shutil.copytree(folder, tmp, copy_function=os.link)  # every write below makes a new file
     (tmp / MANIFEST).unlink()
-    atomic_write_json(
-        tmp / "config.json", {k: v for k, v in config.items() if k not in NOT_IDENTITY}
-    )
+    atomic_write_json(tmp / CONFIG_JSON, {k: v for k, v in config.items() if k not in NOT_IDENTITY})
     check.write(tmp, curve, guidance, clip)
     sample_grid(
         tmp,

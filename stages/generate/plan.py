@@ -72,19 +72,20 @@ def make_plan(cfg: Config, num_classes: int) -> Plan:
     every = class_tuples(num_classes, k)  # k = 2: every a < b in order
     if not every:
         raise GenerationError(f"{num_classes} class(es): series need at least {k} classes")
-    if cfg.subset > len(every):
+    mixing = cfg.mixing
+    if mixing.subset > len(every):
         raise GenerationError(
-            f"{'pairs' if cfg.mixing.pairs else 'tuples'}={cfg.subset}: only {len(every)} {what} among "
-            f"{num_classes} classes (0 = all)"
+            f"mixing.{'pairs' if mixing.pairs else 'tuples'}={mixing.subset}: only {len(every)} "
+            f"{what} among {num_classes} classes (0 = all)"
         )
     pairs = every
-    if cfg.subset:  # a seeded subset, kept in walk order (the draw costs 8 bytes per tuple)
+    if mixing.subset:  # a seeded subset, kept in walk order (the draw costs 8 bytes per tuple)
         pick = torch.randperm(len(every), generator=make_generator(cfg.seed, "pairs"))
-        pairs = ClassTuples(num_classes, k, ranks=sorted(pick[: cfg.subset].tolist()))
-    n = cfg.budget_per_tuple * len(pairs)
-    if cfg.mixing.limit:
-        n = min(n, cfg.mixing.limit)
-    m = cfg.lattice_m
+        pairs = ClassTuples(num_classes, k, ranks=sorted(pick[: mixing.subset].tolist()))
+    n = mixing.budget_per_tuple * len(pairs)
+    if mixing.limit:
+        n = min(n, mixing.limit)
+    m = mixing.lattice_m
     # k = 2: α_j = j/(K−1), the 2-way grid; k >= 3: every point of the simplex lattice
     alphas = tuple(i / m for i in range(m + 1)) if k == 2 else lattice_weights(k, m)
     per_shard = cfg.shards.series_per_shard or max(

@@ -163,8 +163,8 @@ def series_info(cfg: Config, plan: Plan, ident: dict[str, Any], image_size: int)
         "num_series": plan.num_series,
         "image_size": image_size,
         "mix_classes": plan.k,
-        "lattice": cfg.lattice_m,
+        "lattice": cfg.mixing.lattice_m,
         "weights": [list(w) for w in plan.alphas],
-        "series_per_tuple": cfg.budget_per_tuple,
+        "series_per_tuple": cfg.mixing.budget_per_tuple,
         "num_tuples": len(plan.pairs),
     }

@@ -56,7 +56,7 @@ def run(cfg: Config) -> Path:
         "generate plan: %d %s, %d series x %d %s = %d images in %d shards of <= %d series; "
         "%s:%s, %s %d steps, guidance %g, %s, %d process(es) -> %s",
         len(plan.pairs), "pairs" if plan.k == 2 else f"{plan.k}-tuples", plan.num_series, k,
-        "alphas" if plan.k == 2 else f"lattice points (m = {cfg.lattice_m})", plan.num_series * k, plan.num_shards,
+        "alphas" if plan.k == 2 else f"lattice points (m = {cfg.mixing.lattice_m})", plan.num_series * k, plan.num_shards,
         plan.series_per_shard, cfg.backend.name, ident["model_id"], cfg.sampler, cfg.sample_steps,
         ident["guidance"], dtype, procs.world, out,
     )  # fmt: skip

@@ -45,7 +45,11 @@ DEFAULT_CHAIN: tuple[Step, ...] = (("prepare", ()), ("generate", ()), ("annotate
 # ---------------------------------------------------------------- what the photo presets share
 
 # annotate: OpenCLIP's ViT-B-32 (OpenAI weights) as the annotation space
-CLIP = dict(encoder="openclip", encoder_model="ViT-B-32", encoder_pretrained="openai")
+CLIP = {
+    "encoder": "openclip",
+    "encoder.openclip.model": "ViT-B-32",
+    "encoder.openclip.pretrained": "openai",
+}
 
 # Pretrained text-to-image model of the photo presets; a local save_pretrained folder works too
 # (model=/path). Generated at 512x512 and resized to the dataset's resolution (docs/methods.md §1).
@@ -61,13 +65,13 @@ def edm(sample_steps: int) -> dict:
 
 
 def fedlas(ls: Mapping[str, float], mbls: Mapping[str, float]) -> dict[str, float]:
-    """The FeDLaS fields of train and finetune from docs/methods.md §5's per-dataset values of the
-    -LS and -MbLS variants (the gate's θ is the LS variant's)."""
-    return dict(
-        fedlas_ls_alpha=ls["alpha"],
-        fedlas_ls_beta=ls["beta"],
-        fedlas_mbls_alpha=mbls["alpha"],
-        fedlas_mbls_beta=mbls["beta"],
-        fedlas_margin=mbls["margin"],
-        fedlas_theta=ls["theta"],
-    )
+    """The FeDLaS leaves of train and finetune (the same paths in both) from docs/methods.md §5's
+    per-dataset values of the -LS and -MbLS variants (the gate's θ is the LS variant's)."""
+    return {
+        "loss.fedlas_ls.alpha": ls["alpha"],
+        "loss.fedlas_ls.beta": ls["beta"],
+        "loss.fedlas_mbls.alpha": mbls["alpha"],
+        "loss.fedlas_mbls.beta": mbls["beta"],
+        "loss.fedlas_mbls.margin": mbls["margin"],
+        "loss.fedlas_ls.theta": ls["theta"],
+    }

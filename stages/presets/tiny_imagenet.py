@@ -25,7 +25,7 @@ PRESET = Preset(
     name="tiny-imagenet",
     stages={
         "prepare": dict(source="tiny-imagenet", image_size=64),
-        "train": dict(model="resnet50", mbls_margin=10.0, mbls_lam=0.05, **FEDLAS),
+        "train": {"model": "resnet50", "loss.mbls.m": 10.0, "loss.mbls.lam": 0.05, **FEDLAS},
         "finetune": FEDLAS,
         # docs/methods.md §1: 2 series per pair (about 318k images); EDM: 25 Heun steps
         "generate": SD | {"mixing.series_per_pair": 2, "when": edm(25)},

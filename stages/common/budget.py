@@ -2,10 +2,11 @@
 
 A fair comparison gives every method the same labelled images, and counts what shaped a method
 through its parts: a csm run learns from its own real images, from the generator that drew its
-series (and the judge that chose the generator's guidance, and the one that chose which series
-to redraw: generate's endpoint_judge), and from the encoder and prototypes that annotated them; a
-fine-tuned run from the run it started from. A judge that only reports (fit-generator's
-report_judges, annotate's fidelity_run) chooses nothing and counts for nothing.
+series (and the judge that chose the generator's guidance, fit-generator's `fidelity.judge`, and
+the one that chose which series to redraw: generate's `endpoint.judge`), and from the encoder and
+prototypes that annotated them; a fine-tuned run from the run it started from. A judge that only
+reports (fit-generator's `fidelity.report_judges`, annotate's `judge`) chooses nothing and counts
+for nothing.
 
 The val split is labelled too: every run chooses its checkpoint on all of real/val, and a study
 its hyper-parameters, temperatures and calibrators, the same images for every method.
@@ -14,8 +15,9 @@ its hyper-parameters, temperatures and calibrators, the same images for every me
 Every stage that reads labelled images reads a *prefix* of real/train: the first ``train_limit``
 images in their stored order (0 = all). So the distinct labelled images behind an output made of
 several parts is the largest prefix any of its parts read, which is what `labelled_images`
-returns. It reads only what the folders record (config.json, manifest.json), so it is the same
-number on any machine, and it needs no file of its own in generator/ or mixed/.
+returns. It reads only what the folders record (manifest.json, and config.json as the stage's
+typed config: core.codec.load), so it is the same number on any machine, and it needs no file
+of its own in generator/ or mixed/. It sits with the stages because it reads their configs.
 
 Parts trained elsewhere (a pretrained diffusion model, OpenCLIP) saw no image of this dataset's
 training split that semix can count: they add nothing to the count. A part that does not
@@ -26,10 +28,15 @@ makes the count unknown: None, which no study compares.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
-from core.io import read_json
+from core.codec import CONFIG_JSON, load
 from shards.manifest import MANIFEST, ShardError, is_complete, read_manifest
+from stages.configs.annotate import Config as AnnotateConfig
+from stages.configs.finetune import Config as FinetuneConfig
+from stages.configs.fit_generator import Config as FitGeneratorConfig
+from stages.configs.generate import Config as GenerateConfig
+from stages.configs.train import Config as TrainConfig
 
 PRETRAINED_BACKENDS = ("sd", "dit", "edm")  # generators fitted outside semix
 
@@ -38,11 +45,19 @@ class _Unknown(Exception):
     """A part does not record what it read (no config.json): the count is unknown."""
 
 
-def _config(folder: Path) -> dict[str, Any]:
-    path = folder / "config.json"
-    if not path.is_file():
+C = TypeVar("C")
+
+
+def _recorded(folder: Path) -> None:
+    """A part that records no config.json: the count is unknown."""
+    if not (folder / CONFIG_JSON).is_file():
         raise _Unknown(folder)
-    return read_json(path)
+
+
+def _config(config_cls: type[C], folder: Path) -> C:
+    """`folder`'s recorded config, typed (`_Unknown` when it records none)."""
+    _recorded(folder)
+    return load(config_cls, folder)
 
 
 def train_size(root: Path) -> int:
@@ -61,14 +76,15 @@ def _run(root: Path, stage: str, name: str, seen: set[Path]) -> int:
     if folder in seen:  # a cycle cannot happen on disk, but a damaged config must not loop
         raise ShardError(f"{folder}: its config names itself through its parts")
     seen = seen | {folder}
-    cfg = _config(folder)
     if stage == "finetune":  # the source run's images, and no others (finetune inherits them)
-        return _run(root, "train", cfg["run"], seen)
+        return _run(root, "train", _config(FinetuneConfig, folder).run, seen)
+    _recorded(folder)
     if not is_complete(folder):
         raise ShardError(f"{folder}: not a complete run (no {MANIFEST}); finish it first")
+    cfg = _config(TrainConfig, folder)
     reads_mixed = "mixed" in read_manifest(folder).upstream
-    mixed = Path(cfg["mixed"]) if cfg.get("mixed") else root / "mixed"
-    return _train(root, cfg.get("train_limit", 0), mixed if reads_mixed else None, seen)
+    mixed = Path(cfg.mixed) if cfg.mixed else root / "mixed"
+    return _train(root, cfg.train_limit, mixed if reads_mixed else None, seen)
 
 
 def _train(root: Path, train_limit: int, mixed: Path | None, seen: set[Path]) -> int:
@@ -89,35 +105,35 @@ def _generator(folder: Path, seen: set[Path]) -> int:
     """fit-generator's own prefix, and the run that chose its guidance (the chooser shapes it;
     without one, the linear probe on the same prefix chose)."""
     root = folder.parent
-    cfg = _config(folder)
-    n = prefix(root, cfg.get("train_limit", 0))
-    if cfg.get("judge_run"):
-        n = max(n, _run(root, "train", cfg["judge_run"], seen))
+    cfg = _config(FitGeneratorConfig, folder)
+    n = prefix(root, cfg.train_limit)
+    if cfg.fidelity.judge:
+        n = max(n, _run(root, "train", cfg.fidelity.judge, seen))
     return n
 
 
 def _series(folder: Path, seen: set[Path]) -> int:
-    """The generator, and the judge that chose which series to keep (generate's endpoint_judge,
-    recorded only while its endpoint_check is on: otherwise it chooses nothing)."""
-    cfg = _config(folder)
+    """The generator, and the judge that chose which series to keep (generate's endpoint.judge,
+    recorded only while its endpoint.check is on: otherwise it chooses nothing)."""
+    cfg = _config(GenerateConfig, folder)
     root = folder.parent
     n = 0
-    if cfg.get("endpoint_check", "off") != "off" and cfg.get("endpoint_judge"):
-        n = _run(root, "train", cfg["endpoint_judge"], seen)
-    if cfg.get("backend", "unet") in PRETRAINED_BACKENDS:
+    if cfg.endpoint.check != "off" and cfg.endpoint.judge:
+        n = _run(root, "train", cfg.endpoint.judge, seen)
+    if cfg.backend.name in PRETRAINED_BACKENDS:
         return n  # the generator was trained elsewhere: no image of this real/train
-    return max(n, _generator(Path(cfg["model"]) if cfg.get("model") else root / "generator", seen))
+    return max(n, _generator(Path(cfg.model) if cfg.model else root / "generator", seen))
 
 
 def _mixed(folder: Path, seen: set[Path]) -> int:
     """The series' generator, the annotation encoder (a classifier run) and the prototypes."""
     root = folder.parent
-    cfg = _config(folder)
-    n = _series(Path(cfg["series"]) if cfg.get("series") else root / "series", seen)
-    if cfg.get("encoder") == "classifier":
-        n = max(n, _run(root, "train", cfg.get("encoder_run", "encoder"), seen))
-    if cfg.get("prototypes", "real") == "real":
-        n = max(n, prefix(root, cfg.get("train_limit", 0)))
+    cfg = _config(AnnotateConfig, folder)
+    n = _series(Path(cfg.series) if cfg.series else root / "series", seen)
+    if cfg.encoder.name == "classifier":
+        n = max(n, _run(root, "train", cfg.encoder.classifier.run, seen))
+    if cfg.prototypes == "real":
+        n = max(n, prefix(root, cfg.train_limit))
     return n
 
 
