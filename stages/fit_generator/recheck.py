@@ -23,7 +23,7 @@ from typing import Any
 from core.codec import CONFIG_JSON, path
 from core.io import atomic_write_json, canonical_json, read_json
 from core.logs import log
-from core.runtime import code_version
+from core.version import code_version
 from models.generators import load_generator
 from shards.manifest import MANIFEST, Manifest, is_complete, read_manifest, write_manifest
 from shards.writer import NOT_IDENTITY
