@@ -74,7 +74,7 @@ def make_plan(cfg: Config, num_classes: int) -> Plan:
         raise GenerationError(f"{num_classes} class(es): series need at least {k} classes")
     if cfg.subset > len(every):
         raise GenerationError(
-            f"{'pairs' if cfg.mixing.pairs else 'tuples'}={cfg.subset}: only {len(every)} {what} among "
+            f"{'mixing.pairs' if cfg.mixing.pairs else 'mixing.tuples'}={cfg.subset}: only {len(every)} {what} among "
             f"{num_classes} classes (0 = all)"
         )
     pairs = every
