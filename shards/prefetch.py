@@ -202,7 +202,7 @@ class _Workers:
                 raise
             raise ShardError(
                 f"no pixels from the DataLoader workers for {WORKER_TIMEOUT_S} s (a worker "
-                "died or hangs; its error, if any, is above); stream_workers=0 decodes in the "
+                "died or hangs; its error, if any, is above); data.stream_workers=0 decodes in the "
                 "training process"
             ) from e
 

@@ -23,7 +23,7 @@ class Checkpoint:
 
 @dataclass(frozen=True)
 class Augment:
-    """training augmentation; crop_pad=0 and flip=false: none"""
+    """training augmentation; augment.crop_pad=0 and augment.flip=false: none"""
 
     crop_pad: int = 4  # random crop after zero padding; 0 = off
     flip: bool = True  # random horizontal flip
