@@ -13,6 +13,7 @@ from pathlib import Path
 
 from core.io import atomic_write_json, read_json
 from core.logs import log, progress
+from core.machine import this_machine
 from pipeline.registry import STAGES, resolve_stage_config
 from pipeline.study.config import StudyError, Task, cpu_count
 from pipeline.study.schedule import held_cores, start_order, startable
@@ -107,10 +108,13 @@ class Sitting:
     """study/host.json: what this machine took for the tasks of this invocation (the seconds
     are this machine's: never in study.json), rewritten as each task ends so that a sitting cut
     short still says what it did, and every earlier invocation that ran tasks kept beside it (a
-    study run over several sittings keeps each one's record)."""
+    study run over several sittings keeps each one's record). `machine` names the machine the
+    seconds are (core.machine: CPU, family, bf16 capability, cores, torch), so rates fitted
+    from them carry it (estimate.py's `fit`) and an estimate elsewhere can say it is a guess."""
 
     def __init__(self, path: Path) -> None:
         self.path, self.t0 = path, time.perf_counter()
+        self.machine = this_machine()
         self.started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         try:
             old = read_json(path)
@@ -131,6 +135,7 @@ class Sitting:
                 "started": self.started,
                 "code": code_version(),
                 "cpu_count": os.cpu_count(),
+                "machine": self.machine,
                 "task_seconds_this_invocation": seconds,
                 "wall_seconds_this_invocation": round(time.perf_counter() - self.t0, 1),
                 "finished": finished,
