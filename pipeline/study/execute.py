@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -175,6 +175,8 @@ def execute(
     on_done: Callable[[dict[str, float]], None] | None = None,
     priority: dict[str, float] | None = None,
     cpus: int | None = None,
+    time_left: Callable[[Mapping[str, float], Mapping[str, float], Collection[str]], str]
+    | None = None,
 ) -> dict[str, float]:
     """Run pending tasks in dependency order, at most `jobs` at a time and never more cores
     than the machine has (`cpus`, this machine's by default): a task holds its `cores`, and
@@ -187,7 +189,10 @@ def execute(
     does not fit stops the others (schedule.startable: the same rule the estimate simulates).
     A failed task fails the tasks that need it; the others go on. Raises at the end in one
     short line (failure_line); every failure, its cause and its log in logs/failures.log.
-    `on_done(seconds)` after each task that ran to the end."""
+    `on_done(seconds)` after each task that ran to the end. `time_left(finished, running,
+    failed)` (estimate.TimeLeft.line: the finished tasks' seconds, the running ones' seconds so
+    far, the failed ones) says the time left on the progress line as each task ends, in place
+    of the line's count of runs per second (a 20-s evaluation is not a 20-min chain)."""
     cpus = cpus or cpu_count()
     logs.mkdir(parents=True, exist_ok=True)
     done = {t.name for t in tasks if t.done}
@@ -196,10 +201,14 @@ def execute(
     seen: dict[str, str] = {}  # task -> its log, for the ones that ran and failed
     seconds: dict[str, float] = {}
     running: dict[Future, Task] = {}
+    started: dict[str, float] = {}  # a running task's start (perf_counter), for time_left
     with (
         ThreadPoolExecutor(jobs) as pool,
-        progress(range(len(pending)), total=len(pending), desc="study", unit="run") as bar,
-    ):
+        progress(
+            range(len(pending)), total=len(pending), desc="study", unit="run",
+            eta=time_left is None,
+        ) as bar,
+    ):  # fmt: skip
         while pending or running:
             for t in list(pending):  # in plan order: a skipped task skips its dependants
                 if t.after & set(failed):
@@ -211,6 +220,7 @@ def execute(
             for t in startable(ready, len(running), busy, jobs, cpus):
                 pending.remove(t)
                 running[pool.submit(_execute, t, preset, logs)] = t
+                started[t.name] = time.perf_counter()
                 log.info("study: started %s", t.name)
             if not running:
                 if pending:  # a plan's own bug: its prerequisites are not in it
@@ -230,6 +240,10 @@ def execute(
                     failed[t.name] = getattr(e, "cause", str(e))
                     seen[t.name] = str(logs / f"{t.name}.log")
                     log.error("study: %s", e)
+                if time_left is not None:
+                    now = time.perf_counter()
+                    so_far = {r.name: now - started[r.name] for r in running.values()}
+                    bar.set_postfix_str(time_left(seconds, so_far, failed), refresh=False)
                 bar.update(1)
     if failed:
         rows = [
