@@ -18,6 +18,9 @@ from pipeline.registry import STAGES, resolve_stage_config
 from pipeline.study.config import StudyError, Task, cpu_count
 from pipeline.study.schedule import held_cores, start_order, startable
 
+# the progress line's time left: (finished tasks' seconds, running ones' so far, failed) -> words
+TimeLeftLine = Callable[[Mapping[str, float], Mapping[str, float], Collection[str]], str]
+
 FAILURES = "failures.log"  # in the study's logs/: every failed task, its cause and its log
 LINE_CHARS = 300  # the sitting's last line, at most (the cause is cut to fit)
 
@@ -175,8 +178,7 @@ def execute(
     on_done: Callable[[dict[str, float]], None] | None = None,
     priority: dict[str, float] | None = None,
     cpus: int | None = None,
-    time_left: Callable[[Mapping[str, float], Mapping[str, float], Collection[str]], str]
-    | None = None,
+    time_left: TimeLeftLine | None = None,
 ) -> dict[str, float]:
     """Run pending tasks in dependency order, at most `jobs` at a time and never more cores
     than the machine has (`cpus`, this machine's by default): a task holds its `cores`, and
@@ -205,10 +207,13 @@ def execute(
     with (
         ThreadPoolExecutor(jobs) as pool,
         progress(
-            range(len(pending)), total=len(pending), desc="study", unit="run",
-            eta=time_left is None,
+            range(len(pending)),
+            total=len(pending),
+            desc="study",
+            unit="run",
+            eta=time_left is None,  # time_left says it, per kind of task
         ) as bar,
-    ):  # fmt: skip
+    ):
         while pending or running:
             for t in list(pending):  # in plan order: a skipped task skips its dependants
                 if t.after & set(failed):
