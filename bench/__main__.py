@@ -13,30 +13,22 @@ each), optional `tables` ({caption: rows}, after the first), optional `notes` (l
 from __future__ import annotations
 
 import importlib
-import os
 import platform
 import sys
 import time
-from pathlib import Path
 
 from bench import BENCH, RESULTS
+from core.machine import describe, this_machine
 
 
 def machine() -> str:
+    """The "Machine:" line's words: the CPU as core.machine records it (model name, family,
+    bf16 capability, cores: what a study's host.json keeps too), the GPU, torch and Python."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        model = next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        )
-        cpu = model
-    except (OSError, StopIteration):
-        pass  # not Linux: platform's answer stands
+    here = this_machine()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{cpu}, {os.cpu_count()} cores, {gpu}, torch {torch.__version__}, Python {platform.python_version()}"
+    return f"{describe(here)}, {gpu}, torch {here['torch']}, Python {platform.python_version()}"
 
 
 def table(rows: list[dict]) -> str:

@@ -56,6 +56,8 @@ PROGRESS_EVERY_S = 60.0
 # ... but never two lines this close: a fast loop (a 1-second prepare) is not worth ten lines
 PROGRESS_GAP_S = 30.0
 RATE_WINDOW_S = 1.0  # a line shows a rate only over at least this long since the line before
+# tqdm's default bar without its `<remaining` (progress(eta=False)); its postfix keeps its ", "
+NO_ETA_BAR = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}, {rate_fmt}{postfix}]"
 
 
 def progress_mode(stream: Any = None) -> str:
@@ -92,9 +94,11 @@ class LogProgress:
     one at every 10 % and at least every `every` seconds while work goes on, never two within
     `gap` seconds (counted from the start too), and a last one at the end; the rate is over the
     time since the line before (a skip ahead, as when a resumed stage counts its complete
-    shards, shows no rate). Never a bar frame (carriage returns).
+    shards, shows no rate). Never a bar frame (carriage returns). `eta=False`: no time left
+    from the count (a caller whose items differ in cost, the study's tasks, says its own in the
+    postfix).
     It answers what the stages ask of a tqdm bar: iteration, `update(n)`, `set_postfix(...)`,
-    `close()`, `with`."""
+    `set_postfix_str(...)`, `close()`, `with`."""
 
     def __init__(
         self,
@@ -106,9 +110,10 @@ class LogProgress:
         every: float = PROGRESS_EVERY_S,
         gap: float = PROGRESS_GAP_S,
         clock: Callable[[], float] = time.monotonic,
+        eta: bool = True,
     ) -> None:
         self.iterable, self.total, self.desc, self.unit = iterable, total, desc, unit
-        self.every, self.gap, self.clock = every, gap, clock
+        self.every, self.gap, self.clock, self.eta = every, gap, clock, eta
         self.n, self.postfix = 0, ""
         self._mark = (clock(), 0)  # (time, n) of the last line: the rate's window
         self._shown = 0  # n of the last line
@@ -137,6 +142,9 @@ class LogProgress:
     def set_postfix(self, **values: Any) -> None:
         self.postfix = ", ".join(f"{k} {v}" for k, v in values.items())
 
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        self.postfix = str(s)  # tqdm's signature; a line shows it when it is next written
+
     def close(self) -> None:
         if self.n != self._shown:
             self._line(self.clock())
@@ -152,7 +160,7 @@ class LogProgress:
             parts.append(
                 f"{rate:.0f} {self.unit}/s" if rate >= 100 else f"{rate:.3g} {self.unit}/s"
             )
-            if self.total and self.n < self.total:
+            if self.eta and self.total and self.n < self.total:
                 parts.append(f"~{_duration((self.total - self.n) / rate)} left")
         if self.postfix:
             parts.append(self.postfix)
@@ -167,11 +175,14 @@ def progress(
     desc: str = "",
     unit: str = "it",
     enabled: bool = True,
+    eta: bool = True,
 ) -> Any:
     """A loop's progress, on the main process only (`enabled`), as SEMIX_PROGRESS says
     (`progress_mode`): a tqdm bar with rates on a terminal, a `LogProgress` line now and then
     elsewhere, nothing with SEMIX_PROGRESS=off (or SEMIX_NO_PROGRESS=1). Either way it is used
-    as a tqdm bar: iterate it, `update(n)`, `set_postfix(...)`, `with`."""
+    as a tqdm bar: iterate it, `update(n)`, `set_postfix(...)`, `set_postfix_str(...)`, `with`.
+    `eta=False`: neither shows a time left extrapolated from the count (the caller's postfix
+    says it: items of unequal cost)."""
     mode = progress_mode() if enabled else "off"
     if total is None and hasattr(iterable, "__len__"):
         total = len(iterable)  # type: ignore[arg-type]
@@ -181,7 +192,8 @@ def progress(
             seconds = float(every)
         except ValueError:
             raise ValueError(f"SEMIX_PROGRESS_EVERY={every!r}: a number of seconds") from None
-        return LogProgress(iterable, total=total, desc=desc, unit=unit, every=seconds)
+        return LogProgress(iterable, total=total, desc=desc, unit=unit, every=seconds, eta=eta)
     return tqdm(
-        iterable, total=total, desc=desc, unit=unit, disable=mode == "off", dynamic_ncols=True
-    )
+        iterable, total=total, desc=desc, unit=unit, disable=mode == "off", dynamic_ncols=True,
+        **({} if eta else {"bar_format": NO_ETA_BAR}),
+    )  # fmt: skip

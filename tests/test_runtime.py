@@ -93,6 +93,35 @@ def test_log_lines_give_rate_and_time_left_every_10_percent_and_every_n_seconds(
     assert messages(capsys.readouterr().err) == ["study: 3 run, 1.5 run/s"]
 
 
+def test_a_caller_that_says_its_own_time_left_gets_no_count_extrapolation(
+    shown, capsys, monkeypatch
+):
+    """progress(eta=False), the study's: its tasks differ in cost, so the count's runs per
+    second would misprice what is left; the line shows the caller's postfix (set_postfix_str,
+    tqdm's name) instead, and a terminal's bar has no `<remaining` either."""
+    now = [0.0]
+    bar = LogProgress(
+        None, total=10, desc="study", unit="run", every=60, clock=lambda: now[0], eta=False
+    )
+    now[0] = 40.0
+    bar.set_postfix_str("~3 h 10 min left (the estimate's rates)")
+    bar.update(2)  # 20 %: a line, 2 runs in 40 s, no "~2.7 min left" from the count
+    assert messages(capsys.readouterr().err) == [
+        "study: 2/10 run (20 %), 0.05 run/s, ~3 h 10 min left (the estimate's rates)"
+    ]
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    with progress(range(10), desc="study", unit="run", eta=False) as bar:
+        bar.set_postfix_str("~5 min left")
+        bar.update(3)
+    assert "~5 min left" in terminal.getvalue() and "<" not in terminal.getvalue()
+    counted = Terminal()
+    monkeypatch.setattr(sys, "stderr", counted)
+    with progress(range(10), desc="study", unit="run") as bar:  # the default: tqdm's own
+        bar.update(3)
+    assert "<" in counted.getvalue()
+
+
 def test_terminal_gets_a_bar_and_log_lines_never_share_its_line(shown, monkeypatch):
     """On a terminal a tqdm bar redraws its line with carriage returns; a log line written while
     the bar is up clears the bar first, stands on a line of its own, and the bar comes back."""

@@ -12,12 +12,17 @@ import pytest
 from pipeline.study.config import StudyConfig, StudyError, Task, cpu_count
 from pipeline.study.estimate import (
     KINDS,
+    Estimate,
     EstimateError,
+    TimeLeft,
+    Work,
     before_fits,
+    correction,
     derive_rates,
     estimate,
     expected_seconds,
     load_rates,
+    machine_line,
     measured_line,
     ran_before_fits,
     rates_from_host,
@@ -408,3 +413,152 @@ def test_execute_runs_a_wide_task_alone_and_narrow_ones_together(tmp_path):
     }
     assert spans["w"][1] <= min(spans["n1"][0], spans["n2"][0])  # w ended before either began
     assert spans["n1"][0] < spans["n2"][1] and spans["n2"][0] < spans["n1"][1]  # together
+
+
+# ---------------------------------------------------------------------------------------------
+# Another machine's rates: the estimate says so, and the progress line corrects it
+
+# the two CPUs of issue 49's day, as core.machine records them: one model name, two families
+ZEN3 = {"cpu": "AMD EPYC", "cpu_family": 25, "bf16_flags": [], "native_bf16": False,
+        "cpu_count": 2, "torch": "2.14.1+cu130"}  # fmt: skip
+ZEN5 = ZEN3 | {"cpu_family": 26, "bf16_flags": ["avx512_bf16"], "native_bf16": True}
+OTHER_CPU = (
+    "rates from AMD EPYC family 26 with AVX512-BF16, 2 cores; this machine is AMD EPYC family 25 "
+    "without AVX512-BF16 or AMX (fp32), 2 cores: a different CPU, so this wall is a guess (it "
+    "can be several-fold off); the progress line corrects it as tasks finish"
+)
+
+
+def test_the_estimate_says_in_one_line_when_its_rates_are_another_cpus(tmp_path):
+    """The line only where the CPUs differ (model, family or bf16; not cores or torch); a rates
+    file that names no machine says it cannot tell; the committed one names the verdict's host,
+    so on the family-25 CPU without bf16 the study of issue 49 ran on, the line."""
+    tasks = [Task("prepare", [("prepare", [])])]
+    rates = _rates(prepare=7.0) | {"machine": ZEN5}
+    same = estimate(tasks, "fashion-mnist", 1, tmp_path, rates,
+                    machine=ZEN5 | {"cpu_count": 16, "torch": "2.99.0"})  # fmt: skip
+    assert same.machine_note == "" and "rates from" not in same.table()
+    assert "machine_note" not in same.record()
+    other = estimate(tasks, "fashion-mnist", 1, tmp_path, rates, machine=ZEN3)
+    assert other.machine_note == OTHER_CPU and other.table().splitlines()[-1] == OTHER_CPU
+    assert other.record()["machine_note"] == OTHER_CPU
+    assert other.wall == same.wall == pytest.approx(7.0)  # said, not guessed at: the rates' wall
+    bf16_only = ZEN5 | {"bf16_flags": [], "native_bf16": False}
+    assert "a different CPU" in estimate(tasks, "fashion-mnist", 1, tmp_path, rates,
+                                         machine=bf16_only).machine_note  # fmt: skip
+    unnamed = estimate(tasks, "fashion-mnist", 1, tmp_path, _rates(prepare=7.0), machine=ZEN3)
+    assert unnamed.machine_note.startswith(
+        "rates from a machine their file does not name; this machine is AMD EPYC family 25"
+    )
+    committed = load_rates()["machine"]
+    assert {k: committed[k] for k in ("cpu", "cpu_family", "native_bf16")} == {
+        "cpu": "AMD EPYC", "cpu_family": 26, "native_bf16": True
+    }  # fmt: skip
+    assert machine_line(committed, ZEN3) == OTHER_CPU and machine_line(committed, ZEN5) == ""
+
+
+def test_fit_copies_the_machine_its_host_json_names():
+    """rates_from_host (what `fit` writes) carries the sittings' machine; sittings on two CPUs
+    give the last one's and a note naming both; a sitting that ran nothing does not count; a
+    host.json that names none (the verdict's) gives no machine and says so."""
+    plan = before_fits(_fits_plan())
+    seconds = {"prepare": 7, "generator": 200, "ce-s0": 12}
+    host = {"task_seconds_this_invocation": seconds, "machine": ZEN3}
+    got = rates_from_host(host, plan, "fashion-mnist", 0.0)
+    assert got["machine"] == ZEN3 and "machine_note" not in got
+    two = {"earlier_invocations": [{"task_seconds_this_invocation": {"prepare": 7},
+                                    "machine": ZEN5}], **host}  # fmt: skip
+    got = rates_from_host(two, plan, "fashion-mnist", 0.0)
+    assert got["machine"] == ZEN3
+    assert "family 26" in got["machine_note"] and "family 25" in got["machine_note"]
+    rerun = {"earlier_invocations": [host], "task_seconds_this_invocation": {}, "machine": ZEN5}
+    got = rates_from_host(rerun, plan, "fashion-mnist", 0.0)
+    assert got["machine"] == ZEN3 and "machine_note" not in got
+    got = rates_from_host({"task_seconds_this_invocation": seconds}, plan, "fashion-mnist", 0.0)
+    assert "machine" not in got and "names no machine" in got["machine_note"]
+
+
+def _by_hand(seconds: dict[str, float], kinds: dict[str, str], jobs: int = 1,
+             shares: dict[str, float] | None = None, report: float = 0.0) -> Estimate:  # fmt: skip
+    """An estimate of tasks' expected seconds and kinds, as estimate() would return it."""
+    works = {n: Work(kinds[n], 1.0, (shares or {}).get(n, 1.0)) for n in seconds}
+    return Estimate(jobs, 0.0, dict(seconds), works, [], "by hand", False, report=report)
+
+
+def test_a_kinds_correction_is_its_finished_tasks_measured_over_estimated():
+    """Summed over the kind's tasks that finished this invocation; a task at 0 s ran nothing (a
+    cell not kept) and does not count; one with a share that ran counts whole; a kind with
+    nothing finished has no entry."""
+    kinds = {"a": "train", "b": "train", "x": "train", "e": "evaluate"}
+    est = _by_hand({"a": 20, "b": 30, "x": 5, "e": 10}, kinds, shares={"x": 0.5})
+    assert est.whole("x") == pytest.approx(10.0)
+    assert correction({"a": 60, "b": 90}, est) == {"train": pytest.approx(150 / 50)}
+    assert correction({"a": 60, "b": 90, "x": 0.0}, est) == {"train": pytest.approx(3.0)}
+    assert correction({"a": 60, "x": 25}, est) == {"train": pytest.approx((60 + 25) / (20 + 10))}
+    assert correction({"a": 60, "e": 5}, est) == {"train": 3.0, "evaluate": 0.5}
+    assert correction({}, est) == {}
+
+
+def test_the_time_left_rescales_finished_kinds_and_keeps_the_others():
+    """Three train tasks of 600 s and an evaluation (60 s) after c. a took 3x its estimate: b
+    and c are priced 1,800 s, e keeps its 60 s; a running task costs what is left of it and
+    holds its job (simulate's under_way); a failed task and what needs it cost nothing more;
+    the report's seconds come on top while anything is left."""
+    tasks = [Task("a", []), Task("b", []), Task("c", []), Task("e", [], {"c"})]
+    seconds = {"a": 600, "b": 600, "c": 600, "e": 60}
+    kinds = {"a": "train", "b": "train", "c": "train", "e": "evaluate"}
+    one = TimeLeft(tasks, _by_hand(seconds, kinds))
+    left, factor = one.seconds_left({"a": 1800}, {})
+    assert factor == {"train": 3.0} and left == pytest.approx(1800 + 1800 + 60)  # one at a time
+    assert one.seconds_left({"a": 1800}, {"b": 300})[0] == pytest.approx(1500 + 1800 + 60)
+    assert one.seconds_left({"a": 1800}, {"b": 300}, {"c"})[0] == pytest.approx(1500)
+    assert one.seconds_left({}, {})[0] == pytest.approx(600 * 3 + 60)  # the estimate's own
+    # 2 jobs: c (the longer path) starts beside the running b, e after c: 1,800 + 60
+    two = TimeLeft(tasks, _by_hand(seconds, kinds, jobs=2, report=234))
+    assert two.seconds_left({"a": 1800}, {"b": 300})[0] == pytest.approx(1860 + 234)
+    assert two.seconds_left({"a": 1, "b": 1, "c": 1, "e": 1}, {})[0] == 0.0
+
+
+def test_a_task_under_way_holds_its_job_and_cores_in_the_simulation():
+    """n (1 core) is running with 5 s left on 2 cores; w needs both: it starts when n ends."""
+    tasks = [Task("n", [], cores=1), Task("w", [], cores=2)]
+    schedule = simulate(tasks, {"w": 10}, jobs=2, cpus=2, under_way={"n": 5})
+    assert schedule.starts == {"w": 5} and schedule.wall == 15
+    one_job = simulate([Task("n", []), Task("m", [])], {"m": 10}, jobs=1, under_way={"n": 5})
+    assert one_job.starts == {"m": 5} and one_job.wall == 15
+
+
+def test_the_time_left_line_simulates_at_most_once_per_interval_and_counts_down():
+    """A fake clock: the line at 0 s simulates; at 120 s (a second task finished at 3x) it
+    counts down from the last answer; at the interval it simulates again with the new rate."""
+    tasks = [Task("a", []), Task("b", []), Task("c", [])]
+    kinds = dict.fromkeys("abc", "train")
+    now = [0.0]
+    left = TimeLeft(tasks, _by_hand(dict.fromkeys("abc", 600), kinds), clock=lambda: now[0],
+                    every=300)  # fmt: skip
+    assert left.line({"a": 600}, {}) == "~20 min left (rates as measured here: train x1.0)"
+    now[0] = 120.0
+    assert left.line({"a": 600, "b": 1800}, {}) == (
+        "~18 min left (rates as measured here: train x1.0)"
+    )
+    now[0] = 300.0  # (600 + 1800) / 1200: c at 2x
+    assert left.line({"a": 600, "b": 1800}, {}) == (
+        "~20 min left (rates as measured here: train x2.0)"
+    )
+    fresh = TimeLeft(tasks, _by_hand(dict.fromkeys("abc", 600), kinds))
+    assert fresh.line({}, {}) == "~30 min left (the estimate's rates)"
+
+
+def test_execute_asks_the_time_left_at_each_tasks_end(tmp_path):
+    """execute hands time_left the finished tasks' seconds, the running ones' seconds so far
+    and the failed ones, as each task ends; a sleeps 0 s and b 1 s beside it."""
+    calls: list[tuple[dict, dict, set]] = []
+
+    def time_left(finished, running, failed):
+        calls.append((dict(finished), dict(running), set(failed)))
+        return "~1 min left"
+
+    execute([_sleep("a", 0), _sleep("b", 1)], "digits", 2, tmp_path, cpus=2, time_left=time_left)
+    assert [set(c[0]) for c in calls] == [{"a"}, {"a", "b"}]
+    assert set(calls[0][1]) == {"b"} and 0 <= calls[0][1]["b"] < 5 and calls[1][1] == {}
+    assert calls[0][2] == calls[1][2] == set()

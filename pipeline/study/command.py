@@ -24,7 +24,7 @@ from pipeline.study.config import (
     check_budget,
     comparison_pairs,
 )
-from pipeline.study.estimate import estimate, measured_line
+from pipeline.study.estimate import TimeLeft, estimate, measured_line
 from pipeline.study.execute import Sitting, code_version, execute
 from pipeline.study.figures import fidelity_figure, figures, shift_figure
 from pipeline.study.intervals import mixed_sets_of
@@ -64,12 +64,16 @@ def run_study(preset: str, sets: Sequence[str]) -> Path:
     sitting = Sitting(out / "host.json")
     # the plan's expected wall before the first task (pipeline/study/estimate.py), its
     # critical-path priorities the order ready tasks start in; host.json keeps it beside the
-    # sitting's measured wall
+    # sitting's measured wall. Its rates are another machine's when it says so: the progress
+    # line's time left then rescales each kind by what its finished tasks took here (TimeLeft)
     plan_estimate = estimate(tasks, preset, cfg.jobs, root)
     log.info("study: the estimate of this sitting's plan\n%s", plan_estimate.table())
     sitting.estimate = plan_estimate.record()
     priority = remaining_path(tasks, plan_estimate.seconds)
-    seconds = execute(tasks, preset, cfg.jobs, out / "logs", sitting.write, priority)
+    time_left = TimeLeft(tasks, plan_estimate, priority).line
+    seconds = execute(
+        tasks, preset, cfg.jobs, out / "logs", sitting.write, priority, time_left=time_left
+    )
     # 3. Records, statistics, report and figures.
     records = collect(cfg, root)
     budget = check_budget(records)

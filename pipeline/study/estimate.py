@@ -13,6 +13,13 @@ its own rates file (`--set` nothing: pass the file as SEMIX_STUDY_RATES). A task
 every core runs alone under the core rule, so its kind's `alone` rate (measured alone, not
 fitted: the file's `alone_source` says where) replaces the study's for it.
 
+The rates file names the machine its rates were measured on (`machine`, core.machine's record,
+copied by `fit` from the host.json's sittings), and the estimate compares it with this one: on
+another CPU (another model or family, or bf16 where the other computes fp32: a classifier step
+1.4x, a fit step 1.3x) its wall is a guess, and it says so in one line. As the study runs, its
+progress line's time left is the same simulation over the tasks not yet finished, each kind's
+rate rescaled by what this machine measured of it (TimeLeft).
+
 The verdict study ran the protocol before generator fits were units: one `generator` task
 trained the judges and the encoder and fitted the generator. A study now trains those in its
 `generator` task (train runs on real/, at train's rate) and fits each generator in a task of
@@ -28,11 +35,13 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core.machine import describe, same_cpu, this_machine
 from pipeline.chain import scoped_errors, split_sets
 from pipeline.registry import resolve_stage_config
 from pipeline.study.cells import CELL_FIT, GENERATOR, MAX_CELLS
@@ -253,6 +262,13 @@ class Estimate:
     classes_assumed: bool
     report: float = 0.0  # the statistics and report after the last task (in `wall`)
     cpus: int | None = None  # the core rule's machine; None: `jobs` only (order plan, critical)
+    machine_note: str = ""  # the rates are another machine's (machine_line): "" when this one's
+
+    def whole(self, name: str) -> float:
+        """A pending task's expected seconds before its share (a share prices a task that may
+        not run: a cell not kept, an extension not needed; one that runs, runs whole)."""
+        share = self.works[name].share
+        return self.seconds[name] / share if share > 0 else 0.0
 
     def by_kind(self) -> dict[str, tuple[int, float]]:
         """kind -> (pending tasks that cost anything, their task-seconds), in KINDS order."""
@@ -284,6 +300,8 @@ class Estimate:
             f"{' -> '.join(_short(self.critical))}); rates: {self.source}"
             + ("; classes assumed as the rates' study" if self.classes_assumed else "")
         )
+        if self.machine_note:
+            lines.append(self.machine_note)
         return "\n".join(lines)
 
     def record(self) -> dict[str, Any]:
@@ -295,6 +313,7 @@ class Estimate:
             "task_minutes": {k: round(s / 60, 1) for k, (_, s) in self.by_kind().items()},
             "critical_path": self.critical,
             "rates": self.source,
+            **({"machine_note": self.machine_note} if self.machine_note else {}),
         }
 
 
@@ -305,6 +324,25 @@ def _hm(seconds: float) -> str:
 
 def _short(names: Sequence[str], keep: int = 6) -> list[str]:
     return list(names) if len(names) <= keep else [*names[:3], "...", *names[-2:]]
+
+
+def machine_line(theirs: Mapping[str, Any] | None, ours: Mapping[str, Any]) -> str:
+    """The estimate's line when its rates are not this machine's: "" on the same CPU
+    (core.machine.same_cpu); a rates file that names no machine (one fitted before rates files
+    did) cannot be checked, and says that instead. The verdict's rates on a CPU without bf16
+    priced a tuning run at 44 s that took 129-141 s there: several-fold is no exaggeration."""
+    fix = "the progress line corrects it as tasks finish"
+    if theirs is None:
+        return (
+            f"rates from a machine their file does not name; this machine is {describe(ours)}: "
+            f"on another CPU this wall is a guess; {fix}"
+        )
+    if same_cpu(theirs, ours):
+        return ""
+    return (
+        f"rates from {describe(theirs)}; this machine is {describe(ours)}: a different CPU, so "
+        f"this wall is a guess (it can be several-fold off); {fix}"
+    )
 
 
 ORDERS = ("cores", "critical", "plan")  # estimate()'s schedulers, execute.py's first
@@ -318,12 +356,14 @@ def estimate(
     rates: Mapping[str, Any] | None = None,
     order: str = "cores",
     cpus: int | None = None,
+    machine: Mapping[str, Any] | None = None,
 ) -> Estimate:
     """The plan's expected wall at `jobs` under one of three schedulers: "cores" (execute.py's:
     critical path first and the core rule on `cpus`, this machine's by default; a task that
     holds every core runs alone, at its kind's alone rate), "critical" (critical path first,
     `jobs` only) or "plan" (plan order, `jobs` only: how the verdict study ran). The report's
-    seconds are added once, when any task is pending."""
+    seconds are added once, when any task is pending. `machine`: the machine the plan runs on
+    (this one's record by default, core.machine), checked against the rates' (machine_line)."""
     if order not in ORDERS:
         raise ValueError(f"order {order!r}: one of {', '.join(ORDERS)}")
     rates = rates or load_rates()
@@ -344,6 +384,7 @@ def estimate(
         classes_assumed=assumed,
         report=report,
         cpus=cpus,
+        machine_note=machine_line(rates.get("machine"), machine or this_machine()),
     )
 
 
@@ -357,6 +398,103 @@ def measured_line(est_wall: float, measured: float) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# 4. The time left as the study runs: the estimate, each kind's rate as measured here
+
+LEFT_EVERY_S = 60.0  # TimeLeft simulates at most this often (simulate: ~tasks² steps, ~0.1 s)
+
+
+def correction(finished: Mapping[str, float], est: Estimate) -> dict[str, float]:
+    """kind -> measured / estimated seconds of this invocation's `finished` tasks of that kind
+    that ran (a task at 0 s ran nothing: a cell not kept, an extension not needed, as fit_rates
+    counts them), each at its expected seconds before its share (Estimate.whole). A kind with
+    nothing finished has no entry: it keeps its rate."""
+    sums: dict[str, list[float]] = {}
+    for name, measured in finished.items():
+        if name not in est.works or measured <= 0 or est.whole(name) <= 0:
+            continue
+        total = sums.setdefault(est.works[name].kind, [0.0, 0.0])
+        total[0] += measured
+        total[1] += est.whole(name)
+    return {kind: m / e for kind, (m, e) in sums.items()}
+
+
+def _factors(factor: Mapping[str, float]) -> str:
+    rows = [f"{kind} x{factor[kind]:.1f}" for kind in KINDS if kind in factor]
+    return f"rates as measured here: {', '.join(rows)}" if rows else "the estimate's rates"
+
+
+class TimeLeft:
+    """The study's time left for its progress line (execute.py): the estimate's own simulation
+    (schedule.simulate: the same priorities, `jobs` and core rule) over the tasks not finished,
+    each kind's expected seconds times what this invocation measured of that kind against its
+    estimate (`correction`), a running task's less the seconds it has run; not the line's runs
+    per second, which prices a 20-s evaluation like a 20-min chain. On another CPU than the
+    rates' (the verdict's rates on a CPU without bf16: 3x the tuning runs' seconds) the first
+    finished tasks of a kind correct the rest of it. Simulates at most once every `every`
+    seconds (the line asks at each task's end, ~250-500 times a study) and counts down from
+    the last answer in between."""
+
+    def __init__(
+        self,
+        tasks: Sequence[Task],
+        est: Estimate,
+        priority: Mapping[str, float] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        every: float = LEFT_EVERY_S,
+    ) -> None:
+        self.tasks, self.est = list(tasks), est
+        self.priority = priority if priority is not None else remaining_path(tasks, est.seconds)
+        self.clock, self.every = clock, every
+        self._last: tuple[float, float, str] | None = None  # (when, seconds left, its rates)
+
+    def seconds_left(
+        self,
+        finished: Mapping[str, float],
+        running: Mapping[str, float],
+        dropped: Collection[str] = (),
+    ) -> tuple[float, dict[str, float]]:
+        """(the seconds left, the correction per kind): `finished` this invocation's task
+        seconds, `running` the running tasks' seconds so far, `dropped` the tasks that failed
+        (they and their dependants cost nothing more, as execute.py skips them). The report's
+        seconds are added, uncorrected, while anything is left."""
+        factor = correction(finished, self.est)
+        failed = set(dropped)
+        for t in self.tasks:  # plan order, a task after what it needs: one pass skips a chain
+            if t.after & failed:
+                failed.add(t.name)
+        gone = set(finished) | failed
+        seconds: dict[str, float] = {}
+        under_way: dict[str, float] = {}
+        for t in self.tasks:
+            if t.done or t.name in gone:
+                continue
+            rescale = factor.get(self.est.works[t.name].kind, 1.0)
+            if t.name in running:
+                under_way[t.name] = max(0.0, self.est.whole(t.name) * rescale - running[t.name])
+            else:
+                seconds[t.name] = self.est.seconds[t.name] * rescale
+        tasks = [dataclasses.replace(t, done=True) if t.name in gone else t for t in self.tasks]
+        est = self.est
+        wall = simulate(tasks, seconds, est.jobs, self.priority, est.cpus, under_way).wall
+        return wall + (est.report if seconds or under_way else 0.0), factor
+
+    def line(
+        self,
+        finished: Mapping[str, float],
+        running: Mapping[str, float],
+        dropped: Collection[str] = (),
+    ) -> str:
+        """`~3 h 10 min left (rates as measured here: train x2.9)`: seconds_left, simulated at
+        most once every `every` seconds, counted down in between."""
+        now = self.clock()
+        if self._last is None or now - self._last[0] >= self.every:
+            left, factor = self.seconds_left(finished, running, dropped)
+            self._last = (now, left, _factors(factor))
+        when, left, rates = self._last
+        return f"~{_hm(max(0.0, left - (now - when)))} left ({rates})"
+
+
+# ---------------------------------------------------------------------------------------------
 # 5. Fitting rates from a study's host.json (the committed default is this on the verdict's)
 
 
@@ -364,6 +502,28 @@ def sittings(host: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Every sitting of a host.json, first to last."""
     last = {k: v for k, v in host.items() if k != "earlier_invocations"}
     return [*host.get("earlier_invocations", []), last]
+
+
+def host_machine(
+    host: Mapping[str, Any], use: Callable[[int], bool] = lambda i: True
+) -> tuple[dict[str, Any] | None, str]:
+    """The machine whose seconds the sittings `use` selects (by index) measured, for the rates
+    file (`fit` copies it), and a note where that is not one machine: sittings on different
+    CPUs (the rates mix them; the last one's is named), or none that names one (a host.json
+    from before sittings recorded their machine: the verdict's; name it by hand, as
+    rates.json's `machine_note` says). Only sittings that ran tasks count."""
+    ran = [s for i, s in enumerate(sittings(host)) if use(i)]
+    ran = [s for s in ran if s.get("task_seconds_this_invocation")]
+    named = [s["machine"] for s in ran if s.get("machine")]
+    if not named:
+        return None, "the host.json names no machine (its study ran before sittings did)"
+    if len(named) < len(ran) or any(not same_cpu(m, named[-1]) for m in named):
+        machines = "; ".join(dict.fromkeys(describe(m) for m in named))
+        return named[-1], (
+            f"{len(ran)} sittings, {len(named)} naming their machine ({machines}): the rates "
+            "mix what they measured; `machine` is the last one's"
+        )
+    return named[-1], ""
 
 
 def ran_before_fits(host: Mapping[str, Any]) -> bool:
@@ -449,7 +609,12 @@ def _fit_main(argv: Sequence[str]) -> int:
     # the alone rates are measured alone, not in a study: kept from the committed file
     committed = load_rates(RATES)
     rates |= {k: committed[k] for k in ("alone", "alone_source") if k in committed}
-    rates["source"] = f"{args.host} ({cfg.jobs} jobs, {sittings(host)[-1].get('cpu_count')} cores)"
+    source = f"{args.host} ({cfg.jobs} jobs, {sittings(host)[-1].get('cpu_count')} cores)"
+    if "machine" not in rates and committed.get("source") == source:
+        # the committed file refitted from its own host.json (the verdict's names no machine):
+        # the machine named by hand stays
+        rates |= {k: committed[k] for k in ("machine", "machine_note") if k in committed}
+    rates["source"] = source
     text = json.dumps(rates, indent=2) + "\n"
     if args.out:
         args.out.write_text(text, encoding="utf-8")
@@ -474,7 +639,8 @@ def rates_from_host(
     """A rates file's content from the sittings `use` selects (by index): each task's seconds
     from the last selected sitting that ran it; the extension share from the plan (extension
     tasks that ran / planned); the report's seconds as given (the last sitting's wall past its
-    last task: the caller reads it from that sitting's log)."""
+    last task: the caller reads it from that sitting's log); the machine they ran on
+    (host_machine: what the estimate checks this machine against)."""
     measured: dict[str, float] = {}
     for i, s in enumerate(sittings(host)):
         if use(i):
@@ -493,6 +659,11 @@ def rates_from_host(
     rates["units"] = {k: u for k, (u, _) in KINDS.items()}
     if derived:
         rates["derived"] = derived
+    machine, note = host_machine(host, use)
+    if machine:
+        rates["machine"] = machine
+    if note:
+        rates["machine_note"] = note
     return rates
 
 

@@ -7,15 +7,19 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from core.io import atomic_write_json, read_json
 from core.logs import log, progress
+from core.machine import this_machine
 from pipeline.registry import STAGES, resolve_stage_config
 from pipeline.study.config import StudyError, Task, cpu_count
 from pipeline.study.schedule import held_cores, start_order, startable
+
+# the progress line's time left: (finished tasks' seconds, running ones' so far, failed) -> words
+TimeLeftLine = Callable[[Mapping[str, float], Mapping[str, float], Collection[str]], str]
 
 FAILURES = "failures.log"  # in the study's logs/: every failed task, its cause and its log
 LINE_CHARS = 300  # the sitting's last line, at most (the cause is cut to fit)
@@ -107,10 +111,13 @@ class Sitting:
     """study/host.json: what this machine took for the tasks of this invocation (the seconds
     are this machine's: never in study.json), rewritten as each task ends so that a sitting cut
     short still says what it did, and every earlier invocation that ran tasks kept beside it (a
-    study run over several sittings keeps each one's record)."""
+    study run over several sittings keeps each one's record). `machine` names the machine the
+    seconds are (core.machine: CPU, family, bf16 capability, cores, torch), so rates fitted
+    from them carry it (estimate.py's `fit`) and an estimate elsewhere can say it is a guess."""
 
     def __init__(self, path: Path) -> None:
         self.path, self.t0 = path, time.perf_counter()
+        self.machine = this_machine()
         self.started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         try:
             old = read_json(path)
@@ -131,6 +138,7 @@ class Sitting:
                 "started": self.started,
                 "code": code_version(),
                 "cpu_count": os.cpu_count(),
+                "machine": self.machine,
                 "task_seconds_this_invocation": seconds,
                 "wall_seconds_this_invocation": round(time.perf_counter() - self.t0, 1),
                 "finished": finished,
@@ -170,6 +178,7 @@ def execute(
     on_done: Callable[[dict[str, float]], None] | None = None,
     priority: dict[str, float] | None = None,
     cpus: int | None = None,
+    time_left: TimeLeftLine | None = None,
 ) -> dict[str, float]:
     """Run pending tasks in dependency order, at most `jobs` at a time and never more cores
     than the machine has (`cpus`, this machine's by default): a task holds its `cores`, and
@@ -182,7 +191,10 @@ def execute(
     does not fit stops the others (schedule.startable: the same rule the estimate simulates).
     A failed task fails the tasks that need it; the others go on. Raises at the end in one
     short line (failure_line); every failure, its cause and its log in logs/failures.log.
-    `on_done(seconds)` after each task that ran to the end."""
+    `on_done(seconds)` after each task that ran to the end. `time_left(finished, running,
+    failed)` (estimate.TimeLeft.line: the finished tasks' seconds, the running ones' seconds so
+    far, the failed ones) says the time left on the progress line as each task ends, in place
+    of the line's count of runs per second (a 20-s evaluation is not a 20-min chain)."""
     cpus = cpus or cpu_count()
     logs.mkdir(parents=True, exist_ok=True)
     done = {t.name for t in tasks if t.done}
@@ -191,9 +203,16 @@ def execute(
     seen: dict[str, str] = {}  # task -> its log, for the ones that ran and failed
     seconds: dict[str, float] = {}
     running: dict[Future, Task] = {}
+    started: dict[str, float] = {}  # a running task's start (perf_counter), for time_left
     with (
         ThreadPoolExecutor(jobs) as pool,
-        progress(range(len(pending)), total=len(pending), desc="study", unit="run") as bar,
+        progress(
+            range(len(pending)),
+            total=len(pending),
+            desc="study",
+            unit="run",
+            eta=time_left is None,  # time_left says it, per kind of task
+        ) as bar,
     ):
         while pending or running:
             for t in list(pending):  # in plan order: a skipped task skips its dependants
@@ -206,6 +225,7 @@ def execute(
             for t in startable(ready, len(running), busy, jobs, cpus):
                 pending.remove(t)
                 running[pool.submit(_execute, t, preset, logs)] = t
+                started[t.name] = time.perf_counter()
                 log.info("study: started %s", t.name)
             if not running:
                 if pending:  # a plan's own bug: its prerequisites are not in it
@@ -225,6 +245,10 @@ def execute(
                     failed[t.name] = getattr(e, "cause", str(e))
                     seen[t.name] = str(logs / f"{t.name}.log")
                     log.error("study: %s", e)
+                if time_left is not None:
+                    now = time.perf_counter()
+                    so_far = {r.name: now - started[r.name] for r in running.values()}
+                    bar.set_postfix_str(time_left(seconds, so_far, failed), refresh=False)
                 bar.update(1)
     if failed:
         rows = [

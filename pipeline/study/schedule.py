@@ -107,18 +107,23 @@ def simulate(
     jobs: int,
     priority: Mapping[str, float] | None = None,
     cpus: int | None = None,
+    under_way: Mapping[str, float] | None = None,
 ) -> Schedule:
     """execute.py's loop with each task's expected seconds for its run: at each moment the
     ready tasks start as startable() lets them (start_order; fewer than `jobs` running; with
     `cpus`, the core rule); the earliest end frees its job and its cores (ends at the same
-    moment together). A done task is done at 0."""
+    moment together). A done task is done at 0. `under_way`: tasks already running (a study
+    part way through: estimate.TimeLeft) and their seconds left; they hold their jobs and
+    cores from 0, as they do in execute.py, and are not in `starts`."""
+    under_way = under_way or {}
     done = {t.name for t in tasks if t.done}
-    pending = [t for t in tasks if not t.done]
-    running: list[tuple[float, int, str]] = []  # (end, plan index, name)
+    pending = [t for t in tasks if not t.done and t.name not in under_way]
     index = {t.name: i for i, t in enumerate(tasks)}
     held = {t.name: held_cores(t, cpus) for t in tasks}
+    running = [(left, index[name], name) for name, left in under_way.items()]  # (end, index, name)
+    heapq.heapify(running)
     starts: dict[str, float] = {}
-    now, busy = 0.0, 0
+    now, busy = 0.0, sum(held[name] for name in under_way)
     while pending or running:
         ready = start_order([t for t in pending if t.after <= done], priority)
         for t in startable(ready, len(running), busy, jobs, cpus):
