@@ -82,7 +82,7 @@ class Augment:
 def parse_sampler_cell(entry: str) -> tuple[str, int, str]:
     """fidelity.samplers' "<sampler>:<steps>[:bf16]" -> (sampler, steps, precision "fp32" |
     "bf16"); a malformed entry is refused in one line with the form."""
-    from models.generators.base import SAMPLERS
+    from models.generators.schedulers import SAMPLERS
 
     parts = entry.split(":")
     ok = len(parts) in (2, 3) and parts[0] in SAMPLERS and parts[1].isdigit() and int(parts[1]) > 0
