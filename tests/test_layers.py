@@ -5,7 +5,8 @@
     stages/             a module or package per stage, never importing another; common/,
                         configs/, presets/: on models and shards
     models/ | shards/   pure torch numerics | everything on disk: on core only, never each other
-    core/               config, runtime, io, plots: used by every package, imports none of them
+    core/               config, seeding, launch, io, plots: used by every package, imports
+                        none of them
 
 Every import counts, module-level or inside a function (a lazy import is still a dependency).
 Stages are found by name through the registry (importlib), which is how the app reaches them

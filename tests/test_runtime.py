@@ -1,5 +1,5 @@
-"""core/runtime: progress (tqdm bars on a terminal, plain log lines elsewhere, log lines never
-inside a bar) and the code version every manifest records."""
+"""core/logs and core/version: progress (tqdm bars on a terminal, plain log lines elsewhere,
+log lines never inside a bar) and the code version every manifest records."""
 
 from __future__ import annotations
 
