@@ -1,7 +1,8 @@
-"""The study's estimate (pipeline/study/estimate.py) and execute.py's scheduler (critical-path
-order, the core rule): the simulated wall of constructed plans with answers worked out by hand,
-the order ready tasks start in, a task's cores from its resolved configs, and the verdict
-study's plan against its measured wall."""
+"""The study's estimate (pipeline/study/estimate.py), its rates fitted from a host.json
+(rates.py) and its time left as the study runs (time_left.py), and execute.py's scheduler
+(critical-path order, the core rule): the simulated wall of constructed plans with answers
+worked out by hand, the order ready tasks start in, a task's cores from its resolved configs,
+and the verdict study's plan against its measured wall."""
 
 import json
 import sys
@@ -14,22 +15,18 @@ from pipeline.study.estimate import (
     KINDS,
     Estimate,
     EstimateError,
-    TimeLeft,
     Work,
-    before_fits,
-    correction,
-    derive_rates,
     estimate,
     expected_seconds,
     load_rates,
     machine_line,
     measured_line,
-    ran_before_fits,
-    rates_from_host,
 )
 from pipeline.study.execute import execute
 from pipeline.study.plan import task_cores
+from pipeline.study.rates import before_fits, derive_rates, ran_before_fits, rates_from_host
 from pipeline.study.schedule import critical_path, remaining_path, simulate, start_order, startable
+from pipeline.study.time_left import TimeLeft, correction
 
 VERDICT = Path(__file__).resolve().parent.parent / "docs" / "results" / "fashion-verdict"
 
@@ -266,8 +263,8 @@ def test_the_verdict_plan_is_estimated_within_15_percent_of_its_measured_wall(tm
     kind for every task. Under the core rule on 2 cores the fit and the chains run alone at
     their alone rates: the critical path halves, the wall (bound by the work on 2 cores, not
     the path) falls by minutes."""
-    from pipeline.study.estimate import sittings
     from pipeline.study.plan import setup
+    from pipeline.study.rates import sittings
 
     host = json.loads((VERDICT / "host.json").read_text())
     assert round(sum(s["wall_seconds_this_invocation"] for s in sittings(host))) == 14009

@@ -24,7 +24,7 @@ from pipeline.study.config import (
     check_budget,
     comparison_pairs,
 )
-from pipeline.study.estimate import TimeLeft, estimate, measured_line
+from pipeline.study.estimate import estimate, measured_line
 from pipeline.study.execute import Sitting, code_version, execute
 from pipeline.study.figures import fidelity_figure, figures, shift_figure
 from pipeline.study.intervals import mixed_sets_of
@@ -36,6 +36,7 @@ from pipeline.study.report import write_report
 from pipeline.study.robustness_stats import comparisons, ood_paired, shift_paired, shift_rng
 from pipeline.study.schedule import remaining_path
 from pipeline.study.stats import MARGINS, compare, summarize
+from pipeline.study.time_left import TimeLeft
 from pipeline.study.tuning import tune_seeds
 from pipeline.study.tuning_plan import configurations, tuning_report
 from stages.common.budget import labelled_split_images

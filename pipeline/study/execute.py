@@ -113,7 +113,7 @@ class Sitting:
     short still says what it did, and every earlier invocation that ran tasks kept beside it (a
     study run over several sittings keeps each one's record). `machine` names the machine the
     seconds are (core.machine: CPU, family, bf16 capability, cores, torch), so rates fitted
-    from them carry it (estimate.py's `fit`) and an estimate elsewhere can say it is a guess."""
+    from them carry it (rates.py's `fit`) and an estimate elsewhere can say it is a guess."""
 
     def __init__(self, path: Path) -> None:
         self.path, self.t0 = path, time.perf_counter()
@@ -192,7 +192,7 @@ def execute(
     A failed task fails the tasks that need it; the others go on. Raises at the end in one
     short line (failure_line); every failure, its cause and its log in logs/failures.log.
     `on_done(seconds)` after each task that ran to the end. `time_left(finished, running,
-    failed)` (estimate.TimeLeft.line: the finished tasks' seconds, the running ones' seconds so
+    failed)` (time_left.TimeLeft.line: the finished tasks' seconds, the running ones' seconds so
     far, the failed ones) says the time left on the progress line as each task ends, in place
     of the line's count of runs per second (a 20-s evaluation is not a 20-min chain)."""
     cpus = cpus or cpu_count()

@@ -113,7 +113,7 @@ def simulate(
     ready tasks start as startable() lets them (start_order; fewer than `jobs` running; with
     `cpus`, the core rule); the earliest end frees its job and its cores (ends at the same
     moment together). A done task is done at 0. `under_way`: tasks already running (a study
-    part way through: estimate.TimeLeft) and their seconds left; they hold their jobs and
+    part way through: time_left.TimeLeft) and their seconds left; they hold their jobs and
     cores from 0, as they do in execute.py, and are not in `starts`."""
     under_way = under_way or {}
     done = {t.name for t in tasks if t.done}
