@@ -58,13 +58,16 @@ fashion-mnist-data: ## install Debian's dataset-fashion-mnist when missing (need
 	  echo "semix: could not install dataset-fashion-mnist (not root or no apt-get); prepare names the other ways"
 
 # Tests spread over the cores (pytest-xdist; each worker's torch gets its share of them:
-# tests/conftest.py). PYTEST_WORKERS=0 runs them in one process.
+# tests/conftest.py). PYTEST_WORKERS=0 runs them in one process. loadgroup keeps a module marked
+# xdist_group on one worker (its module fixtures built once); no reorder keeps conftest.py's
+# heaviest-first order, so no long test starts last while the other worker idles.
 PYTEST_WORKERS ?= auto
+PYTEST_DIST = --dist loadgroup --no-loadscope-reorder
 test: $(STAMP) ## fast CPU test tier (what CI runs)
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_DIST)
 
 test-all: $(STAMP) ## every CPU test, slow ones included
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "not gpu"
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_DIST) -m "not gpu"
 
 test-gpu: $(STAMP) ## tests that need a CUDA GPU (without one: says "no GPU", exits 0)
 	@$(PY) -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)'; rc=$$?; \

@@ -35,6 +35,47 @@ def pytest_configure(config):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
+# The longest work units of the tier, longest first: node-id prefixes (a whole module where the
+# module is one xdist_group). Estimates from reading the tests; re-rank them from
+# `pytest --durations`. Nothing here is skipped or added: only the order changes.
+HEAVY_FIRST = (
+    "tests/test_study_tune.py::test_a_tiny_grid_runs_chooses_on_val_and_is_not_run_again",
+    "tests/test_study_cells.py::test_the_cell_is_chosen_on_a_tiny_fit_and_set_0_drawn_at_it",
+    "tests/test_finetune.py",
+    "tests/test_launch.py::test_rerun_of_complete_work_under_torchrun_exits_0_every_time",
+    "tests/test_study.py::test_study_runs_reports_and_resumes_only_what_is_missing",
+    "tests/test_fit_generator.py::test_a_kill_at_every_point_of_a_checkpoint_save_resumes",
+    "tests/test_train.py::test_a_kill_while_writing_the_outputs",
+    "tests/test_annotate.py",
+    "tests/test_evaluate.py",
+    "tests/test_kway.py",
+    "tests/test_faults.py",
+    "tests/test_train.py::test_killed_run_resumes_to_identical_weights",
+    "tests/test_train.py::test_one_and_two_processes_train_alike",
+    "tests/test_generate.py",
+    "tests/test_study_fresh.py::test_a_study_on_a_fresh_root_runs_end_to_end",
+    "tests/test_multinode.py",
+    "tests/test_shift.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, the heaviest work first (HEAVY_FIRST), the rest in file order: a
+    long test dispatched last keeps one worker busy while the other idles (`make test` turns
+    xdist's own reordering off for this). Every worker sorts the same collection the same way,
+    as xdist requires. A serial run keeps file order."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+
+    def rank(item) -> int:
+        return next(
+            (i for i, prefix in enumerate(HEAVY_FIRST) if item.nodeid.startswith(prefix)),
+            len(HEAVY_FIRST),
+        )
+
+    items.sort(key=rank)  # stable: file order within a rank
+
+
 def subprocess_env() -> dict[str, str]:
     """Environment for `python -m pipeline` subprocesses run from any cwd."""
     env = dict(os.environ)

@@ -38,7 +38,9 @@ TINY_CLIP = "semix-annotate-tiny-clip"
 SUBPROCESS_SETS = ["out=runs", "batch_size=4"]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+# One worker runs the whole module, so its module fixtures are built once (make test:
+# --dist loadgroup).
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group("annotate")]
 
 
 def _env() -> dict[str, str]:

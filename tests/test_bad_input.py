@@ -27,7 +27,9 @@ from pipeline.cli import main
 from pipeline.registry import run_stage
 from shards.manifest import read_manifest
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+# One worker runs the whole module, so its module fixtures are built once (make test:
+# --dist loadgroup).
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group("bad_input")]
 TINY = ["epochs=1", "train_limit=64", "batch_size=32"]
 
 

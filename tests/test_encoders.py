@@ -20,6 +20,10 @@ from models.encoders import (
     build_encoder,
 )
 
+# One worker runs the whole module, so its module fixtures are built once (make test:
+# --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("encoders")
+
 MEAN, STD = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
 TINY_CLIP = "semix-test-tiny-clip"
 

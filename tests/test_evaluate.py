@@ -26,7 +26,9 @@ from shards.manifest import read_manifest
 from shards.runs import save_weights
 from shards.writer import ShardFolder
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+# One worker runs the whole module, so its module fixtures are built once (make test:
+# --dist loadgroup).
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group("evaluate")]
 
 
 def write_split(folder: Path, images: np.ndarray, labels: np.ndarray, names: list[str]) -> None:

@@ -32,7 +32,9 @@ from pipeline.cli import main
 from pipeline.registry import run_stage
 from shards.checkpoints import MARKER
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+# One worker runs the whole module, so its module fixtures are built once (make test:
+# --dist loadgroup).
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group("faults")]
 
 TINY = ["epochs=1", "train_limit=64", "batch_size=32"]
 FIT = ["steps=4", "batch_size=8", "checkpoint_every=2", "samples_per_class=1", "judge_run="]

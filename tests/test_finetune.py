@@ -27,7 +27,9 @@ from shards.runs import load_weights, save_weights
 SRC = "src"  # the Stage-I run every test fine-tunes
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+# One worker runs the whole module, so its module fixtures are built once (make test:
+# --dist loadgroup).
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group("finetune")]
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,10 @@ from shards.manifest import manifest_digest, read_manifest
 from shards.reader import load_split
 from stages.generate import GenerationError, Generators, make_plan, sample_series
 
+# One worker runs the whole module, so its module fixtures are built once (make test:
+# --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("generate")
+
 # 24 series of K = 4 in 12 shards; 8 rows per shard = one padded model call
 CONFIG = ["alphas=4", "steps=6", "limit=24", "series_per_shard=2"]
 FIELDS = {"series", "position", "classes", "names", "alpha", "seed", "generator", "revision"}

@@ -38,6 +38,10 @@ from models.generators import (
     unet_from_preset,
 )
 
+# One worker runs the whole module, so its module fixtures are built once (make test:
+# --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("generators")
+
 STEPS = 3
 NAMES = ["cat", "dog", "owl"]
 DIT_IDS = [7, 2, 5]  # our class i -> DiT id

@@ -26,7 +26,9 @@ from shards.manifest import read_manifest
 from shards.reader import load_split
 from shards.runs import save_weights
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+# One worker runs the whole module, so its module fixtures are built once (make test:
+# --dist loadgroup).
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group("kway")]
 
 GEN = ["alphas=4", "steps=3", "limit=6", "series_per_shard=2"]  # 6 series x 4 = 24 images
 ANN = ["batch_size=16", "workers=0", "fidelity_run="]

@@ -34,6 +34,10 @@ from pipeline.cli import main
 from pipeline.registry import run_stage
 from shards.manifest import read_manifest
 
+# One worker runs the whole module, so its module fixtures are built once (make test:
+# --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("multinode")
+
 # 24 series of K = 4 in 12 shards (6 per rank); 8 rows per shard = one padded model call
 GENERATE = ["alphas=4", "steps=6", "limit=24", "series_per_shard=2"]
 ANNOTATE = ["batch_size=16", "workers=0"]

@@ -25,7 +25,9 @@ from shards.manifest import ShardError, read_manifest
 from shards.reader import load_split
 from shards.writer import ShardFolder
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+# One worker runs the whole module, so its module fixtures are built once (make test:
+# --dist loadgroup).
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group("shift")]
 
 
 def copy_root(digits_root: Path, out: Path) -> Path:

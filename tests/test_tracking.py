@@ -28,7 +28,9 @@ from pipeline.registry import resolve_stage_config, run_stage
 from shards.manifest import manifest_digest, read_manifest
 from stages.fit_generator.training import lr_factor
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+# One worker runs the whole module, so its module fixtures are built once (make test:
+# --dist loadgroup).
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group("tracking")]
 
 TINY = ["epochs=2", "train_limit=128", "batch_size=64"]
 # MaC-Cal without augmentation: the backbone's features are computed once (seconds)

@@ -28,7 +28,9 @@ from shards.manifest import MANIFEST, ShardError
 from shards.runs import META, WEIGHTS, finish_run
 from shards.writer import check_config, claimed, write_config
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+# One worker runs the whole module, so its module fixtures are built once (make test:
+# --dist loadgroup).
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group("values_runs")]
 TINY = ["epochs=1", "train_limit=64", "batch_size=32"]
 QUOTED = re.compile(r"`(python -m pipeline [^`]*)`")
 
