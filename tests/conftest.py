@@ -11,6 +11,9 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -112,6 +115,72 @@ def run_with_plugins(folder: Path, modules: str, argv: list[str]) -> subprocess.
     return subprocess.run(
         argv, capture_output=True, text=True, env=env, cwd=folder.parent, timeout=600
     )
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]):
+    """os.environ is exactly `env` inside the block, and what it was again after it."""
+    before = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+
+
+def run_pipeline_here(argv: list[str], out, env: dict[str, str]) -> int:
+    """`python -m pipeline *argv` run in this process: the same entry point
+    (pipeline/__main__.py calls pipeline.cli.main and exits with its code), the same argv, the
+    same environment, and stdout/stderr into `out` as the subprocess's would be. An argparse
+    exit becomes its code, as the process's would. What differs is only the interpreter's
+    start-up and torch's process state (threads: the stages pin and restore their own,
+    core/launch.py's cpu_threads, as in a chain). Python warnings go to pytest's warnings
+    summary, not to `out`. Processes the stage itself starts (a chain's torchrun generate)
+    are real ones, writing to this process's own output."""
+    formatwarning = warnings.formatwarning  # main sets it for its own lines
+    try:
+        with environment(env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            from pipeline.cli import main
+
+            try:
+                return main(argv)
+            except SystemExit as e:  # argparse's usage error or --help
+                return e.code if isinstance(e.code, int) else int(e.code is not None)
+    finally:
+        warnings.formatwarning = formatwarning
+        out.flush()
+
+
+@pytest.fixture
+def tasks_in_process(monkeypatch):
+    """The study's task commands (`python -m pipeline <stage> ...`) run in this process
+    (run_pipeline_here) instead of a new interpreter each: for tests of what a study decides
+    and writes, not of how it starts processes (test_study.py's study and test_study_fresh.py's
+    failure keep real ones). Only the `subprocess` that pipeline/study/execute.py sees is
+    replaced; its other commands (git) and every other module's subprocesses stay real. Run
+    the study with jobs=1: two tasks at once would share this process's stdout."""
+    from pipeline.study import execute
+
+    busy = threading.Lock()
+
+    def run(cmd, *, stdout=None, stderr=None, env=None, **kwargs):
+        if list(cmd[:3]) != [sys.executable, "-m", "pipeline"] or stderr != subprocess.STDOUT:
+            return subprocess.run(cmd, stdout=stdout, stderr=stderr, env=env, **kwargs)
+        assert not kwargs, f"in-process task run with unexpected arguments {kwargs}"
+        if not busy.acquire(blocking=False):
+            raise RuntimeError("two study tasks in-process at once: run the study with jobs=1")
+        try:
+            rc = run_pipeline_here(list(cmd[3:]), stdout, env or dict(os.environ))
+        finally:
+            busy.release()
+        return subprocess.CompletedProcess(cmd, rc)
+
+    fake = types.SimpleNamespace(
+        run=run, STDOUT=subprocess.STDOUT, SubprocessError=subprocess.SubprocessError
+    )
+    monkeypatch.setattr(execute, "subprocess", fake)
 
 
 @pytest.fixture(scope="session")

@@ -120,12 +120,13 @@ def test_the_failure_line_cuts_a_long_cause_to_fit(tmp_path):
     assert last_error(log) == "exit without a message"
 
 
-def test_a_study_on_a_fresh_root_runs_end_to_end(tmp_path):
+def test_a_study_on_a_fresh_root_runs_end_to_end(tmp_path, tasks_in_process):
     """Nothing prepared: the study makes real/ first, then the shift and OOD sets and the runs
-    (which read real/) after it; every record states its labelled images, train and val."""
+    (which read real/) after it; every record states its labelled images, train and val. Its
+    tasks are in-process (tasks_in_process): test_study.py's study starts real ones."""
     sets = [
         f"out={tmp_path}", "study.methods=ce", "study.seeds=0", "study.bootstrap=100",
-        "study.tune=false", "train.epochs=1", "train.milestones=",
+        "study.tune=false", "study.jobs=1", "train.epochs=1", "train.milestones=",
     ]  # fmt: skip
     report = run_study("digits", sets)
     host = json.loads((report.parent / "host.json").read_text())
