@@ -204,6 +204,18 @@ def _cli(root: Path, *sets: str) -> list[str]:
     return [sys.executable, *cmd, f"run={SRC}", *sets]
 
 
+def _finetune_here(capsys, root: Path, *sets: str) -> str:
+    """`python -m pipeline finetune ...` (_cli) run in this process: the same argv through
+    pipeline.cli.main, which is all pipeline/__main__.py runs, at the one torch thread of this
+    module (one_thread) that the subprocesses get from OMP_NUM_THREADS=1. Its stderr, for the
+    lines the tests read; a process start saved where the test is not about processes."""
+    capsys.readouterr()  # only this run's lines
+    rc = main(_cli(root, *sets)[3:])
+    err = capsys.readouterr().err
+    assert rc == 0, err[-2000:]
+    return err
+
+
 def _copy(root: Path, to: Path) -> Path:
     """real/ and the trained run under another root: a finetune folder name per root."""
     shutil.copytree(root / "real", to / "digits" / "real")
@@ -219,38 +231,39 @@ def _history(folder: Path) -> list[dict]:
 @pytest.mark.parametrize(
     "sets", [("method=maccal", "maccal_epochs=4"), ("method=fedlas-ls", "fedlas_epochs=4")]
 )
-def test_killed_finetune_resumes_to_identical_weights(root, tmp_path, sets):
+def test_killed_finetune_resumes_to_identical_weights(root, tmp_path, sets, capsys):
     """SIGKILL once the second checkpoint is complete, rerun: the same bytes and history as an
     uninterrupted run (MaC-Cal: masks, q and MaskedSGD's momentum; FeDLaS: the gate, the NCI
-    statistics and the previous epoch's ψ for the flip rate all come back)."""
+    statistics and the previous epoch's ψ for the flip rate all come back). The killed run is
+    a real process; the uninterrupted run and the rerun are in-process (_finetune_here)."""
     whole, killed = _copy(root, tmp_path / "whole"), _copy(root, tmp_path / "killed")
-    env = subprocess_env() | {"OMP_NUM_THREADS": "1"}
-    subprocess.run(_cli(whole, *sets), env=env, check=True, capture_output=True, timeout=600)
+    _finetune_here(capsys, whole, *sets)
     out = killed / "finetune" / f"{SRC}-{sets[0].removeprefix('method=')}"
     kill_when(_cli(killed, *sets), (out / "checkpoints" / "checkpoint_2").is_dir)
     assert not (out / "manifest.json").exists(), "finished before it could be killed"
-    proc = subprocess.run(_cli(killed, *sets), env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "resumed from" in proc.stderr, proc.stderr[-2000:]
+    err = _finetune_here(capsys, killed, *sets)
+    assert "resumed from" in err, err[-2000:]
     ref = whole / "finetune" / out.name
     assert (out / "model.safetensors").read_bytes() == (ref / "model.safetensors").read_bytes()
     assert _history(out) == _history(ref) and len(_history(out)) == 4
 
 
-def test_maccal_on_two_processes_equals_one(root, tmp_path):
+def test_maccal_on_two_processes_equals_one(root, tmp_path, capsys):
     """MaC-Cal's backbone is frozen in eval mode and its head has no BatchNorm, so nothing in
     a step depends on the number of processes but the order of float sums: 2 ranks (torchrun,
     gloo) end within float32 rounding of 1 rank, q trajectory included (fp32: bf16's rounding
-    of the per-rank sums would hide what is compared)."""
+    of the per-rank sums would hide what is compared). The 1 rank is in-process
+    (_finetune_here)."""
     one, two = _copy(root, tmp_path / "one"), _copy(root, tmp_path / "two")
     sets = ("method=maccal", "maccal_epochs=3", "precision=fp32")
+    _finetune_here(capsys, one, *sets)
     env = subprocess_env() | {"OMP_NUM_THREADS": "1"}
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    for where, launch in ((one, []), (two, torchrun)):
-        cmd = _cli(where, *sets)
-        proc = subprocess.run(
-            [cmd[0], *launch, *cmd[1:]], env=env, capture_output=True, text=True, timeout=600
-        )
-        assert proc.returncode == 0, proc.stderr[-2000:]
+    cmd = _cli(two, *sets)
+    proc = subprocess.run(
+        [cmd[0], *torchrun, *cmd[1:]], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
     a, b = (
         load_file(str(d / "finetune" / f"{SRC}-maccal" / "model.safetensors")) for d in (one, two)
     )

@@ -238,6 +238,18 @@ def _cli(root: Path, extra: list[str]) -> list[str]:
     return ["-m", "pipeline", "train", "--preset", "digits", "--set", f"out={root.parent}", *extra]
 
 
+def _train_here(capsys, root: Path, extra: list[str]) -> str:
+    """`python -m pipeline train ...` (_cli) run in this process: the same argv through
+    pipeline.cli.main, which is all pipeline/__main__.py runs, at the one torch thread of this
+    module (one_thread) that the subprocesses get from OMP_NUM_THREADS=1. Its stderr, for the
+    lines the tests read; a process start saved where the test is not about processes."""
+    capsys.readouterr()  # only this run's lines
+    rc = main(_cli(root, extra)[2:])
+    err = capsys.readouterr().err
+    assert rc == 0, err[-3000:]
+    return err
+
+
 @pytest.mark.parametrize("path", ["memory", "stream"])
 @pytest.mark.parametrize("loss", ["csm", "mixup"])
 def test_a_step_draws_the_same_samples_on_any_number_of_processes(root, loss, path):
@@ -352,20 +364,21 @@ VAL_ACC_TOL = 5.0  # percentage points (7 of the 143 val images)
 LOSS_TOL = 0.15  # relative
 
 
-def test_one_and_two_processes_train_alike(root):
+def test_one_and_two_processes_train_alike(root, capsys):
     """torchrun starts two ranks (gloo on CPU); accelerate wraps the model in DDP. Same draws,
     same samples per step (test above), gradients averaged to the global batch mean; what
     differs is BatchNorm, which normalises with each rank's half batch in training (and keeps
     rank 0's running statistics), and the order of float sums. So the runs are not bitwise
-    equal; their final val accuracy and training loss agree within the tolerances above."""
+    equal; their final val accuracy and training loss agree within the tolerances above.
+    The one-process run is in-process (_train_here); the two ranks are torchrun's."""
     args = ["loss=csm", "epochs=4", "train_limit=640", "batch_size=64"]
     env = subprocess_env() | {"OMP_NUM_THREADS": "1"}
+    assert "1 process(es)" in _train_here(capsys, root, ["run=p-one", *args])
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    for name, launcher in (("one", []), ("two", torchrun)):
-        cmd = [sys.executable, *launcher, *_cli(root, [f"run=p-{name}", *args])]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert f"{2 if launcher else 1} process(es)" in proc.stderr
+    cmd = [sys.executable, *torchrun, *_cli(root, ["run=p-two", *args])]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 process(es)" in proc.stderr
     one, two = (
         json.loads((root / "train" / f"p-{n}" / "metrics.json").read_text())["train"]["history"]
         for n in ("one", "two")
@@ -382,31 +395,18 @@ def test_one_and_two_processes_train_alike(root):
     assert read_manifest(run_dir).kind == "run"
 
 
-def test_killed_run_resumes_to_identical_weights(root):
+def test_killed_run_resumes_to_identical_weights(root, capsys):
+    """A SIGKILLed run (a real process, one thread) resumed from its last checkpoint ends with
+    the weights of the run never killed. The whole run and the resume are in-process
+    (_train_here): one thread, as the killed process had."""
     args = ["loss=csm", "epochs=6", "train_limit=640", "batch_size=64"]
-    env = subprocess_env() | {"OMP_NUM_THREADS": "1"}
-    whole = subprocess.run(
-        [sys.executable, *_cli(root, ["run=whole", *args])],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert whole.returncode == 0, whole.stderr[-3000:]
+    _train_here(capsys, root, ["run=whole", *args])
     # the same run, SIGKILLed as soon as its first checkpoint is complete
     run_dir = root / "train" / "killed"
     first = run_dir / "checkpoints" / "checkpoint_1"
     kill_when([sys.executable, *_cli(root, ["run=killed", *args])], first.is_dir)
     assert not (run_dir / "manifest.json").exists(), "the run finished before it could be killed"
-    resumed = subprocess.run(
-        [sys.executable, *_cli(root, ["run=killed", "resume=latest", *args])],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stderr
+    assert "resumed from" in _train_here(capsys, root, ["run=killed", "resume=latest", *args])
     a, b = (root / "train" / r for r in ("whole", "killed"))
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
     meta_a, meta_b = (json.loads((d / "model.json").read_text()) for d in (a, b))
