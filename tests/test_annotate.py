@@ -7,6 +7,7 @@ saved as runs/digits/train/encoder/ through shards.runs, as the train stage does
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -21,6 +22,7 @@ from conftest import kill_when, shards_done, snapshot, subprocess_env, tiny_open
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file
 
+from core.launch import cpu_threads
 from core.plots import image_grid
 from models.annotation import class_prototypes, project_lambda, soft_targets, text_prototypes
 from models.classifiers import DigitsCNN, build_classifier
@@ -369,11 +371,19 @@ def _workdir(source_root: Path, path: Path) -> Path:
     return path
 
 
+def _annotate_here(cwd: Path) -> None:
+    """_cmd() run in this process: the same argv through pipeline.cli.main (all
+    pipeline/__main__.py runs), from the same cwd, on the one torch thread that the
+    subprocesses get from OMP_NUM_THREADS=1 (_env)."""
+    with contextlib.chdir(cwd), cpu_threads(1):
+        assert main(_cmd()[2:]) == 0
+
+
 @pytest.fixture(scope="module")
 def reference(source_root, tmp_path_factory) -> dict[str, bytes]:
-    """mixed/ of one plain single-process run."""
+    """mixed/ of one plain single-process run (in-process: _annotate_here)."""
     cwd = _workdir(source_root, tmp_path_factory.mktemp("single"))
-    subprocess.run(_cmd(sys.executable), cwd=cwd, env=_env(), check=True, capture_output=True)
+    _annotate_here(cwd)
     return _tree_bytes(cwd / "runs" / "digits" / "mixed")
 
 
@@ -403,7 +413,7 @@ def test_kill_and_rerun_is_byte_identical(reference, source_root, tmp_path):
     )
     mixed = cwd / "runs" / "digits" / "mixed"
     assert not (mixed / "manifest.json").exists(), "the kill came too late to test resume"
-    subprocess.run(_cmd(sys.executable), cwd=cwd, env=env, check=True, capture_output=True)
+    _annotate_here(cwd)  # the rerun; the killed run was a real process
     assert _tree_bytes(mixed) == reference
 
 

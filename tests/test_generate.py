@@ -217,6 +217,15 @@ def _generate_cmd(*launcher: str) -> list[str]:
     return [sys.executable, *launcher, "-m", "pipeline", "generate", "--set", "out=runs", *CONFIG]
 
 
+def _generate_here(cwd: Path, monkeypatch) -> None:
+    """_generate_cmd() run in this process: the same argv through pipeline.cli.main (all
+    pipeline/__main__.py runs), from the same cwd, on the one torch thread that the
+    subprocess gets from OMP_NUM_THREADS=1 (and `reference` is made with)."""
+    monkeypatch.chdir(cwd)
+    with cpu_threads(1):
+        assert main(_generate_cmd()[3:]) == 0
+
+
 def test_two_processes_byte_identical(src, reference, tmp_path):
     _runs(src, tmp_path / "runs")
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -227,14 +236,15 @@ def test_two_processes_byte_identical(src, reference, tmp_path):
     _same_folder(reference, tmp_path / "runs" / "digits" / "series")
 
 
-def test_kill_and_rerun_is_byte_identical(src, reference, tmp_path):
+def test_kill_and_rerun_is_byte_identical(src, reference, tmp_path, monkeypatch):
+    """The killed run is a real process; the rerun is in-process (_generate_here)."""
     _runs(src, tmp_path / "runs")
     env = subprocess_env() | {"OMP_NUM_THREADS": "1"}
     series = tmp_path / "runs" / "digits" / "series"
     kill_when(_generate_cmd(), shards_done(series, 3), cwd=tmp_path, env=env)
     series = tmp_path / "runs" / "digits" / "series"
     assert not (series / "manifest.json").exists(), "the kill came too late to test resume"
-    subprocess.run(_generate_cmd(), cwd=tmp_path, env=env, check=True, capture_output=True)
+    _generate_here(tmp_path, monkeypatch)
     _same_folder(reference, series)
 
 

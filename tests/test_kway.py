@@ -21,6 +21,7 @@ from test_generate import _save_dit, _save_sd
 from core.launch import cpu_threads
 from models.classifiers import build_classifier
 from models.generators import SeriesSpec, build_unet, load_generator
+from pipeline.cli import main
 from pipeline.registry import run_stage
 from shards.manifest import read_manifest
 from shards.reader import load_split
@@ -440,7 +441,7 @@ def test_k3_two_processes_byte_identical(kway_src, k3_reference, tmp_path):
     _same(k3_reference, tmp_path / "runs" / "digits" / "series")
 
 
-def test_k3_kill_and_rerun_is_byte_identical(kway_src, k3_reference, tmp_path):
+def test_k3_kill_and_rerun_is_byte_identical(kway_src, k3_reference, tmp_path, monkeypatch):
     from conftest import kill_when, shards_done
 
     _copy(kway_src, tmp_path / "runs")
@@ -448,7 +449,11 @@ def test_k3_kill_and_rerun_is_byte_identical(kway_src, k3_reference, tmp_path):
     kill_when(cmd, shards_done(tmp_path / "runs" / "digits" / "series", 2), cwd=tmp_path)
     series = tmp_path / "runs" / "digits" / "series"
     assert not (series / "manifest.json").exists(), "the kill came too late to test resume"
-    _subprocess("generate", tmp_path)
+    # the rerun in-process: the same argv through pipeline.cli.main (all pipeline/__main__.py
+    # runs) from the same cwd, on the one thread the killed process had from OMP_NUM_THREADS=1
+    monkeypatch.chdir(tmp_path)
+    with cpu_threads(1):
+        assert main(cmd[3:]) == 0
     _same(k3_reference, series)
 
 

@@ -1,6 +1,5 @@
 import pickle
 import shutil
-import subprocess
 import sys
 import tarfile
 
@@ -191,11 +190,20 @@ def _prepare_cmd(out="runs"):
     ]
 
 
-def test_kill_and_rerun_is_byte_identical(tmp_path):
+def _prepare_here(cwd, monkeypatch) -> None:
+    """_prepare_cmd() run in this process: the same argv through pipeline.cli.main (all
+    pipeline/__main__.py runs) from the same cwd, with the same environment (prepare writes
+    PNG bytes: no float math that a thread count could change)."""
+    monkeypatch.chdir(cwd)
+    assert main(_prepare_cmd()[3:]) == 0
+
+
+def test_kill_and_rerun_is_byte_identical(tmp_path, monkeypatch):
+    """The killed run is a real process; the reference and the rerun are in-process."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     env = subprocess_env()
-    subprocess.run(_prepare_cmd(), cwd=tmp_path / "a", env=env, check=True, capture_output=True)
+    _prepare_here(tmp_path / "a", monkeypatch)
     # Start the same run, SIGKILL it once a few shards are complete.
     train_b = tmp_path / "b" / "runs" / "digits" / "real" / "train"
     kill_when(_prepare_cmd(), shards_done(train_b, 5), cwd=tmp_path / "b", env=env)
@@ -203,7 +211,7 @@ def test_kill_and_rerun_is_byte_identical(tmp_path):
     assert not (real_b / "test" / "manifest.json").exists(), "the kill came too late to test resume"
     with pytest.raises(ShardError, match="incomplete|does not exist"):
         read_manifest(real_b / "test")  # the reader refuses the half-written result
-    subprocess.run(_prepare_cmd(), cwd=tmp_path / "b", env=env, check=True, capture_output=True)
+    _prepare_here(tmp_path / "b", monkeypatch)
     assert _tree_bytes(tmp_path / "a" / "runs") == _tree_bytes(tmp_path / "b" / "runs")
 
 

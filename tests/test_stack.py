@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import kill_when, snapshot, subprocess_env
+from conftest import kill_when, snapshot
 from safetensors.torch import load_file
 
 from core.config import ConfigError
+from core.logs import setup_logging
 from pipeline.cli import main
 from pipeline.registry import resolve_stage_config, run_stage, run_train_stack
 from shards.manifest import manifest_digest
@@ -124,28 +124,33 @@ def _stack(out: Path, *sets: str) -> list[str]:
     return [sys.executable, "-c", STACK_SCRIPT, str(out), *sets]
 
 
-def test_a_killed_stack_resumes_to_the_bytes_of_one_not_killed(digits_root, tmp_path):
+def _stack_here(capsys, out: Path, *sets: str) -> str:
+    """STACK_SCRIPT's calls in this process (setup_logging, then run_train_stack with the same
+    members), at the one torch thread of this module (one_thread) that the script's process
+    gets from OMP_NUM_THREADS=1. Its stderr, for the lines the test reads."""
+    capsys.readouterr()  # only this stack's lines
+    setup_logging()
+    run_train_stack("digits", [[f"out={out}", f"run=k-s{s}", f"seed={s}", *sets] for s in (4, 5)])
+    return capsys.readouterr().err
+
+
+def test_a_killed_stack_resumes_to_the_bytes_of_one_not_killed(digits_root, tmp_path, capsys):
+    """The stack SIGKILLed mid-way is a real process; the stack never killed and the rerun
+    are in-process (_stack_here)."""
     args = ["loss=ce", "epochs=4", "train_limit=512", "batch_size=64"]
-    env = subprocess_env() | {"OMP_NUM_THREADS": "1"}
     outs = {}
     for name in ("whole", "killed"):
         outs[name] = tmp_path / name
         shutil.copytree(digits_root / "real", outs[name] / "digits" / "real")
-    whole = subprocess.run(
-        _stack(outs["whole"], *args), env=env, capture_output=True, text=True, timeout=300
-    )
-    assert whole.returncode == 0, whole.stderr[-3000:]
+    _stack_here(capsys, outs["whole"], *args)
     # SIGKILLed once the second member's first checkpoint is complete (both are mid-way)
     runs = outs["killed"] / "digits" / "train"
     kill_when(
         _stack(outs["killed"], *args), (runs / "k-s5" / "checkpoints" / "checkpoint_1").is_dir
     )
     assert not (runs / "k-s4" / "manifest.json").exists(), "finished before the kill"
-    resumed = subprocess.run(
-        _stack(outs["killed"], *args), env=env, capture_output=True, text=True, timeout=300
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert resumed.stderr.count("resumed from") == 2
+    resumed = _stack_here(capsys, outs["killed"], *args)
+    assert resumed.count("resumed from") == 2, resumed[-3000:]
     for seed in (4, 5):
         a, b = (outs[n] / "digits" / "train" / f"k-s{seed}" for n in ("whole", "killed"))
         for name in ("model.safetensors", "config.json", "manifest.json"):
