@@ -100,9 +100,23 @@ def evaluate(root: Path, *sets: str) -> Path:
     return run_stage("evaluate", "digits", [f"out={root.parent}", f"name={root.name}", *sets])
 
 
-def test_metrics_match_torchmetrics_and_ts_does_not_hurt_an_overconfident_model(tmp_path):
-    root = constructed_root(tmp_path)
+@pytest.fixture(scope="module")
+def evaluated(one_thread, tmp_path_factory) -> Path:
+    """constructed_root with run=over evaluated: the start of several tests, made once.
+    Read-only: a test that writes copies it first (_copy; an evaluation's bytes do not
+    depend on where its root is, test_same_inputs_give_the_same_bytes_anywhere)."""
+    root = constructed_root(tmp_path_factory.mktemp("evaluated"))
     evaluate(root, "run=over")
+    return root
+
+
+def _copy(evaluated: Path, tmp: Path) -> Path:
+    """A writable copy of `evaluated` (copy2: the files keep their times)."""
+    return Path(shutil.copytree(evaluated, tmp / "runs" / evaluated.name))
+
+
+def test_metrics_match_torchmetrics_and_ts_does_not_hurt_an_overconfident_model(evaluated):
+    root = evaluated
     ev = json.loads((root / "eval" / "train" / "over" / "metrics.json").read_text())["evaluation"]
     with np.load(root / "eval" / "train" / "over" / "predictions.npz", allow_pickle=False) as npz:
         logits, labels = torch.from_numpy(npz["logits"]), torch.from_numpy(npz["labels"])
@@ -119,12 +133,11 @@ def test_metrics_match_torchmetrics_and_ts_does_not_hurt_an_overconfident_model(
     assert a["top1"] == b["top1"]
 
 
-def test_new_metrics_and_every_posthoc_calibrator_fitted_on_val(tmp_path):
+def test_new_metrics_and_every_posthoc_calibrator_fitted_on_val(evaluated):
     from models.calibration import METRIC_KEYS, probability_metrics
     from models.posthoc import POSTHOC
 
-    root = constructed_root(tmp_path)
-    evaluate(root, "run=over")
+    root = evaluated
     folder = root / "eval" / "train" / "over"
     ev = json.loads((folder / "metrics.json").read_text())["evaluation"]
     assert set(ev["before_ts"]) == set(ev["after_ts"]) == set(METRIC_KEYS)  # json sorts keys
@@ -274,9 +287,10 @@ def test_evaluate_leaves_trained_runs_byte_identical_and_writes_eval_folders(dig
     assert "| a+b | ensemble | ensemble |" in report.read_text()
 
 
-def test_rerun_only_reads_and_a_retrained_run_is_redone(tmp_path, read_only, monkeypatch):
-    root = constructed_root(tmp_path)
-    evaluate(root, "run=over")
+def test_rerun_only_reads_and_a_retrained_run_is_redone(
+    evaluated, tmp_path, read_only, monkeypatch
+):
+    root = _copy(evaluated, tmp_path)
     folder = root / "eval" / "train" / "over"
     first = eval_files(folder)
     before = snapshot(root)
@@ -311,11 +325,10 @@ def test_rerun_only_reads_and_a_retrained_run_is_redone(tmp_path, read_only, mon
     assert sorted(p.name for p in (root / "eval" / "train").iterdir()) == ["over"]  # no leftovers
 
 
-def test_a_failed_evaluation_never_replaces_or_half_writes(tmp_path, monkeypatch):
+def test_a_failed_evaluation_never_replaces_or_half_writes(evaluated, tmp_path, monkeypatch):
     import stages.evaluate.stage
 
-    root = constructed_root(tmp_path)
-    evaluate(root, "run=over")
+    root = _copy(evaluated, tmp_path)
     folder = root / "eval" / "train" / "over"
     complete = snapshot(root / "eval")
     torch.manual_seed(1)
@@ -349,11 +362,10 @@ def test_a_failed_evaluation_never_replaces_or_half_writes(tmp_path, monkeypatch
     assert "| over |" in report and "half" not in report  # incomplete: not reported
 
 
-def test_same_inputs_give_the_same_bytes_anywhere(tmp_path):
-    a = constructed_root(tmp_path / "a")
+def test_same_inputs_give_the_same_bytes_anywhere(evaluated, tmp_path):
+    a = evaluated  # evaluated in a folder of its own
     b = constructed_root(tmp_path / "b")
-    for root in (a, b):
-        evaluate(root, "run=over")
+    evaluate(b, "run=over")
     assert snapshot(a / "eval").keys() == snapshot(b / "eval").keys()
     assert eval_files(a / "eval" / "train" / "over") == eval_files(b / "eval" / "train" / "over")
     assert (a / "eval" / "report.md").read_bytes() == (b / "eval" / "report.md").read_bytes()
