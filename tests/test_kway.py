@@ -434,14 +434,22 @@ def _same(a: Path, b: Path) -> None:
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
+@pytest.mark.slow
 def test_k3_two_processes_byte_identical(kway_src, k3_reference, tmp_path):
+    """The tier checks the same at k = 2 (test_generate.py::test_two_processes_byte_identical):
+    which rank draws which shard does not depend on k, and k = 3's bytes stay checked in
+    the tier in this process (test_k3_series_vertices_permutations_and_fields)."""
     _copy(kway_src, tmp_path / "runs")
     proc = _subprocess("generate", tmp_path, *TORCHRUN)
     assert "2 process(es)" in proc.stderr
     _same(k3_reference, tmp_path / "runs" / "digits" / "series")
 
 
+@pytest.mark.slow
 def test_k3_kill_and_rerun_is_byte_identical(kway_src, k3_reference, tmp_path, monkeypatch):
+    """The tier checks the same at k = 2
+    (test_generate.py::test_kill_and_rerun_is_byte_identical):
+    a resume skips complete shards whatever k is."""
     from conftest import kill_when, shards_done
 
     _copy(kway_src, tmp_path / "runs")
@@ -457,7 +465,11 @@ def test_k3_kill_and_rerun_is_byte_identical(kway_src, k3_reference, tmp_path, m
     _same(k3_reference, series)
 
 
+@pytest.mark.slow
 def test_k3_annotate_two_processes_byte_identical(kway_src, k3_reference, tmp_path):
+    """The tier checks the same at k = 2
+    (test_annotate.py::test_two_processes_write_the_same_bytes), and k = 3's annotation
+    bytes in this process (test_k3_annotate_writes_k_way_labels_and_report)."""
     one = _copy(kway_src, tmp_path / "one")
     shutil.copytree(k3_reference, one / "digits" / "series")
     with cpu_threads(1):
