@@ -38,7 +38,7 @@ pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group("fa
 
 TINY = ["epochs=1", "train_limit=64", "batch_size=32"]
 FIT = ["steps=4", "batch_size=8", "checkpoint_every=2", "samples_per_class=1", "judge_run="]
-FIT += ["sample_steps=1"]
+FIT += ["sample_steps=1", "fidelity.per_class=1", "fidelity.guidance_grid=1"]  # its check: not read
 GEN = ["alphas=4", "steps=6", "limit=6", "series_per_shard=2"]  # 3 shards of 2 series
 ANN = ["batch_size=16", "workers=0"]
 INTERRUPTED = "interrupted; completed work is kept, rerun the same command to resume"
