@@ -15,6 +15,7 @@ from scipy.stats import sem
 
 from core.config import ConfigError
 from core.tree import leaves
+from pipeline.study import tuning_plan
 from pipeline.study.config import METHODS, StudyConfig, StudyError
 from pipeline.study.execute import _execute, execute
 from pipeline.study.plan import plan
@@ -583,20 +584,23 @@ def test_csm_family_and_csm_maccal_take_csm_grids_choice(tmp_path):
 
 
 def test_a_tiny_grid_runs_chooses_on_val_and_is_not_run_again(
-    digits_root, tmp_path, tasks_in_process
+    digits_root, tmp_path, tasks_in_process, monkeypatch
 ):
     """ls's real grid on digits, one epoch per run, at two tuning seeds: every point at each
     seed, an extension exactly where the rule's choice is on an edge, the choice by the rule,
     and a rerun's plan has nothing left to run. Its runs are in-process (tasks_in_process):
-    the test is of the choice, not of process start."""
+    the test is of the choice, not of process start. One extension step per parameter, on
+    256 images: chains of steps are checked with fake runs (_bowl), and nothing here reads
+    how many images a run saw."""
+    monkeypatch.setattr(tuning_plan, "MAX_EXTENSIONS", 1)  # read when the plan is made
     shutil.copytree(digits_root / "real", tmp_path / "digits" / "real")
     root = tmp_path / "digits"
-    sets = [f"out={tmp_path}", "train.epochs=1", "train.milestones="]
+    sets = [f"out={tmp_path}", "train.epochs=1", "train.milestones=", "train.train_limit=256"]
     cfg = StudyConfig(stack=False, methods=("ce", "ls"), seeds=(0,), robustness=False, tune_seeds=2)
     tasks = plan(cfg, "digits", sets, root)
     tune = [t for t in tasks if t.name.startswith("tune-ls")]
     # ls's grid, the shared decays, MAX_EXTENSIONS steps of α and of the decay, at each seed
-    assert len(tune) == (4 + 3 + 2 * MAX_EXTENSIONS) * 2
+    assert len(tune) == (4 + 3 + 2 * tuning_plan.MAX_EXTENSIONS) * 2
     execute([tasks[0], *tune], "digits", 1, tmp_path / "logs")  # real/ (done) and ls's grid
     result = choose(root, tuning_tasks(cfg, root, sets)["ls"])
     grid = [r for r in result["grid"] if not r["extension"]]
@@ -613,7 +617,7 @@ def test_a_tiny_grid_runs_chooses_on_val_and_is_not_run_again(
             assert config["weight_decay"] == r[WEIGHT_DECAY]
     # every extension step ran where the choice before it lacked a neighbour, and only there
     steps = [r for r in result["grid"] if r["extension"]]
-    for k in range(1, MAX_EXTENSIONS + 1):
+    for k in range(1, tuning_plan.MAX_EXTENSIONS + 1):
         for param in ("ls_alpha", WEIGHT_DECAY):
             name = tune_run("ls", (param, k))
             before = result["grid"][: next(
