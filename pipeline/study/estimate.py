@@ -6,7 +6,7 @@ rule: pipeline.study.schedule), giving the expected wall and the critical path.
 The rates are seconds per unit of work as a task of that kind took them *inside a study*, with
 `jobs - 1` other tasks beside it on the same cores: what the scheduler sees. The committed
 default (rates.json) is fitted from the verdict study's own host.json (docs/results/fashion-
-verdict/, 2 jobs on 2 cores; `python -m pipeline.study.estimate fit` remakes it and prints the
+verdict/, 2 jobs on 2 cores; `python -m pipeline.study.rates fit` remakes it and prints the
 cross-check: pipeline/study/rates.py). A task's units come from its resolved config, so a plan
 with more seeds, epochs, fit steps or images costs more without a new fit; another machine, or
 another `jobs`, needs its own rates file (`--set` nothing: pass the file as SEMIX_STUDY_RATES).
@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,13 +175,13 @@ def load_rates(path: Path | None = None) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise EstimateError(
             f"cannot read the study's rates file {path} ({e}); point {RATES_ENV} at a rates "
-            f"file (`python -m pipeline.study.estimate fit HOST.json --preset P` writes one) or unset it"
+            f"file (`python -m pipeline.study.rates fit HOST.json --preset P` writes one) or unset it"
         ) from e
     missing = sorted(set(KINDS) - set(rates.get("rates", {})))
     if missing:
         raise EstimateError(
             f"the rates file {path} has no rate for {', '.join(missing)}; refit it with "
-            "`python -m pipeline.study.estimate fit HOST.json --preset P`"
+            "`python -m pipeline.study.rates fit HOST.json --preset P`"
         )
     return rates
 
@@ -378,11 +377,3 @@ def measured_line(est_wall: float, measured: float) -> str:
         f"study: this sitting's wall {hm(measured)} against the estimate's {hm(est_wall)} "
         f"({delta:+.0f} %)"
     )
-
-
-if __name__ == "__main__":
-    # `fit` lives in rates.py, which imports this module: reached by name (as the registry
-    # reaches the stages), so this module never imports it and the two make no cycle
-    import importlib
-
-    sys.exit(importlib.import_module("pipeline.study.rates").main(sys.argv[1:]))

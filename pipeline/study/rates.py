@@ -3,7 +3,7 @@ inside that study over their units (estimate.py's work model), which is the rate
 estimate.py prices a plan with. The committed default (rates.json) is this on the verdict
 study's own host.json (docs/results/fashion-verdict/, 2 jobs on 2 cores):
 
-    python -m pipeline.study.estimate fit HOST.json --preset P [--set ...] [--out F]
+    python -m pipeline.study.rates fit HOST.json --preset P [--set ...] [--out F]
 
 (`python -m pipeline.study.rates fit ...` is the same command) writes the file and prints the
 cross-check: rates from the first sitting predicting the others' task seconds, and the
@@ -50,7 +50,7 @@ from pipeline.study.estimate import (
     task_work,
 )
 
-USAGE = "usage: python -m pipeline.study.estimate fit HOST.json --preset P [--out F]"
+USAGE = "usage: python -m pipeline.study.rates fit HOST.json --preset P [--out F]"
 
 
 def derive_rates(rates: dict[str, float], seed_epochs: float, steps: float) -> dict[str, str]:
@@ -159,7 +159,7 @@ def fit_rates(
 
 
 def _fit_main(argv: Sequence[str]) -> int:
-    """`python -m pipeline.study.estimate fit HOST.json --preset P [--set ...] [--out F]`:
+    """`python -m pipeline.study.rates fit HOST.json --preset P [--set ...] [--out F]`:
     fit rates from a study's host.json on the plan its config makes (the task names must
     match: the verdict's is `--set study.fits=1 study.mixed_sets=3`, rebuilt before_fits), print the cross-check (rates from the first sitting predicting the others'
     task seconds, and the simulated wall against the measured one), write the rates file."""
@@ -167,7 +167,7 @@ def _fit_main(argv: Sequence[str]) -> int:
 
     from pipeline.study.plan import setup
 
-    p = argparse.ArgumentParser(prog="python -m pipeline.study.estimate fit")
+    p = argparse.ArgumentParser(prog="python -m pipeline.study.rates fit")
     p.add_argument("host", type=Path)
     p.add_argument("--preset", required=True)  # the study's (only presets name a preset)
     p.add_argument("--set", dest="sets", nargs="*", default=[])
@@ -285,8 +285,7 @@ def cross_check(
 
 
 def main(argv: Sequence[str]) -> int:
-    """The module's one command, `fit` (_fit_main): `python -m pipeline.study.estimate fit ...`
-    (estimate.py hands its arguments here) or `python -m pipeline.study.rates fit ...`."""
+    """The module's one command, `fit` (_fit_main): `python -m pipeline.study.rates fit ...`."""
     if list(argv[:1]) != ["fit"]:
         sys.exit(USAGE)
     return _fit_main(argv[1:])
