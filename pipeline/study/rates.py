@@ -273,9 +273,15 @@ def cross_check(
         rows.append(f"  {kind:<12} {len(names):>4} tasks  predicted {pred / 60:7.1f} min  "
                     f"measured {meas / 60:7.1f} min  ({100 * (pred - meas) / meas:+.0f} %)")  # fmt: skip
     wall = sum(s.get("wall_seconds_this_invocation", 0.0) for s in sittings(host))
-    out = ["sittings 2.. predicted from sitting 1's rates (task seconds):", *rows]
-    out.append(f"  total {pred_total / 60:.1f} min predicted, {meas_total / 60:.1f} measured "
-               f"({100 * (pred_total - meas_total) / meas_total:+.0f} %)")  # fmt: skip
+    if not rows:  # one sitting (or later ones that ran nothing): nothing to predict blind
+        out = ["one sitting: no later sitting to predict from sitting 1's rates"]
+    else:
+        out = ["sittings 2.. predicted from sitting 1's rates (task seconds):", *rows]
+        out.append(f"  total {pred_total / 60:.1f} min predicted, {meas_total / 60:.1f} measured "
+                   f"({100 * (pred_total - meas_total) / meas_total:+.0f} %)")  # fmt: skip
+    if not host.get("finished"):  # the plan's wall against the sittings' only once it is done
+        out.append(f"unfinished study: {hm(wall)} measured so far; no whole-plan check")
+        return "\n".join(out)
     for label, rates in (("sitting 1's rates", first), ("every sitting's rates", every)):
         for order in ("plan", "critical"):
             e = estimate(tasks, preset, jobs, root, rates, order)
