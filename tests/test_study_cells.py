@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 
+import pipeline.chain
 from core.config import ConfigError
 from core.io import atomic_write_json
 from pipeline.registry import resolve_stage_config
@@ -118,8 +119,12 @@ def test_the_cell_is_chosen_on_a_tiny_fit_and_set_0_drawn_at_it(
     """digits' chain with a 2-step fit: the cells its check judged, the kept ones each drawn
     and csm-trained at 2 tuning seeds, the choice by the rule, set 0 the chosen cell's set
     (taken by link: the chain finds it complete), and a rerun's plan with nothing to do.
-    Its tasks are in-process (tasks_in_process; the chain's torchrun generate stays real)."""
+    Its tasks are in-process (tasks_in_process), and so is each chain's generate: the choice
+    does not depend on how many processes draw a set (generate's bytes do not depend on the
+    ranks; the chain's torchrun launch is tests/test_cli.py's, two-process generate
+    tests/test_generate.py's)."""
     monkeypatch.setattr(cells, "FIDELITY_FLOOR", 0.0)  # a 2-step fit draws noise
+    monkeypatch.setattr(pipeline.chain, "cpu_processes", lambda: 1)
     monkeypatch.setattr(cells, "MAX_CELLS", 2)
     shutil.copytree(digits_root / "real", tmp_path / "digits" / "real")
     root = tmp_path / "digits"
