@@ -39,25 +39,36 @@ def pytest_configure(config):
 
 
 # The longest work units of the tier, longest first: node-id prefixes (a whole module where the
-# module is one xdist_group). Estimates from reading the tests; re-rank them from
-# `pytest --durations`. Nothing here is skipped or added: only the order changes.
+# module is one xdist_group). Ranked by `make test PYTEST_ADDOPTS=--durations=60` on a fresh
+# clone of 4a0fa6a (2 cores, bench/RESULTS.md), a group by the sum of its tests; re-rank them
+# from a new profile. Nothing here is skipped or added: only the order changes.
 HEAVY_FIRST = (
-    "tests/test_study_tune.py::test_a_tiny_grid_runs_chooses_on_val_and_is_not_run_again",
     "tests/test_study_cells.py::test_the_cell_is_chosen_on_a_tiny_fit_and_set_0_drawn_at_it",
-    "tests/test_finetune.py",
+    "tests/test_finetune.py",  # >= 86 s
     "tests/test_launch.py::test_rerun_of_complete_work_under_torchrun_exits_0_every_time",
     "tests/test_study.py::test_study_runs_reports_and_resumes_only_what_is_missing",
     "tests/test_fit_generator.py::test_a_kill_at_every_point_of_a_checkpoint_save_resumes",
-    "tests/test_train.py::test_a_kill_while_writing_the_outputs",
-    "tests/test_annotate.py",
-    "tests/test_evaluate.py",
-    "tests/test_kway.py",
-    "tests/test_faults.py",
-    "tests/test_train.py::test_killed_run_resumes_to_identical_weights",
+    "tests/test_multinode.py",  # >= 48 s
+    "tests/test_generate.py",  # >= 47 s
+    "tests/test_evaluate.py",  # >= 47 s
+    "tests/test_contributing_stage.py::test_a_stage_from_your_own_module_runs_through_the_cli",
     "tests/test_train.py::test_one_and_two_processes_train_alike",
-    "tests/test_generate.py",
+    "tests/test_docs.py::test_every_documented_command_parses_and_resolves_its_config",
+    "tests/test_annotate.py",  # >= 28 s
+    "tests/test_train.py::test_killed_run_resumes_to_identical_weights",
+    "tests/test_contributing.py::test_a_loss_from_your_own_module_trains_through_the_cli",
+    "tests/test_contributing_backend.py::test_its_parameters_are_leaves_of_the_backend_section",
+    "tests/test_kway.py",  # many tests of 1-4 s each
+    "tests/test_faults.py",  # many tests of 1-5 s each
+    "tests/test_train.py::test_a_kill_while_writing_the_outputs",
+    "tests/test_study_intervals.py::test_what_the_primary_interval_does_that_the_others_do_not",
+    "tests/test_contributing.py::test_a_preset_from_your_own_module_extends_one",
+    "tests/test_cli.py::test_resolving_configs_and_a_backend_check_import_no_diffusers",
+    "tests/test_stack.py::test_a_killed_stack_resumes_to_the_bytes_of_one_not_killed",
+    "tests/test_fit_generator.py::test_resume_gives_the_same_weights",
     "tests/test_study_fresh.py::test_a_study_on_a_fresh_root_runs_end_to_end",
-    "tests/test_multinode.py",
+    "tests/test_study_intervals.py::test_the_primary_interval_covers_the_truth_with_few_seeds",
+    "tests/test_study_tune.py::test_a_tiny_grid_runs_chooses_on_val_and_is_not_run_again",
     "tests/test_shift.py",
 )
 
