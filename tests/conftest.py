@@ -7,6 +7,7 @@ import contextlib
 import errno
 import hashlib
 import io
+import json
 import os
 import subprocess
 import sys
@@ -126,6 +127,44 @@ def run_with_plugins(folder: Path, modules: str, argv: list[str]) -> subprocess.
     return subprocess.run(
         argv, capture_output=True, text=True, env=env, cwd=folder.parent, timeout=600
     )
+
+
+# run_many_with_plugins' one process: each argv through pipeline.cli.main as `python -m
+# pipeline` runs it, its stdout and stderr apart, an argparse exit as its code; a fresh
+# warnings state per call, so a note printed once a process prints on every call; the results
+# as the last line of the process's own stdout
+_MANY = """
+import contextlib, io, json, sys, warnings
+from pipeline.cli import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    formatwarning = warnings.formatwarning
+    with warnings.catch_warnings(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else int(e.code is not None)
+    warnings.formatwarning = formatwarning
+    results.append([rc, out.getvalue(), err.getvalue()])
+sys.__stdout__.write("\\n" + json.dumps(results) + "\\n")
+"""
+
+
+def run_many_with_plugins(
+    folder: Path, modules: str, argvs: list[list[str]]
+) -> list[subprocess.CompletedProcess]:
+    """`python -m pipeline *argv` for each of `argvs`, in turn, as run_with_plugins runs one,
+    but all in one new process (one interpreter start instead of one each): for consecutive
+    calls with nothing done between them. Each call's own rc, stdout and stderr."""
+    done = run_with_plugins(folder, modules, [sys.executable, "-c", _MANY, json.dumps(argvs)])
+    assert done.returncode == 0, done.stderr[-2000:]
+    return [
+        subprocess.CompletedProcess([sys.executable, "-m", "pipeline", *argv], rc, out, err)
+        for argv, (rc, out, err) in zip(
+            argvs, json.loads(done.stdout.splitlines()[-1]), strict=True
+        )
+    ]
 
 
 @contextlib.contextmanager

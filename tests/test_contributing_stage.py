@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_with_plugins, semix_sources, write_plugins
+from conftest import run_many_with_plugins, run_with_plugins, semix_sources, write_plugins
 
 from pipeline.registry import STAGES, register_stage
 from shards import manifest
@@ -112,17 +112,20 @@ def test_a_stage_from_your_own_module_runs_through_the_cli(plugin, digits_root, 
         "real/train": manifest.manifest_digest(out / "digits" / "real" / "train")
     }
     # 2. A rerun finds it complete and writes nothing; another config is refused.
+    # (2 and 3 in one process: calls in turn, nothing done between them)
     stamps = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
-    again = semix(plugin, *count)
+    again, other, listing, own, fields = run_many_with_plugins(
+        plugin,
+        "toy_count_config",
+        [count, [*count[:-1], "min_count=5"], ["--help"], [STAGE, "--help"], [STAGE, "--fields"]],
+    )
     assert again.returncode == 0 and "complete already" in again.stderr, again.stderr
     assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == stamps
-    other = semix(plugin, *count[:-1], "min_count=5")
     assert other.returncode == 1 and "differs in: min_count" in other.stderr
     # 3. --help lists it with its docstring's purpose; its --help and --fields describe its field.
-    assert "images per class of real/train" in semix(plugin, "--help").stdout
-    own = semix(plugin, STAGE, "--help").stdout
-    assert "python -m pipeline count-images --preset digits --set min_count=100" in own
-    fields = semix(plugin, STAGE, "--fields").stdout.splitlines()
+    assert "images per class of real/train" in listing.stdout
+    assert "python -m pipeline count-images --preset digits --set min_count=100" in own.stdout
+    fields = fields.stdout.splitlines()
     row = next(line for line in fields if line.split()[:1] == ["min_count"])
     assert row.split()[1] == "1" and "listed as rare" in row
     # 4. A damaged output names the command that rewrites it, and that command does.
