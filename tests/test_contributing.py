@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_with_plugins, semix_sources, write_plugins
+from conftest import run_many_with_plugins, run_with_plugins, semix_sources, write_plugins
 from safetensors.torch import load_file
 
 from pipeline.registry import resolve_stage_config
@@ -72,21 +72,32 @@ def test_a_loss_from_your_own_module_trains_through_the_cli(plugins, digits_root
     out = tmp_path / "runs"
     shutil.copytree(digits_root / "real", out / "digits" / "real")
 
-    def train(*sets: str) -> Path:
-        run = semix(plugins, "toy_loss", "train", "--preset", "digits", "--set", f"out={out}",
-                    *TINY, *sets)  # fmt: skip
+    def train(*sets: str) -> list[str]:
+        return ["train", "--preset", "digits", "--set", f"out={out}", *TINY, *sets]
+
+    def trained(run: subprocess.CompletedProcess) -> Path:
         assert run.returncode == 0, run.stderr
         return Path(run.stdout.strip().split(" -> ")[-1])
 
+    # (1, 2 and 4 in one process: calls in turn, nothing done between them that they read)
+    toy_run, ce_run, fields_run = run_many_with_plugins(
+        plugins,
+        "toy_loss",
+        [
+            train("run=toy", "loss.name=scaled-ce", "loss.scale=2", "lr=0.05"),
+            train("run=ce", "loss=ce", "lr=0.1"),
+            ["train", "--fields"],
+        ],
+    )
     # 1. The loss trains, its parameter set the nested way; config.json and metrics record it.
-    toy = train("run=toy", "loss.name=scaled-ce", "loss.scale=2", "lr=0.05")
+    toy = trained(toy_run)
     config = json.loads((toy / "config.json").read_text())
     assert (config["loss"], config["scaled_ce_scale"]) == ("scaled-ce", 2.0)
     metrics = json.loads((toy / "metrics.json").read_text())
     assert metrics["train"]["loss_params"] == {"scale": 2.0}
     # 2. It is the objective the run optimised: 2 x CE at lr 0.05 takes exactly the SGD steps of
     #    CE at lr 0.1 (momentum, no weight decay, no clipping; x2 and /2 are exact in floats).
-    ce = train("run=ce", "loss=ce", "lr=0.1")
+    ce = trained(ce_run)
     toy_w, ce_w = load_file(toy / "model.safetensors"), load_file(ce / "model.safetensors")
     assert toy_w.keys() == ce_w.keys() and all(toy_w[k].equal(ce_w[k]) for k in ce_w)
     # 3. The plugin changes no other run's identity: ce's config.json matches the config semix
@@ -95,7 +106,7 @@ def test_a_loss_from_your_own_module_trains_through_the_cli(plugins, digits_root
     assert check_config(ce, plain.recorded(), fix="")
     assert "scaled_ce" not in (ce / "config.json").read_text()
     # 4. --fields and --help show it like any loss.
-    fields = semix(plugins, "toy_loss", "train", "--fields").stdout
+    fields = fields_run.stdout
     assert any(line.split()[:2] == ["loss.scaled_ce.scale", "1.0"] for line in fields.splitlines())
     assert "scaled-ce" in next(line for line in fields.splitlines() if line.split()[:1] == ["loss"])
     assert semix_sources() == before
@@ -103,16 +114,24 @@ def test_a_loss_from_your_own_module_trains_through_the_cli(plugins, digits_root
 
 def test_a_preset_from_your_own_module_extends_one_and_resolves_through_the_cli(plugins):
     before = semix_sources()
-    run = semix(plugins, "toy_preset", "train", "--preset", "digits-quick", "--print-config")
+    # (the three toy_preset calls in one process: calls in turn, nothing done between them)
+    run, prepare_run, listing = run_many_with_plugins(
+        plugins,
+        "toy_preset",
+        [
+            ["train", "--preset", "digits-quick", "--print-config"],
+            ["prepare", "--preset", "digits-quick", "--print-config"],
+            ["--help"],
+        ],
+    )
     assert run.returncode == 0, run.stderr
     config = json.loads(run.stdout)
     digits = resolve_stage_config("train", "digits")
     assert (config["preset"], config["epochs"], config["optim"]["lr"]) == ("digits-quick", 3, 0.02)
     assert (config["model"], config["batch_size"]) == (digits.model, digits.batch_size)
-    prepare = json.loads(semix(plugins, "toy_preset", "prepare", "--preset", "digits-quick",
-                               "--print-config").stdout)  # fmt: skip
+    prepare = json.loads(prepare_run.stdout)
     assert (prepare["source"], prepare["image_size"]) == ("digits", 16)  # digits' data
-    assert "digits-quick" in semix(plugins, "toy_preset", "--help").stdout
+    assert "digits-quick" in listing.stdout
     both = semix(plugins, "toy_loss,toy_preset", "train", "--preset", "digits-quick",
                  "--set", "loss.name=scaled-ce", "--print-config")  # fmt: skip
     assert json.loads(both.stdout)["loss"]["name"] == "scaled-ce"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_with_plugins, semix_sources, write_plugins
+from conftest import run_many_with_plugins, run_with_plugins, semix_sources, write_plugins
 
 from shards.manifest import read_manifest
 from shards.reader import load_split
@@ -141,24 +141,32 @@ def test_its_parameters_are_leaves_of_the_backend_section(plugin):
     """The flat name (config.json's) and the nested ones set the same leaf,
     `backend.two_colour.grain`; --fields lists the leaves with their choices; a bad value is
     refused in one line, naming the leaf by its path."""
-    flat = generate(plugin, "--set", "backend=two-colour", "two_colour_grain=0.1",
-                    "--print-config")  # fmt: skip
-    nested = generate(plugin, "--set", "backend.name=two-colour", "backend.grain=0.1",
-                      "--print-config")  # fmt: skip
-    named = generate(plugin, "--set", "backend=two-colour", "backend.two-colour.grain=0.1",
-                     "--print-config")  # fmt: skip
+    # (the five calls in one process: calls in turn, nothing done between them; each call gets
+    # a fresh warnings state, so the rename note is said as a process of its own would say it)
+    flat, nested, named, fields_run, bad = run_many_with_plugins(
+        plugin,
+        "toy_backend",
+        [
+            ["generate", "--preset", "digits", *args]
+            for args in (
+                ["--set", "backend=two-colour", "two_colour_grain=0.1", "--print-config"],
+                ["--set", "backend.name=two-colour", "backend.grain=0.1", "--print-config"],
+                ["--set", "backend=two-colour", "backend.two-colour.grain=0.1", "--print-config"],
+                ["--fields"],
+                ["--set", "backend=two-colour", "backend.palette=green", "--print-config"],
+            )
+        ],
+    )
     assert flat.returncode == 0, flat.stderr
     assert json.loads(flat.stdout) == json.loads(nested.stdout) == json.loads(named.stdout)
     backend = json.loads(flat.stdout)["backend"]
     assert (backend["name"], backend["two_colour"]["grain"]) == ("two-colour", 0.1)
     assert "two_colour_grain is now backend.two_colour.grain" in flat.stderr  # said once
     assert "is now" not in nested.stderr
-    fields = generate(plugin, "--fields").stdout.splitlines()
+    fields = fields_run.stdout.splitlines()
     (palette,) = [line for line in fields if line.split()[:1] == ["backend.two_colour.palette"]]
     assert palette.split()[1] == "warm" and "cool" in palette
     (backend_row,) = [line for line in fields if line.split()[:1] == ["backend"]]
     assert "two-colour" in backend_row
-    bad = generate(plugin, "--set", "backend=two-colour", "backend.palette=green",
-                   "--print-config")  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
     assert "backend.two_colour.palette='green'" in bad.stderr
