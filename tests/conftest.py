@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -244,6 +245,61 @@ def digits_root(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("runs")
     run_stage("prepare", "digits", [f"out={out}"])
     return out / "digits"
+
+
+# ---------------------------------------------------------------- artefacts several files read
+# Built once per worker (session scope) instead of once per module that builds the same thing:
+# the same seeds and configs as the modules used, so the bytes are the ones they built.
+# Read-only: a test copies (shutil.copytree) what it writes into.
+
+# train/ce at the smallest size a finished run needs (test_values_runs, test_bad_input, test_faults)
+TINY_TRAIN = ["epochs=1", "train_limit=64", "batch_size=32"]
+# generate's reference series from the seed-0 random unet (test_generate, test_multinode): 24
+# series of K = 4 in 12 shards; 8 rows per shard = one padded model call
+REFERENCE_SERIES = ["alphas=4", "steps=6", "limit=24", "series_per_shard=2"]
+
+
+@pytest.fixture(scope="session")
+def tiny_ce_root(digits_root, tmp_path_factory) -> Path:
+    """runs/digits/ with real/ and one finished train run `ce` at TINY_TRAIN."""
+    from core.launch import cpu_threads
+    from pipeline.registry import run_stage
+
+    out = tmp_path_factory.mktemp("tiny-ce")
+    shutil.copytree(digits_root / "real", out / "digits" / "real")
+    with cpu_threads(1):  # as the modules that built it ran it (digits' train pins 1 anyway)
+        run_stage("train", "digits", [f"out={out}", *TINY_TRAIN])
+    return out / "digits"
+
+
+@pytest.fixture(scope="session")
+def generator_root(digits_root, tmp_path_factory) -> Path:
+    """runs/digits/ with real/ and a random-weight unet generator/ in fit-generator's format,
+    its weights drawn from seed 0 without touching the global RNG."""
+    import torch
+
+    from models.generators import build_unet
+
+    root = tmp_path_factory.mktemp("generator-src") / "digits"
+    shutil.copytree(digits_root / "real", root / "real")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        unet = build_unet(16, num_classes=10, channels=(16, 32), attention=(False, True))
+    save_generator(root, unet)
+    return root
+
+
+@pytest.fixture(scope="session")
+def generated_reference(generator_root, tmp_path_factory) -> Path:
+    """series/ of one plain single-process generate at REFERENCE_SERIES from generator_root,
+    one torch thread (as torchrun's ranks run): what every determinism test compares with."""
+    from core.launch import cpu_threads
+    from pipeline.registry import run_stage
+
+    out = tmp_path_factory.mktemp("generate-ref")
+    shutil.copytree(generator_root, out / "digits")
+    with cpu_threads(1):
+        return run_stage("generate", "digits", [f"out={out}", *REFERENCE_SERIES])
 
 
 @pytest.fixture(scope="module")

@@ -18,19 +18,18 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from conftest import snapshot
+from conftest import TINY_TRAIN, snapshot
 from test_train import write_mixed
 
 import shards.writer
 from core.io import sha256_file
 from pipeline.cli import main
-from pipeline.registry import run_stage
 from shards.manifest import read_manifest
 
 # One worker runs the whole module, so its module fixtures are built once (make test:
 # --dist loadgroup).
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group("bad_input")]
-TINY = ["epochs=1", "train_limit=64", "batch_size=32"]
+TINY = TINY_TRAIN  # conftest's tiny_ce_root was trained at it
 
 
 # ---------------------------------------------------------------- helpers
@@ -205,12 +204,10 @@ def test_bad_manifest_says_what_is_wrong_and_what_to_do(
 
 
 @pytest.fixture(scope="module")
-def trained(digits_root, tmp_path_factory) -> Path:
-    """runs/digits/ with real/ and one finished tiny train run `ce`."""
-    out = tmp_path_factory.mktemp("bad-input")
-    root = copy_real(digits_root, out)
-    run_stage("train", "digits", [f"out={out}", *TINY])
-    return root
+def trained(tiny_ce_root) -> Path:
+    """runs/digits/ with real/ and one finished tiny train run `ce` (conftest's tiny_ce_root,
+    shared with other modules): read-only, copy it."""
+    return tiny_ce_root
 
 
 @pytest.mark.parametrize("typed", ["optim.lr=0.5", "lr=0.5"])

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import save_generator
 
 import stages.generate.stage as generate
 from core.seeding import derive_seed
-from models.generators import MixSpec, SeriesSpec, build_unet
+from models.generators import MixSpec, SeriesSpec
 from pipeline.registry import run_stage
 from shards.manifest import read_manifest
 from shards.reader import iter_folder
@@ -73,13 +72,11 @@ def test_redraw_replaces_failing_series_with_seeded_fresh_noise():
 
 
 @pytest.fixture
-def runs(digits_root, tmp_path, monkeypatch) -> Path:
-    """digits/real + a random generator; the judge passes a series when the sum of its pure
-    images' pixels is not a multiple of 3 (~2/3 of them), whatever model made them."""
-    root = tmp_path / "digits"
-    shutil.copytree(digits_root / "real", root / "real")
-    torch.manual_seed(0)
-    save_generator(root, build_unet(16, num_classes=10, channels=(16, 32), attention=(False, True)))
+def runs(generator_root, tmp_path, monkeypatch) -> Path:
+    """digits/real + a random generator (a copy of conftest's generator_root); the judge passes
+    a series when the sum of its pure images' pixels is not a multiple of 3 (~2/3 of them),
+    whatever model made them."""
+    shutil.copytree(generator_root, tmp_path / "digits")
     monkeypatch.setattr(generate, "cnn_judge", lambda *a, **k: pixel_judge())
 
     def by_pixel_sum(judge, specs, images):

@@ -21,13 +21,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import save_generator
+from conftest import TINY_TRAIN
 from test_annotate import _train_encoder, _write_series
 
 import shards.writer
 import stages.common.epochs
 from core.io import atomic_write_bytes, writing
-from models.generators import build_unet
 from pipeline.cli import main
 from pipeline.registry import run_stage
 from shards.checkpoints import MARKER
@@ -36,7 +35,7 @@ from shards.checkpoints import MARKER
 # --dist loadgroup).
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group("faults")]
 
-TINY = ["epochs=1", "train_limit=64", "batch_size=32"]
+TINY = TINY_TRAIN  # conftest's tiny_ce_root was trained at it
 FIT = ["steps=4", "batch_size=8", "checkpoint_every=2", "samples_per_class=1", "judge_run="]
 FIT += ["sample_steps=1", "fidelity.per_class=1", "fidelity.guidance_grid=1"]  # its check: not read
 GEN = ["alphas=4", "steps=6", "limit=6", "series_per_shard=2"]  # 3 shards of 2 series
@@ -116,17 +115,14 @@ def manifests(folder: Path) -> list[Path]:
 
 
 @pytest.fixture(scope="module")
-def chain(digits_root, tmp_path_factory) -> Path:
+def chain(tiny_ce_root, generator_root, tmp_path_factory) -> Path:
     """runs/digits/ with everything a stage reads: real/, a tiny random generator/, a tiny
-    trained run train/ce, the annotate encoder train/encoder and pixel-blend series/ (the
-    fixtures of test_annotate). Read-only: tests copy what they need (`copy`)."""
+    trained run train/ce (conftest's generator_root and tiny_ce_root, copied), the annotate
+    encoder train/encoder and pixel-blend series/ (the fixtures of test_annotate). Read-only:
+    tests copy what they need (`copy`)."""
     root = tmp_path_factory.mktemp("faults") / "digits"
-    shutil.copytree(digits_root / "real", root / "real")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        unet = build_unet(16, num_classes=10, channels=(16, 32), attention=(False, True))
-    save_generator(root, unet)
-    run_stage("train", "digits", [f"out={root.parent}", "run=ce", *TINY])
+    shutil.copytree(tiny_ce_root, root)  # real/ and train/ce
+    shutil.copytree(generator_root / "generator", root / "generator")
     _train_encoder(root)
     _write_series(root)
     return root

@@ -17,7 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import kill_when, save_generator, shards_done, snapshot, subprocess_env, tiny_vae
+from conftest import (
+    REFERENCE_SERIES,
+    kill_when,
+    shards_done,
+    snapshot,
+    subprocess_env,
+    tiny_vae,
+)
 from diffusers import (
     DDIMScheduler,
     DiTPipeline,
@@ -32,7 +39,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 from core.io import sha256_file
 from core.launch import cpu_threads
 from core.seeding import derive_seed
-from models.generators import NonFiniteImageError, SeriesSpec, build_unet, load_generator
+from models.generators import NonFiniteImageError, SeriesSpec, load_generator
 from pipeline.cli import main
 from pipeline.registry import resolve_stage_config, run_stage
 from shards.manifest import manifest_digest, read_manifest
@@ -43,8 +50,7 @@ from stages.generate import GenerationError, Generators, make_plan, sample_serie
 # --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("generate")
 
-# 24 series of K = 4 in 12 shards; 8 rows per shard = one padded model call
-CONFIG = ["alphas=4", "steps=6", "limit=24", "series_per_shard=2"]
+CONFIG = REFERENCE_SERIES  # conftest's generated_reference: 24 series of K = 4 in 12 shards
 FIELDS = {"series", "position", "classes", "names", "alpha", "seed", "generator", "revision"}
 FIELDS |= {"sampler", "steps", "guidance"}
 
@@ -63,16 +69,10 @@ def _same_folder(a: Path, b: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def src(digits_root, tmp_path_factory) -> Path:
+def src(generator_root) -> Path:
     """A runs folder with digits/real and a random-weight digits/generator in fit-generator's
-    format (read-only: tests copy it)."""
-    out = tmp_path_factory.mktemp("gen-src")
-    root = out / "digits"
-    shutil.copytree(digits_root / "real", root / "real")
-    torch.manual_seed(0)  # random init of the tiny model only
-    unet = build_unet(16, num_classes=10, channels=(16, 32), attention=(False, True))
-    save_generator(root, unet)
-    return out
+    format (conftest's generator_root, shared with other modules; read-only: tests copy it)."""
+    return generator_root.parent
 
 
 def _runs(src: Path, dest: Path, generator: bool = True) -> Path:
@@ -83,11 +83,10 @@ def _runs(src: Path, dest: Path, generator: bool = True) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(src, tmp_path_factory) -> Path:
-    """The uninterrupted single-process run every determinism test compares with."""
-    out = _runs(src, tmp_path_factory.mktemp("gen-ref"))
-    with cpu_threads(1):
-        return run_stage("generate", "digits", [f"out={out}", *CONFIG])
+def reference(generated_reference) -> Path:
+    """The uninterrupted single-process run every determinism test compares with (conftest's
+    generated_reference: CONFIG from src, one thread; shared with test_multinode)."""
+    return generated_reference
 
 
 def test_plan_walks_pairs_cycles_and_seeds():

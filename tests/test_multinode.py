@@ -25,11 +25,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
-from conftest import save_generator, subprocess_env
+from conftest import REFERENCE_SERIES, subprocess_env
 
 from core.launch import LaunchError, check_launcher, cpu_threads, disagreement
-from models.generators import build_unet
 from pipeline.cli import main
 from pipeline.registry import run_stage
 from shards.manifest import read_manifest
@@ -38,8 +36,8 @@ from shards.manifest import read_manifest
 # --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("multinode")
 
-# 24 series of K = 4 in 12 shards (6 per rank); 8 rows per shard = one padded model call
-GENERATE = ["alphas=4", "steps=6", "limit=24", "series_per_shard=2"]
+# conftest's generated_reference: 24 series of K = 4 in 12 shards (6 per rank)
+GENERATE = REFERENCE_SERIES
 ANNOTATE = ["batch_size=16", "workers=0"]
 TRAIN = ["run=mn", "loss=ce", "epochs=2", "train_limit=256", "batch_size=64"]
 DEADLINE = 480  # seconds per launch: minutes on a loaded 2-core machine, ~30 s idle
@@ -157,15 +155,10 @@ def tree(root: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def src(digits_root, tmp_path_factory) -> Path:
+def src(generator_root) -> Path:
     """runs/digits/ with real/ and a random-weight unet generator/ in fit-generator's format
-    (read-only: tests copy it)."""
-    root = tmp_path_factory.mktemp("mn-src") / "digits"
-    shutil.copytree(digits_root / "real", root / "real")
-    torch.manual_seed(0)  # random init of the tiny model only
-    unet = build_unet(16, num_classes=10, channels=(16, 32), attention=(False, True))
-    save_generator(root, unet)
-    return root
+    (conftest's generator_root, shared with other modules; read-only: tests copy it)."""
+    return generator_root
 
 
 def shared_root(tmp_path: Path, src: Path, *parts: str) -> Path:
@@ -178,12 +171,10 @@ def shared_root(tmp_path: Path, src: Path, *parts: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def series_ref(src, tmp_path_factory) -> Path:
-    """series/ of one plain single-process run (the reference every launch must match)."""
-    out = tmp_path_factory.mktemp("mn-gen-ref")
-    shutil.copytree(src, out / "digits")
-    with cpu_threads(1):
-        return run_stage("generate", "digits", [f"out={out}", *GENERATE])
+def series_ref(generated_reference) -> Path:
+    """series/ of one plain single-process run (the reference every launch must match):
+    conftest's generated_reference, GENERATE from src, shared with test_generate."""
+    return generated_reference
 
 
 # ---------------------------------------------------------------- generate

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_TRAIN
 from safetensors.torch import load_file, save_file
 
 import stages.evaluate.stage
@@ -31,7 +32,7 @@ from shards.writer import check_config, claimed, write_config
 # One worker runs the whole module, so its module fixtures are built once (make test:
 # --dist loadgroup).
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group("values_runs")]
-TINY = ["epochs=1", "train_limit=64", "batch_size=32"]
+TINY = TINY_TRAIN  # conftest's tiny_ce_root was trained at it
 QUOTED = re.compile(r"`(python -m pipeline [^`]*)`")
 
 
@@ -57,12 +58,10 @@ def quoted(line: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def trained(digits_root, tmp_path_factory) -> Path:
-    """runs/digits/ with real/ and one finished tiny train run `ce`: read-only, copy it."""
-    out = tmp_path_factory.mktemp("values-runs")
-    shutil.copytree(digits_root / "real", out / "digits" / "real")
-    assert main(["train", "--preset", "digits", "--set", f"out={out}", *TINY]) == 0
-    return out / "digits"
+def trained(tiny_ce_root) -> Path:
+    """runs/digits/ with real/ and one finished tiny train run `ce` (conftest's tiny_ce_root,
+    shared with other modules): read-only, copy it."""
+    return tiny_ce_root
 
 
 def copy_root(trained: Path, tmp_path: Path) -> Path:
