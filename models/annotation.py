@@ -172,7 +172,7 @@ ANNOTATORS: dict[str, Annotator] = {
 
 
 def annotate(
-    method: str,
+    annotator: str,
     features: Tensor | None,
     alphas: Tensor,
     class_a: Tensor,
@@ -181,23 +181,23 @@ def annotate(
     s: float,
 ) -> tuple[Tensor, Tensor]:
     """-> (λ̂ [N], t_a [N]) float32 for mixed images of pairs (class_a, class_b)."""
-    if method not in ANNOTATORS:
-        raise ValueError(f"unknown annotation method '{method}'; valid: {sorted(ANNOTATORS)}")
-    annotator = ANNOTATORS[method]
+    if annotator not in ANNOTATORS:
+        raise ValueError(f"unknown annotator '{annotator}'; valid: {sorted(ANNOTATORS)}")
+    entry = ANNOTATORS[annotator]
     alphas = torch.as_tensor(alphas)
     class_a, class_b = torch.as_tensor(class_a).long(), torch.as_tensor(class_b).long()
     if not (alphas.shape == class_a.shape == class_b.shape) or alphas.ndim != 1:
         raise ValueError("alphas, class_a and class_b must all be [N]")
     if (class_a == class_b).any():
         raise ValueError("a mixed image needs two different classes (class_a == class_b found)")
-    if not annotator.needs_features:
-        return annotator.fn(None, alphas, None, None, s)
+    if not entry.needs_features:
+        return entry.fn(None, alphas, None, None, s)
     if features is None or prototypes is None:
-        raise ValueError(f"method '{method}' needs features and prototypes")
+        raise ValueError(f"annotator '{annotator}' needs features and prototypes")
     if features.shape[0] != alphas.shape[0]:
         raise ValueError(f"{features.shape[0]} features for {alphas.shape[0]} images")
     num_classes = prototypes.shape[0]
     if min(class_a.min(), class_b.min()) < 0 or max(class_a.max(), class_b.max()) >= num_classes:
         raise ValueError(f"class ids must lie in [0, {num_classes})")
     p = prototypes.to(features.device)
-    return annotator.fn(features, alphas, p[class_a], p[class_b], s)
+    return entry.fn(features, alphas, p[class_a], p[class_b], s)

@@ -255,7 +255,7 @@ def similarity_shares(f: Tensor, p: Tensor) -> Tensor:
 
 
 def annotate_simplex(
-    method: str, features: Tensor | None, weights: Tensor, classes: Tensor, prototypes, s: float
+    annotator: str, features: Tensor | None, weights: Tensor, classes: Tensor, prototypes, s: float
 ) -> tuple[Tensor, Tensor]:
     """-> (λ̂ [N, k], t [N, k]) float32 for images of class tuples `classes` [N, k] generated
     with `weights` [N, k]. projection: barycentric λ̂, t = softmax((s/2)·λ̂); similarity:
@@ -264,20 +264,20 @@ def annotate_simplex(
     if weights.ndim != 2 or weights.shape != classes.shape:
         raise ValueError(f"weights and classes must both be [N, k], got {tuple(weights.shape)}, "
                          f"{tuple(classes.shape)}")  # fmt: skip
-    if method == "ratio":
+    if annotator == "ratio":
         return weights.float().clone(), weights.float().clone()
     if features is None or prototypes is None:
-        raise ValueError(f"method '{method}' needs features and prototypes")
+        raise ValueError(f"annotator '{annotator}' needs features and prototypes")
     if features.shape[0] != weights.shape[0]:
         raise ValueError(f"{features.shape[0]} features for {weights.shape[0]} images")
     if int(classes.min()) < 0 or int(classes.max()) >= prototypes.shape[0]:
         raise ValueError(f"class ids must lie in [0, {prototypes.shape[0]})")
     p = prototypes.to(features.device)[classes]  # [N, k, d]
-    if method == "similarity":
+    if annotator == "similarity":
         t = similarity_shares(features, p)
         return t.clone(), t
-    if method != "projection":
-        raise ValueError(f"unknown annotation method '{method}'")
+    if annotator != "projection":
+        raise ValueError(f"unknown annotator '{annotator}'")
     lam = barycentric(features, p)
     return lam, softmax_targets(lam, s)
 

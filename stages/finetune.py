@@ -56,7 +56,8 @@ from stages.common.training_run import TrainingRun
 from stages.configs.finetune import Config
 
 SECTION = "finetune"  # metrics.json section and the first key of every draw
-Method = tuple[Objective, torch.optim.Optimizer, float, list[Callable[[Path], Any]]]
+# what a fine-tuning method sets up: its objective, optimizer, constant lr and end-of-run plots
+Setup = tuple[Objective, torch.optim.Optimizer, float, list[Callable[[Path], Any]]]
 
 
 # ---------------------------------------------------------------- 1. inputs
@@ -97,10 +98,10 @@ def source_train_limit(source: Run) -> int:
     return int(read_json(source.folder / "config.json").get("train_limit", 0))
 
 
-# ---------------------------------------------------------------- 2. the methods
+# ---------------------------------------------------------------- 2. each method's setup
 
 
-def maccal_method(cfg: Config, model: Classifier, data: TrainingData) -> Method:
+def maccal_setup(cfg: Config, model: Classifier, data: TrainingData) -> Setup:
     """docs/methods.md §4: frozen backbone, masked bottleneck head, adaptive retention q."""
     features = None
     if not cfg.augments:  # un-augmented features never change: compute them once
@@ -144,7 +145,7 @@ def maccal_method(cfg: Config, model: Classifier, data: TrainingData) -> Method:
     return objective, optimizer, cfg.maccal.lr, [q_trace]
 
 
-def fedlas_method(cfg: Config, model: Classifier, data: TrainingData) -> Method:
+def fedlas_setup(cfg: Config, model: Classifier, data: TrainingData) -> Setup:
     """docs/methods.md §5: the whole model continues under the FeDLaS objective of `train`."""
     objective = build_objective(
         cfg.method,
@@ -160,10 +161,11 @@ def fedlas_method(cfg: Config, model: Classifier, data: TrainingData) -> Method:
     return objective, optimizer, cfg.fedlas.lr, []
 
 
-METHODS: dict[str, Callable[[Config, Classifier, TrainingData], Method]] = {
-    "maccal": maccal_method,
-    "fedlas-ls": fedlas_method,
-    "fedlas-mbls": fedlas_method,
+# {method=: its setup}; the study's methods are another registry (pipeline/study/config.py)
+SETUPS: dict[str, Callable[[Config, Classifier, TrainingData], Setup]] = {
+    "maccal": maccal_setup,
+    "fedlas-ls": fedlas_setup,
+    "fedlas-mbls": fedlas_setup,
 }
 
 
@@ -200,7 +202,7 @@ def run(cfg: Config) -> Path:
     run.write_config()
 
     # 2. The method: a fresh head or gate from (seed, method, purpose), its optimizer.
-    objective, optimizer, lr, plots = METHODS[cfg.method](cfg, model, data)
+    objective, optimizer, lr, plots = SETUPS[cfg.method](cfg, model, data)
     module = TrainingModule(model, objective).to(dev)
     data.pixels = datapath.pixel_source(data.train, None, objective.mixes_rows, accelerator, cfg)
     loss = meta.get("loss", "")

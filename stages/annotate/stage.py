@@ -123,7 +123,7 @@ def run(cfg: Config) -> Path:
     folder = ShardFolder(mixed, prefix="mixed")
     n_shards = len(series_m.shards)
     log.info(
-        "annotate %s: %d images in %d shards, method %s, encoder %s, %d process(es) -> %s",
+        "annotate %s: %d images in %d shards, annotator %s, encoder %s, %d process(es) -> %s",
         series,
         series_m.num_samples,
         n_shards,

@@ -29,7 +29,7 @@ SEVERITIES = 5
 def posthoc_section(
     fit: PosthocFit, test_probs: dict[str, torch.Tensor], labels: torch.Tensor
 ) -> dict[str, Any]:
-    """{criterion, folds, best, val_nll: {method: NLL}, after: {method: test metrics}}."""
+    """{criterion, folds, best, val_nll: {calibrator: NLL}, after: {calibrator: test metrics}}."""
     return {
         "criterion": CRITERION,
         "folds": CV_FOLDS,

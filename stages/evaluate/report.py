@@ -260,7 +260,7 @@ def posthoc_table(rows: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
     if not rows:
         return []
     seen = {m for r in rows for m in r[2]["posthoc"]["after"]}
-    methods = [m for m in POSTHOC if m in seen] + sorted(seen - set(POSTHOC))  # registry order
+    calibrators = [m for m in POSTHOC if m in seen] + sorted(seen - set(POSTHOC))  # registry order
     lines_ = [
         "## Post-hoc calibrators (fitted on val): test NLL / ECE",
         "",
@@ -274,10 +274,10 @@ def posthoc_table(rows: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
             f"{after[m]['nll']:.4f} / {after[m]['ece']:.2f}{'*' if m == best else ''}"
             if m in after
             else "-"
-            for m in methods
+            for m in calibrators
         ]
         table_rows.append([name, stage, *cells])
-    return [*lines_, *table(["run", "stage", *methods], table_rows), ""]
+    return [*lines_, *table(["run", "stage", *calibrators], table_rows), ""]
 
 
 def corruption_nll(corr: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
