@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import builtins
 import contextlib
 import errno
@@ -520,3 +521,21 @@ class KillPoints:
         monkeypatch.setattr(io, "open", open_)
         for name in ("replace", "rename", "unlink", "remove", "rmdir", "mkdir"):
             monkeypatch.setattr(os, name, wrap(name))
+
+
+def string_literals(path: Path):
+    """(line, text) of each string literal of a module that is no docstring (prose, not a value;
+    an f-string's literal parts each): what the vocabulary and preset-name tests scan."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    for node in ast.walk(tree):
+        literal = isinstance(node, ast.Constant) and isinstance(node.value, str)
+        if literal and id(node) not in docstrings:
+            yield node.lineno, node.value

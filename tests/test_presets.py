@@ -4,7 +4,6 @@ of one's own, resolved in full and prepared for real."""
 
 from __future__ import annotations
 
-import ast
 import json
 import shutil
 import subprocess
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, string_literals
 from PIL import Image
 
 import pipeline.study.plan
@@ -29,24 +28,6 @@ RECIPE = "imagefolder+fashion-mnist"  # what `--preset imagefolder --recipe fash
 NAMING_ALLOWED = {"stages/ood.py", "pipeline/study/plan.py"}
 
 
-def _string_literals(path: Path) -> set[str]:
-    """The string constants of a module, its docstrings left out (prose, not a value)."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    docs = {
-        id(node.body[0].value)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
-        and node.body
-        and isinstance(node.body[0], ast.Expr)
-        and isinstance(node.body[0].value, ast.Constant)
-    }
-    return {
-        node.value
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
-    }
-
-
 def test_only_the_presets_name_a_preset():
     """A preset's name as a string value appears under stages/presets/ and nowhere below the
     stages (models, shards, core); elsewhere only where the digits data are a far-OOD set."""
@@ -55,7 +36,7 @@ def test_only_the_presets_name_a_preset():
         for package in ("core", "models", "shards", "stages", "pipeline")
         for path in (REPO / package).rglob("*.py")
         if "presets" not in path.relative_to(REPO).parts
-        and _string_literals(path) & set(presets.NAMES)
+        and {text for _, text in string_literals(path)} & set(presets.NAMES)
     )
     assert not [m for m in naming if m.split("/")[0] in ("core", "models", "shards")], naming
     assert set(naming) <= NAMING_ALLOWED, naming

@@ -28,7 +28,6 @@ the code (core, models, shards, stages, pipeline) that are no docstring: the mes
 
 from __future__ import annotations
 
-import ast
 import functools
 import re
 from collections.abc import Collection, Iterator
@@ -36,7 +35,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
-from conftest import REPO, SEMIX_PACKAGES
+from conftest import REPO, SEMIX_PACKAGES, string_literals
 
 from core.tree import leaves, shown
 from pipeline.cli import main
@@ -125,24 +124,6 @@ def allowed_in(path: Path) -> frozenset[str]:
     return protocol_keys() if study else frozenset()
 
 
-def messages(path: Path) -> Iterator[tuple[int, str]]:
-    """(line, text) of each string literal of a module that is no docstring (an f-string's
-    literal parts each)."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    docstrings = {
-        id(node.body[0].value)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
-        and node.body
-        and isinstance(node.body[0], ast.Expr)
-        and isinstance(node.body[0].value, ast.Constant)
-    }
-    for node in ast.walk(tree):
-        literal = isinstance(node, ast.Constant) and isinstance(node.value, str)
-        if literal and id(node) not in docstrings:
-            yield node.lineno, node.value
-
-
 # ------------------------------------------------------------------ the finder sees what it checks
 
 
@@ -216,7 +197,7 @@ def test_the_messages_of_the_code_spell_keys_by_their_paths():
         f"{path.relative_to(REPO)}:{line}: {hit.partition(': ')[2]}"
         for package in SEMIX_PACKAGES
         for path in sorted((REPO / package).rglob("*.py"))
-        for line, text in messages(path)
+        for line, text in string_literals(path)
         for hit in flat_keys(text, allowed_in(path))
     ]
     assert found == []
