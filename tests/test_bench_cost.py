@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from conftest import tiny_vae
+from diffusers import DDIMScheduler, DiTPipeline, DiTTransformer2DModel
 from torch import nn
 from torch.nn import functional as F
 
@@ -43,9 +44,6 @@ def test_the_meta_device_counts_what_the_cpu_counts_and_attention_too():
 
 @pytest.fixture(scope="module")
 def tiny_dit(tmp_path_factory):
-    # diffusers' pipelines imported here, not at collection (every xdist worker collects this)
-    from diffusers import DDIMScheduler, DiTPipeline, DiTTransformer2DModel
-
     folder = tmp_path_factory.mktemp("dit")
     transformer = DiTTransformer2DModel(
         num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=2,

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import snapshot
+from torchmetrics.classification import MulticlassCalibrationError
 
 from core.io import atomic_write_json
 from models.calibration import ece
@@ -115,8 +116,6 @@ def _copy(evaluated: Path, tmp: Path) -> Path:
 
 
 def test_metrics_match_torchmetrics_and_ts_does_not_hurt_an_overconfident_model(evaluated):
-    from torchmetrics.classification import MulticlassCalibrationError  # not at collection
-
     root = evaluated
     ev = json.loads((root / "eval" / "train" / "over" / "metrics.json").read_text())["evaluation"]
     with np.load(root / "eval" / "train" / "over" / "predictions.npz", allow_pickle=False) as npz:

@@ -25,7 +25,16 @@ from conftest import (
     subprocess_env,
     tiny_vae,
 )
+from diffusers import (
+    DDIMScheduler,
+    DiTPipeline,
+    DiTTransformer2DModel,
+    StableDiffusionPipeline,
+    UNet2DConditionModel,
+    UNet2DModel,
+)
 from PIL import Image
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
 from core.io import sha256_file
 from core.launch import cpu_threads
@@ -285,8 +294,6 @@ def _fails(capsys, *argv: str) -> str:
 
 
 def test_one_line_errors(src, tmp_path, capsys):
-    from diffusers import UNet2DModel
-
     runs = _runs(src, tmp_path, generator=False)
     err = _fails(capsys, f"out={runs}", *CONFIG)
     assert "no trained generator" in err and "fit-generator --preset digits" in err
@@ -314,14 +321,7 @@ def test_one_line_errors(src, tmp_path, capsys):
 # ---------------------------------------------------------------- sd and dit end to end
 
 
-# diffusers' pipelines and transformers are imported where a tiny model is built: every xdist
-# worker imports this module (and test_kway, which builds these too) to collect it
-
-
 def _save_sd(folder: Path) -> None:
-    from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
-
     vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
     for token in [c + sfx for sfx in ("", "</w>") for c in string.ascii_lowercase + string.digits]:
         vocab[token] = len(vocab)
@@ -347,8 +347,6 @@ def _save_sd(folder: Path) -> None:
 
 
 def _save_dit(folder: Path) -> None:
-    from diffusers import DDIMScheduler, DiTPipeline, DiTTransformer2DModel
-
     transformer = DiTTransformer2DModel(
         num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=1,
         sample_size=4, patch_size=2, num_embeds_ada_norm=1000,

@@ -10,16 +10,25 @@ from __future__ import annotations
 
 import json
 import string
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 import torch
 from conftest import tiny_vae
+from diffusers import (
+    DDIMScheduler,
+    DDPMScheduler,
+    DiTPipeline,
+    DiTTransformer2DModel,
+    StableDiffusionPipeline,
+    UNet2DConditionModel,
+)
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
 from models.generators import (
     GENERATORS,
     UNET_PRESETS,
+    EDMNetwork,
     NonFiniteImageError,
     SeriesSpec,
     build_unet,
@@ -33,11 +42,6 @@ from models.generators import (
 # --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("generators")
 
-# diffusers' pipelines and transformers are imported where the tiny models are built and run:
-# every xdist worker imports this module to collect it
-if TYPE_CHECKING:
-    from transformers import CLIPTokenizer
-
 STEPS = 3
 NAMES = ["cat", "dog", "owl"]
 DIT_IDS = [7, 2, 5]  # our class i -> DiT id
@@ -45,8 +49,6 @@ DIT_IDS = [7, 2, 5]  # our class i -> DiT id
 
 def _tokenizer(folder) -> CLIPTokenizer:
     """CLIP BPE over single characters: small vocab/merges files written here."""
-    from transformers import CLIPTokenizer
-
     vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
     for token in [c + suffix for suffix in ("", "</w>") for c in string.ascii_lowercase]:
         vocab[token] = len(vocab)
@@ -60,18 +62,6 @@ def _tokenizer(folder) -> CLIPTokenizer:
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     """Save one tiny model per backend with save_pretrained; the backends load them back."""
-    from diffusers import (
-        DDIMScheduler,
-        DDPMScheduler,
-        DiTPipeline,
-        DiTTransformer2DModel,
-        StableDiffusionPipeline,
-        UNet2DConditionModel,
-    )
-    from transformers import CLIPTextConfig, CLIPTextModel
-
-    from models.generators import EDMNetwork
-
     root = tmp_path_factory.mktemp("generators")
     torch.manual_seed(0)  # random init of the tiny models only
     # unet: class-conditional pixel UNet + its training scheduler
@@ -153,8 +143,6 @@ def _pure_reference(name: str, gen, class_a: int, seed: int, root) -> torch.Tens
         ).images  # fmt: skip
         return gen.to_uint8(images)[0]
     # dit: an independent DiTPipeline with plain ImageNet ids and per-sample CPU generators
-    from diffusers import DiTPipeline
-
     pipe = DiTPipeline.from_pretrained(root / "dit")
     pipe.scheduler = make_scheduler("ddim", pipe.scheduler.config)
     pipe.set_progress_bar_config(disable=True)
