@@ -411,9 +411,15 @@ def test_every_documented_command_parses_and_resolves_its_config(capsys, tmp_pat
     commands = documented_commands()
     assert len(commands) >= 40, f"only {len(commands)} documented commands found: the finder broke"
     bad = []
+    # an argv the docs show in several places is resolved once: --print-config starts no work,
+    # so the same argv in the same folder resolves the same way
+    seen: dict[tuple[str, ...], tuple[int, str, str]] = {}
     for doc, line, args in commands:
-        code = main([*args, "--print-config"])
-        out, err = capsys.readouterr()
+        key = tuple(args)
+        if key not in seen:
+            code = main([*args, "--print-config"])
+            seen[key] = (code, *capsys.readouterr())
+        code, out, err = seen[key]
         if code == 0 and "--fields" in args:
             assert out.startswith(f"semix {args[0]} "), line  # the field table
         elif code == 0:

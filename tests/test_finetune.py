@@ -34,10 +34,13 @@ pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group("fi
 
 @pytest.fixture(scope="module")
 def root(digits_root, tmp_path_factory) -> Path:
-    """runs/digits/ with real/ and train/src/ (2 epochs of CE with the train stage)."""
+    """runs/digits/ with real/ and train/src/ (2 epochs of CE with the train stage) on the first
+    640 images of real/train, about half: a fine-tuning reads only its source run's images
+    (tests/test_budget.py), so every fine-tuning of this module does half the work."""
     out = tmp_path_factory.mktemp("finetune")
     shutil.copytree(digits_root / "real", out / "digits" / "real")
-    run_stage("train", "digits", [f"out={out}", f"run={SRC}", "loss=ce", "epochs=2"])
+    sets = [f"out={out}", f"run={SRC}", "loss=ce", "epochs=2", "train_limit=640"]
+    run_stage("train", "digits", sets)
     return out / "digits"
 
 

@@ -240,6 +240,7 @@ def test_study_runs_reports_and_resumes_only_what_is_missing(digits_root, tmp_pa
     sets = [
         f"out={tmp_path}", "study.methods=ce,ce+maccal", "study.seeds=0,1", "study.jobs=2",
         "study.bootstrap=200", "train.epochs=2", "train.milestones=", "finetune.maccal_epochs=1",
+        "train.train_limit=640",  # about half of real/train: ce's stack and the maccal runs on it
         "study.tune=false",  # the tuning grids run in tests/test_study_tune.py
         "shift.corruptions=gaussian_noise,contrast",  # 2 of 11: the same 5 severities, 359 test
     ]  # fmt: skip
