@@ -61,7 +61,7 @@ def test_every_method_gets_a_grid_of_the_same_size_over_its_own_fields():
             own = set(train_config.LOSS.paths_of(loss).values())
             assert {PATHS[k] for k in grid} <= own, group  # the grids' flat names: PATHS
         else:  # MaC-Cal's bottleneck width and its q schedule's start
-            maccal = finetune_config.METHOD.paths_of("maccal").values()
+            maccal = finetune_config.OBJECTIVE.paths_of("maccal").values()
             assert {PATHS[k] for k in grid} <= {"maccal.r", *maccal}
             config = finetune_config.Config  # a name its --set takes: a leaf or a flat name
             assert set(grid) <= {*(leaf.path for leaf in leaves(config)), *config.LEGACY}
@@ -270,7 +270,7 @@ def test_plan_gives_every_method_the_same_knobs_at_the_same_tuning_seeds(tmp_pat
     assert "optim.weight_decay=0.002" in wd_sets and "seed=101" in wd_sets
     # MaC-Cal's grid fine-tunes its own copy of ce's chosen runs, so it waits for ce's tuning
     ft_sets = tasks["tune-ce-r128-q0p7-t101-maccal"].steps[0][1]
-    assert "run=tune-ce-r128-q0p7-t101" in ft_sets and "method=maccal" in ft_sets
+    assert "run=tune-ce-r128-q0p7-t101" in ft_sets and "objective=maccal" in ft_sets
     assert tasks["tune-ce-r128-q0p7-maccal"].after == {*runs["ce"], *exts["ce"]}
     # each study run waits for its method's tuning, and only for it
     assert tasks["ls-s0"].after == {*runs["ls"], *shared["ls"], *exts["ls"]}
