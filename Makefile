@@ -1,7 +1,8 @@
 # semix front door. `make help` lists every target.
 # Variables: CLASSES (preset or classes .txt), RECIPE (a preset whose recipe runs on CLASSES'
-# data), OUT (runs root), RUN, LOSS, METHOD, RUNS, MIXED, REPO, REVISION, PRIVATE, DRY_RUN,
-# SET (extra key=value overrides), FORCE (clean), PYTEST_WORKERS (make test: processes, 0 = one).
+# data), OUT (runs root), RUN, LOSS, OBJECTIVE (finetune's; METHOD, its old name, still works),
+# RUNS, MIXED, REPO, REVISION, PRIVATE, DRY_RUN, SET (extra key=value overrides), FORCE (clean),
+# PYTEST_WORKERS (make test: processes, 0 = one).
 
 SHELL      := /bin/bash
 ROOT       := $(patsubst %/,%,$(dir $(abspath $(lastword $(MAKEFILE_LIST)))))
@@ -14,7 +15,8 @@ OUT        ?= runs
 
 # Make variables -> config overrides (empty ones vanish).
 SETS := out=$(OUT) \
-	$(if $(RUN),run=$(RUN)) $(if $(LOSS),loss=$(LOSS)) $(if $(METHOD),method=$(METHOD)) \
+	$(if $(RUN),run=$(RUN)) $(if $(LOSS),loss=$(LOSS)) \
+	$(if $(OBJECTIVE),objective=$(OBJECTIVE),$(if $(METHOD),objective=$(METHOD))) \
 	$(if $(RUNS),runs=$(RUNS)) $(if $(MIXED),mixed=$(MIXED)) $(if $(REPO),repo=$(REPO)) \
 	$(if $(REVISION),revision=$(REVISION)) $(if $(PRIVATE),private=$(PRIVATE)) \
 	$(if $(DRY_RUN),dry_run=$(DRY_RUN)) $(SET)
@@ -128,7 +130,7 @@ shift: $(STAMP) ## real/test corrupted at 5 severities, CIFAR-C layout (docs/shi
 ood: $(STAMP) ## far-OOD test sets: digits, uniform and gaussian noise (docs/shift.md) -> ood/<set>/
 	$(SEMIX) ood $(PRESET) --set $(SETS)
 
-finetune: $(STAMP) ## MaC-Cal or FeDLaS on a trained run (RUN=name METHOD=maccal|fedlas-ls|fedlas-mbls)
+finetune: $(STAMP) ## MaC-Cal or FeDLaS on a trained run (RUN=name OBJECTIVE=maccal|fedlas-ls|fedlas-mbls)
 	$(SEMIX) finetune $(PRESET) --set $(SETS)
 
 publish: $(STAMP) ## upload mixed/ to the Hub (REPO=user/name [PRIVATE=1] [DRY_RUN=1])

@@ -110,23 +110,25 @@ def _with_choices(doc: str, choices: Sequence[Any]) -> str:
 
 def other_spellings(config_cls: type) -> dict[str, list[str]]:
     """{path: the other keys --set takes for that leaf}: its flat name (config.json's, `LEGACY`)
-    and a section of parts' shorthands, the part named (`method.fedlas-ls.alpha`) or the picked
-    part's (`method.alpha (method=fedlas-ls)`), in the order core.config.parse_sets spells them."""
+    and a section of parts' shorthands, the part named (`objective.fedlas-ls.alpha`) or the
+    picked part's (`objective.alpha (objective=fedlas-ls)`), then the same under the section's
+    old name (`method.alpha (objective=fedlas-ls)`: the pick said by its new name), in the
+    order core.config.parse_sets spells them."""
     found: dict[str, list[str]] = {}
     for flat, path in getattr(config_cls, "LEGACY", {}).items():
         found.setdefault(path, []).append(flat)
     for section in getattr(config_cls, "SECTIONS", ()):
+        heads = [section.name, *([section.formerly] if section.formerly else [])]
         for part in section.names:
             for param, path in section.paths_of(part).items():
                 # the shorthand is the picked part's parameter: say which picks make it this one
                 pickers = [p for p in section.names if section.paths_of(p).get(param) == path]
+                picks = f"({section.name}={'|'.join(pickers)})"
                 words = found.setdefault(path, [])
-                for word in (
-                    f"{section.name}.{part}.{param}",
-                    f"{section.name}.{param} ({section.name}={'|'.join(pickers)})",
-                ):
-                    if word.partition(" ")[0].replace("-", "_") != path and word not in words:
-                        words.append(word)
+                for head in heads:
+                    for word in (f"{head}.{part}.{param}", f"{head}.{param} {picks}"):
+                        if word.partition(" ")[0].replace("-", "_") != path and word not in words:
+                            words.append(word)
     return found
 
 

@@ -32,7 +32,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from core.config import IDENTITY, OFF_DEFAULT, ConfigError, check_choice, check_range, did_you_mean
+from core.config import (
+    IDENTITY,
+    OFF_DEFAULT,
+    ConfigError,
+    check_choice,
+    check_range,
+    did_you_mean,
+    renamed,
+)
 from core.tree import PICK, get
 
 
@@ -152,6 +160,9 @@ class Section:
         self.derived: dict[str, Derived] = {}  # {path: leaf}, once placed (`tree`, `within`)
         self.legacy: dict[str, str] = {}  # {config.json's key: path}, once placed
         self.picking = False  # its tree section has a `name` leaf that picks the part (`tree`)
+        # the name --set knew the section by before (finetune's `method`, now `objective`):
+        # `method.q0=0.7` is still taken, saying the new name once (`unnest`)
+        self.formerly = ""
         # the parts' parameters, one per recorded key: two parts' parameters recorded under one
         # key are one leaf (a shared one sits with its last part, as it always has)
         shared: dict[str, Derived] = {}
@@ -173,11 +184,13 @@ class Section:
         self._params = tuple(shared.values())
 
     @classmethod
-    def joined(cls, name: str, *sections: Section) -> Section:
+    def joined(cls, name: str, *sections: Section, formerly: str = "") -> Section:
         """A section over the parts of `sections`, each already placed, whose leaves stay where
-        those put them: finetune's `method` spells `method.q0` as MaC-Cal's `maccal.q0` and
-        `method.alpha` as the picked FeDLaS loss's `loss.fedlas_ls.alpha`."""
+        those put them: finetune's `objective` spells `objective.q0` as MaC-Cal's `maccal.q0`
+        and `objective.alpha` as the picked FeDLaS loss's `loss.fedlas_ls.alpha`; `formerly`:
+        the section's old name, still taken (`method.q0`)."""
         joined = cls(name, {part: entry for s in sections for part, entry in s.parts.items()})
+        joined.formerly = formerly
         for s in sections:
             joined.derived |= s.derived
             joined.legacy |= s.legacy
@@ -215,7 +228,7 @@ class Section:
         one leaf, at its first part. Building one runs every part's checks. `module` assigns
         the class to its name, the section's titled (`Loss`), so a config pickles (its
         subsections: `Loss.Csm`). `pick=False`: no `name` leaf, another field picks the part
-        (finetune's `loss` holds the FeDLaS losses' parameters at train's paths; its `method`
+        (finetune's `loss` holds the FeDLaS losses' parameters at train's paths; its `objective`
         picks)."""
         self.default, self.picking, section = default, pick, self
         subsections, placed = [], {}
@@ -312,31 +325,40 @@ class Section:
         self, sets: Sequence[str], known: Mapping[str, Any], spell: Callable[[str], str]
     ) -> list[str]:
         """--set values with this section's dotted keys spelt as paths: `loss.name` (or
-        `method.name`: the field `method`, which picks but is no tree section), `loss.gamma` ->
-        the picked loss's `loss.focal.gamma` (`known`: the preset's values, by path), and
-        `method.fedlas-ls.alpha` -> `loss.fedlas_ls.alpha`. Other values pass as they are."""
+        `objective.name`: the field `objective`, which picks but is no tree section), `loss.gamma`
+        -> the picked loss's `loss.focal.gamma` (`known`: the preset's values, by path), and
+        `objective.fedlas-ls.alpha` -> `loss.fedlas_ls.alpha`. The section's old name
+        (`formerly`) is taken for its name, in a dotted key or as the picking field, saying the
+        new name once (`method.q0=0.7`: `method is now objective`; the picking field `method=`
+        itself is the stage's LEGACY, said by core.config.parse_sets under the same name).
+        Other values pass as they are."""
+        heads = (self.name, self.formerly) if self.formerly else (self.name,)
+        picking = {*heads, *(f"{head}.{PICK}" for head in heads)}
         items = [(item.partition("=")[0].strip().replace("-", "_"), item) for item in sets]
         picked = str(known.get(self.name, known.get(f"{self.name}.{PICK}", self.default)))
         for key, item in items:
-            if key in (self.name, f"{self.name}.{PICK}"):
+            if key in picking:
                 picked = item.partition("=")[2]
         spelt = []
         for key, item in items:
             head, dot, rest = key.partition(".")
-            if head == self.name and dot and "=" in item:
-                item = f"{self._path(rest, picked, spell)}={item.partition('=')[2]}"
+            if head in heads and dot and "=" in item:
+                if head != self.name:
+                    renamed(head, spell(head), spell(self.name))
+                item = f"{self._path(rest, picked, spell, head)}={item.partition('=')[2]}"
             spelt.append(item)
         return spelt
 
-    def _path(self, rest: str, picked: str, spell: Callable[[str], str]) -> str:
+    def _path(self, rest: str, picked: str, spell: Callable[[str], str], typed: str = "") -> str:
         """The leaf `<section>.<rest>` names: `rest` a parameter of the picked part, or
-        `<part>.<param>`; a one-line ConfigError naming the key as typed when there is none."""
+        `<part>.<param>`; a one-line ConfigError naming the key as typed (`typed`: the
+        section's name as typed, its old one or its own) when there is none."""
         if rest == PICK:
             return f"{self.name}.{PICK}" if self.picking else self.name
         part, dot, p = rest.rpartition(".")
         by_key = {name.replace("-", "_"): name for name in self.parts}
         part = by_key.get(part, part) if dot else picked
-        key = f"{spell(self.name)}.{rest}"
+        key = f"{spell(typed or self.name)}.{rest}"
         if not dot and part not in self.parts:
             raise ConfigError(f"{key}: {self.name}={part} has no parameters to set this way")
         if part not in self.parts:

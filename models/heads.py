@@ -135,8 +135,9 @@ class MaskedSGD(torch.optim.SGD):
 
 @dataclass(frozen=True)
 class RetentionParams(Params):
-    """The retention schedule's parameters (docs/methods.md §4; GUESS defaults): finetune's `maccal_*`
-    fields, `method.<param>=` on the command line."""
+    """The retention schedule's parameters (docs/methods.md §4; GUESS defaults): finetune's
+    `maccal.<param>` leaves (config.json's `maccal_*`), also `objective.<param>=` on the command
+    line."""
 
     q0: float = param(0.9, low=0.0, high=1.0, doc="q₀, the first epoch's retention probability")
     gamma: float = param(0.9, doc="γ: an epoch is over-confident when conf > γ·acc")
@@ -155,8 +156,8 @@ class RetentionParams(Params):
 
 @dataclass(frozen=True)
 class MaCCalPart:
-    """MaC-Cal as a part of finetune's `method` section (core.parts.Part): its fields are
-    `maccal_<param>`, recorded in every run (they are older than the parts)."""
+    """MaC-Cal as a part of finetune's `objective` section (core.parts.Part): its fields are
+    recorded as `maccal_<param>` in every run (they are older than the parts)."""
 
     params: type[Params] = RetentionParams
     prefix: str = "maccal"

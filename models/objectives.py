@@ -184,7 +184,7 @@ class FeDLaSMbLS(Params):
 
 class FeDLaSObjective(Objective):
     """FeDLaS-LS / -MbLS (docs/methods.md §5) on pooled features + logits of the real batch, from
-    scratch (train loss=fedlas-*) or on a trained model (finetune method=fedlas-*).
+    scratch (train loss=fedlas-*) or on a trained model (finetune objective=fedlas-*).
 
     Per epoch: mean r, the NCI's μ and σ and, with `num_samples` > 0 (the batch carries the
     dataset indices `idx`), each gate mode's share and the flip rate (`GateTracker`).

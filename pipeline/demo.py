@@ -18,7 +18,7 @@ from pipeline.registry import resolve_stage_config, run_stage
 
 SEEDS = (0, 1, 2)
 FROM_SCRATCH = ("ce", "csm", "fedlas-ls", "fedlas-mbls")  # train losses
-FINETUNED = (("ce", "maccal"), ("csm", "maccal"))  # (stage-I loss, fine-tuning method)
+FINETUNED = (("ce", "maccal"), ("csm", "maccal"))  # (stage-I loss, fine-tuning objective)
 STAGES = ("train", "finetune", "evaluate")  # what the demo runs after the chain
 
 
@@ -36,10 +36,10 @@ def demo_steps(preset: str, sets: Sequence[str]) -> list[tuple[str, list[str]]]:
             name = f"{loss}-s{seed}"
             steps.append(("train", [*train_sets, f"run={name}", f"loss={loss}", f"seed={seed}"]))
             evaluated.append((name, "train"))
-        for loss, method in FINETUNED:
+        for loss, objective in FINETUNED:
             run = f"{loss}-s{seed}"
-            steps.append(("finetune", [*finetune_sets, f"run={run}", f"method={method}", f"seed={seed}"]))  # fmt: skip
-            evaluated.append((f"{run}-{method}", "finetune"))
+            steps.append(("finetune", [*finetune_sets, f"run={run}", f"objective={objective}", f"seed={seed}"]))  # fmt: skip
+            evaluated.append((f"{run}-{objective}", "finetune"))
     for name, stage in evaluated:
         steps.append(("evaluate", [*evaluate_sets, f"run={name}", f"stage_dir={stage}"]))
     return steps

@@ -81,7 +81,7 @@ _builtin("generate", folder="series", kind="series")
 _builtin("annotate", folder="mixed", kind="mixed")
 _builtin("train", parent="train", kind="run")  # train/<run>
 _builtin("evaluate")  # eval/<stage>/<run> (shards/evals.py names its own reruns)
-_builtin("finetune", parent="finetune", kind="run")  # finetune/<run>-<method>
+_builtin("finetune", parent="finetune", kind="run")  # finetune/<run>-<objective>
 _builtin("publish", main_only=True)  # to the Hub
 _builtin("pull", main_only=True, folder="mixed", kind="mixed")  # runs/<repo>/mixed
 _builtin("convert-edm", main_only=True, folder="edm")  # edm/: weights + config, no manifest

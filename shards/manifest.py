@@ -86,8 +86,9 @@ def _run_sets(stage: str, folder: Path) -> dict[str, Any]:
             return {"run": folder.name}
         loss = recorded["loss"]
         return {"loss": loss} if folder.name == loss else {"run": folder.name, "loss": loss}
-    if stage == "finetune":  # the folder is <run>-<method>
-        return {"run": recorded.get("run", "<run>"), "method": recorded.get("method", "<method>")}
+    if stage == "finetune":  # the folder is <run>-<objective>; config.json records it as `method`
+        objective = recorded.get("method", "<objective>")
+        return {"run": recorded.get("run", "<run>"), "objective": objective}
     return {}
 
 

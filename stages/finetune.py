@@ -1,7 +1,7 @@
-"""finetune: train/<run>/ -> runs/<classes>/finetune/<run>-<method>/ (docs/methods.md §4, §5).
+"""finetune: train/<run>/ -> runs/<classes>/finetune/<run>-<objective>/ (docs/methods.md §4, §5).
 
-    python -m pipeline finetune --preset digits --set run=ce method=maccal
-    make finetune CLASSES=cifar10 RUN=csm METHOD=fedlas-ls
+    python -m pipeline finetune --preset digits --set run=ce objective=maccal
+    make finetune CLASSES=cifar10 RUN=csm OBJECTIVE=fedlas-ls
     torchrun --nproc_per_node 2 -m pipeline finetune ...     (CPU, gloo)
 
 The trained run's classifier goes through the same training loop as `train` (stages/common/epochs.py:
@@ -56,7 +56,7 @@ from stages.common.training_run import TrainingRun
 from stages.configs.finetune import Config
 
 SECTION = "finetune"  # metrics.json section and the first key of every draw
-# what a fine-tuning method sets up: its objective, optimizer, constant lr and end-of-run plots
+# what a fine-tuning objective sets up: the objective, optimizer, constant lr and end-of-run plots
 Setup = tuple[Objective, torch.optim.Optimizer, float, list[Callable[[Path], Any]]]
 
 
@@ -74,7 +74,7 @@ def load_source(cfg: Config) -> tuple[Run, Classifier]:
 
 def load_data(cfg: Config, source: Run, accelerator: Any) -> tuple[TrainingData, DataPathChoice]:
     """real/train and real/val through the data path (stages/common/data.py), with the run's own
-    normalisation; pixels for the steps come later (`pixel_source`, once the method is known).
+    normalisation; pixels for the steps come later (`pixel_source`, once the objective is known).
     The training images are the source run's own (its train_limit): fine-tuning on more labels
     than Stage I saw would compare methods on different labelled budgets."""
     real, dev, meta = cfg.root / "real", accelerator.device, source.meta
@@ -98,7 +98,7 @@ def source_train_limit(source: Run) -> int:
     return int(read_json(source.folder / "config.json").get("train_limit", 0))
 
 
-# ---------------------------------------------------------------- 2. each method's setup
+# ---------------------------------------------------------------- 2. each objective's setup
 
 
 def maccal_setup(cfg: Config, model: Classifier, data: TrainingData) -> Setup:
@@ -119,8 +119,8 @@ def maccal_setup(cfg: Config, model: Classifier, data: TrainingData) -> Setup:
         finally:
             datapath.close(train)
         features = features.to(data.train.labels.device)
-    schedule = RetentionSchedule(**cfg.method_params(), total_epochs=cfg.epochs)
-    init = make_generator(cfg.seed, SECTION, cfg.method, "head-init")
+    schedule = RetentionSchedule(**cfg.objective_params(), total_epochs=cfg.epochs)
+    init = make_generator(cfg.seed, SECTION, cfg.objective, "head-init")
     objective = maccal(model, cfg.maccal.r, schedule, init, features)
     head = model.head
     optimizer = MaskedSGD(
@@ -148,11 +148,11 @@ def maccal_setup(cfg: Config, model: Classifier, data: TrainingData) -> Setup:
 def fedlas_setup(cfg: Config, model: Classifier, data: TrainingData) -> Setup:
     """docs/methods.md §5: the whole model continues under the FeDLaS objective of `train`."""
     objective = build_objective(
-        cfg.method,
+        cfg.objective,
         model.num_classes,
-        generator=make_generator(cfg.seed, SECTION, cfg.method, "gate-init"),
+        generator=make_generator(cfg.seed, SECTION, cfg.objective, "gate-init"),
         num_samples=len(data.train),
-        **cfg.method_params(),
+        **cfg.objective_params(),
     )
     params = [*model.parameters(), *objective.parameters()]  # the gate: same lr and decay
     optimizer = torch.optim.SGD(
@@ -161,7 +161,8 @@ def fedlas_setup(cfg: Config, model: Classifier, data: TrainingData) -> Setup:
     return objective, optimizer, cfg.fedlas.lr, []
 
 
-# {method=: its setup}; the study's methods are another registry (pipeline/study/config.py)
+# {objective=: its setup} (stages/configs/finetune.OBJECTIVES); the study's methods are another
+# registry (pipeline/study/config.py)
 SETUPS: dict[str, Callable[[Config, Classifier, TrainingData], Setup]] = {
     "maccal": maccal_setup,
     "fedlas-ls": fedlas_setup,
@@ -170,7 +171,7 @@ SETUPS: dict[str, Callable[[Config, Classifier, TrainingData], Setup]] = {
 
 
 def describe(stats: dict[str, Any]) -> str:
-    """The method's part of an epoch's log line."""
+    """The objective's part of an epoch's log line."""
     if "q" in stats:
         return (
             f"q {stats['q']:.3f} -> {stats['q_next']:.3f}, train conf {stats['train_conf']:.1f} %"
@@ -201,21 +202,21 @@ def run(cfg: Config) -> Path:
     model.to(dev)
     run.write_config()
 
-    # 2. The method: a fresh head or gate from (seed, method, purpose), its optimizer.
-    objective, optimizer, lr, plots = SETUPS[cfg.method](cfg, model, data)
+    # 2. The objective: a fresh head or gate from (seed, objective, purpose), its optimizer.
+    objective, optimizer, lr, plots = SETUPS[cfg.objective](cfg, model, data)
     module = TrainingModule(model, objective).to(dev)
     data.pixels = datapath.pixel_source(data.train, None, objective.mixes_rows, accelerator, cfg)
     loss = meta.get("loss", "")
     log.info(
         "finetune %s: %s on run %s (%s, loss %s), %d train / %d val images, %d process(es) on %s",
-        *(cfg.output, cfg.method, cfg.run, meta["arch"].get("arch"), loss or "?"),
+        *(cfg.output, cfg.objective, cfg.run, meta["arch"].get("arch"), loss or "?"),
         *(len(data.train), len(data.val), accelerator.num_processes, dev),
     )
 
     # 3. The loop: constant lr, the last epoch's weights (FeDLaS clips the classifier only;
     #    MaC-Cal clips nothing).
-    lr_field = "maccal.lr" if cfg.method == "maccal" else "fedlas.lr"
-    key = (cfg.seed, SECTION, cfg.method)
+    lr_field = "maccal.lr" if cfg.objective == "maccal" else "fedlas.lr"
+    key = (cfg.seed, SECTION, cfg.objective)  # the draw key: the same words as before
     recipe = run.recipe(key=key, lr=lambda epoch: lr, keep="last", lr_field=lr_field)
     source_info = {
         "run": cfg.run,
@@ -229,8 +230,9 @@ def run(cfg: Config) -> Path:
     def section(state: LoopState, finished: bool) -> dict[str, Any]:
         return {
             "run": cfg.output,
-            "method": cfg.method,
-            "method_params": cfg.method_params(),
+            # metrics.json keeps its keys (`method`, `method_params`): outputs already recorded
+            "method": cfg.objective,
+            "method_params": cfg.objective_params(),
             "source": source_info,
             "epochs": cfg.epochs,
             "history": split_history(state.history)[0],  # seconds: host.json
@@ -246,13 +248,13 @@ def run(cfg: Config) -> Path:
     if run.main:
         history = result.state.history
         out_meta = {
-            "arch": arch_with_head(model) if cfg.method == "maccal" else meta["arch"],
+            "arch": arch_with_head(model) if cfg.objective == "maccal" else meta["arch"],
             "class_names": list(meta["class_names"]),
             "image_size": data.image_size,
             "normalize": meta["normalize"],
             "run": cfg.output,
-            "loss": f"{loss}+{cfg.method}" if loss else cfg.method,
-            "method": cfg.method,
+            "loss": f"{loss}+{cfg.objective}" if loss else cfg.objective,
+            "method": cfg.objective,  # meta.json's key, kept (evaluate reads it)
             "source": source_info,
             "epochs": cfg.epochs,
             "code_version": code_version(),

@@ -59,7 +59,7 @@ def evaluate(root: Path, run: str) -> dict:
 @pytest.fixture(scope="module")
 def maccal(root) -> Path:
     """Three MaC-Cal epochs with the digits augmentation (the backbone runs on every batch)."""
-    return finetune(root, "method=maccal", "maccal_epochs=3")
+    return finetune(root, "objective=maccal", "maccal_epochs=3")
 
 
 def test_maccal_writes_a_run_folder_with_q_trace(root, maccal):
@@ -105,17 +105,17 @@ def test_maccal_is_a_complete_run_that_a_rerun_only_reads(root, maccal):
     }
     assert {"q_trace.json", "q_trace.png", "curves.png"} <= set(manifest.info["files"])
     before = snapshot(maccal)
-    assert finetune(root, "method=maccal", "maccal_epochs=3") == maccal
+    assert finetune(root, "objective=maccal", "maccal_epochs=3") == maccal
     assert snapshot(maccal) == before
     with pytest.raises(ShardError, match="different config"):
-        finetune(root, "method=maccal", "maccal_epochs=4")
+        finetune(root, "objective=maccal", "maccal_epochs=4")
 
 
 def test_maccal_is_reproducible_and_its_inference_deterministic(root):
     """Without augmentation the features are computed once; two runs give the same bytes."""
     if not (root / "train" / "twin").is_dir():  # a second name for src: its own output folder
         shutil.copytree(root / "train" / SRC, root / "train" / "twin")
-    sets = ("run=twin", "method=maccal", "maccal_epochs=2", "crop_pad=0", "flip=false")
+    sets = ("run=twin", "objective=maccal", "maccal_epochs=2", "crop_pad=0", "flip=false")
     folder = finetune(root, *sets)
     first = (folder / "model.safetensors").read_bytes()
     shutil.rmtree(folder)
@@ -138,8 +138,8 @@ def test_maccal_is_reproducible_and_its_inference_deterministic(root):
 
 @pytest.mark.parametrize(
     "sets",
-    [("method=maccal", "maccal_epochs=2", "crop_pad=0", "flip=false"),  # features once
-     ("method=fedlas-ls", "fedlas_epochs=1")],  # the whole model on every batch
+    [("objective=maccal", "maccal_epochs=2", "crop_pad=0", "flip=false"),  # features once
+     ("objective=fedlas-ls", "fedlas_epochs=1")],  # the whole model on every batch
 )  # fmt: skip
 def test_streamed_finetuning_equals_decoded(root, sets):
     """The same fine-tuning with real/train and real/val decoded into memory and streamed from
@@ -166,24 +166,24 @@ def test_evaluate_reads_a_maccal_run(root, maccal):
 # ---------------------------------------------------------------- FeDLaS
 
 
-@pytest.mark.parametrize("method", ["fedlas-ls", "fedlas-mbls"])
-def test_fedlas_finetuning_logs_the_gate_and_evaluates(root, method):
-    folder = finetune(root, f"method={method}", "fedlas_epochs=2")
+@pytest.mark.parametrize("objective", ["fedlas-ls", "fedlas-mbls"])
+def test_fedlas_finetuning_logs_the_gate_and_evaluates(root, objective):
+    folder = finetune(root, f"objective={objective}", "fedlas_epochs=2")
     meta = json.loads((folder / "model.json").read_text())
     source_meta = json.loads((root / "train" / SRC / "model.json").read_text())
-    assert meta["arch"] == source_meta["arch"] and meta["loss"] == f"ce+{method}"
+    assert meta["arch"] == source_meta["arch"] and meta["loss"] == f"ce+{objective}"
     hist = json.loads((folder / "metrics.json").read_text())["finetune"]["history"]
     assert len(hist) == 2 and (folder / "gate.png").is_file()
     for h in hist:
         assert set(h["mode_share"]) == {"+1", "-1", "0"}
         assert sum(h["mode_share"].values()) == pytest.approx(1.0)
-        assert 0 < h["r_mean"] < 2 * (0.05 if method == "fedlas-ls" else 0.1)
+        assert 0 < h["r_mean"] < 2 * (0.05 if objective == "fedlas-ls" else 0.1)
     assert hist[0]["flip_rate"] is None and 0.0 <= hist[1]["flip_rate"] <= 1.0
     before, after = load_weights(root / "train" / SRC)[0], load_weights(folder)[0]
     assert before.keys() == after.keys()
     assert any(not torch.equal(before[k], after[k]) for k in before)  # the whole model moved
     ev = evaluate(root, folder.name)
-    assert ev["stage"] == "finetune" and ev["loss"] == f"ce+{method}"
+    assert ev["stage"] == "finetune" and ev["loss"] == f"ce+{objective}"
 
 
 def test_gate_tracker_shares_and_flip_rate():
@@ -232,7 +232,7 @@ def _history(folder: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    "sets", [("method=maccal", "maccal_epochs=4"), ("method=fedlas-ls", "fedlas_epochs=4")]
+    "sets", [("objective=maccal", "maccal_epochs=4"), ("objective=fedlas-ls", "fedlas_epochs=4")]
 )
 def test_killed_finetune_resumes_to_identical_weights(root, tmp_path, sets, capsys):
     """SIGKILL once the second checkpoint is complete, rerun: the same bytes and history as an
@@ -241,7 +241,7 @@ def test_killed_finetune_resumes_to_identical_weights(root, tmp_path, sets, caps
     a real process; the uninterrupted run and the rerun are in-process (_finetune_here)."""
     whole, killed = _copy(root, tmp_path / "whole"), _copy(root, tmp_path / "killed")
     _finetune_here(capsys, whole, *sets)
-    out = killed / "finetune" / f"{SRC}-{sets[0].removeprefix('method=')}"
+    out = killed / "finetune" / f"{SRC}-{sets[0].removeprefix('objective=')}"
     kill_when(_cli(killed, *sets), (out / "checkpoints" / "checkpoint_2").is_dir)
     assert not (out / "manifest.json").exists(), "finished before it could be killed"
     err = _finetune_here(capsys, killed, *sets)
@@ -258,7 +258,7 @@ def test_maccal_on_two_processes_equals_one(root, tmp_path, capsys):
     of the per-rank sums would hide what is compared). The 1 rank is in-process
     (_finetune_here)."""
     one, two = _copy(root, tmp_path / "one"), _copy(root, tmp_path / "two")
-    sets = ("method=maccal", "maccal_epochs=3", "precision=fp32")
+    sets = ("objective=maccal", "maccal_epochs=3", "precision=fp32")
     _finetune_here(capsys, one, *sets)
     env = subprocess_env() | {"OMP_NUM_THREADS": "1"}
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -313,8 +313,10 @@ def _one_line_error(capsys, argv: list[str], code: int, match: str) -> None:
 
 def test_bad_input_gives_one_line_errors(root, tmp_path, capsys, monkeypatch):
     base = ["finetune", "--preset", "digits", "--set", f"out={root.parent}"]
-    _one_line_error(capsys, [*base, f"run={SRC}", "method=nope"], 2, "method='nope' is not valid")
-    _one_line_error(capsys, [*base, "method=maccal"], 2, "set run=NAME")  # finetune needs a run
+    _one_line_error(
+        capsys, [*base, f"run={SRC}", "objective=nope"], 2, "objective='nope' is not valid"
+    )
+    _one_line_error(capsys, [*base, "objective=maccal"], 2, "set run=NAME")  # finetune needs a run
     _one_line_error(capsys, [*base, f"run={SRC}", "maccal.q0=0.1"], 2, "maccal.q_min <= maccal.q0")
     _one_line_error(capsys, [*base, "run=ghost"], 1, "has no trained weights")
     assert not (root / "finetune" / "ghost-maccal").exists()
@@ -331,7 +333,7 @@ def test_bad_input_gives_one_line_errors(root, tmp_path, capsys, monkeypatch):
     odd = meta | {"arch": meta["arch"] | {"head": {"type": "nope"}}}
     save_weights(root / "train" / "oddhead", state, odd)
     _one_line_error(
-        capsys, [*base, "run=oddhead", "method=fedlas-ls"], 1, "unknown head type 'nope'"
+        capsys, [*base, "run=oddhead", "objective=fedlas-ls"], 1, "unknown head type 'nope'"
     )
     assert not any((root / "finetune").glob("headless-*")) and not any(
         (root / "finetune").glob("oddhead-*")

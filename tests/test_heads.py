@@ -274,10 +274,10 @@ def _preset_fedlas() -> list[tuple[str, dict[str, float]]]:
 
     found: dict[str, tuple[str, dict[str, float]]] = {}
     for preset in NAMES:
-        for method in ("fedlas-ls", "fedlas-mbls"):
-            cfg = resolve_stage_config("finetune", preset, ["run=x", f"method={method}"])
-            params = cfg.method_params()
-            found.setdefault(f"{method}{sorted(params.items())}", (method[7:], params))
+        for objective in ("fedlas-ls", "fedlas-mbls"):
+            cfg = resolve_stage_config("finetune", preset, ["run=x", f"objective={objective}"])
+            params = cfg.objective_params()
+            found.setdefault(f"{objective}{sorted(params.items())}", (objective[7:], params))
     return list(found.values())
 
 

@@ -111,9 +111,9 @@ def test_nested_keys_follow_the_loss_the_preset_or_set_picks():
     cfg = resolve_stage_config("train", "digits", ["loss.fedlas-ls.alpha=0.3"])  # loss stays ce
     assert (cfg.loss.name, cfg.loss.fedlas_ls.alpha) == ("ce", 0.3)
     cfg = resolve_stage_config(
-        "finetune", "cifar100", ["run=x", "method=fedlas-mbls", "method.beta=2"]
+        "finetune", "cifar100", ["run=x", "objective=fedlas-mbls", "objective.beta=2"]
     )
-    assert cfg.method_params() == {"alpha": 0.1, "beta": 2.0, "margin": 6.0, "theta": 0.5}
+    assert cfg.objective_params() == {"alpha": 0.1, "beta": 2.0, "margin": 6.0, "theta": 0.5}
 
 
 @pytest.mark.parametrize(
@@ -134,22 +134,22 @@ def test_bad_loss_values_are_refused_in_one_line_naming_the_field(sets, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
-def test_finetune_takes_its_methods_parameters_at_trains_paths_and_no_others():
+def test_finetune_takes_its_objectives_parameters_at_trains_paths_and_no_others():
     paths = {leaf.path for leaf in leaves(finetune_config.Config)}
     legacy = finetune_config.Config.LEGACY
-    # every method's parameter is a leaf, keyed by its path; its config.json name maps onto it
-    method = finetune_config.METHOD
-    assert set(method.derived) == set(method.legacy.values()) <= paths
-    assert method.legacy.items() <= legacy.items()
-    assert method.paths_of("fedlas-ls")["alpha"] == "loss.fedlas_ls.alpha"  # train's path
+    # every objective's parameter is a leaf, keyed by its path; its config.json name maps onto it
+    objective = finetune_config.OBJECTIVE
+    assert set(objective.derived) == set(objective.legacy.values()) <= paths
+    assert objective.legacy.items() <= legacy.items()
+    assert objective.paths_of("fedlas-ls")["alpha"] == "loss.fedlas_ls.alpha"  # train's path
     assert legacy["maccal_q0"] == "maccal.q0" and legacy["maccal_q_max"] == "maccal.q_max"
     # a FeDLaS parameter has train's path in finetune, and the same config.json name
     fedlas = {k: v for k, v in legacy.items() if k.startswith("fedlas_") and v.startswith("loss.")}
     assert len(fedlas) == 6
     assert fedlas == {k: train_config.Config.LEGACY[k] for k in fedlas}
     assert "loss.focal.gamma" not in paths and "focal_gamma" not in legacy
-    cfg = resolve_stage_config("finetune", "digits", ["run=x", "method.q0=0.7"])
-    assert cfg.maccal.q0 == 0.7 and cfg.method_params() == {
+    cfg = resolve_stage_config("finetune", "digits", ["run=x", "objective.q0=0.7"])
+    assert cfg.maccal.q0 == 0.7 and cfg.objective_params() == {
         "q0": 0.7,
         "gamma": 0.9,
         "tau0": 0.1,
@@ -158,13 +158,46 @@ def test_finetune_takes_its_methods_parameters_at_trains_paths_and_no_others():
         "q_max": 1.0,
     }
     with pytest.raises(ConfigError, match="alpha"):
-        resolve_stage_config("finetune", "digits", ["run=x", "method.alpha=0.1"])
+        resolve_stage_config("finetune", "digits", ["run=x", "objective.alpha=0.1"])
     with pytest.raises(ConfigError, match=r"^maccal\.tau0=-1"):
         resolve_stage_config("finetune", "digits", ["run=x", "maccal_tau0=-1"])
-    sets = ["run=x", "method=fedlas-ls", "loss.fedlas_ls.alpha=0.2", "loss.fedlas_ls.theta=0.9"]
+    sets = ["run=x", "objective=fedlas-ls", "loss.fedlas_ls.alpha=0.2", "loss.fedlas_ls.theta=0.9"]
     cfg = resolve_stage_config("finetune", "digits", sets)
-    assert cfg.method_params() == {"alpha": 0.2, "beta": 4.0, "theta": 0.9}
+    assert cfg.objective_params() == {"alpha": 0.2, "beta": 4.0, "theta": 0.9}
     assert cfg.recorded()["fedlas_ls_alpha"] == 0.2 and cfg.recorded()["fedlas_theta"] == 0.9
+
+
+@pytest.mark.parametrize(
+    "old",
+    [
+        ["method=fedlas-mbls", "method.beta=2"],
+        ["method=fedlas-mbls", "method.fedlas-mbls.beta=2"],
+        ["objective=fedlas-mbls", "method.beta=2"],
+        ["method.name=fedlas-mbls", "loss.fedlas_mbls.beta=2"],
+    ],
+)
+def test_finetunes_old_word_method_is_its_objective_said_once(old):
+    """`method` was finetune's `objective`: the field and the section's shorthands still take
+    it, with one note, and config.json records the key `method` as it always has."""
+    new = ["run=x", "objective=fedlas-mbls", "objective.beta=2"]
+    SAID.clear()  # said once per process: maybe already, by another test
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        cfg = resolve_stage_config("finetune", "cifar100", ["run=x", *old])
+    assert [str(w.message) for w in said if w.category is RenamedField] == [
+        "method is now objective"
+    ]
+    assert cfg == resolve_stage_config("finetune", "cifar100", new)
+    assert cfg.objective == "fedlas-mbls" and cfg.loss.fedlas_mbls.beta == 2.0
+    recorded = cfg.recorded()
+    assert recorded["method"] == "fedlas-mbls" and "objective" not in recorded
+    assert cfg.output == "x-fedlas-mbls"  # the folder: the value, as before
+
+
+def test_an_old_shorthand_that_names_nothing_is_refused_as_typed():
+    with pytest.raises(ConfigError) as e:
+        resolve_stage_config("finetune", "digits", ["run=x", "method.alpha=0.1"])
+    assert str(e.value).startswith("method.alpha: objective 'maccal' has no parameter 'alpha'")
 
 
 def test_a_chain_scopes_a_nested_key_by_its_first_part():

@@ -22,7 +22,18 @@ from pipeline.study.protocol import (
     resolve,
     sha256,
 )
-from pipeline.study.tuning import BOUNDS, GRIDS, MAX_EXTENSIONS, REFERENCE, SHARED, TUNE_SEED
+from pipeline.study.tuning import (
+    BOUNDS,
+    GRIDS,
+    LETTERS,
+    MAX_EXTENSIONS,
+    REFERENCE,
+    SHARED,
+    TUNE_SEED,
+    WEIGHT_DECAY,
+    param_path,
+    recorded_names,
+)
 
 FILE = resolve(COMMITTED)
 
@@ -49,12 +60,41 @@ def test_the_study_reads_the_committed_protocol():
     tuning = raw["tuning"]
     assert tuning["max_extensions"] == MAX_EXTENSIONS
     assert SHARED.values == tuple(tuning["weight_decay"]["values"])
-    assert BOUNDS["csm"]["weight_decay"] == tuple(tuning["weight_decay"]["bounds"])
+    assert BOUNDS["csm"][WEIGHT_DECAY] == tuple(tuning["weight_decay"]["bounds"])
+    # the protocol names a grid's parameters by config.json's keys, the study by their paths
     for group, table in tuning["grids"].items():
         if table:
-            assert GRIDS[group] == {k: tuple(v["values"]) for k, v in table.items()}
-            assert REFERENCE[group] == {k: v["reference"] for k, v in table.items()}
-    assert GRIDS["ce"] == {"weight_decay": (1.25e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3)}
+            assert GRIDS[group] == {
+                param_path(group, k): tuple(v["values"]) for k, v in table.items()
+            }
+            assert REFERENCE[group] == {
+                param_path(group, k): v["reference"] for k, v in table.items()
+            }
+    assert GRIDS["ce"] == {WEIGHT_DECAY: (1.25e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3)}
+    assert list(GRIDS["csm"]) == ["loss.csm.weight", "loss.csm.sharpening"]  # the protocol's order
+    assert list(GRIDS["ce+maccal"]) == ["maccal.r", "maccal.q0"]  # finetune's paths
+
+
+def test_the_study_tunes_by_path_and_records_the_protocols_names():
+    """The grids are keyed by path; the run letters, and so every task name, and study.json's
+    names (config.json's keys, the protocol's) are the ones every study root was written with."""
+    letters = {
+        name: LETTERS[param_path(group, name)]
+        for group, grid in PROTOCOL.grids.items()
+        for name in grid
+    }
+    assert letters == {
+        "csm_weight": "w", "csm_sharpening": "s", "ls_alpha": "a", "focal_gamma": "g",
+        "mixup_alpha": "a", "mmce_lam": "l", "fedlas_ls_alpha": "a", "fedlas_ls_beta": "b",
+        "maccal_r": "r", "maccal_q0": "q",
+    }  # fmt: skip
+    assert LETTERS[WEIGHT_DECAY] == "wd" and WEIGHT_DECAY == "optim.weight_decay"
+    for group, grid in PROTOCOL.grids.items():
+        assert list(recorded_names(group, GRIDS[group])) == (list(grid) or ["weight_decay"])
+    row = {"run": "tune-ls-a0p1", "loss.ls.alpha": 0.1, WEIGHT_DECAY: 5e-4, "val_nll": 0.3}
+    assert recorded_names("ls", row) == {
+        "run": "tune-ls-a0p1", "ls_alpha": 0.1, "weight_decay": 5e-4, "val_nll": 0.3
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ import pytest
 from scipy.stats import sem
 
 from core.config import ConfigError
-from core.tree import leaves
+from core.tree import get, leaves
 from pipeline.study import tuning_plan
 from pipeline.study.config import METHODS, StudyConfig, StudyError
 from pipeline.study.execute import _execute, execute
@@ -24,7 +24,6 @@ from pipeline.study.tuning import (
     GRIDS,
     LETTERS,
     MAX_EXTENSIONS,
-    PATHS,
     REFERENCE,
     SHARED,
     TUNE_SEED,
@@ -44,6 +43,8 @@ from pipeline.study.tuning_plan import tuning_report, tuning_tasks
 from stages.configs import finetune as finetune_config
 from stages.configs import train as train_config
 
+ALPHA = "loss.ls.alpha"  # ls's own grid parameter, by path
+
 
 def test_every_method_gets_a_grid_of_the_same_size_over_its_own_fields():
     for group, grid in GRIDS.items():
@@ -54,17 +55,16 @@ def test_every_method_gets_a_grid_of_the_same_size_over_its_own_fields():
         assert all(v > 0 for values in grid.values() for v in values)  # geometric steps
         assert all(len(set(values)) == len(values) > 1 for values in grid.values())
         if group == "ce":  # ce has no loss parameter: its weight decay, the shared grid refined
-            assert grid == {"weight_decay": (1.25e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3)}
-            assert set(SHARED.values) <= set(grid["weight_decay"])
-        elif m.stage == "train":  # the loss's own parameters (train's loss section)
+            assert grid == {WEIGHT_DECAY: (1.25e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3)}
+            assert set(SHARED.values) <= set(grid[WEIGHT_DECAY])
+            assert WEIGHT_DECAY in {leaf.path for leaf in leaves(train_config.Config)}
+        elif m.stage == "train":  # the loss's own parameters (train's loss section), by path
             loss = next(s.split("=")[1] for s in m.sets if s.startswith("loss="))
-            own = set(train_config.LOSS.paths_of(loss).values())
-            assert {PATHS[k] for k in grid} <= own, group  # the grids' flat names: PATHS
-        else:  # MaC-Cal's bottleneck width and its q schedule's start
-            maccal = finetune_config.METHOD.paths_of("maccal").values()
-            assert {PATHS[k] for k in grid} <= {"maccal.r", *maccal}
-            config = finetune_config.Config  # a name its --set takes: a leaf or a flat name
-            assert set(grid) <= {*(leaf.path for leaf in leaves(config)), *config.LEGACY}
+            assert set(grid) <= set(train_config.LOSS.paths_of(loss).values()), group
+        else:  # MaC-Cal's bottleneck width and its q schedule's start, by path
+            maccal = finetune_config.OBJECTIVE.paths_of("maccal").values()
+            assert set(grid) <= {"maccal.r", *maccal}
+            assert set(grid) <= {leaf.path for leaf in leaves(finetune_config.Config)}
         assert set(grid) <= set(LETTERS)
     # every method has a grid, ce too (the primary endpoints' methods above all)
     assert {m for m in METHODS if not tuning_group(m)} == set()
@@ -73,19 +73,18 @@ def test_every_method_gets_a_grid_of_the_same_size_over_its_own_fields():
 def test_every_grids_reference_is_a_grid_point_and_the_untuned_default():
     """The rule falls back to REFERENCE: a point of the grid, the value the method runs with
     untuned (the configs' defaults; csm's s is annotate's sharpening, 0 in train = take it)."""
-    train = train_config.Config(run="x").to_dict()  # the defaults, by their flat names
-    finetune = finetune_config.Config(run="x").to_dict()
+    finetune = finetune_config.Config(run="x")  # the defaults
     from pipeline.registry import resolve_stage_config
 
     for group, ref in REFERENCE.items():
         assert ref in grid_points(group), group
-        for key, value in ref.items():
-            if key in finetune and key.startswith("maccal"):
-                assert finetune[key] == value, (group, key)
-            elif key != "csm_sharpening":
+        for path, value in ref.items():
+            if path.startswith("maccal."):
+                assert get(finetune, path) == value, (group, path)
+            elif path != "loss.csm.sharpening":
                 loss = next(s for s in METHODS[group].sets if s.startswith("loss="))
-                recorded = resolve_stage_config("train", "fashion-mnist", [loss]).recorded()
-                assert recorded.get(key, train.get(key)) == value, (group, key)
+                cfg = resolve_stage_config("train", "fashion-mnist", [loss])
+                assert get(cfg, path) == value, (group, path)
     assert resolve_stage_config("annotate", "fashion-mnist", []).sharpening == 4.0
 
 
@@ -152,26 +151,31 @@ def _line(group: str, param: str, nll: dict[float, float]) -> list[dict]:
 @pytest.mark.parametrize(
     ("group", "param", "nll", "expected"),
     [
-        ("ls", "ls_alpha", {0.02: 0.5, 0.05: 0.4, 0.1: 0.35, 0.2: 0.3}, 0.4),  # 0.2 * (0.2 / 0.1)
-        ("ls", "ls_alpha", {0.02: 0.3, 0.05: 0.4, 0.1: 0.45, 0.2: 0.5}, 0.008),  # 0.02 / 2.5
-        ("ls", "ls_alpha", {0.02: 0.5, 0.05: 0.3, 0.1: 0.4, 0.2: 0.5}, None),  # interior
-        ("ls", "ls_alpha", {0.1: 0.5, 0.2: 0.4, 0.4: 0.3}, 0.5),  # 0.8 passes 0.5: the bound
-        ("ls", "ls_alpha", {0.2: 0.5, 0.4: 0.4, 0.5: 0.3}, None),  # on the bound: nothing
-        ("focal", "focal_gamma", {1.0: 0.5, 2.0: 0.4, 3.0: 0.35, 5.0: 0.3}, 8.33),  # 3 digits
-        ("csm", "csm_sharpening", {2.3: 0.3, 4.0: 0.4}, 1.32),
-        ("ce+maccal", "maccal_r", {128: 0.3, 256: 0.4}, 64),  # a whole number of units
-        ("ce+maccal", "maccal_q0", {0.7: 0.4, 0.9: 0.3}, 1.0),  # 1.157 passes q_max = 1
-        ("ce+maccal", "maccal_q0", {0.9: 0.4, 1.0: 0.3}, None),  # already at the bound
-        ("ce", "weight_decay", {1e-3: 0.5, 2e-3: 0.4, 4e-3: 0.35, 8e-3: 0.3}, 0.016),
+        (
+            "ls",
+            "loss.ls.alpha",
+            {0.02: 0.5, 0.05: 0.4, 0.1: 0.35, 0.2: 0.3},
+            0.4,
+        ),  # 0.2 * (0.2 / 0.1)
+        ("ls", "loss.ls.alpha", {0.02: 0.3, 0.05: 0.4, 0.1: 0.45, 0.2: 0.5}, 0.008),  # 0.02 / 2.5
+        ("ls", "loss.ls.alpha", {0.02: 0.5, 0.05: 0.3, 0.1: 0.4, 0.2: 0.5}, None),  # interior
+        ("ls", "loss.ls.alpha", {0.1: 0.5, 0.2: 0.4, 0.4: 0.3}, 0.5),  # 0.8 passes 0.5: the bound
+        ("ls", "loss.ls.alpha", {0.2: 0.5, 0.4: 0.4, 0.5: 0.3}, None),  # on the bound: nothing
+        ("focal", "loss.focal.gamma", {1.0: 0.5, 2.0: 0.4, 3.0: 0.35, 5.0: 0.3}, 8.33),  # 3 digits
+        ("csm", "loss.csm.sharpening", {2.3: 0.3, 4.0: 0.4}, 1.32),
+        ("ce+maccal", "maccal.r", {128: 0.3, 256: 0.4}, 64),  # a whole number of units
+        ("ce+maccal", "maccal.q0", {0.7: 0.4, 0.9: 0.3}, 1.0),  # 1.157 passes q_max = 1
+        ("ce+maccal", "maccal.q0", {0.9: 0.4, 1.0: 0.3}, None),  # already at the bound
+        ("ce", WEIGHT_DECAY, {1e-3: 0.5, 2e-3: 0.4, 4e-3: 0.35, 8e-3: 0.3}, 0.016),
     ],
 )
 def test_a_choice_without_a_neighbour_steps_out_geometrically_to_a_bound(
     group, param, nll, expected
 ):
     rows = _line(group, param, nll)
-    if param == "ls_alpha" and 0.05 not in nll:  # the reference row the rule needs, worst
+    if param == "loss.ls.alpha" and 0.05 not in nll:  # the reference row the rule needs, worst
         rows.append(_line(group, param, {0.05: 0.9})[0])
-    if (param == "maccal_q0" and 0.9 not in nll) or param == "weight_decay":
+    if (param == "maccal.q0" and 0.9 not in nll) or param == WEIGHT_DECAY:
         rows.append(_line(group, param, {REFERENCE[group][param]: 0.9})[0])
     point = next_point(group, rows, param)
     assert (None if point is None else point[param]) == expected
@@ -229,7 +233,7 @@ def test_plan_gives_every_method_the_same_knobs_at_the_same_tuning_seeds(tmp_pat
     }  # fmt: skip
     # every point and extension at each tuning seed: the first keeps the name it always had
     runs = {g: [tune_run(g, p, seed) for p in grid_points(g) for seed in SEEDS] for g in points}
-    assert tune_run("ce+maccal", {"maccal_r": 128, "maccal_q0": 0.7}, 101) == (
+    assert tune_run("ce+maccal", {"maccal.r": 128, "maccal.q0": 0.7}, 101) == (
         "tune-ce-r128-q0p7-t101-maccal"
     )
     assert runs["ls"][:3] == ["tune-ls-a0p02", "tune-ls-a0p02-t101", "tune-ls-a0p02-t102"]
@@ -251,9 +255,8 @@ def test_plan_gives_every_method_the_same_knobs_at_the_same_tuning_seeds(tmp_pat
             for seed in SEEDS:
                 stage, sets = tasks[tune_run(group, point, seed)].steps[0]
                 assert f"seed={seed}" in sets and not tasks[tune_run(group, point, seed)].done
-                config = {"train": train_config, "finetune": finetune_config}[stage].Config
-                paths = config.LEGACY  # a grid parameter is set under its path in the tree
-                assert {f"{paths.get(k, k)}={v:g}" for k, v in point.items()} <= set(sets)
+                # a grid parameter is set under its path, its key in the grid
+                assert {f"{k}={v:g}" for k, v in point.items()} <= set(sets)
                 assert stage == ("finetune" if group == "ce+maccal" else "train")
                 if shares_weight_decay(group):  # its own grid at the reference decay
                     assert "optim.weight_decay=0.0005" in sets
@@ -270,7 +273,7 @@ def test_plan_gives_every_method_the_same_knobs_at_the_same_tuning_seeds(tmp_pat
     assert "optim.weight_decay=0.002" in wd_sets and "seed=101" in wd_sets
     # MaC-Cal's grid fine-tunes its own copy of ce's chosen runs, so it waits for ce's tuning
     ft_sets = tasks["tune-ce-r128-q0p7-t101-maccal"].steps[0][1]
-    assert "run=tune-ce-r128-q0p7-t101" in ft_sets and "method=maccal" in ft_sets
+    assert "run=tune-ce-r128-q0p7-t101" in ft_sets and "objective=maccal" in ft_sets
     assert tasks["tune-ce-r128-q0p7-maccal"].after == {*runs["ce"], *exts["ce"]}
     # each study run waits for its method's tuning, and only for it
     assert tasks["ls-s0"].after == {*runs["ls"], *shared["ls"], *exts["ls"]}
@@ -329,8 +332,8 @@ def _tasks(root, methods, ce: bool = True):
     """The plan's tasks; `ce`: with ce's grid run, its reference chosen (the report reads it)."""
     cfg = StudyConfig(stack=False, methods=methods, seeds=(0,), robustness=False)
     if ce and not (root / "train" / "tune-ce-wd0p0005").exists():
-        for wd in GRIDS["ce"]["weight_decay"]:
-            _point(root, "ce", {"weight_decay": wd}, 0.3 if wd == 5e-4 else 0.4)
+        for wd in GRIDS["ce"][WEIGHT_DECAY]:
+            _point(root, "ce", {WEIGHT_DECAY: wd}, 0.3 if wd == 5e-4 else 0.4)
     return cfg, {t.name: t for t in plan(cfg, "digits", [], root)}
 
 
@@ -341,13 +344,10 @@ def _shared_points(root, group: str, nll: float = 0.9) -> None:
             _point(root, group, {WEIGHT_DECAY: v}, nll)
 
 
-INVERSE = {path: flat for flat, path in PATHS.items()}
-
-
 def _values(sets) -> dict[str, float]:
-    """The tuning parameters among --set values, by their flat names."""
+    """The tuning parameters among --set values, by their paths (the grids' keys)."""
     pairs = (s.partition("=") for s in sets)
-    return {INVERSE.get(k, k): float(v) for k, _, v in pairs if INVERSE.get(k, k) in LETTERS}
+    return {k: float(v) for k, _, v in pairs if k in LETTERS}
 
 
 def _run_tuning(root, tasks, group: str, nll_of) -> list[dict[str, float]]:
@@ -384,23 +384,23 @@ def test_the_shared_grid_runs_at_each_methods_own_choice(tmp_path):
     cfg, tasks = _tasks(root, ("ce", "ls"), ce=False)
     ce = _run_tuning(root, tasks, "ce", _bowl({WEIGHT_DECAY: 1e-3}))
     assert [p[WEIGHT_DECAY] for p in ce] == [*GRIDS["ce"][WEIGHT_DECAY]]  # interior: no step
-    ls = _run_tuning(root, tasks, "ls", _bowl({"ls_alpha": 0.1, WEIGHT_DECAY: 2e-3}))
+    ls = _run_tuning(root, tasks, "ls", _bowl({ALPHA: 0.1, WEIGHT_DECAY: 2e-3}))
     # own grid at 5e-4, the shared grid's other decays at α = 0.1 (its own choice); the choice
     # (0.1, 2e-3) then needs α's neighbours at its decay: two steps, below first
     assert ls == [
-        *({"ls_alpha": a, WEIGHT_DECAY: 5e-4} for a in GRIDS["ls"]["ls_alpha"]),
-        *({"ls_alpha": 0.1, WEIGHT_DECAY: v} for v in SHARED.values if v != 5e-4),
-        {"ls_alpha": 0.05, WEIGHT_DECAY: 2e-3},
-        {"ls_alpha": 0.2, WEIGHT_DECAY: 2e-3},
+        *({ALPHA: a, WEIGHT_DECAY: 5e-4} for a in GRIDS["ls"][ALPHA]),
+        *({ALPHA: 0.1, WEIGHT_DECAY: v} for v in SHARED.values if v != 5e-4),
+        {ALPHA: 0.05, WEIGHT_DECAY: 2e-3},
+        {ALPHA: 0.2, WEIGHT_DECAY: 2e-3},
     ]
     assert tasks["tune-ls-wd0p002-t101"].prepare() == ["loss.ls.alpha=0.1"]
     assert tasks["ls-s0"].prepare() == ["loss.ls.alpha=0.1", "optim.weight_decay=0.002"]
     assert tasks["ce-s0"].prepare() == ["optim.weight_decay=0.001"]
-    report = tuning_report(cfg, root, [])
+    report = tuning_report(cfg, root, [])  # study.json's: config.json's keys, as ever
     assert report["ls"]["params"] == {"ls_alpha": [0.02, 0.05, 0.1, 0.2],
-                                      WEIGHT_DECAY: list(SHARED.values)}  # fmt: skip
-    assert report["ls"]["chosen"] == {"ls_alpha": 0.1, WEIGHT_DECAY: 2e-3}
-    assert report["ls"]["interior"] == {"ls_alpha": True, WEIGHT_DECAY: True}
+                                      "weight_decay": list(SHARED.values)}  # fmt: skip
+    assert report["ls"]["chosen"] == {"ls_alpha": 0.1, "weight_decay": 2e-3}
+    assert report["ls"]["interior"] == {"ls_alpha": True, "weight_decay": True}
     counts = configurations(cfg, report)
     assert counts["methods"] == {
         "ce": {"group": "ce", "configurations": 7}, "ls": {"group": "ls", "configurations": 9}
@@ -414,22 +414,23 @@ def test_an_extension_reaches_an_interior_optimum_two_steps_beyond_the_grid(tmp_
     a neighbour above, and stops with a tried neighbour on each side of both parameters."""
     root = tmp_path / "digits"
     cfg, tasks = _tasks(root, ("ce", "focal"))
-    ran = _run_tuning(root, tasks, "focal", _bowl({"focal_gamma": 13.9, WEIGHT_DECAY: 5e-4}))
+    gamma = "loss.focal.gamma"
+    ran = _run_tuning(root, tasks, "focal", _bowl({gamma: 13.9, WEIGHT_DECAY: 5e-4}))
     steps = ran[7:]  # after the 4 own points and the 3 shared decays
     assert steps == [
-        {"focal_gamma": 8.33, WEIGHT_DECAY: 5e-4},  # step 1 of γ
-        {"focal_gamma": 8.33, WEIGHT_DECAY: 1.25e-4},  # decay's neighbours at the new γ
-        {"focal_gamma": 13.9, WEIGHT_DECAY: 5e-4},  # step 2 of γ: the minimum
-        {"focal_gamma": 13.9, WEIGHT_DECAY: 1.25e-4},
-        {"focal_gamma": 16.0, WEIGHT_DECAY: 5e-4},  # step 3: 23.2 passes the bound 16
-        {"focal_gamma": 13.9, WEIGHT_DECAY: 2e-3},
+        {gamma: 8.33, WEIGHT_DECAY: 5e-4},  # step 1 of γ
+        {gamma: 8.33, WEIGHT_DECAY: 1.25e-4},  # decay's neighbours at the new γ
+        {gamma: 13.9, WEIGHT_DECAY: 5e-4},  # step 2 of γ: the minimum
+        {gamma: 13.9, WEIGHT_DECAY: 1.25e-4},
+        {gamma: 16.0, WEIGHT_DECAY: 5e-4},  # step 3: 23.2 passes the bound 16
+        {gamma: 13.9, WEIGHT_DECAY: 2e-3},
     ]
-    result = tuning_report(cfg, root, [])["focal"]
-    assert result["chosen"] == {"focal_gamma": 13.9, WEIGHT_DECAY: 5e-4}
-    assert result["interior"] == {"focal_gamma": True, WEIGHT_DECAY: True}
+    result = tuning_report(cfg, root, [])["focal"]  # study.json's names
+    assert result["chosen"] == {"focal_gamma": 13.9, "weight_decay": 5e-4}
+    assert result["interior"] == {"focal_gamma": True, "weight_decay": True}
     assert result["at_bound"] == [] and result["configurations"] == 7 + 6
     assert result["extended"] == {"focal_gamma": [8.33, 13.9, 16.0],
-                                  WEIGHT_DECAY: [1.25e-4, 1.25e-4, 2e-3]}  # fmt: skip
+                                  "weight_decay": [1.25e-4, 1.25e-4, 2e-3]}  # fmt: skip
     assert tasks["focal-s0"].prepare() == ["loss.focal.gamma=13.9", "optim.weight_decay=0.0005"]
     _, again = _tasks(root, ("ce", "focal"))  # a rerun's plan: every step done
     assert all(t.done for t in again.values() if getattr(t, "group", "") == "focal")
@@ -443,15 +444,15 @@ def test_an_extension_stopped_by_a_bound_is_marked_at_bound(tmp_path):
     root = tmp_path / "digits"
     cfg, tasks = _tasks(root, ("ce", "ls"))
     falls = _bowl({WEIGHT_DECAY: 5e-4})
-    ran = _run_tuning(root, tasks, "ls", lambda p: falls(p) - p["ls_alpha"])
-    assert [(p["ls_alpha"], p[WEIGHT_DECAY]) for p in ran[7:]] == [
+    ran = _run_tuning(root, tasks, "ls", lambda p: falls(p) - p[ALPHA])
+    assert [(p[ALPHA], p[WEIGHT_DECAY]) for p in ran[7:]] == [
         (0.4, 5e-4), (0.4, 1.25e-4),  # step 1: α, then the decay's neighbour at the new α
         (0.5, 5e-4), (0.5, 1.25e-4),  # step 2: α to the bound, decay below
         (0.5, 2e-3),  # step 3: α on its bound has nothing to try; the decay above
     ]  # fmt: skip
-    assert BOUNDS["ls"]["ls_alpha"] == (0.001, 0.5)
-    result = tuning_report(cfg, root, [])["ls"]
-    assert result["chosen"] == {"ls_alpha": 0.5, WEIGHT_DECAY: 5e-4}
+    assert BOUNDS["ls"][ALPHA] == (0.001, 0.5)
+    result = tuning_report(cfg, root, [])["ls"]  # study.json's names, report.md's words
+    assert result["chosen"] == {"ls_alpha": 0.5, "weight_decay": 5e-4}
     assert result["at_bound"] == ["ls_alpha"] and not result["interior"]["ls_alpha"]
     assert result["extended"]["ls_alpha"] == [0.4, 0.5]
     text = "\n".join(_tuning({"ls": result}))
@@ -464,10 +465,10 @@ def test_a_winner_inside_the_seeds_noise_gives_way_to_the_reference(tmp_path):
     from +0.04 to -0.03: the reference is chosen, interior, so nothing extends."""
     root = tmp_path / "digits"
     cfg, tasks = _tasks(root, ("ce", "ls"))
-    _point(root, "ls", {"ls_alpha": 0.02}, 0.50)
-    _point(root, "ls", {"ls_alpha": 0.05}, 0.40, (0.0, 0.0, 0.0))
-    _point(root, "ls", {"ls_alpha": 0.1}, 0.45)
-    _point(root, "ls", {"ls_alpha": 0.2}, 0.40, (-0.04, 0.03, -0.004))
+    _point(root, "ls", {ALPHA: 0.02}, 0.50)
+    _point(root, "ls", {ALPHA: 0.05}, 0.40, (0.0, 0.0, 0.0))
+    _point(root, "ls", {ALPHA: 0.1}, 0.45)
+    _point(root, "ls", {ALPHA: 0.2}, 0.40, (-0.04, 0.03, -0.004))
     _shared_points(root, "ls")
     assert tasks["tune-ls-wd0p002"].prepare() == ["loss.ls.alpha=0.05"]
     assert tasks["tune-ls-ext-a1"].prepare() is None
@@ -482,7 +483,7 @@ def test_an_interior_choice_skips_the_extension(tmp_path):
     root = tmp_path / "digits"
     cfg, tasks = _tasks(root, ("ce", "ls"))
     for alpha, nll in zip((0.02, 0.05, 0.1, 0.2), (0.50, 0.35, 0.30, 0.40)):
-        _point(root, "ls", {"ls_alpha": alpha}, nll)
+        _point(root, "ls", {ALPHA: alpha}, nll)
     _shared_points(root, "ls")
     ext = tasks["tune-ls-ext-a1"]
     assert ext.prepare() is None  # nothing to run
@@ -508,7 +509,7 @@ def test_two_parameters_on_edges_extend_each_at_the_others_choice(tmp_path):
     assert tasks["tune-fedlas-ls-ext-a1"].prepare() == [
         "loss.fedlas_ls.alpha=0.2", "loss.fedlas_ls.beta=2", "optim.weight_decay=0.0005"
     ]  # fmt: skip
-    _point(root, "fedlas-ls", ("fedlas_ls_alpha", 1), 0.6)  # worse: (0.1, 2) stays chosen
+    _point(root, "fedlas-ls", ("loss.fedlas_ls.alpha", 1), 0.6)  # worse: (0.1, 2) stays chosen
     assert tasks["tune-fedlas-ls-ext-b1-t101"].prepare() == [
         "loss.fedlas_ls.alpha=0.1", "loss.fedlas_ls.beta=1", "optim.weight_decay=0.0005"
     ]  # fmt: skip
@@ -517,24 +518,24 @@ def test_two_parameters_on_edges_extend_each_at_the_others_choice(tmp_path):
 def test_maccal_is_tuned_on_its_base_methods_chosen_runs_seed_by_seed(tmp_path):
     root = tmp_path / "digits"
     cfg, tasks = _tasks(root, ("ce", "ce+maccal"))  # ce keeps its reference, 5e-4
-    for wd in GRIDS["ce"]["weight_decay"]:
+    for wd in GRIDS["ce"][WEIGHT_DECAY]:
         for seed in SEEDS:
-            run = root / "train" / tune_run("ce", {"weight_decay": wd}, seed)
+            run = root / "train" / tune_run("ce", {WEIGHT_DECAY: wd}, seed)
             (run / "model.safetensors").write_text(f"ce weights {wd} {seed}")
     # lowest at (256, q0 = 1, its bound): the grid's (256, 0.9), r's step up (512) worse, q0's
     # 1.157 clamped to 1, then r's neighbours at q0 = 1 (128, 512); q0 stays on its bound
-    ran = _run_tuning(root, tasks, "ce+maccal", _bowl({"maccal_r": 256, "maccal_q0": 1.0}))
-    assert [(p["maccal_r"], p["maccal_q0"]) for p in ran[4:]] == [
+    ran = _run_tuning(root, tasks, "ce+maccal", _bowl({"maccal.r": 256, "maccal.q0": 1.0}))
+    assert [(p["maccal.r"], p["maccal.q0"]) for p in ran[4:]] == [
         (512, 0.9), (256, 1.0), (128, 1.0), (512, 1.0)
     ]  # fmt: skip
     for seed, name in ((100, "tune-ce-ext-r1"), (102, "tune-ce-ext-q1-t102")):
-        base = root / "train" / tune_run("ce", {"weight_decay": 5e-4}, seed) / "model.safetensors"
+        base = root / "train" / tune_run("ce", {WEIGHT_DECAY: 5e-4}, seed) / "model.safetensors"
         copy = root / "train" / name / "model.safetensors"  # the chosen ce run of its seed
         assert copy.stat().st_ino == base.stat().st_ino
     assert tasks["ce-s0-maccal"].prepare() == ["maccal.r=256", "maccal.q0=1"]
     assert tasks["ce-s0"].prepare() == ["optim.weight_decay=0.0005"]
-    result = tuning_report(cfg, root, [])["ce+maccal"]
-    assert result["base"] == [tune_run("ce", {"weight_decay": 5e-4}, seed) for seed in SEEDS]
+    result = tuning_report(cfg, root, [])["ce+maccal"]  # study.json's names
+    assert result["base"] == [tune_run("ce", {WEIGHT_DECAY: 5e-4}, seed) for seed in SEEDS]
     assert result["chosen_run"] == "tune-ce-ext-q1-maccal"
     assert result["extended"] == {"maccal_r": [512, 128, 512], "maccal_q0": [1.0]}
     assert result["at_bound"] == ["maccal_q0"] and result["interior"]["maccal_r"]
@@ -559,23 +560,23 @@ def test_csm_family_and_csm_maccal_take_csm_grids_choice(tmp_path):
         assert csm_all <= tasks[name].after and tasks[name].extra_step == 0
     # csm's val NLL lowest at (w 1, s 2.3, decay 5e-4): interior once s's step below (1.32) and
     # w's above (2) are tried
-    ran = _run_tuning(root, tasks, "csm", _bowl({"csm_weight": 1.0, "csm_sharpening": 2.3,
-                                                 WEIGHT_DECAY: 5e-4}))  # fmt: skip
-    assert {(p["csm_weight"], p["csm_sharpening"]) for p in ran[7:]} == {(2.0, 2.3), (1.0, 1.32)}
+    weight, sharpening = "loss.csm.weight", "loss.csm.sharpening"
+    ran = _run_tuning(root, tasks, "csm", _bowl({weight: 1.0, sharpening: 2.3, WEIGHT_DECAY: 5e-4}))
+    assert {(p[weight], p[sharpening]) for p in ran[7:]} == {(2.0, 2.3), (1.0, 1.32)}
     assert tasks["csm-s0"].prepare() == [
         "loss.csm.weight=1", "loss.csm.sharpening=2.3", "optim.weight_decay=0.0005"
     ]  # fmt: skip
     train_cmd = tasks["csm-s0"].commands("digits", ["loss.csm.weight=1"])[0]  # the train step's
     assert train_cmd[-1] == "loss.csm.weight=1" and "evaluate" not in train_cmd
     assert tasks["tune-csm3-s4"].prepare() == ["loss.csm.weight=1"]  # csm's w, its own s
-    ran3 = _run_tuning(root, tasks, "csm3", _bowl({"csm_sharpening": 5.4, WEIGHT_DECAY: 5e-4}))
+    ran3 = _run_tuning(root, tasks, "csm3", _bowl({sharpening: 5.4, WEIGHT_DECAY: 5e-4}))
     assert len(ran3) == 7  # 5.4 and 5e-4 interior: no step
     assert tasks["csm3-s0"].prepare() == [
         "loss.csm.weight=1", "loss.csm.sharpening=5.4", "optim.weight_decay=0.0005"
     ]  # fmt: skip
     # csm+maccal fine-tunes csm's chosen grid runs, its own grid
     for seed in SEEDS:
-        run = root / "train" / tune_run("csm", {"csm_weight": 1.0, "csm_sharpening": 2.3}, seed)
+        run = root / "train" / tune_run("csm", {weight: 1.0, sharpening: 2.3}, seed)
         (run / "model.safetensors").write_text(f"csm weights {seed}")
     assert tasks["tune-csm-r128-q0p7-t101-maccal"].prepare() == []
     copy = root / "train" / "tune-csm-r128-q0p7-t101" / "model.safetensors"
@@ -613,12 +614,12 @@ def test_a_tiny_grid_runs_chooses_on_val_and_is_not_run_again(
         )
         for run, seed in zip(r["runs"], (TUNE_SEED, TUNE_SEED + 1)):
             config = json.loads((root / "train" / run / "config.json").read_text())
-            assert config["seed"] == seed and config["ls_alpha"] == r["ls_alpha"]
+            assert config["seed"] == seed and config["ls_alpha"] == r[ALPHA]  # choose(): paths
             assert config["weight_decay"] == r[WEIGHT_DECAY]
     # every extension step ran where the choice before it lacked a neighbour, and only there
     steps = [r for r in result["grid"] if r["extension"]]
     for k in range(1, tuning_plan.MAX_EXTENSIONS + 1):
-        for param in ("ls_alpha", WEIGHT_DECAY):
+        for param in (ALPHA, WEIGHT_DECAY):
             name = tune_run("ls", (param, k))
             before = result["grid"][: next(
                 (i for i, r in enumerate(result["grid"]) if r["run"] == name), len(result["grid"])

@@ -13,7 +13,7 @@ import pytest
 
 from core.config import SAID, ConfigError, RenamedField
 from pipeline.cli import main
-from shards.manifest import ShardError
+from shards.manifest import ShardError, remake_command
 from stages.common.fidelity import cnn_judge
 from stages.configs import finetune as finetune_config
 from stages.configs import train as train_config
@@ -47,23 +47,35 @@ def error_line(capsys, argv: list[str], code: int = 2) -> str:
     "typed, said",
     [
         ("loss.fedlas_ls.alpha=0.2", []),  # train's path
-        ("method.alpha=0.2", []),  # the picked method's
-        ("method.fedlas-ls.alpha=0.2", []),
+        ("objective.alpha=0.2", []),  # the picked objective's
+        ("objective.fedlas-ls.alpha=0.2", []),
         ("fedlas_ls_alpha=0.2", ["semix finetune: fedlas_ls_alpha is now loss.fedlas_ls.alpha"]),
+        ("method.alpha=0.2", ["semix finetune: method is now objective"]),  # the old word
     ],
 )
 def test_finetune_takes_trains_path_and_every_older_spelling(capsys, typed, said):
-    cfg, err = printed(capsys, [*BASE, "method=fedlas-ls", typed])
+    cfg, err = printed(capsys, [*BASE, "objective=fedlas-ls", typed])
     assert cfg["loss"]["fedlas_ls"] == {"alpha": 0.2, "beta": 4.0, "theta": 0.95}
     assert cfg["loss"]["fedlas_mbls"]["alpha"] == 0.1  # the other loss's own α untouched
     assert err == said
 
 
 def test_finetune_maccal_schedule_is_its_sections(capsys):
-    for typed in ("maccal.q0=0.7", "method.q0=0.7", "maccal_q0=0.7"):
+    notes = {
+        "maccal_q0=0.7": ["semix finetune: maccal_q0 is now maccal.q0"],
+        "method.q0=0.7": ["semix finetune: method is now objective"],
+    }
+    for typed in ("maccal.q0=0.7", "objective.q0=0.7", "maccal_q0=0.7", "method.q0=0.7"):
         cfg, err = printed(capsys, [*BASE, typed])
         assert cfg["maccal"]["q0"] == 0.7 and cfg["maccal"]["r"] == 256, typed
-        assert err == (["semix finetune: maccal_q0 is now maccal.q0"] if "_" in typed else [])
+        assert err == notes.get(typed, []), typed
+
+
+def test_finetunes_old_word_method_is_said_once_and_names_the_objective(capsys):
+    cfg, err = printed(capsys, [*BASE, "method=fedlas-ls", "method.alpha=0.2"])
+    assert cfg["objective"] == "fedlas-ls" and "method" not in cfg  # --print-config: the tree
+    assert cfg["loss"]["fedlas_ls"]["alpha"] == 0.2
+    assert err == ["semix finetune: method is now objective"]
 
 
 def test_a_fedlas_parameter_has_one_path_and_one_recorded_name_in_both_stages():
@@ -85,24 +97,38 @@ def test_fields_lists_every_spelling_a_leaf_takes(capsys):
     assert main(["finetune", "--fields"]) == 0
     rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
     assert "maccal_q0" not in rows and "fedlas_ls_alpha" not in rows  # paths head the rows
+    assert "method" not in rows and rows["objective"].endswith("also: method")
     assert rows["maccal.q0"].endswith(
-        "also: maccal_q0, method.maccal.q0, method.q0 (method=maccal)"
+        "also: maccal_q0, objective.maccal.q0, objective.q0 (objective=maccal), "
+        "method.maccal.q0, method.q0 (objective=maccal)"
     )
-    alpha = "also: fedlas_ls_alpha, method.fedlas-ls.alpha, method.alpha (method=fedlas-ls)"
+    alpha = (
+        "also: fedlas_ls_alpha, objective.fedlas-ls.alpha, objective.alpha (objective=fedlas-ls), "
+        "method.fedlas-ls.alpha, method.alpha (objective=fedlas-ls)"
+    )
     assert rows["loss.fedlas_ls.alpha"].endswith(alpha)
     assert rows["optim.momentum"].endswith("also: momentum")
     # every spelling listed is one --set takes, for that leaf
     for path in ("maccal.q0", "loss.fedlas_ls.theta", "loss.fedlas_mbls.margin"):
         words = rows[path].rpartition("also: ")[2]
         for word in words.split(", "):
-            key, _, picked = word.partition(" (method=")
-            method = picked.rstrip(")").split("|")[0] if picked else "fedlas-mbls"
-            cfg, _ = printed(capsys, [*BASE, f"method={method}", f"{key}=0.31"])
+            key, _, picked = word.partition(" (objective=")
+            objective = picked.rstrip(")").split("|")[0] if picked else "fedlas-mbls"
+            cfg, _ = printed(capsys, [*BASE, f"objective={objective}", f"{key}=0.31"])
             head, _, rest = path.partition(".")
             leaf = cfg[head]
             for name in rest.split("."):
                 leaf = leaf[name]
             assert leaf == 0.31, (path, word)
+
+
+def test_a_finetune_runs_remake_command_names_its_objective(tmp_path):
+    """A hint that remakes a fine-tuning says `objective=`, read from config.json's `method`."""
+    folder = tmp_path / "digits" / "finetune" / "ce-maccal"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"run": "ce", "method": "maccal"}))
+    stage, command = remake_command(folder)
+    assert stage == "finetune" and command.endswith(" run=ce objective=maccal"), command
 
 
 def test_a_rename_note_says_the_stage():

@@ -13,8 +13,9 @@ a hand list. A key the user would type is
 Such a key is a flat one, and a failure, when
 - scoped by a stage (a chain's `generate.limit=`): the rest is that stage's flat name and none
   of its paths;
-- else: it is some stage's flat name and no stage's path or name (`limit=`, `sample_steps=` and
-  `method=` pass: they are shift's, generate's and finetune's leaves);
+- else: it is some stage's flat name and no stage's path or name (`limit=` and `sample_steps=`
+  pass: they are shift's and generate's leaves; `method=` does not: finetune's is `objective`,
+  annotate's `annotator`, and the word is the study's, `study.methods=`);
 - and never when it is the study's own (`study.*`).
 Allowed besides, in docs/study.md and pipeline/study/ only: the keys of docs/protocol.toml's
 tuning grids (`csm_weight`): the committed protocol of a running study names them so.
@@ -138,7 +139,8 @@ def allowed_in(path: Path) -> frozenset[str]:
         # sample_steps is generate's leaf, fit-generator's flat name
         ("fit-generator.sample_steps=10", "generate.sample_steps=10", "fit-generator.sample_steps"),
         ("--set csm_weight=2", "--set loss.csm.weight=2", "csm_weight"),  # derived names too
-        ("maccal_q0=0.7", "maccal.q0=0.7 or method.q0=0.7", "maccal_q0"),
+        ("maccal_q0=0.7", "maccal.q0=0.7 or objective.q0=0.7", "maccal_q0"),
+        ("finetune --set method=maccal", "finetune --set objective=maccal", "method"),
         ("--set mixed_precision", "--set precision", "mixed_precision"),
         (
             "| field | default |\n|---|---|\n| `data_path`, `stream_workers` | auto |",

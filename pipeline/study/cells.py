@@ -44,6 +44,7 @@ from pipeline.study.tuning import (
     REFERENCE,
     TUNE_SEED,
     choose_point,
+    recorded_names,
     score_row,
     set_values,
     val_score,
@@ -389,7 +390,7 @@ def choose_cell(
         "judge": chooser,
         "fidelity_floor": FIDELITY_FLOOR,
         "max_cells": MAX_CELLS,
-        "at": REFERENCE["csm"],
+        "at": recorded_names("csm", REFERENCE["csm"]),  # under study.json's names
         "seeds": list(seeds),
         "reference_steps": reference_steps,
         "reference": reference.values(),

@@ -54,8 +54,10 @@ METHODS: dict[str, Method] = {
     "mixup": Method("train", ("loss=mixup",)),
     "mmce": Method("train", ("loss=mmce",)),
     "fedlas-ls": Method("train", ("loss=fedlas-ls",)),
-    "ce+maccal": Method("finetune", ("method=maccal",), base="ce"),
-    "csm+maccal": Method("finetune", ("method=maccal",), base="csm", needs_mixed=True),
+    # finetune's `objective=` was `method=`: the same config.json (its key `method`), the same
+    # task names; only the word the task's command line types changed
+    "ce+maccal": Method("finetune", ("objective=maccal",), base="ce"),
+    "csm+maccal": Method("finetune", ("objective=maccal",), base="csm", needs_mixed=True),
 }
 # the order runs start in: the comparison that matters most first
 DEFAULT_METHODS = (

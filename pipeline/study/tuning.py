@@ -2,7 +2,7 @@
 weight decay, chosen on the validation split by one search and one rule fixed before the run in
 the protocol (docs/protocol.toml; docs/study.md).
 
-GRIDS declares one grid per tuning group, {train or finetune field: values}, the protocol's: 4
+GRIDS declares one grid per tuning group, {train or finetune leaf: values}, the protocol's: 4
 points each (2 x 2 for a two-parameter method, 4 values for a one-parameter one), around the
 published defaults. REFERENCE names each grid's reference point: the default the method runs with
 untuned. The search, the same for every train method (a coordinate search; a full cross would
@@ -41,6 +41,15 @@ tune-<group>-...-t<seed> at the others (MaC-Cal: tune-<base>-...[-t<seed>]-macca
 
 The grids, names and the rule live here; their runs as tasks of the study's plan, and study.json's
 "tuning" and "configurations", in pipeline/study/tuning_plan.py.
+
+Every parameter is named by its leaf's path in the stage config its runs are made by
+(`loss.ls.alpha`, `optim.weight_decay`, `maccal.q0`), as `--set` takes it. Two files name them
+otherwise, both records: docs/protocol.toml, the committed protocol, and study.json, both by
+config.json's keys (`ls_alpha`). `param_path` reads the protocol's names as paths and
+`recorded_names` writes paths as study.json's names, both through core.codec's key mapping of
+the group's stage config: those two functions are the only places a name changes, so
+study.json keeps its bytes and a study root planned by older code plans the same tasks (the
+run letters, LETTERS, are the same).
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ from typing import Any
 
 import numpy as np
 
+from core import codec
 from core.io import read_json
 from pipeline.study.config import METHODS, StudyConfig, StudyError, Task
 from pipeline.study.protocol import PROTOCOL
@@ -62,7 +72,7 @@ from stages.configs import finetune as finetune_config
 from stages.configs import train as train_config
 
 TUNE_SEED = PROTOCOL.tune_first  # the first tuning seed: no study seed, a tuning run is never one
-WEIGHT_DECAY = "weight_decay"  # train's optim.weight_decay: the knob every train method shares
+WEIGHT_DECAY = "optim.weight_decay"  # train's: the knob every train method shares
 SHARED = PROTOCOL.weight_decay  # its grid, reference and bounds
 MAX_EXTENSIONS = PROTOCOL.max_extensions  # extension steps per parameter: the plan stays finite
 
@@ -76,33 +86,61 @@ def refined(values: Sequence[float]) -> tuple[float, ...]:
     return tuple(sorted([*ordered, *mids]))
 
 
-# group -> {train or finetune field: values}, the protocol's (docs/protocol.toml); a group is named
-# after the method it tunes. ce, with no parameter of its own, tunes weight decay alone on the
-# shared grid refined by its midpoints; every other train group tunes weight decay after its own
-# grid (shares_weight_decay)
+def stage_config(group: str) -> type:
+    """The config class a group's runs are made by: finetune's for a MaC-Cal group, else
+    train's."""
+    return finetune_config.Config if METHODS[group].stage == "finetune" else train_config.Config
+
+
+def param_path(group: str, name: str) -> str:
+    """The path of a grid parameter docs/protocol.toml names by config.json's key
+    (`ls_alpha`: `loss.ls.alpha`; core.codec.path)."""
+    return codec.path(stage_config(group), name)
+
+
+def recorded_names(group: str, values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with each key that is a leaf's path of the group's stage config under the name
+    study.json records it by, config.json's key (core.codec.key: `loss.ls.alpha` -> `ls_alpha`,
+    `optim.weight_decay` -> `weight_decay`); other keys (`run`, `val_nll`) as they
+    are, the order kept. What study.json's "tuning" (tuning_plan.tuning_report) and its
+    "generator"'s `at` (cells.choose_cell) are written through: study.json keeps its bytes and
+    report.md, which reads it, its words."""
+    cls = stage_config(group)
+    return {codec.key(cls, k): v for k, v in values.items()}
+
+
+# group -> {train or finetune leaf: values}, the protocol's (docs/protocol.toml, its names read
+# as paths); a group is named after the method it tunes. ce, with no parameter of its own, tunes
+# weight decay alone on the shared grid refined by its midpoints; every other train group tunes
+# weight decay after its own grid (shares_weight_decay)
 GRIDS: dict[str, dict[str, tuple[float, ...]]] = {
-    group: {k: p.values for k, p in params.items()} or {WEIGHT_DECAY: refined(SHARED.values)}
+    group: {param_path(group, k): p.values for k, p in params.items()}
+    or {WEIGHT_DECAY: refined(SHARED.values)}
     for group, params in PROTOCOL.grids.items()
 }
 # each grid's reference point: the value its method runs with untuned (the protocol's); the rule
 # falls back to it when a winner's advantage is within the seeds' noise
 REFERENCE: dict[str, dict[str, float]] = {
-    group: {k: p.reference for k, p in params.items()} or {WEIGHT_DECAY: SHARED.reference}
+    group: {param_path(group, k): p.reference for k, p in params.items()}
+    or {WEIGHT_DECAY: SHARED.reference}
     for group, params in PROTOCOL.grids.items()
 }
 # where an extension stops: every parameter's bounds in the protocol
 BOUNDS: dict[str, dict[str, tuple[float, float]]] = {
-    group: {k: p.bounds for k, p in params.items()} | {WEIGHT_DECAY: SHARED.bounds}
+    group: {param_path(group, k): p.bounds for k, p in params.items()}
+    | {WEIGHT_DECAY: SHARED.bounds}
     for group, params in PROTOCOL.grids.items()
 }
-# a field's letter in run names: tune-csm-w0p5-s2p3, tune-ls-a0p05, tune-ce-r128-q0p7-maccal
+# a parameter's letter in run names: tune-csm-w0p5-s2p3, tune-ls-a0p05, tune-ce-r128-q0p7-maccal
+# (the names of every study's runs: a letter never changes)
 LETTERS = {
-    "weight_decay": "wd",
-    "csm_weight": "w", "csm_sharpening": "s", "ls_alpha": "a", "focal_gamma": "g",
-    "mixup_alpha": "a", "mmce_lam": "l", "fedlas_ls_alpha": "a", "fedlas_ls_beta": "b",
-    "maccal_r": "r", "maccal_q0": "q",
+    "optim.weight_decay": "wd",
+    "loss.csm.weight": "w", "loss.csm.sharpening": "s", "loss.ls.alpha": "a",
+    "loss.focal.gamma": "g", "loss.mixup.alpha": "a", "loss.mmce.lam": "l",
+    "loss.fedlas_ls.alpha": "a", "loss.fedlas_ls.beta": "b",
+    "maccal.r": "r", "maccal.q0": "q",
 }  # fmt: skip
-INTEGERS = ("maccal_r",)  # a whole number of units
+INTEGERS = ("maccal.r",)  # a whole number of units
 # a group whose runs need another group's choice: csm3 its w, a MaC-Cal group its chosen runs
 NEEDS = {"csm3": "csm", "ce+maccal": "ce", "csm+maccal": "csm"}
 
@@ -417,14 +455,9 @@ def chosen_sets(
     return set_values(values)
 
 
-# a grid parameter's path in the config tree (`csm_weight`: loss.csm.weight); the grids, run names
-# and study.json keep the flat names config.json records (the configs' LEGACY)
-PATHS = {**train_config.Config.LEGACY, **finetune_config.Config.LEGACY}
-
-
 def set_values(values: dict[str, float]) -> list[str]:
-    """`--set` values of grid parameters, each under its path in the config tree."""
-    return [f"{PATHS.get(k, k)}={v:g}" for k, v in values.items()]
+    """`--set` values of grid parameters, each under its path (`loss.csm.weight=1`)."""
+    return [f"{k}={v:g}" for k, v in values.items()]
 
 
 def base_run(root: Path, tuned: dict[str, list[TuneTask]], group: str, seed: int) -> str:

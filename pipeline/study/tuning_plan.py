@@ -1,6 +1,7 @@
 """The tuning grids as tasks of the study's plan (pipeline/study/tuning.py holds the grids and
 the rule that chooses on them): every group's grid runs and its extensions, each at every tuning
-seed, and study.json's "tuning", every group's choice as the study's runs were given it."""
+seed, and study.json's "tuning", every group's choice as the study's runs were given it (its
+parameters by path here, under study.json's names there: `recorded_tuning`)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from pipeline.study.tuning import (
     own_choice,
     params,
     plan_groups,
+    recorded_names,
     set_values,
     shares_weight_decay,
     tune_run,
@@ -38,6 +40,8 @@ from pipeline.study.tuning import (
     tuning_group,
 )
 from shards.manifest import is_complete
+
+CSM_WEIGHT = "loss.csm.weight"  # csm3's grid runs take csm's chosen weight
 
 
 def _prepare_weight_decay(
@@ -112,7 +116,7 @@ def _group_tasks(
     if group in NEEDS:
         after |= {t.name for t in tuned[NEEDS[group]]}
         if stage == "train":  # csm3: csm's chosen w
-            fixed = functools.partial(chosen_sets, root, tuned, (NEEDS[group],), ("csm_weight",))
+            fixed = functools.partial(chosen_sets, root, tuned, (NEEDS[group],), (CSM_WEIGHT,))
 
     def make(at: dict[str, float] | tuple[str, int], seed: int, prepare, **kw) -> TuneTask:
         """The run of grid point `at` (or extension step `at` = (parameter, k)) at `seed`."""
@@ -174,8 +178,9 @@ def tuning_tasks(cfg: StudyConfig, root: Path, sets: Sequence[str]) -> dict[str,
 
 def tuning_report(cfg: StudyConfig, root: Path, sets: Sequence[str]) -> dict[str, Any]:
     """Every group's grid, extensions and choice, as the study's runs were given them
-    (study.json "tuning"): csm3 adds the csm w it ran at ("at"), a MaC-Cal group its base runs
-    (one per tuning seed). Every study method has a grid (tuning_group)."""
+    (study.json "tuning", its parameters under study.json's names: recorded_tuning): csm3 adds
+    the csm w it ran at ("at"), a MaC-Cal group its base runs (one per tuning seed). Every study
+    method has a grid (tuning_group)."""
     tuned = tuning_tasks(cfg, root, sets)
     report: dict[str, Any] = {}
     for group, tasks in tuned.items():
@@ -187,11 +192,33 @@ def tuning_report(cfg: StudyConfig, root: Path, sets: Sequence[str]) -> dict[str
             **choose(root, tasks),
         }
         if group == "csm3":
-            result["at"] = {"csm_weight": choose(root, tuned["csm"])["chosen"]["csm_weight"]}
+            result["at"] = {CSM_WEIGHT: choose(root, tuned["csm"])["chosen"][CSM_WEIGHT]}
         if METHODS[group].stage == "finetune":
             result["base"] = choose(root, tuned[NEEDS[group]])["chosen_runs"]
-        report[group] = result
+        report[group] = recorded_tuning(group, result)
     return report
+
+
+# a group's result's fields keyed by parameter (besides: `at_bound`, a list of parameters, and
+# `grid`, rows that hold the parameters among other keys)
+BY_PARAMETER = ("params", "bounds", "reference", "chosen", "extended", "interior", "at")
+
+
+def recorded_tuning(group: str, result: dict[str, Any]) -> dict[str, Any]:
+    """A group's result as study.json records it: each parameter under config.json's key
+    (tuning.recorded_names: `optim.weight_decay` -> `weight_decay`), as it has always been
+    written, so a study.json keeps its bytes and report.md (which reads study.json, also
+    report_from_json) its words; the rest as it is."""
+    out: dict[str, Any] = {}
+    for field, value in result.items():
+        if field in BY_PARAMETER:
+            value = recorded_names(group, value)
+        elif field == "at_bound":
+            value = list(recorded_names(group, dict.fromkeys(value)))
+        elif field == "grid":
+            value = [recorded_names(group, row) for row in value]
+        out[field] = value
+    return out
 
 
 def configurations(cfg: StudyConfig, tuning: dict[str, Any]) -> dict[str, Any]:

@@ -1,15 +1,18 @@
-"""Config of the `finetune` stage: train/<run>/ -> runs/<classes>/finetune/<run>-<method>/.
+"""Config of the `finetune` stage: train/<run>/ -> runs/<classes>/finetune/<run>-<objective>/.
 
-`method` picks MaC-Cal (docs/methods.md §4: frozen backbone, new masked bottleneck head, adaptive
-retention q) or FeDLaS fine-tuning (docs/methods.md §5: the whole trained model continues under the
-FeDLaS-LS / -MbLS loss). Each method reads its own section: `maccal` (its length, lr, head width
-and its retention schedule's parameters, derived from models/heads.RetentionParams: `maccal.q0`),
-or `fedlas` (length, lr) and `loss`, the FeDLaS losses' parameters at train's paths
+`objective` picks what the trained run is fine-tuned under: MaC-Cal (docs/methods.md §4: frozen
+backbone, new masked bottleneck head, adaptive retention q) or a FeDLaS loss (docs/methods.md §5:
+the whole trained model continues under the FeDLaS-LS / -MbLS objective train's `loss=` builds).
+Each objective reads its own section: `maccal` (its length, lr, head width and its retention
+schedule's parameters, derived from models/heads.RetentionParams: `maccal.q0`), or `fedlas`
+(length, lr) and `loss`, the FeDLaS losses' parameters at train's paths
 (`loss.fedlas_ls.alpha`, derived from the losses' own parameters); batch size, momentum, weight
 decay and augmentation are shared. GUESS values of docs/methods.md are fields with the given
-default. config.json keeps the flat names (`maccal_q0`, `fedlas_ls_alpha`: LEGACY), and the
-command line still takes them, saying the path once, and the picked method's shorthand
-(`method.q0=0.7`, `method.alpha=0.1`: the `METHOD` section, core/parts.py).
+default. config.json keeps the flat names (`method` for `objective`, `maccal_q0`,
+`fedlas_ls_alpha`: LEGACY), and the command line still takes them, saying the path once, and
+the picked objective's shorthand (`objective.q0=0.7`, `objective.alpha=0.1`: the `OBJECTIVE`
+section, core/parts.py; `method.q0=0.7`, its old name, says `method is now objective`).
+The word `method` is the study's (pipeline/study/config.py): one arm of its comparison.
 """
 
 from __future__ import annotations
@@ -29,18 +32,19 @@ from stages.configs.sections import Augment, Checkpoint
 from stages.configs.train import LOSS, PRECISIONS
 from stages.presets import stage_presets
 
-METHODS = ("maccal", "fedlas-ls", "fedlas-mbls")
+# what `objective=` takes: stages/finetune.SETUPS sets each up
+OBJECTIVES = ("maccal", "fedlas-ls", "fedlas-mbls")
 # MaC-Cal's retention schedule (models/heads.py): leaves of the `maccal` section (`maccal.q0`)
 RETENTION = Section("maccal", {"maccal": MaCCalPart()})
 # the FeDLaS methods are train's losses of the same names: their parameters, at train's paths
-FEDLAS = Section("loss", {m: LOSS.parts[m] for m in METHODS[1:]})
+FEDLAS = Section("loss", {m: LOSS.parts[m] for m in OBJECTIVES[1:]})
 Loss = FEDLAS.tree("", __name__, pick=False)
-Loss.__doc__ = "the FeDLaS losses' parameters, as train's (method=fedlas-ls | fedlas-mbls)"
+Loss.__doc__ = "the FeDLaS losses' parameters, as train's (objective=fedlas-ls | fedlas-mbls)"
 
 
 @dataclass(frozen=True)
 class Optim:
-    """SGD with momentum (docs/methods.md §4: momentum 0.9, wd 5e-4); each method's own lr"""
+    """SGD with momentum (docs/methods.md §4: momentum 0.9, wd 5e-4); each objective's own lr"""
 
     momentum: float = bounded(0.9, 0.0, 1.0, high_open=True)
     weight_decay: float = bounded(5e-4, 0.0)
@@ -68,20 +72,21 @@ class FeDLaS:
     lr: float = bounded(0.001, 0.0, low_open=True)
 
 
-# `method.q0=0.7`, `method.alpha=0.1`: the picked method's parameter (core.config.parse_sets),
-# spelt as its path (`maccal.q0`, `loss.fedlas_ls.alpha`)
-METHOD = Section.joined("method", RETENTION, FEDLAS)
+# `objective.q0=0.7`, `objective.alpha=0.1`: the picked objective's parameter
+# (core.config.parse_sets), spelt as its path (`maccal.q0`, `loss.fedlas_ls.alpha`); `method.q0`,
+# the old name, is still taken
+OBJECTIVE = Section.joined("objective", RETENTION, FEDLAS, formerly="method")
 
 
 @dataclass(frozen=True)
 class Config(StageConfig):
     # the folders under the runs root it names: plain names (core.config.check_plain_name)
     FOLDER_NAMES: ClassVar[tuple[str, ...]] = ("name", "run")
-    LEGACY = legacy_names("finetune", METHOD.legacy)
-    SECTIONS = (METHOD,)  # `method.alpha=0.1`: the picked method's (core.config.parse_sets)
+    LEGACY = legacy_names("finetune", OBJECTIVE.legacy)
+    SECTIONS = (OBJECTIVE,)  # `objective.alpha=0.1`: the picked one's (core.config.parse_sets)
 
     run: str = ""  # the trained run: runs/<classes>/train/<run>/ (RUN=)
-    method: str = "maccal"  # maccal | fedlas-ls | fedlas-mbls (METHOD=)
+    objective: str = "maccal"  # maccal | fedlas-ls | fedlas-mbls (OBJECTIVE=)
     # shared recipe (docs/methods.md §4: batch 128, momentum 0.9, wd 5e-4)
     batch_size: int = 128
     optim: Optim = section(Optim)
@@ -104,7 +109,7 @@ class Config(StageConfig):
             raise ConfigError("set run=NAME (RUN=): the trained run under train/ to fine-tune")
         if "/" in self.run or self.run.startswith("."):
             raise ConfigError(f"run={self.run!r} must be a plain folder name")
-        check_choice("method", self.method, METHODS)
+        check_choice("objective", self.objective, OBJECTIVES)
         check_precision("precision", self.precision, PRECISIONS)
         check_range("batch_size", self.batch_size, 1)
         check_range("eval_batch_size", self.eval_batch_size, 1)
@@ -113,8 +118,8 @@ class Config(StageConfig):
 
     @property
     def output(self) -> str:
-        """Folder name under finetune/: <run>-<method>."""
-        return f"{self.run}-{self.method}"
+        """Folder name under finetune/: <run>-<objective>."""
+        return f"{self.run}-{self.objective}"
 
     @property
     def augments(self) -> bool:
@@ -122,16 +127,16 @@ class Config(StageConfig):
 
     @property
     def epochs(self) -> int:
-        return self.maccal.epochs if self.method == "maccal" else self.fedlas.epochs
+        return self.maccal.epochs if self.objective == "maccal" else self.fedlas.epochs
 
-    def method_params(self) -> dict[str, Any]:
+    def objective_params(self) -> dict[str, Any]:
         """RetentionSchedule kwargs (maccal) or FeDLaSCriterion kwargs (fedlas-*)."""
-        if self.method == "maccal":
+        if self.objective == "maccal":
             return {p: getattr(self.maccal, p) for p in RETENTION.paths_of("maccal")}
-        return self.loss.params(part=self.method)
+        return self.loss.params(part=self.objective)
 
 
-METHOD.default = Config.method  # `method.q0=` with no method set names maccal's
+OBJECTIVE.default = Config.objective  # `objective.q0=` with none set names maccal's
 
 
 PRESETS = stage_presets("finetune")

@@ -29,6 +29,7 @@ CHECKPOINT = {"checkpoint_limit": "checkpoint.limit", "resume": "checkpoint.resu
 LEGACY: dict[str, dict[str, str]] = {
     "train": {**OPTIM, **AUGMENT, **DATA, **CHECKPOINT},
     "finetune": {
+        "method": "objective",  # a renamed leaf, not a flat one: `method` is the study's word
         **{k: OPTIM[k] for k in ("momentum", "weight_decay", "clip_norm")},
         **AUGMENT,
         "maccal_epochs": "maccal.epochs",

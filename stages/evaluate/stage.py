@@ -80,10 +80,11 @@ def find_run(root: Path, name: str, stage_dir: str, preset: str = "") -> Path:
             f"run {name!r} is not in {where} but in {root / elsewhere[0] / name}: evaluate it "
             f"there: `{command}`"
         )
-    if candidates == ["finetune"]:  # finetune writes <run>-<method>, from a trained run
+    if candidates == ["finetune"]:  # finetune writes <run>-<objective>, from a trained run
         raise RunError(
             f"run {name!r} has no fine-tuned weights in {where}; fine-tune a trained run first "
-            f"(finetune --set run=<trained run> method=<method> writes finetune/<run>-<method>)"
+            "(finetune --set run=<trained run> objective=<objective> writes "
+            "finetune/<run>-<objective>)"
         )
     remake = remake_command(root / "train" / name, preset)
     how = (
