@@ -141,7 +141,7 @@ def test_a_protocol_changed_after_the_start_turns_the_verdicts_exploratory(tmp_p
 
 
 def test_the_report_says_when_the_primary_methods_configurations_differ():
-    from pipeline.study.report import _configurations
+    from pipeline.study.choices_report import _configurations
     from pipeline.study.tuning_plan import configurations
 
     tuning = {"ce": {"configurations": 7}, "csm": {"configurations": 9},

@@ -438,7 +438,7 @@ def test_an_extension_reaches_an_interior_optimum_two_steps_beyond_the_grid(tmp_
 def test_an_extension_stopped_by_a_bound_is_marked_at_bound(tmp_path):
     """ls's val NLL falls with α up to the protocol's bound 0.5: 0.2 -> 0.4 -> 0.5 (0.8 clamped),
     then nothing: the choice sits on the bound, marked in study.json and the report."""
-    from pipeline.study.report import _tuning
+    from pipeline.study.choices_report import _tuning
 
     root = tmp_path / "digits"
     cfg, tasks = _tasks(root, ("ce", "ls"))
@@ -634,7 +634,8 @@ def test_a_tiny_grid_runs_chooses_on_val_and_is_not_run_again(
 
 
 def test_the_report_names_each_methods_seeds_and_the_rule_behind_each_grid():
-    from pipeline.study.report import _seeds_per_method, _tuning
+    from pipeline.study.choices_report import _tuning
+    from pipeline.study.report import _seeds_per_method
 
     cfg = StudyConfig(methods=("ce", "csm", "csm3", "ls"), seeds=(0, 1, 2, 3, 4, 5))
     assert _seeds_per_method(cfg) == (

@@ -24,8 +24,9 @@ from pipeline.study.intervals import (
     seed_weights,
     units_of,
 )
-from pipeline.study.report import _leave_one_out, report_from_json, write_report
+from pipeline.study.report import report_from_json, write_report
 from pipeline.study.stats import Predictions, compare, summarize
+from pipeline.study.verdict_text import _leave_one_out
 
 VERDICT = Path(__file__).resolve().parents[1] / "docs/results/fashion-verdict/study.json"
 T975 = {k: stats.t.ppf(0.975, k) for k in (1, 2, 3, 4, 5)}
