@@ -1,9 +1,10 @@
 """The study's report.md: every method against ce before and after temperature scaling, the
 goals, the paired comparisons with their intervals and verdicts, the tuning grids, the other
 mixed sets, the robustness table and every run. This module lays the page out; the words of
-each comparison and the goals' sentences are pipeline/study/verdict_text.py's, the sections on
-what was chosen on val choices_report.py's, the robustness section robustness_report.py's, and
-figures.py draws the figures.
+each comparison and the goals' sentences are pipeline/study/verdict_text.py's (the verdict
+table, pipeline/study/table.py, words them the same way), the sections on what was chosen on val
+choices_report.py's, the robustness section robustness_report.py's, and figures.py draws the
+figures.
 """
 
 from __future__ import annotations
