@@ -49,6 +49,7 @@ from pipeline.study.verdict_text import (
 PROG = "semix study table"
 MISSING = "—"  # a field the study.json does not hold
 METRIC_NAMES = {"ece": "ECE", "debiased_ece": "debiased ECE", "nll": "NLL"}
+TOP1_LABEL = "top-1, csm − ce (points)"
 HEADINGS = (
     "endpoint", "difference (reference → method)", "95 % intervals", "relative (95 %)", "goal",
     "verdict", "leave one unit out", "units: fits / mixed sets / seeds",
@@ -198,11 +199,11 @@ def _top1_row(study: Mapping[str, Any]) -> list[str]:
     try:
         csm, ce = summary["csm"]["before_ts.top1"], summary["ce"]["before_ts.top1"]
     except KeyError:
-        return ["top-1, csm − ce", *[MISSING] * 4, "not in this study.json", MISSING, MISSING]
+        return [TOP1_LABEL, *[MISSING] * 4, "not in this study.json", MISSING, MISSING]
     d = csm["mean"] - ce["mean"]
     seeds = str(csm["n"]) if csm["n"] == ce["n"] else f"{csm['n']} and {ce['n']}"
     return [
-        "top-1, csm − ce (points)", f"{d:+.2f} ({ce['mean']:.2f} → {csm['mean']:.2f})",
+        TOP1_LABEL, f"{d:+.2f} ({ce['mean']:.2f} → {csm['mean']:.2f})",
         f"{MISSING} (the means: no interval of top-1 in study.json)", MISSING,
         f"≥ {TOP1_GOAL:g}: **{'yes' if d >= TOP1_GOAL else 'no'}**", MISSING, MISSING,
         f"{MISSING} / {MISSING} / {seeds}",
