@@ -26,7 +26,7 @@ from pipeline.study.intervals import (
 )
 from pipeline.study.report import report_from_json, write_report
 from pipeline.study.stats import Predictions, compare, summarize
-from pipeline.study.verdict_text import _leave_one_out
+from pipeline.study.verdict_text import leave_one_out_text
 
 VERDICT = Path(__file__).resolve().parents[1] / "docs/results/fashion-verdict/study.json"
 T975 = {k: stats.t.ppf(0.975, k) for k in (1, 2, 3, 4, 5)}
@@ -178,7 +178,7 @@ def test_a_verdict_that_one_seed_flips_is_fragile():
     assert rows["seed 4"]["verdict"] == "better" and rows["seed 4"]["ci95_t"] == [-1.0, -1.0]
     assert rows["seed 4"]["difference"] == -1.0
     assert all(rows[f"seed {s}"]["verdict"] == "inconclusive" for s in range(4))
-    assert _leave_one_out(r) == "**fragile**: without seed 4: better"
+    assert leave_one_out_text(r) == "**fragile**: without seed 4: better"
 
 
 def test_a_verdict_no_unit_flips_is_stable_and_fits_are_dropped_whole():
@@ -186,7 +186,7 @@ def test_a_verdict_no_unit_flips_is_stable_and_fits_are_dropped_whole():
     units = units_of([0, 1, 2, 3, 4], "a", "b")
     r = intervals(per_seed, _no_image_noise(per_seed), units, np.zeros(10), 0.3, _rng(7))
     assert r["verdict"] == "better" and not r["fragile"]
-    assert _leave_one_out(r) == "stable (5 left out in turn)"
+    assert leave_one_out_text(r) == "stable (5 left out in turn)"
     fits = units_of(SEEDS, "csm", "ce", mixed_sets_of(_records(with_fit=True)))
     r = intervals(PER_SEED, _no_image_noise(PER_SEED), fits, np.zeros(10), 0.3, _rng(8))
     assert [row["dropped"] for row in r["leave_one_out"]] == ["fit 0", "fit 1", "fit 2"]

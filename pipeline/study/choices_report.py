@@ -11,7 +11,7 @@ import math
 from core.tables import table
 
 
-def _tuning(tuning: dict) -> list[str]:
+def tuning_section(tuning: dict) -> list[str]:
     """Every method's own hyper-parameters per grid, chosen on val by the rule (train runs at
     their best-val-accuracy epoch, fine-tuning runs at their last)."""
     seeds = sorted({s for result in tuning.values() for s in result.get("seeds", [])})
@@ -64,7 +64,7 @@ def _tuning(tuning: dict) -> list[str]:
     ]
 
 
-def _generator(result: dict) -> list[str]:
+def generator_section(result: dict) -> list[str]:
     """The generator's sampler cells: every one the fit judged, the kept ones' csm val scores,
     the choice."""
     scores = {(r["guidance"], r["clip"]): r for r in result["grid"]}
@@ -100,7 +100,7 @@ def _generator(result: dict) -> list[str]:
     ]
 
 
-def _configurations(counts: dict) -> list[str]:
+def configurations_paragraph(counts: dict) -> list[str]:
     """Each tuned method's number of val configurations, and whether the primary endpoints'
     methods had the same number (within one)."""
     parts = [f"{m} {c['configurations']}" for m, c in counts["methods"].items()]

@@ -13,21 +13,25 @@ from pathlib import Path
 
 from core.io import atomic_write_bytes
 from core.tables import table
-from pipeline.study.choices_report import _configurations, _generator, _tuning
+from pipeline.study.choices_report import (
+    configurations_paragraph,
+    generator_section,
+    tuning_section,
+)
 from pipeline.study.config import StudyConfig
 from pipeline.study.intervals import Z0_FLAG
 from pipeline.study.verdict_text import (
     WHEN,
-    _ci,
-    _goal,
-    _leave_one_out,
-    _paired_result,
-    _pm,
-    _relative,
-    _results,
-    _single_unit,
-    _units,
-    _verdict,
+    comparison_of,
+    every_comparison,
+    goals_section,
+    interval_text,
+    leave_one_out_text,
+    mean_std_text,
+    relative_text,
+    single_unit_pairs,
+    units_text,
+    verdict_with_labels,
 )
 
 COLUMNS = (
@@ -50,7 +54,7 @@ def _paired(paired: dict, exploratory: bool = False) -> list[str]:
     """The paired comparisons, the primary endpoints first, with every interval and the
     verdict (every row exploratory when the protocol changed after the start); `paired`: {when: pipeline.study.stats.compare(...)} = {when: {metric: {reference:
     {method: result}}}}."""
-    results = _results(paired)
+    results = every_comparison(paired)
     if not results:
         return []
     results.sort(key=lambda item: not item[1]["primary"])  # stable: otherwise as computed
@@ -96,9 +100,10 @@ def _paired(paired: dict, exploratory: bool = False) -> list[str]:
         rows.append([
             WHEN[when], "**primary**" if r["primary"] and not exploratory else "exploratory",
             r["metric"],
-            f"{r['method']} − {r['reference']}", f"{r['difference']:+.{d}f}", _units(r),
-            _ci(r, d, "ci95_t"), _ci(r, d, "ci95_percentile"), f"{_ci(r, d, 'ci95_bca')}{flag}",
-            f"{r['margin']:g}", _verdict(r), _relative(r), _leave_one_out(r),
+            f"{r['method']} − {r['reference']}", f"{r['difference']:+.{d}f}", units_text(r),
+            interval_text(r, d, "ci95_t"), interval_text(r, d, "ci95_percentile"),
+            f"{interval_text(r, d, 'ci95_bca')}{flag}",
+            f"{r['margin']:g}", verdict_with_labels(r), relative_text(r), leave_one_out_text(r),
         ])  # fmt: skip
     return [*lines, *table(PAIRED_HEADINGS, rows), ""]
 
@@ -125,23 +130,23 @@ def _differences(
 ) -> list[str]:
     """Each method's ECE (before and after TS) and NLL (after TS) minus the reference's, with the
     paired primary (t) interval; a negative difference: better calibrated than the reference."""
-    single = set(_single_unit(paired))
+    single = set(single_unit_pairs(paired))
     rows = []
     for method in methods if methods is not None else [m for m in summary if m != reference]:
         cells = []
         for when, metric, digits in (
             ("before_ts", "ece", 2), ("after_ts", "ece", 2), ("after_ts", "nll", 4)
         ):  # fmt: skip
-            r = _paired_result(paired, when, metric, method, reference)
+            r = comparison_of(paired, when, metric, method, reference)
             if r is None:
                 break
             mark = " (percentile)" if r["ci95_t"] is None else ""
-            cells.append(f"{r['difference']:+.{digits}f} {_ci(r, digits)}{mark}")
+            cells.append(f"{r['difference']:+.{digits}f} {interval_text(r, digits)}{mark}")
             if (when, metric) == ("before_ts", "ece"):
                 rel = r["relative"]
                 cells.append("–" if rel is None else f"{100 * rel:+.0f} %")
         else:
-            rows.append([method, _pm(summary[method]["before_ts.top1"]), *cells])
+            rows.append([method, mean_std_text(summary[method]["before_ts.top1"]), *cells])
     if not rows:
         return []
     return [
@@ -209,7 +214,7 @@ def write_report(
         "encoder, prototypes, a fine-tuning's source run: stages/common/budget.py).",
         "",
     ]
-    if single := _single_unit(paired):
+    if single := single_unit_pairs(paired):
         lines += [
             f"One top unit in {', '.join(single)} (one generator fit and one mixed set behind "
             "every seed, or one seed): no t interval and no verdict there; their rows give the percentile "
@@ -224,31 +229,33 @@ def write_report(
         after = when == "after_ts"
         rows = []
         for method, stats in summary.items():
-            cells = [_pm(stats[f"{when}.{k}"], d) for k, _, d in COLUMNS]
-            rows.append([method, *cells, *([_pm(stats["temperature"], 2)] if after else [])])
+            cells = [mean_std_text(stats[f"{when}.{k}"], d) for k, _, d in COLUMNS]
+            rows.append(
+                [method, *cells, *([mean_std_text(stats["temperature"], 2)] if after else [])]
+            )
         if after and "after_posthoc.ece" in summary.get("ce", {}):
             ce = summary["ce"]  # the baseline: ce + the best post-hoc calibrator on val
-            cells = [_pm(ce[f"after_posthoc.{k}"], d) for k, _, d in COLUMNS]
+            cells = [mean_std_text(ce[f"after_posthoc.{k}"], d) for k, _, d in COLUMNS]
             methods = sorted({r["posthoc_method"] for r in records if r["method"] == "ce"})
             rows.append([f"ce + best post-hoc ({', '.join(methods)})", *cells, "-"])
         headings = ["method", *(c[1] for c in COLUMNS), *(["T"] if after else [])]
         lines += [f"## {title}", "", *table(headings, rows), ""]
     lines += _differences(summary, paired, "ce", "Difference to ce")
     if "csm" in summary:
-        lines += _goal(summary, paired)
+        lines += goals_section(summary, paired)
         if exploratory:  # the goals' verdicts too: the protocol moved after the start
             lines[-1:-1] = [
                 "- these verdicts are exploratory: the protocol changed after the start"
             ]
     lines += _paired(paired, exploratory)
     if tuning:
-        lines += _tuning(tuning)
+        lines += tuning_section(tuning)
     if configurations:
-        lines += _configurations(configurations)
+        lines += configurations_paragraph(configurations)
     if generator:
-        lines += _generator(generator)
+        lines += generator_section(generator)
     if images:
-        others = [m for m in summary if _paired_result(paired, "before_ts", "ece", m, "csm")]
+        others = [m for m in summary if comparison_of(paired, "before_ts", "ece", m, "csm")]
         lines += _differences(
             summary,
             paired,

@@ -38,12 +38,12 @@ from pipeline.study.rates import sittings
 from pipeline.study.verdict_text import (
     NOT_WORSE,
     TOP1_GOAL,
-    _cis,
-    _flips,
-    _paired_result,
-    _relative,
-    _results,
-    _verdict,
+    comparison_of,
+    every_comparison,
+    flips,
+    intervals_text,
+    relative_text,
+    verdict_with_labels,
 )
 
 PROG = "semix study table"
@@ -91,7 +91,7 @@ def table_endpoints(study: Mapping[str, Any], protocol: Endpoints = DEFAULT) -> 
     the study marked primary (one a study's own protocol named), each once."""
     marked = [
         (when, r["metric"], r["method"], r["reference"])
-        for when, r in _results(study.get("paired"))
+        for when, r in every_comparison(study.get("paired"))
         if r.get("primary")
     ]
     return list(dict.fromkeys([*protocol.primary_endpoints, *marked]))
@@ -113,15 +113,15 @@ def _label(endpoint: Endpoint, posthoc: str) -> str:
 
 
 def _intervals(r: dict, digits: int) -> str:
-    return _cis(r, digits) if "ci95_percentile" in r else MISSING
+    return intervals_text(r, digits) if "ci95_percentile" in r else MISSING
 
 
 def _relative_cell(r: dict) -> str:
     if r.get("relative") is None:
         return MISSING
     if "relative_ci95_percentile" not in r:  # a study.json written before relative intervals
-        return f"{_relative(r)} (the point: no interval in this study.json)"
-    return _relative(r)
+        return f"{relative_text(r)} (the point: no interval in this study.json)"
+    return relative_text(r)
 
 
 def _goal_cell(r: dict, endpoint: Endpoint, protocol: Endpoints) -> str:
@@ -144,9 +144,9 @@ def _loo_cell(r: dict) -> str:
     rows = r.get("leave_one_out")
     if not rows:
         return MISSING
-    flips = _flips(r) + (_flips(r, "goal_met") if "relative_goal" in r else [])
-    if flips:
-        return f"**fragile**: {'; '.join(flips)}"
+    flipped = flips(r) + (flips(r, "goal_met") if "relative_goal" in r else [])
+    if flipped:
+        return f"**fragile**: {'; '.join(flipped)}"
     return f"holds ({len(rows)} left out in turn)"
 
 
@@ -174,7 +174,7 @@ def _unit_counts(r: dict, fits_recorded: bool) -> str:
 def _row(
     study: Mapping[str, Any], endpoint: Endpoint, protocol: Endpoints, posthoc: str
 ) -> list[str]:
-    r = _paired_result(study.get("paired"), *endpoint)
+    r = comparison_of(study.get("paired"), *endpoint)
     label = _label(endpoint, posthoc)
     if r is None:
         return [label, *[MISSING] * 4, "not in this study.json", MISSING, MISSING]
@@ -187,7 +187,7 @@ def _row(
     fits_recorded = any("fit" in rec for rec in study.get("records", []))
     return [
         label, difference, _intervals(r, d), _relative_cell(r), _goal_cell(r, endpoint, protocol),
-        _verdict(r) if "labels" in r else f"**{r['verdict']}**", _loo_cell(r),
+        verdict_with_labels(r) if "labels" in r else f"**{r['verdict']}**", _loo_cell(r),
         _unit_counts(r, fits_recorded),
     ]  # fmt: skip
 

@@ -16,31 +16,36 @@ NOT_WORSE = ("better", "not worse", "worse, within the margin")
 TOP1_GOAL = -0.5
 
 
-def _pm(stats: dict[str, float], digits: int = 2) -> str:
+def mean_std_text(stats: dict[str, float], digits: int = 2) -> str:
+    """ "2.31 ± 0.40": a summary's mean ± its sample std over seeds."""
     return f"{stats['mean']:.{digits}f} ± {stats['std']:.{digits}f}"
 
 
-def _ci(b: dict, digits: int = 2, key: str = "ci95") -> str:
+def interval_text(b: dict, digits: int = 2, key: str = "ci95") -> str:
+    """ "[-1.20, +0.35]": the interval `key` of a comparison, "–" where it has none."""
     if b[key] is None:
         return "–"
     return f"[{b[key][0]:+.{digits}f}, {b[key][1]:+.{digits}f}]"
 
 
-def _paired_result(paired: dict | None, when: str, metric: str, method: str, reference: str):
+def comparison_of(paired: dict | None, when: str, metric: str, method: str, reference: str):
     """One comparison of `paired` ({when: pipeline.study.stats.compare(...)}), or None."""
     return (paired or {}).get(when, {}).get(metric, {}).get(reference, {}).get(method)
 
 
-def _cis(r: dict, digits: int = 2) -> str:
+def intervals_text(r: dict, digits: int = 2) -> str:
     """The intervals a verdict reads, each named once: "t interval [..], percentile [..]", or
     the percentile one alone where there is no t interval (one top unit: the header says so)."""
     if r.get("ci95_t") is None:
-        return f"percentile interval {_ci(r, digits, 'ci95_percentile')}"
-    return f"t interval {_ci(r, digits, 'ci95_t')}, percentile {_ci(r, digits, 'ci95_percentile')}"
+        return f"percentile interval {interval_text(r, digits, 'ci95_percentile')}"
+    return (
+        f"t interval {interval_text(r, digits, 'ci95_t')}, "
+        f"percentile {interval_text(r, digits, 'ci95_percentile')}"
+    )
 
 
 def _rel_cis(r: dict) -> str:
-    """The relative effect's intervals in %, as _cis names them."""
+    """The relative effect's intervals in %, as intervals_text names them."""
 
     def pct(ci: list | None) -> str:
         return "–" if ci is None else f"[{100 * ci[0]:+.0f} %, {100 * ci[1]:+.0f} %]"
@@ -50,7 +55,7 @@ def _rel_cis(r: dict) -> str:
     return f"t {pct(r['relative_ci95_t'])}, percentile {pct(r.get('relative_ci95_percentile'))}"
 
 
-def _flips(r: dict, key: str = "verdict") -> list[str]:
+def flips(r: dict, key: str = "verdict") -> list[str]:
     """The leave-one-out rows of `r` whose `key` ("verdict" or "goal_met") differs from the
     full comparison's, as "without <unit>: <what it shows>"."""
     full = r["verdict"] if key == "verdict" else r["relative_goal"]["met"]
@@ -67,8 +72,8 @@ def _flips(r: dict, key: str = "verdict") -> list[str]:
 def _fragile(r: dict, key: str = "verdict") -> str:
     """ " — **fragile** (without seed 5: inconclusive; ...)" where leaving one unit out flips
     what `r` shows; "" where none does (or the study did not compute it)."""
-    flips = _flips(r, key)
-    return f" — **fragile** ({'; '.join(flips)})" if flips else ""
+    flipped = flips(r, key)
+    return f" — **fragile** ({'; '.join(flipped)})" if flipped else ""
 
 
 def _no_worse(label: str, r: dict, digits: int = 2) -> tuple[str, bool]:
@@ -76,7 +81,7 @@ def _no_worse(label: str, r: dict, digits: int = 2) -> tuple[str, bool]:
     intervals both show), the upper ends below the protocol's margin
     (pipeline/study/endpoints.py)."""
     return (
-        f"{label} {_cis(r, digits)} (goal: not worse, the upper ends below the margin "
+        f"{label} {intervals_text(r, digits)} (goal: not worse, the upper ends below the margin "
         f"{r['margin']:g}): {r['verdict']}{_fragile(r)}",
         r["verdict"] in NOT_WORSE,
     )
@@ -88,38 +93,39 @@ def _relative_goal(b: dict, summary: dict) -> tuple[str, bool]:
     written before the relative intervals: the point estimate and the verdict "better"."""
     ce, csm = summary["ce"], summary["csm"]
     head = (
-        f"ECE {_pm(csm['before_ts.ece'])} vs ce {_pm(ce['before_ts.ece'])}: "
+        f"ECE {mean_std_text(csm['before_ts.ece'])} vs ce {mean_std_text(ce['before_ts.ece'])}: "
         f"{abs(100 * b['relative']):.0f} % {'lower' if b['relative'] < 0 else 'higher'}"
     )
     goal = b.get("relative_goal")
     if goal is None:
         return (
-            f"{head}, ΔECE {_cis(b)} (goal: >= {100 * RELATIVE_GOAL.below:g} % lower, both "
-            "intervals below 0)",
+            f"{head}, ΔECE {intervals_text(b)} (goal: >= {100 * RELATIVE_GOAL.below:g} % lower, "
+            "both intervals below 0)",
             -b["relative"] >= RELATIVE_GOAL.below and b["verdict"] == "better",
         )
     below = 100 * goal["below"]
     return (
-        f"{head}, relative {_rel_cis(b)}; ΔECE {_cis(b)} (goal: >= {below:g} % lower, the "
-        f"whole relative interval below −{below:g} %){_fragile(b, 'goal_met')}",
+        f"{head}, relative {_rel_cis(b)}; ΔECE {intervals_text(b)} (goal: >= {below:g} % "
+        f"lower, the whole relative interval below −{below:g} %){_fragile(b, 'goal_met')}",
         goal["met"],
     )
 
 
-def _goal(summary: dict, paired: dict) -> list[str]:
+def goals_section(summary: dict, paired: dict) -> list[str]:
     """The study's goals for csm, each with its verdict from the paired comparisons."""
     ce, csm = summary["ce"], summary["csm"]
-    b = _paired_result(paired, "before_ts", "ece", "csm", "ce")
+    b = comparison_of(paired, "before_ts", "ece", "csm", "ce")
     d_acc = csm["before_ts.top1"]["mean"] - ce["before_ts.top1"]["mean"]
     checks = [
         _relative_goal(b, summary),
         (f"top-1 {d_acc:+.2f} points (goal >= {TOP1_GOAL:g})", d_acc >= TOP1_GOAL),
         _no_worse(
-            f"after TS, ECE {_pm(csm['after_ts.ece'])} vs ce + TS {_pm(ce['after_ts.ece'])}, ΔECE",
-            _paired_result(paired, "after_ts", "ece", "csm", "ce"),
+            f"after TS, ECE {mean_std_text(csm['after_ts.ece'])} vs ce + TS "
+            f"{mean_std_text(ce['after_ts.ece'])}, ΔECE",
+            comparison_of(paired, "after_ts", "ece", "csm", "ce"),
         ),
     ]
-    d = _paired_result(paired, "after_ts", "debiased_ece", "csm", "ce")
+    d = comparison_of(paired, "after_ts", "debiased_ece", "csm", "ce")
     if d and d["primary"]:
         checks.append(_no_worse(
             f"after TS, debiased ECE {d['method_mean']:.2f} vs ce + TS {d['reference_mean']:.2f} "
@@ -127,21 +133,21 @@ def _goal(summary: dict, paired: dict) -> list[str]:
         ))  # fmt: skip
     checks.append(
         _no_worse(
-            f"after TS, NLL {_pm(csm['after_ts.nll'], 4)} vs ce + TS "
-            f"{_pm(ce['after_ts.nll'], 4)}, ΔNLL",
-            _paired_result(paired, "after_ts", "nll", "csm", "ce"),
+            f"after TS, NLL {mean_std_text(csm['after_ts.nll'], 4)} vs ce + TS "
+            f"{mean_std_text(ce['after_ts.nll'], 4)}, ΔNLL",
+            comparison_of(paired, "after_ts", "nll", "csm", "ce"),
             4,
         )
     )
     for metric, digits in (("ece", 2), ("nll", 4)):
-        p = _paired_result(paired, "after_ts", metric, "csm", POSTHOC)
+        p = comparison_of(paired, "after_ts", metric, "csm", POSTHOC)
         if p and p["primary"]:
             name = "ECE" if metric == "ece" else "NLL"
             checks.append(_no_worse(
                 f"after TS, {name} {p['method_mean']:.{digits}f} vs ce + the best post-hoc "
                 f"calibrator on val {p['reference_mean']:.{digits}f}, Δ{name}", p, digits,
             ))  # fmt: skip
-    k = _paired_result(paired, "before_ts", "ece", "csm3", "csm")
+    k = comparison_of(paired, "before_ts", "ece", "csm3", "csm")
     if k:
         checks.append(_no_worse(f"csm3 - csm ΔECE {k['difference']:+.2f},", k))
     lines = ["## The goals (csm vs ce)", ""]
@@ -153,7 +159,8 @@ def _goal(summary: dict, paired: dict) -> list[str]:
 WHEN = {"before_ts": "before TS", "after_ts": "after TS"}
 
 
-def _units(r: dict) -> str:
+def units_text(r: dict) -> str:
+    """ "3 fits (9 mixed sets)", "5 mixed sets" or "6 seeds": the top units of a comparison."""
     n, level = len(r["units"]["groups"]), r["units"]["level"]
     if level == "fit":
         sets = sum(len(s) for s in r["units"]["sets"])
@@ -161,7 +168,7 @@ def _units(r: dict) -> str:
     return f"{n} mixed sets" if level == "mixed_set" else f"{n} seeds"
 
 
-def _relative(r: dict) -> str:
+def relative_text(r: dict) -> str:
     """The relative effect and its intervals in %, "–" where the study has none."""
     if r.get("relative") is None:
         return "–"
@@ -170,18 +177,18 @@ def _relative(r: dict) -> str:
     return f"{100 * r['relative']:+.0f} % ({_rel_cis(r)})"
 
 
-def _leave_one_out(r: dict) -> str:
+def leave_one_out_text(r: dict) -> str:
     """ "stable (3 left out in turn)", or "**fragile**" and the units whose removal flips it."""
     rows = r.get("leave_one_out")
     if not rows:
         return "–"
-    flips = _flips(r)
-    if flips:
-        return f"**fragile**: {'; '.join(flips)}"
+    flipped = flips(r)
+    if flipped:
+        return f"**fragile**: {'; '.join(flipped)}"
     return f"stable ({len(rows)} left out in turn)"
 
 
-def _verdict(r: dict) -> str:
+def verdict_with_labels(r: dict) -> str:
     """The verdict, and each interval's own label where they differ."""
     labels = [r["labels"][k] for k in r["verdict_from"]]
     if len(set(labels)) == 1:
@@ -190,7 +197,7 @@ def _verdict(r: dict) -> str:
     return f"**{r['verdict']}** ({said})"
 
 
-def _results(paired: dict | None) -> list[tuple[str, dict]]:
+def every_comparison(paired: dict | None) -> list[tuple[str, dict]]:
     """Every (when, comparison) of `paired`, in the order computed."""
     return [
         (when, r)
@@ -201,9 +208,9 @@ def _results(paired: dict | None) -> list[tuple[str, dict]]:
     ]
 
 
-def _single_unit(paired: dict | None) -> list[str]:
+def single_unit_pairs(paired: dict | None) -> list[str]:
     """The comparisons with one top unit (one fit and one mixed set, e.g. study.mixed_sets=1):
     "csm − ce", each pair once."""
-    pairs = [f"{r['method']} − {r['reference']}" for _, r in _results(paired)
+    pairs = [f"{r['method']} − {r['reference']}" for _, r in every_comparison(paired)
              if len(r["units"]["groups"]) == 1]  # fmt: skip
     return list(dict.fromkeys(pairs))
