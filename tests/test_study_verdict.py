@@ -269,6 +269,51 @@ def test_the_verdict_studys_report_still_renders_from_its_study_json(tmp_path):
     assert "One top unit" not in text
 
 
+def test_a_report_rerendered_from_study_json_keeps_the_protocol_header_and_configurations(
+    tmp_path,
+):
+    """report_from_json passes study.json's "protocol" and "configurations" on as the study
+    does: the verdict study's study.json (written before either) with a protocol record added
+    re-renders with the protocol's line under the title and nothing else changed; a protocol
+    changed after the start turns every verdict exploratory; the configurations line lists the
+    methods in the config's order, though study.json holds them sorted."""
+    study = json.loads(VERDICT.read_text())
+    assert "protocol" not in study and "configurations" not in study
+
+    def rerendered(name: str, **keys) -> str:
+        path = tmp_path / name / "study.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps({**study, **keys}, sort_keys=True))  # as the study writes it
+        return report_from_json(path, tmp_path / name).read_text()
+
+    before = report_from_json(VERDICT, tmp_path / "before").read_text()
+    title = "# Study: fashion-mnist\n\n"
+    assert before.startswith(title) and "Protocol:" not in before
+    protocol = {
+        "file": "docs/protocol.toml", "sha256": "a" * 64, "started_sha256": "a" * 64,
+        "code": "abc1234", "changed": False, "verdicts": "confirmatory",
+    }  # fmt: skip
+    header = "Protocol: `docs/protocol.toml` sha256 aaaaaaaaaaaa…, code abc1234 at the start."
+    same = rerendered("same", protocol=protocol)
+    assert same == f"{title}{header}\n\n{before.removeprefix(title)}"
+
+    changed = {**protocol, "sha256": "b" * 64, "changed": True, "verdicts": "exploratory"}
+    counts = {
+        "methods": {m: {"group": m, "configurations": n}
+                    for m, n in (("ce", 7), ("csm", 9), ("ls", 13), ("focal", 8))},
+        "primary": ["csm", "ce"], "spread": 2, "balanced": False,
+    }  # fmt: skip
+    text = rerendered("changed", protocol=changed, configurations=counts)
+    assert text.startswith(f"{title}Protocol: `docs/protocol.toml` sha256 bbbbbbbbbbbb…")
+    assert "**The protocol changed after the study started** (sha256 aaaaaaaaaaaa… then)" in text
+    assert "- these verdicts are exploratory: the protocol changed after the start" in text
+    assert "| before TS | exploratory | ece | csm − ce |" in text and "| **primary** |" not in text
+    assert (
+        "Val configurations per method: ce 7, csm 9, ls 13, focal 8; **the primary endpoints' "
+        "methods (csm, ce) did not have the same number: they differ by 2**"
+    ) in text
+
+
 def test_the_figure_marks_the_floor_the_kept_cells_and_the_studys_choice():
     generator = json.loads(VERDICT.read_text())["generator"]
     marks = cell_marks(generator)

@@ -295,7 +295,10 @@ def write_report(
 def report_from_json(study_json: Path, out: Path) -> Path:
     """report.md again from a study's study.json alone (no run folder read): what a 0-task
     rerun writes, for a study whose runs are gone (docs/results/*/study.json) or a report whose
-    code changed. `out`: the folder report.md goes into."""
+    code changed. `out`: the folder report.md goes into. Every argument the study passes to
+    write_report comes from study.json, its "protocol" (the header) and "configurations" (their
+    line) included; a key an earlier study.json lacks reads None, and the report leaves that
+    part out, as it did before."""
     import dataclasses
     import json
 
@@ -309,7 +312,11 @@ def report_from_json(study_json: Path, out: Path) -> Path:
     robust = {"shift": shift, "ood": study.get("ood_paired")} if shift is not None else None
     # study.json's keys are sorted: the methods back in the config's order
     summary = {m: study["summary"][m] for m in cfg.methods if m in study["summary"]}
+    if counts := study.get("configurations"):  # its methods too
+        by_method = counts["methods"]
+        counts = {**counts, "methods": {m: by_method[m] for m in cfg.methods if m in by_method}}
     return write_report(
         cfg, Path(study["dataset"]), out, study["records"], summary, study["paired"],
         study.get("tuning"), study.get("mixed_images"), robust, study.get("generator"),
+        study.get("protocol"), counts,
     )  # fmt: skip
