@@ -181,7 +181,7 @@ def test_a_protocol_changed_after_the_start_turns_the_verdicts_exploratory(tmp_p
 
 
 def test_the_report_says_when_the_primary_methods_configurations_differ():
-    from pipeline.study.report import _configurations
+    from pipeline.study.choices_report import configurations_paragraph
     from pipeline.study.tuning_plan import configurations
 
     tuning = {"ce": {"configurations": 7}, "csm": {"configurations": 9},
@@ -190,9 +190,12 @@ def test_the_report_says_when_the_primary_methods_configurations_differ():
     counts = configurations(cfg, tuning)
     assert counts["primary"] == ["csm", "ce", "csm3"]
     assert counts["spread"] == 2 and not counts["balanced"]  # 9 - 7: ls is no primary method
-    text = "\n".join(_configurations(counts))
+    text = "\n".join(configurations_paragraph(counts))
     assert "ce 7, csm 9, csm3 8, ls 13" in text
     assert "did not have the same number: they differ by 2" in text
     tuning["csm"]["configurations"] = 8
     counts = configurations(cfg, tuning)
-    assert counts["balanced"] and "had the same number within one" in _configurations(counts)[0]
+    assert (
+        counts["balanced"]
+        and "had the same number within one" in configurations_paragraph(counts)[0]
+    )

@@ -439,7 +439,7 @@ def test_an_extension_reaches_an_interior_optimum_two_steps_beyond_the_grid(tmp_
 def test_an_extension_stopped_by_a_bound_is_marked_at_bound(tmp_path):
     """ls's val NLL falls with α up to the protocol's bound 0.5: 0.2 -> 0.4 -> 0.5 (0.8 clamped),
     then nothing: the choice sits on the bound, marked in study.json and the report."""
-    from pipeline.study.report import _tuning
+    from pipeline.study.choices_report import tuning_section
 
     root = tmp_path / "digits"
     cfg, tasks = _tasks(root, ("ce", "ls"))
@@ -455,7 +455,7 @@ def test_an_extension_stopped_by_a_bound_is_marked_at_bound(tmp_path):
     assert result["chosen"] == {"ls_alpha": 0.5, "weight_decay": 5e-4}
     assert result["at_bound"] == ["ls_alpha"] and not result["interior"]["ls_alpha"]
     assert result["extended"]["ls_alpha"] == [0.4, 0.5]
-    text = "\n".join(_tuning({"ls": result}))
+    text = "\n".join(tuning_section({"ls": result}))
     assert f"| ls | {result['chosen_run']} | ls_alpha = 0.5, weight_decay = 0.0005 |" in text
     assert "**chosen**, at bound (ls_alpha), ext |" in text
 
@@ -635,7 +635,8 @@ def test_a_tiny_grid_runs_chooses_on_val_and_is_not_run_again(
 
 
 def test_the_report_names_each_methods_seeds_and_the_rule_behind_each_grid():
-    from pipeline.study.report import _seeds_per_method, _tuning
+    from pipeline.study.choices_report import tuning_section
+    from pipeline.study.report import _seeds_per_method
 
     cfg = StudyConfig(methods=("ce", "csm", "csm3", "ls"), seeds=(0, 1, 2, 3, 4, 5))
     assert _seeds_per_method(cfg) == (
@@ -651,7 +652,7 @@ def test_the_report_names_each_methods_seeds_and_the_rule_behind_each_grid():
     chosen = rule.pop("chosen")
     result = {"grid": rows, "chosen": {"x": chosen["x"]}, "chosen_run": chosen["run"],
               "reference": {"x": 0.0}, "rule": rule, "seeds": [100, 101, 102]}  # fmt: skip
-    text = "\n".join(_tuning({"g": result}))
+    text = "\n".join(tuning_section({"g": result}))
     assert "each tuning seed (100, 101, 102" in text
     assert "| g | a | x = 1 | 88.00 | 2.00 | 0.3900 | **chosen** |" in text
     assert "| g | ref | x = 0 | 88.00 | 2.00 | 0.4100 | ref |" in text

@@ -24,8 +24,9 @@ from pipeline.study.intervals import (
     seed_weights,
     units_of,
 )
-from pipeline.study.report import _leave_one_out, report_from_json, write_report
+from pipeline.study.report import report_from_json, write_report
 from pipeline.study.stats import Predictions, compare, summarize
+from pipeline.study.verdict_text import leave_one_out_text
 
 VERDICT = Path(__file__).resolve().parents[1] / "docs/results/fashion-verdict/study.json"
 T975 = {k: stats.t.ppf(0.975, k) for k in (1, 2, 3, 4, 5)}
@@ -177,7 +178,7 @@ def test_a_verdict_that_one_seed_flips_is_fragile():
     assert rows["seed 4"]["verdict"] == "better" and rows["seed 4"]["ci95_t"] == [-1.0, -1.0]
     assert rows["seed 4"]["difference"] == -1.0
     assert all(rows[f"seed {s}"]["verdict"] == "inconclusive" for s in range(4))
-    assert _leave_one_out(r) == "**fragile**: without seed 4: better"
+    assert leave_one_out_text(r) == "**fragile**: without seed 4: better"
 
 
 def test_a_verdict_no_unit_flips_is_stable_and_fits_are_dropped_whole():
@@ -185,7 +186,7 @@ def test_a_verdict_no_unit_flips_is_stable_and_fits_are_dropped_whole():
     units = units_of([0, 1, 2, 3, 4], "a", "b")
     r = intervals(per_seed, _no_image_noise(per_seed), units, np.zeros(10), 0.3, _rng(7))
     assert r["verdict"] == "better" and not r["fragile"]
-    assert _leave_one_out(r) == "stable (5 left out in turn)"
+    assert leave_one_out_text(r) == "stable (5 left out in turn)"
     fits = units_of(SEEDS, "csm", "ce", mixed_sets_of(_records(with_fit=True)))
     r = intervals(PER_SEED, _no_image_noise(PER_SEED), fits, np.zeros(10), 0.3, _rng(8))
     assert [row["dropped"] for row in r["leave_one_out"]] == ["fit 0", "fit 1", "fit 2"]
@@ -266,6 +267,51 @@ def test_the_verdict_studys_report_still_renders_from_its_study_json(tmp_path):
     assert "csm − ce" in row and cells[-2] == "–"  # no leave-one-out rows in that study.json
     assert cells[-3].endswith("%") and "[" not in cells[-3]  # the relative point estimate alone
     assert "One top unit" not in text
+
+
+def test_a_report_rerendered_from_study_json_keeps_the_protocol_header_and_configurations(
+    tmp_path,
+):
+    """report_from_json passes study.json's "protocol" and "configurations" on as the study
+    does: the verdict study's study.json (written before either) with a protocol record added
+    re-renders with the protocol's line under the title and nothing else changed; a protocol
+    changed after the start turns every verdict exploratory; the configurations line lists the
+    methods in the config's order, though study.json holds them sorted."""
+    study = json.loads(VERDICT.read_text())
+    assert "protocol" not in study and "configurations" not in study
+
+    def rerendered(name: str, **keys) -> str:
+        path = tmp_path / name / "study.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps({**study, **keys}, sort_keys=True))  # as the study writes it
+        return report_from_json(path, tmp_path / name).read_text()
+
+    before = report_from_json(VERDICT, tmp_path / "before").read_text()
+    title = "# Study: fashion-mnist\n\n"
+    assert before.startswith(title) and "Protocol:" not in before
+    protocol = {
+        "file": "docs/protocol.toml", "sha256": "a" * 64, "started_sha256": "a" * 64,
+        "code": "abc1234", "changed": False, "verdicts": "confirmatory",
+    }  # fmt: skip
+    header = "Protocol: `docs/protocol.toml` sha256 aaaaaaaaaaaa…, code abc1234 at the start."
+    same = rerendered("same", protocol=protocol)
+    assert same == f"{title}{header}\n\n{before.removeprefix(title)}"
+
+    changed = {**protocol, "sha256": "b" * 64, "changed": True, "verdicts": "exploratory"}
+    counts = {
+        "methods": {m: {"group": m, "configurations": n}
+                    for m, n in (("ce", 7), ("csm", 9), ("ls", 13), ("focal", 8))},
+        "primary": ["csm", "ce"], "spread": 2, "balanced": False,
+    }  # fmt: skip
+    text = rerendered("changed", protocol=changed, configurations=counts)
+    assert text.startswith(f"{title}Protocol: `docs/protocol.toml` sha256 bbbbbbbbbbbb…")
+    assert "**The protocol changed after the study started** (sha256 aaaaaaaaaaaa… then)" in text
+    assert "- these verdicts are exploratory: the protocol changed after the start" in text
+    assert "| before TS | exploratory | ece | csm − ce |" in text and "| **primary** |" not in text
+    assert (
+        "Val configurations per method: ce 7, csm 9, ls 13, focal 8; **the primary endpoints' "
+        "methods (csm, ce) did not have the same number: they differ by 2**"
+    ) in text
 
 
 def test_the_figure_marks_the_floor_the_kept_cells_and_the_studys_choice():
