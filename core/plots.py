@@ -1,8 +1,9 @@
 """Pictures people would rather see than read: image grids, reliability diagrams, scatters.
 
-Image grids are drawn with PIL (exact pixels, deterministic bytes); charts use matplotlib's
-Agg backend, imported lazily so that importing this module costs nothing. Every file is
-written to a temporary name and renamed into place.
+Image grids are drawn with PIL (exact pixels, deterministic bytes); charts are matplotlib
+figures of their own (`matplotlib.figure.Figure`, no pyplot), imported lazily so that importing
+this module costs nothing, and rendered by the Agg canvas that `savefig` picks for a PNG. Every
+file is written to a temporary name and renamed into place.
 """
 
 from __future__ import annotations
@@ -60,20 +61,24 @@ def image_grid(
     return Path(path)
 
 
-def _figure():
-    import matplotlib
+def _figure(**kwargs):
+    """A `matplotlib.figure.Figure(**kwargs)` of its own: no pyplot, so no backend to switch, no
+    global list of figures to register it in and close it from (it is freed with its last
+    reference), and nothing shared between two charts drawn in one process."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return Figure(**kwargs)
 
 
 def _save(fig, path: Path) -> Path:
+    """`fig` as a PNG at 120 dpi. A figure with a layout engine (constrained) already fits its
+    page and is saved as laid out; one without keeps fixed margins, which a long title or a
+    wide legend outgrows, so it is saved cropped to what it draws (bbox "tight", one more pass
+    over the artists to measure them)."""
     buf = io.BytesIO()
+    bbox = None if fig.get_layout_engine() is not None else "tight"
     # no timestamps in the file: same figure, same bytes
-    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight", metadata={"Software": None})
-    _figure().close(fig)
+    fig.savefig(buf, format="png", dpi=120, bbox_inches=bbox, metadata={"Software": None})
     atomic_write_bytes(Path(path), buf.getvalue())
     return Path(path)
 
@@ -96,15 +101,9 @@ def reliability_diagram(
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    plt = _figure()
-    fig, axes = plt.subplots(
-        2,
-        len(panels),
-        figsize=(4 * len(panels), 5.5),
-        sharex=True,
-        squeeze=False,
-        gridspec_kw={"height_ratios": [3, 1]},
-        layout="constrained",
+    fig = _figure(figsize=(4 * len(panels), 5.5), layout="constrained")
+    axes = fig.subplots(
+        2, len(panels), sharex=True, squeeze=False, gridspec_kw={"height_ratios": [3, 1]}
     )
     legend = [
         Patch(facecolor=ACCURACY, edgecolor="black", label="accuracy"),
@@ -163,11 +162,11 @@ def scatter(
     seed: int = 0,
 ) -> Path:
     """A scatter plot (e.g. annotate's λ̂ vs α), with an optional y = x reference line."""
-    plt = _figure()
     x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
     if jitter:
         x = x + np.random.default_rng(seed).uniform(-jitter, jitter, size=x.shape)
-    fig, ax = plt.subplots(figsize=(5, 4))
+    fig = _figure(figsize=(5, 4))
+    ax = fig.subplots()
     ax.scatter(x, y, s=6, alpha=0.4)
     if diagonal:
         lo, hi = min(x.min(), y.min()), max(x.max(), y.max())
@@ -187,14 +186,14 @@ def ternary(
     """k = 3 annotation picture: λ̂ [N, 3] as points of the simplex triangle (coloured by the
     lattice point w [N, 3] that generated them; black crosses = the lattice). Barycentric
     (b_1, b_2, b_3) sits at (b_2 + b_3/2, b_3·√3/2); points outside the triangle have λ̂ < 0."""
-    plt = _figure()
     w, lam = np.asarray(weights, dtype=float), np.asarray(lambda_hat, dtype=float)
 
     def xy(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return b[:, 1] + b[:, 2] / 2, b[:, 2] * np.sqrt(3) / 2
 
     _, colour = np.unique(w, axis=0, return_inverse=True)
-    fig, ax = plt.subplots(figsize=(5, 4.6))
+    fig = _figure(figsize=(5, 4.6))
+    ax = fig.subplots()
     ax.plot([0, 1, 0.5, 0], [0, 0, np.sqrt(3) / 2, 0], "k-", lw=1)
     ax.scatter(*xy(lam), c=colour.reshape(-1), cmap="viridis", s=6, alpha=0.4)
     ax.scatter(*xy(np.unique(w, axis=0)), marker="x", c="black", s=30, lw=1)
@@ -216,9 +215,9 @@ def error_bars(
 ) -> Path:
     """Grouped bars with error bars: {series: {category: (mean, std)}}, e.g. ECE per method
     before and after temperature scaling, mean ± std over seeds."""
-    plt = _figure()
     categories = list(dict.fromkeys(c for g in groups.values() for c in g))
-    fig, ax = plt.subplots(figsize=(max(5, 0.8 * len(categories) + 2), 3.8))
+    fig = _figure(figsize=(max(5, 0.8 * len(categories) + 2), 3.8))
+    ax = fig.subplots()
     width = 0.8 / max(len(groups), 1)
     for k, (name, values) in enumerate(groups.items()):
         xs = [i + (k - (len(groups) - 1) / 2) * width for i in range(len(categories))]
@@ -243,8 +242,8 @@ def lines(
     confidence), epochs counted from 1 as in the logs and metrics.json."""
     from matplotlib.ticker import MaxNLocator
 
-    plt = _figure()
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig = _figure(figsize=(5, 3.5))
+    ax = fig.subplots()
     for name, values in series.items():
         ax.plot(range(1, len(values) + 1), values, marker="o", ms=3, label=name)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -264,11 +263,13 @@ def curves(
     """Curves with their own x values: {label: (xs, ys)}, e.g. fit-generator's fidelity vs step
     per guidance weight and judge. Labels "group, member" (judge, w=...) share a line style per
     group and a colour per member: the first group's lines are solid, the next dashed, dotted."""
-    plt = _figure()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    from matplotlib import rcParams
+
+    fig = _figure(figsize=(6, 4))
+    ax = fig.subplots()
     groups = list(dict.fromkeys(label.partition(", ")[0] for label in series))
     members = list(dict.fromkeys(label.partition(", ")[2] for label in series))
-    styles, colours = ("-", "--", ":", "-."), plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles, colours = ("-", "--", ":", "-."), rcParams["axes.prop_cycle"].by_key()["color"]
     for label, (xs, ys) in series.items():
         group, _, member = label.partition(", ")
         style = styles[groups.index(group) % len(styles)]
@@ -288,8 +289,8 @@ def panels(
 ) -> Path:
     """Side-by-side panels of curves: {panel's y label: {curve: (xs, ys)}}, e.g. ECE and NLL
     against corruption severity, one curve per method."""
-    plt = _figure()
-    fig, axes = plt.subplots(1, len(data), figsize=(5 * len(data), 4), squeeze=False)
+    fig = _figure(figsize=(5 * len(data), 4))
+    axes = fig.subplots(1, len(data), squeeze=False)
     for ax, (ylabel, series) in zip(axes[0], data.items()):
         for name, (xs, ys) in series.items():
             ax.plot(xs, ys, marker="o", ms=3, label=name)
@@ -333,8 +334,8 @@ def guidance_cells(
     cells: Sequence[tuple[str | None, float, float]], path: Path, *, title: str, **marks
 ) -> Path:
     """draw_guidance_cells into `path` (`marks`: its floor, kept, chosen, chosen_label)."""
-    plt = _figure()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = _figure(figsize=(6, 4))
+    ax = fig.subplots()
     draw_guidance_cells(ax, cells, **marks)
     ax.set_title(title)
     return _save(fig, path)

@@ -43,7 +43,7 @@ def test_charts_are_deterministic_and_change_with_their_data(tmp_path):
 
 
 def _drawn(monkeypatch) -> list:
-    """Every figure a chart saves, as matplotlib left it just before saving (then closed)."""
+    """Every figure a chart saves, as matplotlib left it just before saving (then saved)."""
     figures = []
     save = plots._save
 
@@ -96,3 +96,16 @@ def test_per_epoch_curves_count_epochs_from_one(tmp_path, monkeypatch):
     figures = _drawn(monkeypatch)
     lines({"val acc (%)": [50.0, 60.0, 70.0]}, tmp_path / "c.png", xlabel="epoch")
     assert figures[0][0]["x"] == [[1, 2, 3]]
+
+
+def test_a_laid_out_chart_keeps_its_size_and_one_without_grows_to_its_text(tmp_path):
+    """The reliability diagram (constrained layout) is saved at its own size, 4 in wide per
+    panel and 5.5 in tall at 120 dpi; a chart with fixed margins is cropped to what it draws,
+    so a title longer than its page widens the picture instead of being cut off."""
+    panel = {"acc": [0.0, 0.5, 1.0], "conf": [0.2, 0.5, 0.9], "count": [1, 0, 5], "ece": 3.2}
+    two = reliability_diagram({"before TS": panel, "after TS": panel}, tmp_path / "r.png", "run")
+    assert Image.open(two).size == (960, 660)
+    q = {"q": [0.9, 0.8, 0.85]}
+    short = Image.open(lines(q, tmp_path / "s.png", xlabel="epoch", title="q")).size[0]
+    long = Image.open(lines(q, tmp_path / "l.png", xlabel="epoch", title="q " * 80)).size[0]
+    assert short < 5 * 120 < long
