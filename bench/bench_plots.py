@@ -52,13 +52,9 @@ reliability = {
 epochs = np.arange(20)
 history = {"val acc (%)": list(90 + 8 * (1 - np.exp(-epochs / 4))),
            "val ECE (%)": list(6 * np.exp(-epochs / 6) + 1)}
-steps = list(range(50, 1050, 50))
-fidelity = {f"cnn, w={w}": (steps, list(100 - 60 / w * np.exp(-epochs / 5))) for w in (1, 2)}
 charts = {
     "reliability": lambda p: plots.reliability_diagram(reliability, p, title="r0"),
     "lines": lambda p: plots.lines(history, p, xlabel="epoch", title="r0 (ce)"),
-    "curves": lambda p: plots.curves(fidelity, p, xlabel="step", ylabel="fidelity (%)",
-                                     title="generator fidelity"),
 }
 for name, draw in charts.items():
     seconds = []
@@ -79,7 +75,6 @@ ROWS = (
     ("first chart: reliability diagram with its lazy imports", "reliability", "first"),
     (f"reliability diagram, 2 panels x 15 bins (best of {REPEATS})", "reliability", "best"),
     (f"curves.png (lines), 2 series x 20 epochs (best of {REPEATS})", "lines", "best"),
-    (f"curves, 2 series x 20 points (best of {REPEATS})", "curves", "best"),
 )
 
 
@@ -109,7 +104,7 @@ def rows(sides: dict[str, dict]) -> list[dict]:
         if len(sides) == 2:
             row["before / now"] = f"{seconds['before'] / seconds['now']:.2f}x"
         out.append(row)
-    for chart in ("reliability", "lines", "curves"):
+    for chart in ("reliability", "lines"):
         row = {"measure": f"{chart}: PNG size"}
         for side, m in sides.items():
             (w, h), size = m[chart]["px"], m[chart]["bytes"]
@@ -138,7 +133,7 @@ def run() -> dict:
         "as a PNG (core.plots' _save, written to a temporary name and renamed).",
         "Data: a digits-sized evaluation (1,797 test images over 15 equal-width bins, two empty; "
         "before TS over-confident, after TS both ways), training_run's curves.png (val acc and "
-        "ECE over 20 epochs), core.plots.curves with two series of 20 points.",
+        "ECE over 20 epochs).",
     ]
     if not before:
         notes.append("No before: set SEMIX_BEFORE to an older checkout (e.g. `git archive "

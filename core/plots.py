@@ -252,34 +252,6 @@ def lines(
     return _save(fig, path)
 
 
-def curves(
-    series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
-    path: Path,
-    *,
-    xlabel: str,
-    ylabel: str = "",
-    title: str = "",
-) -> Path:
-    """Curves with their own x values: {label: (xs, ys)}, e.g. fit-generator's fidelity vs step
-    per guidance weight and judge. Labels "group, member" (judge, w=...) share a line style per
-    group and a colour per member: the first group's lines are solid, the next dashed, dotted."""
-    from matplotlib import rcParams
-
-    fig = _figure(figsize=(6, 4))
-    ax = fig.subplots()
-    groups = list(dict.fromkeys(label.partition(", ")[0] for label in series))
-    members = list(dict.fromkeys(label.partition(", ")[2] for label in series))
-    styles, colours = ("-", "--", ":", "-."), rcParams["axes.prop_cycle"].by_key()["color"]
-    for label, (xs, ys) in series.items():
-        group, _, member = label.partition(", ")
-        style = styles[groups.index(group) % len(styles)]
-        colour = colours[members.index(member) % len(colours)]
-        ax.plot(xs, ys, style, color=colour, marker="o", ms=3, label=label)
-    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
-    ax.legend(fontsize=7)
-    return _save(fig, path)
-
-
 def panels(
     data: Mapping[str, Mapping[str, tuple[Sequence[float], Sequence[float]]]],
     path: Path,

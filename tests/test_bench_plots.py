@@ -10,7 +10,7 @@ from bench.bench_plots import ROWS, rows
 
 def _side(scale: float) -> dict:
     chart = {"first": 0.5 * scale, "best": 0.1 * scale, "px": [960, 660], "bytes": 61_000}
-    return {"import": 0.2 * scale, "reliability": chart, "lines": chart, "curves": chart}
+    return {"import": 0.2 * scale, "reliability": chart, "lines": chart}
 
 
 def test_rows_give_each_checkout_a_column_and_before_over_now_where_both_ran():
@@ -37,5 +37,5 @@ def test_the_chart_process_draws_every_chart_of_this_checkout(tmp_path):
     assert out["import"] > 0
     assert out["reliability"]["px"] == [960, 660]
     assert all(
-        out[c]["best"] > 0 and out[c]["bytes"] > 0 for c in ("reliability", "lines", "curves")
+        out[c]["best"] > 0 and out[c]["bytes"] > 0 for c in ("reliability", "lines")
     )
