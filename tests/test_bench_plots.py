@@ -36,6 +36,4 @@ def test_the_chart_process_draws_every_chart_of_this_checkout(tmp_path):
     out = measure(REPO, tmp_path / "now", repeats=1)
     assert out["import"] > 0
     assert out["reliability"]["px"] == [960, 660]
-    assert all(
-        out[c]["best"] > 0 and out[c]["bytes"] > 0 for c in ("reliability", "lines")
-    )
+    assert all(out[c]["best"] > 0 and out[c]["bytes"] > 0 for c in ("reliability", "lines"))
