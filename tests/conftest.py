@@ -48,13 +48,12 @@ def pytest_configure(config):
 HEAVY_FIRST = (
     "tests/test_study_cells.py::test_the_cell_is_chosen_on_a_tiny_fit_and_set_0_drawn_at_it",
     "tests/test_finetune.py",  # >= 86 s (before its source run read 640 images, not all)
+    "tests/test_launch.py::test_rerun_of_complete_work_under_torchrun_exits_0_every_time",
     "tests/test_study.py::test_study_runs_reports_and_resumes_only_what_is_missing",
     "tests/test_fit_generator.py::test_a_kill_at_every_point_of_a_checkpoint_save_resumes",
     "tests/test_multinode.py",  # >= 48 s
     "tests/test_generate.py",  # >= 47 s
     "tests/test_evaluate.py",  # >= 47 s
-    # 84 s as 7 launches of 2 ranks; 2 launches of 7 ranks since (not yet profiled)
-    "tests/test_launch.py::test_rerun_of_complete_work_under_torchrun_exits_0_every_time",
     "tests/test_contributing_stage.py::test_a_stage_from_your_own_module_runs_through_the_cli",
     "tests/test_train.py::test_one_and_two_processes_train_alike",
     "tests/test_docs.py::test_every_documented_command_parses_and_resolves_its_config",
