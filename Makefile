@@ -93,9 +93,9 @@ test-reference: $(STAMP) ## install requirements-reference.txt and run tests/tes
 
 # Float bytes are a machine's: whether a change keeps an earlier commit's bytes is checked on one
 # machine, both commits built from clean archives with this venv (docs/contributing.md).
-bytes-check: $(STAMP) ## the chain at BASE and at HEAD (default HEAD) on this machine: equal data files? (SET= overrides)
+bytes-check: $(STAMP) ## the chain at BASE and at HEAD (default HEAD) on this machine: equal data files? (SET= overrides; STUDY=1: BASE's study root rerun by HEAD)
 	@test -n "$(BASE)" || { echo "semix bytes-check: error: name the earlier commit: make bytes-check BASE=<commit>" >&2; exit 2; }
-	$(PY) tests/cross_commit.py $(BASE) $(or $(HEAD),HEAD) --preset $(CLASSES) $(if $(SET),--set $(SET))
+	$(PY) tests/cross_commit.py $(BASE) $(or $(HEAD),HEAD) --preset $(CLASSES) $(if $(STUDY),--study) $(if $(SET),--set $(SET))
 
 lint: $(STAMP) ## ruff check + format check + the import layers (import-linter)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/lint-imports --no-cache --no-logo
