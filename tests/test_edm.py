@@ -436,6 +436,11 @@ def test_shared_noise_and_batch_size_invariance(cifar100_runs):
     assert torch.equal(img[0, 0], img[1, 2])  # pure b both ways
     assert not torch.equal(img[0, 1], img[0, 0]) and not torch.equal(img[0, 2], img[0, 0])
     assert img.flatten(2).float().std(dim=2).min() > 5  # not blank
+    # no guidance: a call at w = 1 samples as the generator does, any other w is refused
+    assert torch.equal(gen.generate_series(specs, guidance=1.0), img)
+    for setting in ({"guidance": 2.0}, {"clip_sample": True}):
+        with pytest.raises(ValueError, match="the edm backend"):
+            gen.generate_series(specs, **setting)
 
 
 def test_presets_and_one_line_errors(tmp_path, capsys, monkeypatch):

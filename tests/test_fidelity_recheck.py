@@ -70,13 +70,14 @@ def test_the_clipping_override_reaches_the_sampler_and_the_metadata(runs):
     assert saved.scheduler.config.clip_sample is True and "clip_sample" not in saved.metadata()
     off = load_generator("unet", model=folder, steps=1, clip_sample=False)
     assert off.scheduler.config.clip_sample is False and off.metadata()["clip_sample"] is False
-    off.set_clip_sample(None)
-    assert off.scheduler.config.clip_sample is True
+    assert off.call_settings(None, True)["scheduler"].config.clip_sample is True
+    assert off.scheduler.config.clip_sample is False  # a call's clipping leaves it as it was
 
 
 def test_the_clipping_override_reaches_a_live_fits_sampler_too():
     """fit-generator checks the EMA weights in memory, with the training scheduler's config
-    object: an override must reach that sampler as it does one read from a folder."""
+    object: an override must reach that sampler as it does one read from a folder, for the
+    call that asks for it only (the generator's own sampler and w stay as they were)."""
     import torch
 
     from models.generators import SeriesSpec, UNetGenerator, unet_from_preset
@@ -89,13 +90,18 @@ def test_the_clipping_override_reaches_a_live_fits_sampler_too():
     config = noise_scheduler(Config(prediction_type="v_prediction")).config
     gen = UNetGenerator.from_model(unet.eval(), config, steps=3, guidance=3.0)
     spec = [SeriesSpec(0, 1, 1, (1.0,), seed=1)]
-    on = gen.generate_series(spec)
-    gen.set_clip_sample(False)
-    assert gen.scheduler.config.clip_sample is False
-    assert gen.scheduler.config.timestep_spacing == "trailing"  # the config's values, kept
-    assert not torch.equal(gen.generate_series(spec), on)  # random weights: x̂₀ leaves [-1, 1]
-    gen.set_clip_sample(None)
-    assert gen.scheduler.config.clip_sample is True and torch.equal(gen.generate_series(spec), on)
+    on, sampler = gen.generate_series(spec), gen.scheduler
+    off = gen.call_settings(None, False)["scheduler"]
+    assert off.config.clip_sample is False
+    assert off.config.timestep_spacing == "trailing"  # the config's values, kept
+    unclipped = gen.generate_series(spec, clip_sample=False)
+    assert not torch.equal(unclipped, on)  # random weights: x̂₀ leaves [-1, 1]
+    assert gen.scheduler is sampler and gen.scheduler.config.clip_sample is True
+    assert gen.clip_sample is None and gen.guidance == 3.0
+    assert torch.equal(gen.generate_series(spec), on)
+    assert torch.equal(gen.generate_series(spec, clip_sample=True), on)  # the saved setting
+    built = UNetGenerator.from_model(unet, config, steps=3, guidance=3.0, clip_sample=False)
+    assert torch.equal(built.generate_series(spec), unclipped)  # per call = built with it
 
 
 def _point(on: dict[str, float], off: dict[str, float]) -> dict:

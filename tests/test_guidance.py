@@ -3,7 +3,8 @@
 A UNet fitted with label dropout has one more class-table row, the null condition ∅. What must
 hold: guidance w = 1 samples exactly as a UNet without that row (byte-identical), w ≠ 1 is the
 guided ε of an independent step-by-step computation, series keep their shared noise and their
-independence of the batch size, and a UNet without ∅ refuses w ≠ 1 in one line.
+independence of the batch size, a call's own w samples as the generator built with it, and a
+UNet without ∅ refuses w ≠ 1 in one line.
 """
 
 from __future__ import annotations
@@ -94,6 +95,26 @@ def test_a_unet_without_the_null_row_refuses_guidance(unets):
     with pytest.raises(ValueError, match="no null condition") as err:
         gen.load()
     assert "label_dropout" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_calls_guidance_samples_as_the_generator_built_with_it_and_changes_nothing(unets):
+    """generate_series(guidance=w) is, byte for byte, the generator built with w, and the
+    generator keeps its own w (fit-generator judges one generator at every w of its grid)."""
+    built = load_generator("unet", model=unets / "null", steps=STEPS, guidance=2.5)
+    gen = load_generator("unet", model=unets / "null", steps=STEPS)
+    assert torch.equal(gen.generate_series(SPECS, guidance=2.5), built.generate_series(SPECS))
+    assert gen.guidance == 1.0 and built.guidance == 2.5
+    assert torch.equal(gen.generate_series(SPECS), built.generate_series(SPECS, guidance=1.0))
+
+
+def test_a_unet_without_the_null_row_refuses_a_calls_guidance(unets):
+    gen = load_generator("unet", model=unets / "plain", steps=STEPS)
+    with pytest.raises(ValueError, match="no null condition") as err:
+        gen.generate_series(SPECS, guidance=2.0)
+    assert "label_dropout" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=">= 0"):
+        gen.generate_series(SPECS, guidance=-1.0)
+    assert gen.guidance == 1.0 and gen.generate_series(SPECS, guidance=1).shape[0] == 2
 
 
 def test_guidance_rescale_pulls_the_guided_prediction_towards_the_conditional_std(unets):

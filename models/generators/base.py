@@ -214,7 +214,26 @@ class Generator(ABC):
 
     @abstractmethod
     def sample(self, noise: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        """Denoise unit noise [B, *noise_shape] under ``cond``; images [B, 3, h, w] in [-1, 1]."""
+        """Denoise unit noise [B, *noise_shape] under ``cond``; images [B, 3, h, w] in [-1, 1].
+        A backend with per-call settings (``call_settings``) takes them as keyword arguments,
+        each None by default: the generator's own."""
+
+    def call_settings(self, guidance: float | None, clip_sample: bool | None) -> dict[str, Any]:
+        """One ``generate_series`` call's sampling settings, checked once, as the keyword
+        arguments ``sample`` gets for that call (None: the generator's own, passed as nothing,
+        so a backend whose ``sample`` takes none samples as it always has). A backend takes
+        neither by default: a w other than its own is refused, and x̂₀ clipping; the backends
+        that guide (unet, dit, sd) or clip (unet) override this."""
+        if guidance is not None and float(guidance) != self.guidance:
+            raise ValueError(
+                f"guidance={guidance:g}: the {self.backend} backend samples at w = "
+                f"{self.guidance:g} only"
+            )
+        if clip_sample is not None:
+            raise ValueError(
+                f"clip_sample={clip_sample}: the {self.backend} backend has no x̂₀ clipping"
+            )
+        return {}
 
     # -- shared machinery ------------------------------------------------------------------------
 
@@ -277,9 +296,14 @@ class Generator(ABC):
         return torch.stack([c for c, _ in rows]), torch.stack([w for _, w in rows])
 
     def _sample_rows(
-        self, noise: torch.Tensor, classes: torch.Tensor, weights: torch.Tensor
+        self,
+        noise: torch.Tensor,
+        classes: torch.Tensor,
+        weights: torch.Tensor,
+        settings: Mapping[str, Any] | None = None,
     ) -> torch.Tensor:
-        """Sample one chunk of rows; returns float images in [-1, 1] (possibly non-finite).
+        """Sample one chunk of rows under the call's ``settings`` (``call_settings``); returns
+        float images in [-1, 1] (possibly non-finite).
 
         Why the padding: CPU BLAS kernels treat the rows of a matrix product in register blocks, and
         a partial block (a batch of 1 -> a matrix-vector product, or 7 rows) takes another code path
@@ -297,7 +321,7 @@ class Generator(ABC):
         order = torch.argsort(classes, dim=1, stable=True)
         classes, weights = classes.gather(1, order), weights.gather(1, order)
         cond = self.condition(classes.to(self.device), weights.to(self.device))
-        x = self.sample(noise.to(device=self.device, dtype=self.dtype), cond)
+        x = self.sample(noise.to(device=self.device, dtype=self.dtype), cond, **(settings or {}))
         return x[:n]
 
     @torch.inference_mode()
@@ -306,17 +330,24 @@ class Generator(ABC):
         specs: Sequence[Spec],
         batch_size: int | None = None,
         progress: Callable[[int], Any] | None = None,
+        *,
+        guidance: float | None = None,
+        clip_sample: bool | None = None,
     ) -> torch.Tensor:
         """Images of every series: uint8 [n_series, K, H, W, 3] (RGB, CPU).
 
         ``specs`` are 2-way ``SeriesSpec`` or k-way ``MixSpec`` (one k for the whole call).
         ``batch_size`` rows (one row = one (series, weight vector) image) per model call; ``progress(n)`` is
         called with the number of images finished after each chunk (e.g. ``tqdm.update``).
+        ``guidance`` (w) and ``clip_sample`` (x̂₀ clipping on / off, unet) are this call's
+        sampling settings, None: the generator's own; they reach the sampler for this call only,
+        so judging a generator at several settings (stages/common/fidelity.py) never changes it.
         Raises ``NonFiniteImageError`` naming the series with NaN/Inf pixels.
         """
         # 1. Load the network if it is not yet, check inputs
         self.load()
         classes, weights = self._check_specs(specs)
+        settings = self.call_settings(guidance, clip_sample)
         n_alphas = classes.shape[1]
         batch_size = batch_size or self.batch_size
         # 2. One noise tensor per series, on the CPU; flatten (series, weight vector) into rows
@@ -329,7 +360,9 @@ class Generator(ABC):
         bad: set[int] = set()
         for start in range(0, n_rows, batch_size):
             rows = slice(start, min(start + batch_size, n_rows))
-            x = self._sample_rows(noise[series_of_row[rows]], classes[rows], weights[rows])
+            x = self._sample_rows(
+                noise[series_of_row[rows]], classes[rows], weights[rows], settings
+            )
             finite = torch.isfinite(x).flatten(1).all(dim=1).cpu()
             bad.update(series_of_row[rows][~finite].tolist())
             out[rows] = self.to_uint8(torch.nan_to_num(x.float() / 2 + 0.5))

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Unpack
+from typing import Any, Unpack
 
 import torch
 
@@ -68,16 +68,11 @@ class DiTGenerator(Generator):
             self._mixable_table(i, blk) for i, blk in enumerate(self.transformer.transformer_blocks)
         ]
         # table rows: the DiT classes, plus the null class if it was trained with label dropout
-        n_ids = self._tables[0].num_embeddings
         self.null_id = self.transformer.transformer_blocks[0].norm1.emb.class_embedder.num_classes
         ids = self.class_ids.tolist()
         if any(not 0 <= c < self.null_id for c in ids):
             raise ValueError(f"class_ids must lie in [0, {self.null_id}), got {ids}")
-        if self.guidance > 1 and self.null_id >= n_ids:
-            raise ValueError(
-                f"{self.model}: guidance {self.guidance} needs a null class, this DiT has none; "
-                "use 1.0"
-            )
+        self._check_guidance(self.guidance)
         self._forward = torch.compile(self.transformer) if self.torch_compile else self.transformer
 
     @staticmethod
@@ -88,6 +83,19 @@ class DiTGenerator(Generator):
                 f"transformer block {i} has no adaLN-Zero class embedder (norm_type ada_norm_zero)"
             )
         return make_mixable(emb.class_embedder, "embedding_table")
+
+    def _check_guidance(self, w: float) -> float:
+        """w, if this DiT can be sampled at it: w > 1 needs the null class's table row."""
+        if w > 1 and self.null_id >= self._tables[0].num_embeddings:
+            raise ValueError(
+                f"{self.model}: guidance {w} needs a null class, this DiT has none; use 1.0"
+            )
+        return w
+
+    def call_settings(self, guidance: float | None, clip_sample: bool | None) -> dict[str, Any]:
+        """A call's w, checked as the generator's own is when it loads; no x̂₀ clipping."""
+        super().call_settings(None, clip_sample)  # refuses a clipping
+        return {} if guidance is None else {"guidance": self._check_guidance(float(guidance))}
 
     def metadata(self) -> dict:
         return super().metadata() | {"class_ids": self.class_ids.tolist()}
@@ -102,10 +110,14 @@ class DiTGenerator(Generator):
         (1−α)·e_{id(b)}), mixed in every block."""
         return mix_weights(self.class_ids[classes], weights, self._tables[0].num_embeddings)
 
-    def sample(self, noise: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        """Deterministic reverse process (DiTPipeline's loop); ``cond``: labels [B] or weights [B, N]."""
+    def sample(
+        self, noise: torch.Tensor, cond: torch.Tensor, guidance: float | None = None
+    ) -> torch.Tensor:
+        """Deterministic reverse process (DiTPipeline's loop); ``cond``: labels [B] or weights [B, N];
+        ``guidance``: the call's w (``call_settings``), None: the generator's own."""
+        w = self.guidance if guidance is None else guidance
         # 1. Guidance doubles the batch with the null class, as DiTPipeline does
-        guided = self.guidance > 1
+        guided = w > 1
         if guided:
             null = torch.full((len(cond),), self.null_id, device=self.device)
             if cond.is_floating_point():
@@ -123,7 +135,7 @@ class DiTGenerator(Generator):
             eps = out[:, :n_lat] if learned_sigma else out
             if guided:
                 eps_cond, eps_uncond = eps.chunk(2)
-                eps = eps_uncond + self.guidance * (eps_cond - eps_uncond)
+                eps = eps_uncond + w * (eps_cond - eps_uncond)
             x = sched.step(eps, t, x).prev_sample
         # 3. Decode latents
         return self.vae.decode(1 / self.vae.config.scaling_factor * x).sample  # as DiTPipeline

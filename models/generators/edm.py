@@ -62,7 +62,8 @@ def karras_sigmas(steps: int, sigma_min: float, sigma_max: float, rho: float) ->
 
 
 class EDMGenerator(Generator):
-    """CSM series from a class-conditional EDM network; no guidance (as CSM: 1.0)."""
+    """CSM series from a class-conditional EDM network; no guidance (as CSM: 1.0): a call at
+    another w is refused (``Generator.call_settings``)."""
 
     backend = "edm"
     samplers = EDM_SAMPLERS  # heun first: the default

@@ -136,8 +136,17 @@ class SDGenerator(Generator):
             cond = term if cond is None else cond + term
         return cond.to(self.dtype)
 
-    def sample(self, noise: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        """Run the pipeline on shared ``latents``; decode ourselves to see non-finite values."""
+    def call_settings(self, guidance: float | None, clip_sample: bool | None) -> dict[str, Any]:
+        """A call's w (the pipeline's guidance_scale, any value: w ≤ 1 samples unguided); no
+        x̂₀ clipping."""
+        super().call_settings(None, clip_sample)  # refuses a clipping
+        return {} if guidance is None else {"guidance": float(guidance)}
+
+    def sample(
+        self, noise: torch.Tensor, cond: torch.Tensor, guidance: float | None = None
+    ) -> torch.Tensor:
+        """Run the pipeline on shared ``latents``; decode ourselves to see non-finite values.
+        ``guidance``: the call's w (``call_settings``); None: the generator's own."""
         latents = self.pipe(
             prompt_embeds=cond,
             negative_prompt_embeds=self._uncond.expand(len(cond), -1, -1),
@@ -145,7 +154,7 @@ class SDGenerator(Generator):
             height=self.native_size,
             width=self.native_size,
             num_inference_steps=self.steps,
-            guidance_scale=self.guidance,
+            guidance_scale=self.guidance if guidance is None else guidance,
             output_type="latent",
             return_dict=False,
         )[0]

@@ -122,7 +122,7 @@ class UNetGenerator(Generator):
         # one's by this fraction; 0 = plain guidance (bench/bench_levers.py measures it)
         self.guidance_rescale = 0.0
         # DDIM's x̂₀ clipping: None = the saved scheduler config's (clip_sample); True / False
-        # override it (fit-generator chooses it like w: stages/common/fidelity.py)
+        # override it (fit-generator chooses it like w, per call: stages/common/fidelity.py)
         self.clip_sample = clip_sample
         if not lazy:
             self.load()
@@ -154,11 +154,7 @@ class UNetGenerator(Generator):
                 f"{self.model}: the UNet has no class-embedding table (num_class_embeds)"
             )
         self.null_class = bool(unet.config.get(NULL_CLASS, False))
-        if self.guidance != 1.0 and not self.null_class:
-            raise ValueError(
-                f"guidance={self.guidance:g}: {self.model} has no null condition (fitted without "
-                "label dropout); refit it with fit-generator label_dropout=0.1, or use guidance=1"
-            )
+        self._check_guidance(self.guidance)
         if not isinstance(unet.class_embedding, MixableEmbedding):
             make_mixable(unet, "class_embedding")
         self.num_embeds = int(unet.config.num_class_embeds)  # C, or C + 1 with the null row
@@ -166,21 +162,37 @@ class UNetGenerator(Generator):
         size = unet.config.sample_size
         self.image_size = int(size if isinstance(size, int) else size[0])
         self.scheduler_config = config
-        self.scheduler = self._scheduler()
+        self.scheduler = self._scheduler(self.clip_sample)
         self.unet = unet.to(self.device).eval()  # SDPA attention by default
         self._forward = torch.compile(self.unet) if self.torch_compile else self.unet
 
-    def _scheduler(self) -> Any:
+    def _check_guidance(self, w: float) -> float:
+        """w, if this UNet can be sampled at it: w ≠ 1 needs the null condition."""
+        if w != 1.0 and not self.null_class:
+            raise ValueError(
+                f"guidance={w:g}: {self.model} has no null condition (fitted without "
+                "label dropout); refit it with fit-generator label_dropout=0.1, or use guidance=1"
+            )
+        return w
+
+    def _scheduler(self, clip_sample: bool | None) -> Any:
+        """A new sampler from the saved config, with x̂₀ clipping on / off (None: the config's)."""
         config = self.scheduler_config
-        if self.clip_sample is not None:
-            config = {**dict(config), "clip_sample": self.clip_sample}
+        if clip_sample is not None:
+            config = {**dict(config), "clip_sample": clip_sample}
         return make_scheduler(self.sampler, config)
 
-    def set_clip_sample(self, clip: bool | None) -> None:
-        """Sample with x̂₀ clipping on / off (None: the saved config's) from now on."""
-        self.clip_sample = clip
-        if self._loaded:
-            self.scheduler = self._scheduler()
+    def call_settings(self, guidance: float | None, clip_sample: bool | None) -> dict[str, Any]:
+        """A call's w (checked against the null condition) and, for a call's own x̂₀ clipping, a
+        sampler of its own built for the call: ``self.scheduler`` is never replaced."""
+        settings: dict[str, Any] = {}
+        if guidance is not None:
+            if guidance < 0:
+                raise ValueError(f"guidance must be >= 0, got {guidance}")
+            settings["guidance"] = self._check_guidance(float(guidance))
+        if clip_sample is not None:
+            settings["scheduler"] = self._scheduler(bool(clip_sample))
+        return settings
 
     def metadata(self) -> dict[str, Any]:
         meta = super().metadata()
@@ -206,13 +218,21 @@ class UNetGenerator(Generator):
             ).to(cond.dtype)
         return torch.full_like(cond, null)
 
-    def sample(self, noise: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+    def sample(
+        self,
+        noise: torch.Tensor,
+        cond: torch.Tensor,
+        guidance: float | None = None,
+        scheduler: Any = None,
+    ) -> torch.Tensor:
         """Deterministic reverse process; ``cond`` is integer labels [B] or class weights [B, N].
-        With guidance w ≠ 1 each step is one batch of 2B rows: [x_t; x_t] under [c; ∅]."""
-        sched = self.scheduler
+        With guidance w ≠ 1 each step is one batch of 2B rows: [x_t; x_t] under [c; ∅].
+        ``guidance``, ``scheduler``: the call's (``call_settings``); None: the generator's own."""
+        w = self.guidance if guidance is None else guidance
+        sched = self.scheduler if scheduler is None else scheduler
         sched.set_timesteps(self.steps, device=self.device)
         x = noise * sched.init_noise_sigma
-        guided = self.guidance != 1.0
+        guided = w != 1.0
         if guided:
             cond = torch.cat([cond, self.null_condition(cond)])
         for t in sched.timesteps:
@@ -222,7 +242,7 @@ class UNetGenerator(Generator):
             eps = self._forward(x_in, t, class_labels=cond).sample
             if guided:
                 eps_c, eps_null = eps.chunk(2)
-                eps = eps_null + self.guidance * (eps_c - eps_null)
+                eps = eps_null + w * (eps_c - eps_null)
                 if self.guidance_rescale:
                     from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import (
                         rescale_noise_cfg,

@@ -127,16 +127,18 @@ def accuracy(predict: Callable, images: torch.Tensor, labels: torch.Tensor) -> f
 
 def endpoint_fidelity(
     gen: Generator,
-    guidance: Sequence[float],
+    guidance_grid: Sequence[float],
     judges: Sequence[Judge],
     class_names: Sequence[str],
     *,
     seed: int,
     per_class: int,
+    clip_sample: bool | None = None,
 ) -> dict[str, dict[str, Any]]:
     """{w: {judge name: fidelity_stats}} for pure-class images of every class: image j of every
     class starts from the same noise (seeded by (seed, j)), so classes differ only in the
-    condition, and every w sees the same noise."""
+    condition, and every w sees the same noise. Each w (and ``clip_sample``, the x̂₀ clipping;
+    None: the generator's own) is the sampling call's, so ``gen`` is judged, not changed."""
     n_classes = len(class_names)
     seeds = [derive_seed(seed, "fidelity", j) for j in range(per_class)]
     specs = [
@@ -145,19 +147,15 @@ def endpoint_fidelity(
         for j in range(per_class)
     ]
     expected = torch.arange(n_classes).repeat_interleave(per_class)
-    before, out = gen.guidance, {}
-    try:
-        for w in guidance:
-            gen.guidance = float(w)
-            images = gen.generate_series(specs)[:, 0]
-            out[f"{w:g}"] = {
-                j.name: fidelity_stats(
-                    j.predict(images), expected, tuple(class_names), j.real_test_accuracy
-                )
-                for j in judges
-            }
-    finally:
-        gen.guidance = before
+    out = {}
+    for w in guidance_grid:
+        images = gen.generate_series(specs, guidance=float(w), clip_sample=clip_sample)[:, 0]
+        out[f"{w:g}"] = {
+            j.name: fidelity_stats(
+                j.predict(images), expected, tuple(class_names), j.real_test_accuracy
+            )
+            for j in judges
+        }
     return out
 
 
@@ -191,35 +189,33 @@ class FidelityCheck:
     def __init__(
         self,
         judges: Sequence[Judge],
-        guidance: Sequence[float],
+        guidance_grid: Sequence[float],
         class_names: Sequence[str],
         seed: int,
         per_class: int,
         clip_choice: bool = False,
         samplers: Sequence[str] = (),
     ) -> None:
-        self.judges, self.guidance = list(judges), tuple(guidance)
+        self.judges, self.guidance_grid = list(judges), tuple(guidance_grid)
         self.class_names, self.seed, self.per_class = tuple(class_names), seed, per_class
         self.clip_choice = clip_choice
         self.samplers = tuple(samplers)  # fidelity.samplers' entries, "<sampler>:<steps>[:bf16]"
 
     def _cells(self, gen: Generator, saved: str) -> dict[str, Any]:
         """{"guidance": {w: {judge: stats}}} at the sampler's saved clipping; with clip_choice
-        also "clip": {"on" | "off": {w: ...}} (both settings) and "clip_saved"."""
+        also "clip": {"on" | "off": {w: ...}} (both settings, each the sampling calls' own:
+        ``gen`` keeps its sampler) and "clip_saved"."""
         out: dict[str, Any] = {}
         for clip in ("on", "off") if self.clip_choice else (None,):
-            if clip is not None:
-                gen.set_clip_sample(clip == "on")  # type: ignore[attr-defined]
             cells = endpoint_fidelity(
-                gen, self.guidance, self.judges, self.class_names, seed=self.seed,
-                per_class=self.per_class,
+                gen, self.guidance_grid, self.judges, self.class_names, seed=self.seed,
+                per_class=self.per_class, clip_sample=None if clip is None else clip == "on",
             )  # fmt: skip
             if clip is None or clip == saved:
                 out["guidance"] = cells
             if clip is not None:
                 out.setdefault("clip", {})[clip] = cells
         if self.clip_choice:
-            gen.set_clip_sample(None)  # type: ignore[attr-defined]
             out["clip_saved"] = saved
         return out
 
