@@ -187,8 +187,9 @@ class Config(StageConfig):
     tracker: str = not_recorded("none")
 
     @property
-    def grid(self) -> tuple[float, ...]:
-        """The guidance weights checked: without a null condition only w = 1 exists."""
+    def guidance_grid(self) -> tuple[float, ...]:
+        """fidelity.guidance_grid as the check samples it: each w once, increasing; without a null
+        condition only w = 1 exists."""
         grid = self.fidelity.guidance_grid
         return tuple(sorted(set(grid))) if self.label_dropout > 0 else (1.0,)
 
