@@ -16,7 +16,7 @@ OUT        ?= runs
 # Make variables -> config overrides (empty ones vanish).
 SETS := out=$(OUT) \
 	$(if $(RUN),run=$(RUN)) $(if $(LOSS),loss=$(LOSS)) \
-	$(if $(OBJECTIVE),objective=$(OBJECTIVE),$(if $(METHOD),objective=$(METHOD))) \
+	$(if $(OBJECTIVE),objective=$(OBJECTIVE),$(if $(METHOD),method=$(METHOD))) \
 	$(if $(RUNS),runs=$(RUNS)) $(if $(MIXED),mixed=$(MIXED)) $(if $(REPO),repo=$(REPO)) \
 	$(if $(REVISION),revision=$(REVISION)) $(if $(PRIVATE),private=$(PRIVATE)) \
 	$(if $(DRY_RUN),dry_run=$(DRY_RUN)) $(SET)
