@@ -187,9 +187,10 @@ class Config(StageConfig):
     tracker: str = not_recorded("none")
 
     @property
-    def guidance_grid(self) -> tuple[float, ...]:
+    def checked_guidance_grid(self) -> tuple[float, ...]:
         """fidelity.guidance_grid as the check samples it: each w once, increasing; without a null
-        condition only w = 1 exists."""
+        condition only w = 1 exists. Not `guidance_grid`: that is the leaf's flat name
+        (config.json's, LEGACY), and a config answers no flat name."""
         grid = self.fidelity.guidance_grid
         return tuple(sorted(set(grid))) if self.label_dropout > 0 else (1.0,)
 

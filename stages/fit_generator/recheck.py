@@ -43,7 +43,7 @@ def fidelity_check(cfg: Any, names: list[str], device: Any) -> FidelityCheck:
     )
     return FidelityCheck(
         judges,
-        cfg.guidance_grid,
+        cfg.checked_guidance_grid,
         names,
         cfg.seed,
         cfg.fidelity.per_class,
