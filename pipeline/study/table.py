@@ -46,7 +46,7 @@ from pipeline.study.verdict_text import (
     verdict_with_labels,
 )
 
-PROG = "semix study table"
+PROG = "python -m pipeline.study.table"  # as argparse names it in its own errors
 MISSING = "—"  # a field the study.json does not hold
 METRIC_NAMES = {"ece": "ECE", "debiased_ece": "debiased ECE", "nll": "NLL"}
 TOP1_LABEL = "top-1, csm − ce (points)"
@@ -274,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`python -m pipeline.study.table ROOT_OR_STUDY_JSON [--host HOST_JSON ...]`: the table on
     stdout; a path that holds no study.json or host.json: one line on stderr, exit 1."""
     p = argparse.ArgumentParser(
-        prog="python -m pipeline.study.table",
+        prog=PROG,
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
