@@ -170,7 +170,9 @@ def test_the_verdict_studys_table_renders_from_its_folder(capsys):
 def test_a_path_without_a_study_json_is_one_line_naming_the_fix(tmp_path, capsys):
     assert main([str(tmp_path)]) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"python -m pipeline.study.table: error: no study.json at {tmp_path}: give")
+    assert err.startswith(
+        f"python -m pipeline.study.table: error: no study.json at {tmp_path}: give"
+    )
     assert err.count("\n") == 1
     (tmp_path / "study.json").write_text("{}")
     assert main([str(tmp_path)]) == 1
